@@ -1,0 +1,244 @@
+//! Accumulators: long-lived tasks that turn raw events into [`Boundary`]s for a reactor.
+//!
+//! Each accumulator has two input paths merged into one loop: the *socket* path (events
+//! pushed in-process or through the admin API) and an optional *source* path (a broker
+//! topic or a poll). [`kinds`] holds the built-in kinds, [`runtime`] the task that runs
+//! one accumulator, [`commit`] the rule for which source positions are safe to commit.
+
+pub mod commit;
+pub mod kinds;
+pub(crate) mod runtime;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::transport::{Position, SourceFactory, StartFrom};
+
+pub use kinds::{Batch, Passthrough, PollSource, Stateful};
+
+/// A typed snapshot an accumulator emits: one source's new input for the reactor.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Boundary {
+    pub source: Arc<str>,
+    /// Monotonic per accumulator and kept across restarts, so a replayed boundary is
+    /// recognised and dropped by the reactor.
+    pub sequence: u64,
+    /// The source position of the last event this boundary covers.
+    pub position: Option<Position>,
+    pub event_time_ms: i64,
+    pub emit_time_ms: i64,
+    pub value: Value,
+}
+
+/// One raw event, already decoded, on its way into [`Accumulator::process`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    pub value: Value,
+    /// Set for events from the source path; socket events have none.
+    pub position: Option<Position>,
+    pub time_ms: i64,
+}
+
+/// Health of one accumulator, as the reactor and the supervisor see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Health {
+    /// Loading its checkpoint.
+    Starting,
+    /// Checkpoint loaded, opening the source.
+    Connecting,
+    /// Source open, processing events.
+    Live,
+    /// The source failed; the supervisor restarts the accumulator.
+    Disconnected,
+    /// No source path: push-only, healthy by definition.
+    SocketOnly,
+}
+
+impl Health {
+    pub fn is_healthy(self) -> bool {
+        matches!(self, Self::Live | Self::SocketOnly)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AccumulatorError {
+    /// The event cannot be turned into a boundary; it goes to the dead-letter topic.
+    #[error("event rejected: {0}")]
+    Rejected(String),
+    /// The stored state does not fit this accumulator.
+    #[error("checkpoint state unusable: {0}")]
+    BadCheckpoint(String),
+    #[error("source {source_name} failed: {reason}")]
+    Source { source_name: String, reason: String },
+    #[error("store failed: {0}")]
+    Store(#[from] crate::store::StoreError),
+}
+
+impl AccumulatorError {
+    /// A rejected event stays rejected; infrastructure failures may pass.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Rejected(_) | Self::BadCheckpoint(_) => false,
+            Self::Source { .. } => true,
+            Self::Store(e) => e.is_retryable(),
+        }
+    }
+}
+
+/// Turns events into boundary values. Implementations are plain synchronous state
+/// machines: the runtime owns all I/O.
+pub trait Accumulator: Send + 'static {
+    /// Restores user state from the last checkpoint (`None` on a first start).
+    fn init(&mut self, state: Option<Value>) -> Result<(), AccumulatorError> {
+        match state {
+            None => Ok(()),
+            Some(_) => Err(AccumulatorError::BadCheckpoint(
+                "this accumulator keeps no state".into(),
+            )),
+        }
+    }
+
+    /// Handles one event; `Some` emits a boundary with that value.
+    fn process(&mut self, event: Event) -> Result<Option<Value>, AccumulatorError>;
+
+    /// How often [`Accumulator::flush`] runs, for time-based emission.
+    fn flush_interval(&self) -> Option<Duration> {
+        None
+    }
+
+    fn flush(&mut self) -> Option<Value> {
+        None
+    }
+
+    /// User state to persist with the source position. Returning `Some` makes the
+    /// accumulator *stateful*: its position is committed only together with the state.
+    fn checkpoint(&self) -> Option<Value> {
+        None
+    }
+}
+
+type AccumulatorFactory = Arc<dyn Fn() -> Box<dyn Accumulator> + Send + Sync>;
+
+/// Where an accumulator's source path reads from.
+#[derive(Clone)]
+pub enum SourceSpec {
+    /// Push-only.
+    None,
+    /// A topic or subject on the graph's broker, consumed by the graph's group.
+    Topic { topic: String, start: StartFrom },
+    /// Anything else, e.g. [`PollSource`].
+    Custom(Arc<dyn SourceFactory>),
+}
+
+/// Declaration of one accumulator: a name, how to build it, where it reads from.
+#[derive(Clone)]
+pub struct AccumulatorSpec {
+    pub(crate) name: String,
+    pub(crate) kind: &'static str,
+    pub(crate) factory: AccumulatorFactory,
+    pub(crate) source: SourceSpec,
+    pub(crate) dead_letter: Option<String>,
+}
+
+impl AccumulatorSpec {
+    /// Any [`Accumulator`] implementation.
+    pub fn custom<A, F>(name: impl Into<String>, factory: F) -> Self
+    where
+        A: Accumulator,
+        F: Fn() -> A + Send + Sync + 'static,
+    {
+        Self {
+            name: name.into(),
+            kind: "custom",
+            factory: Arc::new(move || Box::new(factory())),
+            source: SourceSpec::None,
+            dead_letter: None,
+        }
+    }
+
+    /// Each event becomes a boundary as it is.
+    pub fn passthrough(name: impl Into<String>) -> Self {
+        Self {
+            kind: "passthrough",
+            ..Self::custom(name, || Passthrough)
+        }
+    }
+
+    /// Collects events and emits them as one JSON array when `size` are held or
+    /// `interval` has passed since the last emission, whichever comes first.
+    pub fn batch(name: impl Into<String>, size: usize, interval: Duration) -> Self {
+        Self {
+            kind: "batch",
+            ..Self::custom(name, move || Batch::new(size, interval))
+        }
+    }
+
+    /// Folds events into a JSON state that is checkpointed with the source position.
+    /// `fold` returns the value to emit, if any.
+    pub fn stateful<F>(name: impl Into<String>, initial: Value, fold: F) -> Self
+    where
+        F: Fn(&mut Value, &Value) -> Option<Value> + Send + Sync + 'static,
+    {
+        let fold = Arc::new(fold);
+        Self {
+            kind: "stateful",
+            ..Self::custom(name, move || Stateful::new(initial.clone(), fold.clone()))
+        }
+    }
+
+    /// Calls `poll` every `interval` and emits what it returns, skipping values equal
+    /// to the previous one.
+    pub fn polling<F, Fut>(name: impl Into<String>, interval: Duration, poll: F) -> Self
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Option<Value>> + Send + 'static,
+    {
+        let name = name.into();
+        let source = PollSource::new(name.clone(), interval, poll);
+        Self {
+            kind: "polling",
+            source: SourceSpec::Custom(Arc::new(source)),
+            ..Self::custom(name, kinds::Deduplicating::default)
+        }
+    }
+
+    /// Reads a topic or subject of the graph's broker, from the earliest retained
+    /// message when the graph's group has no committed position.
+    pub fn topic(mut self, topic: impl Into<String>) -> Self {
+        self.source = SourceSpec::Topic {
+            topic: topic.into(),
+            start: StartFrom::Earliest,
+        };
+        self
+    }
+
+    pub fn start(mut self, from: StartFrom) -> Self {
+        if let SourceSpec::Topic { start, .. } = &mut self.source {
+            *start = from;
+        }
+        self
+    }
+
+    pub fn source(mut self, factory: Arc<dyn SourceFactory>) -> Self {
+        self.source = SourceSpec::Custom(factory);
+        self
+    }
+
+    /// Where undecodable or rejected events go (default: the source topic + `.dlq`).
+    pub fn dead_letter(mut self, topic: impl Into<String>) -> Self {
+        self.dead_letter = Some(topic.into());
+        self
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn kind(&self) -> &'static str {
+        self.kind
+    }
+}

@@ -1,0 +1,310 @@
+//! The task that runs one accumulator: loads its checkpoint, opens its source, merges the
+//! socket and source paths, emits boundaries, and commits positions once the reactor
+//! reports them durable.
+
+use std::sync::Arc;
+
+use serde_json::Value;
+use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::time::Interval;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use super::commit::CommitTracker;
+use super::{Accumulator, AccumulatorError, AccumulatorSpec, Boundary, Event, Health};
+use crate::metrics::GraphStats;
+use crate::reactor::ReactorInput;
+use crate::store::{Checkpoint, Store};
+use crate::transport::{now_ms, Message, Outbound, Sink, Source, SourceFactory};
+
+pub(crate) type SocketReceiver = Arc<tokio::sync::Mutex<mpsc::Receiver<Value>>>;
+
+/// Everything one incarnation of an accumulator is wired to.
+pub(crate) struct AccumulatorTask {
+    pub graph: Arc<str>,
+    pub key: String,
+    pub index: usize,
+    pub spec: AccumulatorSpec,
+    pub source: Option<Arc<dyn SourceFactory>>,
+    pub dead_letter_topic: String,
+    pub dead_letters: Arc<dyn Sink>,
+    pub store: Arc<dyn Store>,
+    pub socket: SocketReceiver,
+    pub to_reactor: mpsc::Sender<ReactorInput>,
+    pub permits: Option<Arc<Semaphore>>,
+    pub durable: watch::Receiver<u64>,
+    pub health: Arc<watch::Sender<Health>>,
+    pub stats: Arc<GraphStats>,
+    pub cancel: CancellationToken,
+}
+
+struct Running {
+    accumulator: Box<dyn Accumulator>,
+    stateful: bool,
+    sequence: u64,
+    tracker: CommitTracker,
+}
+
+impl AccumulatorTask {
+    pub(crate) async fn run(mut self) -> Result<(), AccumulatorError> {
+        self.set_health(Health::Starting).await;
+        let checkpoint = self
+            .store
+            .load_checkpoint(&self.key, &self.spec.name)
+            .await?
+            .unwrap_or_default();
+        let mut accumulator = (self.spec.factory)();
+        accumulator.init(checkpoint.state.clone())?;
+        let stateful = accumulator.checkpoint().is_some();
+        let mut run = Running {
+            accumulator,
+            stateful,
+            sequence: checkpoint.sequence,
+            tracker: CommitTracker::new(checkpoint.sequence, &checkpoint.positions),
+        };
+        // The previous incarnation's guard was dropped when it ended.
+        let socket = self.socket.clone();
+        let mut socket = socket.lock_owned().await;
+
+        let mut source: Option<Box<dyn Source>> = None;
+        if let Some(factory) = self.source.clone() {
+            self.set_health(Health::Connecting).await;
+            match factory.open().await {
+                Ok(s) => source = Some(s),
+                Err(e) => {
+                    self.set_health(Health::Disconnected).await;
+                    return Err(AccumulatorError::Source {
+                        source_name: factory.describe(),
+                        reason: e.to_string(),
+                    });
+                }
+            }
+            self.set_health(Health::Live).await;
+        } else {
+            self.set_health(Health::SocketOnly).await;
+        }
+        let mut flush = run.accumulator.flush_interval().map(|period| {
+            let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            interval
+        });
+        self.durable.borrow_and_update();
+
+        loop {
+            tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => return Ok(()),
+                changed = self.durable.changed(), if source.is_some() => {
+                    if changed.is_err() {
+                        return Ok(());
+                    }
+                    let durable = *self.durable.borrow_and_update();
+                    self.commit(&mut run, source.as_deref_mut(), durable).await?;
+                }
+                pushed = socket.recv() => match pushed {
+                    Some(value) => {
+                        let event = Event { value, position: None, time_ms: now_ms() };
+                        if !self.handle(&mut run, event, None).await? {
+                            return Ok(());
+                        }
+                    }
+                    // The supervisor keeps a sender for the graph's lifetime.
+                    None => return Ok(()),
+                },
+                message = next_message(&mut source) => match message {
+                    Ok(message) => {
+                        if !self.handle_message(&mut run, message).await? {
+                            return Ok(());
+                        }
+                    }
+                    Err(e) => {
+                        self.set_health(Health::Disconnected).await;
+                        return Err(AccumulatorError::Source {
+                            source_name: self.source.as_ref().map(|s| s.describe()).unwrap_or_default(),
+                            reason: e.to_string(),
+                        });
+                    }
+                },
+                _ = tick(&mut flush) => {
+                    if let Some(value) = run.accumulator.flush() {
+                        if !self.emit(&mut run, value, None, now_ms()).await {
+                            return Ok(());
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn set_health(&self, health: Health) {
+        self.health.send_replace(health);
+        let _ = self
+            .to_reactor
+            .send(ReactorInput::Health {
+                source: self.index,
+                health,
+            })
+            .await;
+    }
+
+    /// Returns false when the reactor is gone.
+    async fn handle_message(
+        &self,
+        run: &mut Running,
+        message: Message,
+    ) -> Result<bool, AccumulatorError> {
+        let position = message.position;
+        let value = match crate::codec::json::decode(&message.payload) {
+            Ok(value) => value,
+            Err(e) => {
+                self.dead_letter(&message, &e.to_string()).await?;
+                run.tracker.processed(position);
+                return Ok(true);
+            }
+        };
+        let event = Event {
+            value,
+            position: Some(position),
+            time_ms: message.timestamp_ms,
+        };
+        self.handle(run, event, Some(&message)).await
+    }
+
+    async fn handle(
+        &self,
+        run: &mut Running,
+        event: Event,
+        message: Option<&Message>,
+    ) -> Result<bool, AccumulatorError> {
+        self.stats.event_received();
+        let position = event.position;
+        let time_ms = event.time_ms;
+        let outcome = run.accumulator.process(event);
+        if let Some(p) = position {
+            run.tracker.processed(p);
+        }
+        match outcome {
+            Ok(Some(value)) => Ok(self.emit(run, value, position, time_ms).await),
+            Ok(None) => Ok(true),
+            Err(AccumulatorError::Rejected(reason)) => {
+                match message {
+                    Some(m) => self.dead_letter(m, &reason).await?,
+                    None => {
+                        warn!(graph = %self.graph, accumulator = %self.spec.name, %reason, "pushed event rejected");
+                        self.stats.dead_lettered();
+                    }
+                }
+                Ok(true)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Returns false when the reactor is gone.
+    async fn emit(
+        &self,
+        run: &mut Running,
+        value: Value,
+        position: Option<crate::transport::Position>,
+        event_time_ms: i64,
+    ) -> bool {
+        if let Some(permits) = &self.permits {
+            // Backpressure: wait for a free slot in this source's queue.
+            tokio::select! {
+                _ = self.cancel.cancelled() => return false,
+                permit = permits.acquire() => match permit {
+                    Ok(p) => p.forget(),
+                    Err(_) => return false,
+                },
+            }
+        }
+        run.sequence += 1;
+        run.tracker.emitted(run.sequence, position);
+        let boundary = Boundary {
+            source: Arc::from(self.spec.name.as_str()),
+            sequence: run.sequence,
+            position,
+            event_time_ms,
+            emit_time_ms: now_ms(),
+            value,
+        };
+        self.to_reactor
+            .send(ReactorInput::Boundary {
+                source: self.index,
+                boundary,
+            })
+            .await
+            .is_ok()
+    }
+
+    async fn dead_letter(&self, message: &Message, reason: &str) -> Result<(), AccumulatorError> {
+        let mut outbound = Outbound::new(self.dead_letter_topic.clone(), message.payload.clone())
+            .header("weir-error", reason)
+            .header("weir-graph", &*self.graph)
+            .header("weir-accumulator", &self.spec.name)
+            .header("weir-source-topic", &*message.topic)
+            .header("weir-partition", message.position.partition.to_string())
+            .header("weir-offset", message.position.offset.to_string());
+        outbound.key = message.key.clone();
+        self.dead_letters
+            .publish(outbound)
+            .await
+            .map_err(|e| AccumulatorError::Source {
+                source_name: self.dead_letter_topic.clone(),
+                reason: format!("dead-letter publish failed: {e}"),
+            })?;
+        warn!(graph = %self.graph, accumulator = %self.spec.name, topic = %self.dead_letter_topic, %reason, "event dead-lettered");
+        self.stats.dead_lettered();
+        Ok(())
+    }
+
+    async fn commit(
+        &self,
+        run: &mut Running,
+        source: Option<&mut (dyn Source + '_)>,
+        durable: u64,
+    ) -> Result<(), AccumulatorError> {
+        let Some(point) = run.tracker.durable(durable, run.stateful) else {
+            return Ok(());
+        };
+        let checkpoint = Checkpoint {
+            positions: run.tracker.committed(),
+            sequence: point.sequence,
+            state: if run.stateful {
+                run.accumulator.checkpoint()
+            } else {
+                None
+            },
+        };
+        // The store first: a crash between the two replays events (at-least-once)
+        // rather than skipping them.
+        self.store
+            .save_checkpoint(&self.key, &self.spec.name, &checkpoint)
+            .await?;
+        self.stats.checkpoint_written();
+        if let Some(source) = source {
+            if let Err(e) = source.commit(&point.positions).await {
+                // A later commit covers these positions too.
+                warn!(graph = %self.graph, accumulator = %self.spec.name, error = %e, "commit failed");
+            }
+        }
+        debug!(graph = %self.graph, accumulator = %self.spec.name, sequence = point.sequence, "checkpoint");
+        Ok(())
+    }
+}
+
+async fn next_message(source: &mut Option<Box<dyn Source>>) -> Result<Message, crate::transport::TransportError> {
+    match source {
+        Some(s) => s.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn tick(interval: &mut Option<Interval>) {
+    match interval {
+        Some(i) => {
+            i.tick().await;
+        }
+        None => std::future::pending().await,
+    }
+}

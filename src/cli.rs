@@ -1,0 +1,56 @@
+//! Command line: `weir demo`, with room for the commands that talk to services.
+
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(name = "weir", version, about = "A message-broker-native stream processor and scheduler")]
+pub struct Cli {
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Human, global = true, env = "WEIR_LOG_FORMAT")]
+    pub log_format: LogFormat,
+    /// Log filter, e.g. `info` or `weir=debug`.
+    #[arg(long, default_value = "warn", global = true, env = "WEIR_LOG")]
+    pub log: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Human,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the market-data example on the embedded default (no services needed).
+    Demo {
+        /// Stop after this many seconds (default: run until Ctrl-C).
+        #[arg(long)]
+        seconds: Option<u64>,
+        /// Quotes generated per second.
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+        rate: u32,
+    },
+}
+
+impl Command {
+    pub fn demo_duration(seconds: Option<u64>) -> Option<Duration> {
+        seconds.map(Duration::from_secs)
+    }
+}
+
+/// Installs the tracing subscriber, writing to stderr so stdout stays for output.
+pub fn init_tracing(format: LogFormat, filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Human => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}

@@ -1,0 +1,134 @@
+//! Avro single-object encoding for weir's own records.
+
+use apache_avro::rabin::Rabin;
+use apache_avro::Schema;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::CodecError;
+
+const MARKER: [u8; 2] = [0xC3, 0x01];
+const HEADER_LEN: usize = 10;
+
+/// A record with a schema in `schemas/`.
+pub trait AvroRecord: Serialize + DeserializeOwned {
+    /// Record name, as in the schema.
+    const NAME: &'static str;
+    /// The `.avsc` text.
+    const SCHEMA: &'static str;
+    /// The parsed schema and its fingerprint, parsed once per process.
+    fn codec() -> &'static AvroCodec;
+}
+
+/// A parsed schema with its CRC-64-AVRO fingerprint.
+pub struct AvroCodec {
+    name: &'static str,
+    schema: Schema,
+    fingerprint: u64,
+}
+
+impl AvroCodec {
+    pub fn new(name: &'static str, schema_text: &str) -> Result<Self, CodecError> {
+        let schema = Schema::parse_str(schema_text).map_err(|e| CodecError::Schema {
+            record: name,
+            reason: e.to_string(),
+        })?;
+        let fp = schema.fingerprint::<Rabin>();
+        let mut bytes = [0u8; 8];
+        bytes.copy_from_slice(&fp.bytes[..8]);
+        Ok(Self {
+            name,
+            schema,
+            fingerprint: u64::from_le_bytes(bytes),
+        })
+    }
+
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    pub fn schema(&self) -> &Schema {
+        &self.schema
+    }
+
+    pub fn encode<T: Serialize>(&self, record: &T) -> Result<Vec<u8>, CodecError> {
+        let avro_err = |e: apache_avro::Error| CodecError::Avro {
+            record: self.name,
+            reason: e.to_string(),
+        };
+        let value = apache_avro::to_value(record)
+            .map_err(avro_err)?
+            .resolve(&self.schema)
+            .map_err(avro_err)?;
+        let body = apache_avro::to_avro_datum(&self.schema, value).map_err(avro_err)?;
+        let mut out = Vec::with_capacity(HEADER_LEN + body.len());
+        out.extend_from_slice(&MARKER);
+        out.extend_from_slice(&self.fingerprint.to_le_bytes());
+        out.extend_from_slice(&body);
+        Ok(out)
+    }
+
+    pub fn decode<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, CodecError> {
+        if bytes.len() < HEADER_LEN {
+            return Err(CodecError::Truncated { len: bytes.len() });
+        }
+        if bytes[..2] != MARKER {
+            return Err(CodecError::BadMarker);
+        }
+        let found = fingerprint_of(bytes).unwrap_or_default();
+        if found != self.fingerprint {
+            return Err(CodecError::FingerprintMismatch {
+                record: self.name,
+                expected: self.fingerprint,
+                found,
+            });
+        }
+        let avro_err = |e: apache_avro::Error| CodecError::Avro {
+            record: self.name,
+            reason: e.to_string(),
+        };
+        let mut body = &bytes[HEADER_LEN..];
+        let value =
+            apache_avro::from_avro_datum(&self.schema, &mut body, None).map_err(avro_err)?;
+        apache_avro::from_value(&value).map_err(avro_err)
+    }
+}
+
+/// The fingerprint in a single-object encoded message, if it has the marker.
+pub fn fingerprint_of(bytes: &[u8]) -> Option<u64> {
+    if bytes.len() < HEADER_LEN || bytes[..2] != MARKER {
+        return None;
+    }
+    let mut fp = [0u8; 8];
+    fp.copy_from_slice(&bytes[2..HEADER_LEN]);
+    Some(u64::from_le_bytes(fp))
+}
+
+pub fn encode<T: AvroRecord>(record: &T) -> Result<Vec<u8>, CodecError> {
+    T::codec().encode(record)
+}
+
+pub fn decode<T: AvroRecord>(bytes: &[u8]) -> Result<T, CodecError> {
+    T::codec().decode(bytes)
+}
+
+/// Declares the codec of a record type whose schema lives in `schemas/`.
+macro_rules! avro_record {
+    ($ty:ty, $name:literal, $file:literal) => {
+        impl $crate::codec::avro::AvroRecord for $ty {
+            const NAME: &'static str = $name;
+            const SCHEMA: &'static str = include_str!(concat!("../../schemas/", $file));
+            fn codec() -> &'static $crate::codec::avro::AvroCodec {
+                static CODEC: std::sync::OnceLock<$crate::codec::avro::AvroCodec> =
+                    std::sync::OnceLock::new();
+                CODEC.get_or_init(|| {
+                    // The schemas ship inside the binary and are checked by the tests, so a
+                    // parse failure here is a build defect, not bad input.
+                    $crate::codec::avro::AvroCodec::new($name, Self::SCHEMA)
+                        .expect("bundled schema parses")
+                })
+            }
+        }
+    };
+}
+pub(crate) use avro_record;

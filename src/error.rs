@@ -1,0 +1,26 @@
+//! The binary's top-level error: what went wrong, mapped to an exit status.
+
+use crate::graph::GraphBuildError;
+use crate::supervisor::SupervisorError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Graph(#[from] GraphBuildError),
+    #[error(transparent)]
+    Supervisor(#[from] SupervisorError),
+    #[error("invalid argument: {0}")]
+    Usage(String),
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl Error {
+    /// 2 for bad input (as clap does for bad arguments), 1 for everything else.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Self::Usage(_) | Self::Graph(_) => 2,
+            _ => 1,
+        }
+    }
+}

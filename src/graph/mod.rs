@@ -1,0 +1,379 @@
+//! Computation graphs: declaration ([`GraphBuilder`]), compilation and validation of the
+//! node DAG ([`dag`]), and named graph functions for config-only use ([`registry`]).
+
+pub mod dag;
+pub mod registry;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use serde::de::DeserializeOwned;
+use serde_json::{Map, Value};
+
+use crate::accumulator::{AccumulatorSpec, Boundary};
+use crate::reactor::{Criteria, ReactorConfig, Strategy};
+use crate::transport::Sink;
+
+pub use dag::CompiledGraph;
+pub use registry::FunctionRegistry;
+
+/// Everything one fire sees: the graph, the fire sequence number, whether the reactor
+/// is degraded, and per source the cached boundary (if the source ever emitted).
+#[derive(Debug)]
+pub struct FireInput {
+    pub graph: Arc<str>,
+    pub fire: u64,
+    pub degraded: bool,
+    pub(crate) names: Arc<[Arc<str>]>,
+    pub(crate) values: Vec<Option<Arc<Boundary>>>,
+}
+
+impl FireInput {
+    pub fn new(
+        graph: Arc<str>,
+        fire: u64,
+        degraded: bool,
+        names: Arc<[Arc<str>]>,
+        values: Vec<Option<Arc<Boundary>>>,
+    ) -> Self {
+        Self {
+            graph,
+            fire,
+            degraded,
+            names,
+            values,
+        }
+    }
+
+    /// The cached boundary of a source.
+    pub fn boundary(&self, source: &str) -> Option<&Boundary> {
+        let i = self.names.iter().position(|n| &**n == source)?;
+        self.values[i].as_deref()
+    }
+
+    pub fn value(&self, source: &str) -> Option<&Value> {
+        self.boundary(source).map(|b| &b.value)
+    }
+
+    /// Source name → value (`null` for a source that never emitted).
+    pub fn inputs_json(&self) -> Value {
+        let mut map = Map::with_capacity(self.names.len());
+        for (name, value) in self.names.iter().zip(&self.values) {
+            let v = value.as_ref().map(|b| b.value.clone()).unwrap_or(Value::Null);
+            map.insert(name.to_string(), v);
+        }
+        Value::Object(map)
+    }
+}
+
+/// What a node function receives: the fire's inputs and its upstream nodes' outputs.
+pub struct NodeContext {
+    node: Arc<str>,
+    fire: Arc<FireInput>,
+    upstream: Vec<(Arc<str>, Arc<Value>)>,
+}
+
+impl NodeContext {
+    pub fn fire(&self) -> &FireInput {
+        &self.fire
+    }
+
+    /// The current value of a source.
+    pub fn source(&self, name: &str) -> Option<&Value> {
+        self.fire.value(name)
+    }
+
+    /// The output of an upstream node, if it produced one this fire.
+    pub fn node(&self, name: &str) -> Option<&Value> {
+        self.upstream
+            .iter()
+            .find(|(n, _)| &**n == name)
+            .map(|(_, v)| &**v)
+    }
+
+    /// A source or upstream node value, deserialized.
+    pub fn get<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>, NodeError> {
+        let Some(value) = self.node(name).or_else(|| self.source(name)) else {
+            return Ok(None);
+        };
+        T::deserialize(value).map(Some).map_err(|e| {
+            NodeError::new(format!("input {name} of node {} has the wrong shape: {e}", self.node))
+        })
+    }
+}
+
+/// A node function's failure. The fire is counted as failed; the graph keeps running.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct NodeError(pub String);
+
+impl NodeError {
+    pub fn new(message: impl Into<String>) -> Self {
+        Self(message.into())
+    }
+}
+
+/// Output of a node: `None` routes nothing downstream for this fire.
+pub type NodeResult = Result<Option<Value>, NodeError>;
+pub type NodeFn = Arc<dyn Fn(NodeContext) -> BoxFuture<'static, NodeResult> + Send + Sync>;
+
+/// Wraps an async closure as a node function.
+pub fn node_fn<F, Fut>(f: F) -> NodeFn
+where
+    F: Fn(NodeContext) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = NodeResult> + Send + 'static,
+{
+    Arc::new(move |ctx| Box::pin(f(ctx)))
+}
+
+pub(crate) struct NodeDecl {
+    pub name: String,
+    pub inputs: Vec<String>,
+    pub function: NodeFn,
+}
+
+/// Where a node's output is published.
+#[derive(Clone)]
+pub struct OutputBinding {
+    pub node: String,
+    pub topic: String,
+    /// Publish through this sink instead of the runtime's broker.
+    pub sink: Option<Arc<dyn Sink>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GraphBuildError {
+    #[error("graph name must be non-empty and contain only letters, digits, '.', '_' and '-': {0:?}")]
+    BadName(String),
+    #[error("graph {graph} declares no accumulators")]
+    NoAccumulators { graph: String },
+    #[error("graph {graph} declares no nodes")]
+    NoNodes { graph: String },
+    #[error("graph {graph} publishes no output")]
+    NoOutputs { graph: String },
+    #[error("graph {graph}: the name {name} is declared twice")]
+    DuplicateName { graph: String, name: String },
+    #[error("graph {graph}: node {node} reads {input}, which is neither a source nor a node")]
+    UnknownInput {
+        graph: String,
+        node: String,
+        input: String,
+    },
+    #[error("graph {graph}: output bound to missing node {node}")]
+    MissingNode { graph: String, node: String },
+    #[error("graph {graph}: node {node} is an orphan: no output and no node reads it")]
+    OrphanNode { graph: String, node: String },
+    #[error("graph {graph}: cycle through nodes {}", nodes.join(" -> "))]
+    Cycle { graph: String, nodes: Vec<String> },
+    #[error("graph {graph}: unknown graph function {function}")]
+    UnknownFunction { graph: String, function: String },
+    #[error("graph {graph}: {reason}")]
+    BadReactor { graph: String, reason: String },
+}
+
+/// A validated, compiled graph ready for the supervisor.
+#[derive(Clone)]
+pub struct GraphDeclaration {
+    pub name: String,
+    pub tenant: Option<String>,
+    pub accumulators: Vec<AccumulatorSpec>,
+    pub reactor: ReactorConfig,
+    pub graph: Arc<CompiledGraph>,
+    pub outputs: Vec<OutputBinding>,
+}
+
+impl GraphDeclaration {
+    /// The graph's identity in the store and on the broker: `tenant/name`, or `name`.
+    pub fn key(&self) -> String {
+        match &self.tenant {
+            Some(t) => format!("{t}/{}", self.name),
+            None => self.name.clone(),
+        }
+    }
+
+    /// A topic as this graph sees it: tenants get their own prefix.
+    pub fn qualify_topic(&self, topic: &str) -> String {
+        match &self.tenant {
+            Some(t) => format!("{t}.{topic}"),
+            None => topic.to_string(),
+        }
+    }
+}
+
+/// Declares a graph: accumulators, reactor, node DAG, outputs.
+///
+/// ```
+/// use weir::graph::{GraphBuilder, NodeContext};
+/// use weir::accumulator::AccumulatorSpec;
+/// use weir::reactor::Criteria;
+///
+/// let graph = GraphBuilder::new("spread")
+///     .accumulator(AccumulatorSpec::passthrough("bid"))
+///     .accumulator(AccumulatorSpec::passthrough("ask"))
+///     .criteria(Criteria::WhenAll)
+///     .node("spread", ["bid", "ask"], |ctx: NodeContext| async move {
+///         let bid = ctx.get::<f64>("bid")?.unwrap_or_default();
+///         let ask = ctx.get::<f64>("ask")?.unwrap_or_default();
+///         Ok(Some(serde_json::json!(ask - bid)))
+///     })
+///     .output("spread", "spreads")
+///     .build()
+///     .unwrap();
+/// assert_eq!(graph.name, "spread");
+/// ```
+pub struct GraphBuilder {
+    name: String,
+    tenant: Option<String>,
+    accumulators: Vec<AccumulatorSpec>,
+    reactor: ReactorConfig,
+    nodes: Vec<NodeDecl>,
+    outputs: Vec<OutputBinding>,
+    function_error: Option<GraphBuildError>,
+}
+
+impl GraphBuilder {
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            tenant: None,
+            accumulators: Vec::new(),
+            reactor: ReactorConfig::default(),
+            nodes: Vec::new(),
+            outputs: Vec::new(),
+            function_error: None,
+        }
+    }
+
+    pub fn tenant(mut self, tenant: impl Into<String>) -> Self {
+        self.tenant = Some(tenant.into());
+        self
+    }
+
+    pub fn accumulator(mut self, spec: AccumulatorSpec) -> Self {
+        self.accumulators.push(spec);
+        self
+    }
+
+    pub fn criteria(mut self, criteria: Criteria) -> Self {
+        self.reactor.criteria = criteria;
+        self
+    }
+
+    pub fn strategy(mut self, strategy: Strategy) -> Self {
+        self.reactor.strategy = strategy;
+        self
+    }
+
+    /// All reactor settings at once.
+    pub fn reactor(mut self, config: ReactorConfig) -> Self {
+        self.reactor = config;
+        self
+    }
+
+    /// A node reading sources and/or other nodes by name.
+    pub fn node<I, S, F, Fut>(self, name: impl Into<String>, inputs: I, f: F) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+        F: Fn(NodeContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = NodeResult> + Send + 'static,
+    {
+        self.node_with(name, inputs, node_fn(f))
+    }
+
+    pub fn node_with<I, S>(mut self, name: impl Into<String>, inputs: I, function: NodeFn) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.nodes.push(NodeDecl {
+            name: name.into(),
+            inputs: inputs.into_iter().map(Into::into).collect(),
+            function,
+        });
+        self
+    }
+
+    /// A node running a registered graph function over every declared source.
+    pub fn function(mut self, node: impl Into<String>, registry: &FunctionRegistry, function: &str) -> Self {
+        match registry.get(function) {
+            Some(f) => {
+                let sources: Vec<String> =
+                    self.accumulators.iter().map(|a| a.name.clone()).collect();
+                self.node_with(node, sources, f)
+            }
+            None => {
+                self.function_error = Some(GraphBuildError::UnknownFunction {
+                    graph: self.name.clone(),
+                    function: function.to_string(),
+                });
+                self
+            }
+        }
+    }
+
+    /// Publishes a node's output to a topic of the runtime's broker.
+    pub fn output(mut self, node: impl Into<String>, topic: impl Into<String>) -> Self {
+        self.outputs.push(OutputBinding {
+            node: node.into(),
+            topic: topic.into(),
+            sink: None,
+        });
+        self
+    }
+
+    /// Publishes a node's output through a given sink.
+    pub fn output_to(
+        mut self,
+        node: impl Into<String>,
+        topic: impl Into<String>,
+        sink: Arc<dyn Sink>,
+    ) -> Self {
+        self.outputs.push(OutputBinding {
+            node: node.into(),
+            topic: topic.into(),
+            sink: Some(sink),
+        });
+        self
+    }
+
+    /// Validates and compiles.
+    pub fn build(self) -> Result<GraphDeclaration, GraphBuildError> {
+        if let Some(e) = self.function_error {
+            return Err(e);
+        }
+        let valid_name = |s: &str| {
+            !s.is_empty()
+                && s.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        };
+        if !valid_name(&self.name) {
+            return Err(GraphBuildError::BadName(self.name));
+        }
+        if let Some(t) = &self.tenant {
+            if !valid_name(t) {
+                return Err(GraphBuildError::BadName(t.clone()));
+            }
+        }
+        if self.accumulators.is_empty() {
+            return Err(GraphBuildError::NoAccumulators { graph: self.name });
+        }
+        if self.reactor.queue_capacity == 0 || self.reactor.max_in_flight == 0 {
+            return Err(GraphBuildError::BadReactor {
+                graph: self.name,
+                reason: "queue_capacity and max_in_flight must be at least 1".into(),
+            });
+        }
+        let sources: Vec<String> = self.accumulators.iter().map(|a| a.name.clone()).collect();
+        let graph = CompiledGraph::compile(&self.name, &sources, self.nodes, &self.outputs)?;
+        Ok(GraphDeclaration {
+            name: self.name,
+            tenant: self.tenant,
+            accumulators: self.accumulators,
+            reactor: self.reactor,
+            graph: Arc::new(graph),
+            outputs: self.outputs,
+        })
+    }
+}

@@ -1,0 +1,39 @@
+//! weir: a message-broker-native stream processor and scheduler.
+//!
+//! Accumulators consume topics and emit boundaries; a reactor per graph fires a compiled
+//! computation graph when its criteria are met and publishes the outputs back to topics.
+//!
+//! Layout:
+//! - [`graph`]: declaring a graph with [`graph::GraphBuilder`], compiling and validating
+//!   its node DAG, and the registry of named graph functions (`snapshot`).
+//! - [`accumulator`]: the [`accumulator::Accumulator`] trait, the built-in kinds
+//!   (passthrough, batch, polling, stateful), and the task running one accumulator with
+//!   its socket and source paths, health, and commit-after-durable checkpoints.
+//! - [`reactor`]: input cache (latest / sequential), dirty flags, criteria
+//!   (when_any / when_all), states, and commands through [`reactor::ReactorHandle`].
+//! - [`supervisor`]: runs graphs, restarts what fails with backoff, records recoveries.
+//! - [`transport`]: the broker seam ([`transport::Source`], [`transport::Sink`],
+//!   [`transport::Broker`]) and its backends; [`store`]: the state seam
+//!   ([`store::Store`]) and its backends. Memory backends are the embedded default.
+//! - [`codec`]: Avro single-object encoding for weir's records (`schemas/`), JSON for
+//!   user events.
+//! - [`demo`]: the market-data example behind `weir demo`.
+//! - [`cli`], [`shutdown`], [`metrics`], [`error`]: the binary's plumbing.
+
+pub mod accumulator;
+pub mod cli;
+pub mod codec;
+pub mod demo;
+pub mod error;
+pub mod graph;
+pub mod metrics;
+pub mod reactor;
+pub mod shutdown;
+pub mod store;
+pub mod supervisor;
+pub mod transport;
+
+pub use accumulator::{Accumulator, AccumulatorSpec, Boundary, Event, Health};
+pub use graph::{GraphBuilder, GraphDeclaration, NodeContext, NodeError};
+pub use reactor::{Criteria, ReactorConfig, ReactorState, Strategy};
+pub use supervisor::{GraphHandle, Runtime, SupervisionPolicy, Supervisor};

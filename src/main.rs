@@ -1,0 +1,24 @@
+use clap::Parser;
+
+use weir::cli::{self, Cli, Command};
+use weir::{demo, shutdown};
+
+#[tokio::main]
+async fn main() {
+    let cli = Cli::parse();
+    cli::init_tracing(cli.log_format, &cli.log);
+    let cancel = shutdown::on_signal();
+    let result = match cli.command {
+        Command::Demo { seconds, rate } => {
+            let options = demo::DemoOptions {
+                duration: Command::demo_duration(seconds),
+                rate,
+            };
+            demo::run(options, cancel, &mut std::io::stdout()).await.map(|_| ())
+        }
+    };
+    if let Err(e) = result {
+        eprintln!("weir: {e}");
+        std::process::exit(e.exit_code());
+    }
+}

@@ -1,0 +1,444 @@
+//! The reactor task.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Instant as StdInstant;
+
+use futures::future::BoxFuture;
+use futures::stream::{FuturesOrdered, StreamExt};
+use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use super::cache::{Consumed, InputCache, Inserted};
+use super::{
+    Command, CommandError, FireReport, ReactorConfig, ReactorInput, ReactorState, ReactorStatus,
+    SourceStatus, Strategy,
+};
+use crate::accumulator::{Boundary, Health};
+use crate::graph::{CompiledGraph, FireInput, GraphDeclaration};
+use crate::metrics::GraphStats;
+use crate::store::{Store, StoreError};
+use crate::transport::{now_ms, Outbound, Sink, TransportError};
+
+/// Inputs drained per wakeup before criteria are evaluated, so a burst becomes one fire
+/// under the latest strategy instead of one fire per boundary.
+const DRAIN_BATCH: usize = 4096;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReactorError {
+    #[error("publishing outputs failed: {0}")]
+    Publish(#[from] TransportError),
+    #[error("restoring the input cache failed: {0}")]
+    Restore(#[from] StoreError),
+}
+
+impl ReactorError {
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Publish(e) => e.is_retryable(),
+            Self::Restore(e) => e.is_retryable(),
+        }
+    }
+}
+
+/// What the accumulators of one reactor incarnation are wired to.
+pub(crate) struct Wiring {
+    pub inputs: mpsc::Sender<ReactorInput>,
+    /// Highest durable sequence per source.
+    pub durable: Vec<watch::Receiver<u64>>,
+    /// Queue slots per source (sequential strategy only).
+    pub permits: Vec<Option<Arc<Semaphore>>>,
+}
+
+pub(crate) struct Reactor {
+    graph: Arc<str>,
+    key: String,
+    config: ReactorConfig,
+    compiled: Arc<CompiledGraph>,
+    outputs: Arc<[(String, Arc<dyn Sink>)]>,
+    store: Arc<dyn Store>,
+    cache: InputCache,
+    health: Vec<Health>,
+    durable: Vec<watch::Sender<u64>>,
+    permits: Vec<Option<Arc<Semaphore>>>,
+    inputs: mpsc::Receiver<ReactorInput>,
+    state: ReactorState,
+    state_tx: watch::Sender<ReactorState>,
+    paused: bool,
+    fires: u64,
+    in_flight: FuturesOrdered<BoxFuture<'static, Result<(), TransportError>>>,
+    /// Boundaries taken by each in-flight fire, oldest first.
+    unacknowledged: VecDeque<Consumed>,
+    stats: Arc<GraphStats>,
+    snapshot_pending: bool,
+    last_snapshot: Instant,
+}
+
+impl Reactor {
+    /// Builds a reactor from its declaration, restoring the cache from the store.
+    pub(crate) async fn restore(
+        decl: &GraphDeclaration,
+        outputs: Arc<[(String, Arc<dyn Sink>)]>,
+        store: Arc<dyn Store>,
+        stats: Arc<GraphStats>,
+        state_tx: watch::Sender<ReactorState>,
+    ) -> Result<(Self, Wiring), ReactorError> {
+        state_tx.send_replace(ReactorState::Starting);
+        let key = decl.key();
+        let names: Arc<[Arc<str>]> = decl
+            .accumulators
+            .iter()
+            .map(|a| Arc::from(a.name.as_str()))
+            .collect();
+        let mut cache = InputCache::new(names.clone(), decl.reactor.strategy);
+        let mut fires = 0;
+        let mut queued = vec![0; names.len()];
+        if let Some(snapshot) = store.load_cache(&key).await? {
+            queued = cache.restore(&snapshot);
+            fires = snapshot.fires;
+            debug!(graph = %decl.name, fires, "input cache restored");
+        }
+        let (inputs_tx, inputs) = mpsc::channel(decl.reactor.queue_capacity.max(DRAIN_BATCH));
+        let mut durable = Vec::with_capacity(names.len());
+        let mut durable_rx = Vec::with_capacity(names.len());
+        let mut permits = Vec::with_capacity(names.len());
+        for (i, _) in names.iter().enumerate() {
+            let (tx, rx) = watch::channel(cache.last_sequence(i));
+            durable.push(tx);
+            durable_rx.push(rx);
+            permits.push(match decl.reactor.strategy {
+                Strategy::Latest => None,
+                Strategy::Sequential => Some(Arc::new(Semaphore::new(
+                    decl.reactor.queue_capacity.saturating_sub(queued[i]),
+                ))),
+            });
+        }
+        let reactor = Self {
+            graph: Arc::from(decl.name.as_str()),
+            key,
+            config: decl.reactor.clone(),
+            compiled: decl.graph.clone(),
+            outputs,
+            store,
+            cache,
+            health: vec![Health::Starting; names.len()],
+            durable,
+            permits: permits.clone(),
+            inputs,
+            state: ReactorState::Starting,
+            state_tx,
+            paused: false,
+            fires,
+            in_flight: FuturesOrdered::new(),
+            unacknowledged: VecDeque::new(),
+            stats,
+            snapshot_pending: false,
+            last_snapshot: Instant::now(),
+        };
+        let wiring = Wiring {
+            inputs: inputs_tx,
+            durable: durable_rx,
+            permits,
+        };
+        Ok((reactor, wiring))
+    }
+
+    pub(crate) async fn run(
+        mut self,
+        commands: &mut mpsc::Receiver<Command>,
+        cancel: CancellationToken,
+    ) -> Result<(), ReactorError> {
+        self.set_state(ReactorState::Warming);
+        self.update_state();
+        loop {
+            while self.should_fire() {
+                let (values, consumed) = self.cache.take();
+                self.fire(values, consumed).await?;
+            }
+            if self.snapshot_pending && self.last_snapshot.elapsed() >= self.config.snapshot_interval {
+                self.snapshot().await;
+            }
+            let snapshot_at = self.last_snapshot + self.config.snapshot_interval;
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => break,
+                Some(done) = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                    done?;
+                    self.acknowledged();
+                }
+                Some(command) = commands.recv() => self.command(command).await?,
+                input = self.inputs.recv() => match input {
+                    Some(input) => {
+                        self.apply(input);
+                        for _ in 0..DRAIN_BATCH {
+                            match self.inputs.try_recv() {
+                                Ok(input) => self.apply(input),
+                                Err(_) => break,
+                            }
+                        }
+                    }
+                    None => break,
+                },
+                _ = tokio::time::sleep_until(snapshot_at), if self.snapshot_pending => {}
+            }
+        }
+        // Let acknowledged output count before the final snapshot; the supervisor bounds
+        // how long this may take.
+        while let Some(done) = self.in_flight.next().await {
+            done?;
+            self.acknowledged();
+        }
+        if self.snapshot_pending {
+            self.snapshot().await;
+        }
+        Ok(())
+    }
+
+    fn set_state(&mut self, state: ReactorState) {
+        if self.state != state {
+            debug!(graph = %self.graph, from = ?self.state, to = ?state, "reactor state");
+            self.state = state;
+            self.state_tx.send_replace(state);
+        }
+    }
+
+    fn update_state(&mut self) {
+        let all_healthy = self.health.iter().all(|h| h.is_healthy());
+        let next = match (self.state, all_healthy) {
+            (ReactorState::Warming, true) | (ReactorState::Degraded, true) => ReactorState::Live,
+            (ReactorState::Live, false) => ReactorState::Degraded,
+            (state, _) => state,
+        };
+        self.set_state(next);
+    }
+
+    fn should_fire(&self) -> bool {
+        matches!(self.state, ReactorState::Live | ReactorState::Degraded)
+            && !self.paused
+            && self.in_flight.len() < self.config.max_in_flight
+            && self.cache.ready(self.config.criteria)
+    }
+
+    fn apply(&mut self, input: ReactorInput) {
+        match input {
+            ReactorInput::Boundary { source, boundary } => {
+                match self.cache.insert(source, boundary) {
+                    Inserted::Accepted => {
+                        self.stats.boundary_cached();
+                        self.snapshot_pending = true;
+                    }
+                    Inserted::Duplicate => {
+                        self.stats.duplicate_dropped();
+                        // The slot this boundary took is free again.
+                        if let Some(p) = &self.permits[source] {
+                            p.add_permits(1);
+                        }
+                    }
+                }
+            }
+            ReactorInput::Health { source, health } => {
+                self.health[source] = health;
+                self.update_state();
+            }
+        }
+    }
+
+    async fn fire(
+        &mut self,
+        values: Vec<Option<Arc<Boundary>>>,
+        consumed: Consumed,
+    ) -> Result<FireReport, ReactorError> {
+        if self.config.strategy == Strategy::Sequential {
+            for (i, _) in &consumed {
+                if let Some(p) = &self.permits[*i] {
+                    p.add_permits(1);
+                }
+            }
+        }
+        self.fires += 1;
+        self.snapshot_pending = true;
+        let fire = self.fires;
+        let degraded = self.state == ReactorState::Degraded;
+        let input = FireInput::new(
+            self.graph.clone(),
+            fire,
+            degraded,
+            self.cache.names().clone(),
+            values,
+        );
+        let started = StdInstant::now();
+        let result = self.compiled.run(Arc::new(input)).await;
+        self.stats.fired(started.elapsed());
+        let messages: Vec<(Outbound, Arc<dyn Sink>)> = match result {
+            Ok(values) => values
+                .iter()
+                .zip(self.outputs.iter())
+                .filter_map(|(value, (topic, sink))| {
+                    let value = value.as_ref()?;
+                    let message = Outbound::new(topic.clone(), crate::codec::json::encode(value))
+                        .key(self.graph.as_bytes().to_vec())
+                        .header("weir-graph", &*self.graph)
+                        .header("weir-fire", fire.to_string())
+                        .header("weir-degraded", degraded.to_string());
+                    Some((message, sink.clone()))
+                })
+                .collect(),
+            Err(e) => {
+                // A failing node is the graph's own error: counted and logged, and its
+                // inputs count as handled so one bad value cannot wedge the graph.
+                warn!(graph = %self.graph, fire, error = %e, "fire failed");
+                self.stats.fire_failed();
+                Vec::new()
+            }
+        };
+        let report = FireReport {
+            fire,
+            outputs: messages.len(),
+        };
+        let stats = self.stats.clone();
+        let mut publish: BoxFuture<'static, Result<(), TransportError>> = Box::pin(async move {
+            let count = messages.len();
+            for (message, sink) in messages {
+                sink.publish(message).await?;
+            }
+            stats.published(count);
+            Ok(())
+        });
+        if self.in_flight.is_empty() {
+            // Most sinks acknowledge quickly; skip the queue when this one already has.
+            if let Poll::Ready(done) = futures::poll!(&mut publish) {
+                done?;
+                self.mark_durable(&consumed);
+                return Ok(report);
+            }
+        }
+        self.in_flight.push_back(publish);
+        self.unacknowledged.push_back(consumed);
+        Ok(report)
+    }
+
+    fn acknowledged(&mut self) {
+        if let Some(consumed) = self.unacknowledged.pop_front() {
+            self.mark_durable(&consumed);
+        }
+    }
+
+    fn mark_durable(&self, consumed: &Consumed) {
+        for (i, boundary) in consumed {
+            self.durable[*i].send_if_modified(|d| {
+                let advance = boundary.sequence > *d;
+                if advance {
+                    *d = boundary.sequence;
+                }
+                advance
+            });
+        }
+    }
+
+    async fn snapshot(&mut self) {
+        let snapshot = self.cache.snapshot(self.fires, self.unacknowledged.iter());
+        self.last_snapshot = Instant::now();
+        match self.store.save_cache(&self.key, &snapshot).await {
+            Ok(()) => {
+                self.snapshot_pending = false;
+                self.stats.snapshot_written();
+                // Everything received is now either in the stored cache or re-queued
+                // there, so the accumulators may commit it.
+                for i in 0..self.durable.len() {
+                    let last = self.cache.last_sequence(i);
+                    self.durable[i].send_if_modified(|d| {
+                        let advance = last > *d;
+                        if advance {
+                            *d = last;
+                        }
+                        advance
+                    });
+                }
+            }
+            Err(e) => warn!(graph = %self.graph, error = %e, "cache snapshot failed; will retry"),
+        }
+    }
+
+    async fn command(&mut self, command: Command) -> Result<(), ReactorError> {
+        match command {
+            Command::ForceFire(reply) => {
+                let (values, consumed) = self.cache.take();
+                let report = self.fire(values, consumed).await?;
+                let _ = reply.send(Ok(report));
+            }
+            Command::FireWith(values, reply) => {
+                let names = self.cache.names().clone();
+                let mut injected = Vec::with_capacity(values.len());
+                for (name, value) in values {
+                    match names.iter().position(|n| **n == *name) {
+                        Some(i) => injected.push((i, value)),
+                        None => {
+                            let _ = reply.send(Err(CommandError::UnknownSource {
+                                graph: self.graph.to_string(),
+                                source_name: name,
+                            }));
+                            return Ok(());
+                        }
+                    }
+                }
+                let now = now_ms();
+                for (i, value) in injected {
+                    let boundary = Boundary {
+                        source: names[i].clone(),
+                        sequence: self.cache.last_sequence(i),
+                        position: None,
+                        event_time_ms: now,
+                        emit_time_ms: now,
+                        value,
+                    };
+                    self.cache.inject(i, boundary);
+                }
+                let values = self.cache.values();
+                let report = self.fire(values, Vec::new()).await?;
+                let _ = reply.send(Ok(report));
+            }
+            Command::GetState(reply) => {
+                let _ = reply.send(Ok(self.status()));
+            }
+            Command::Pause(reply) => {
+                self.paused = true;
+                let _ = reply.send(Ok(()));
+            }
+            Command::Resume(reply) => {
+                self.paused = false;
+                let _ = reply.send(Ok(()));
+            }
+        }
+        Ok(())
+    }
+
+    fn status(&self) -> ReactorStatus {
+        let values = self.cache.values();
+        let sources: BTreeMap<String, SourceStatus> = self
+            .cache
+            .names()
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let status = SourceStatus {
+                    dirty: self.cache.dirty(i),
+                    health: self.health[i],
+                    last_sequence: self.cache.last_sequence(i),
+                    queued: self.cache.queued(i),
+                    value: values[i].as_ref().map(|b| b.value.clone()),
+                };
+                (name.to_string(), status)
+            })
+            .collect();
+        ReactorStatus {
+            graph: self.graph.to_string(),
+            state: self.state,
+            paused: self.paused,
+            fires: self.fires,
+            sources,
+        }
+    }
+}

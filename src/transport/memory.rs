@@ -1,0 +1,280 @@
+//! In-process broker: topics with partitions and offsets, consumer groups with committed
+//! positions. A group member reads every partition of its topic (one member per group).
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use async_trait::async_trait;
+use tokio::sync::Notify;
+
+use super::{
+    now_ms, Broker, Message, Outbound, Position, Sink, Source, StartFrom, Subscription,
+    TransportError,
+};
+
+/// How many messages a source takes from the broker per lock.
+const FETCH_BATCH: usize = 256;
+
+#[derive(Clone)]
+pub struct MemoryBroker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    partitions: usize,
+    topics: Mutex<HashMap<String, Arc<Topic>>>,
+}
+
+struct Topic {
+    name: Arc<str>,
+    log: Mutex<TopicLog>,
+    appended: Notify,
+}
+
+struct TopicLog {
+    partitions: Vec<Vec<Message>>,
+    /// Next offset to read, per group and partition.
+    committed: HashMap<String, Vec<i64>>,
+    round_robin: usize,
+}
+
+impl Default for MemoryBroker {
+    fn default() -> Self {
+        Self::new(1)
+    }
+}
+
+impl MemoryBroker {
+    /// A broker whose topics are created with `partitions` partitions on first use.
+    pub fn new(partitions: usize) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                partitions: partitions.max(1),
+                topics: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    fn topic(&self, name: &str) -> Arc<Topic> {
+        let mut topics = lock(&self.inner.topics);
+        topics
+            .entry(name.to_string())
+            .or_insert_with(|| {
+                Arc::new(Topic {
+                    name: Arc::from(name),
+                    log: Mutex::new(TopicLog {
+                        partitions: vec![Vec::new(); self.inner.partitions],
+                        committed: HashMap::new(),
+                        round_robin: 0,
+                    }),
+                    appended: Notify::new(),
+                })
+            })
+            .clone()
+    }
+
+    /// Every message of a topic, partition by partition, for inspection and tests.
+    pub fn messages(&self, topic: &str) -> Vec<Message> {
+        let topic = self.topic(topic);
+        let log = lock(&topic.log);
+        log.partitions.iter().flatten().cloned().collect()
+    }
+
+    /// The positions a group will resume from, one per partition.
+    pub fn committed(&self, topic: &str, group: &str) -> Vec<i64> {
+        let topic = self.topic(topic);
+        let log = lock(&topic.log);
+        log.committed
+            .get(group)
+            .cloned()
+            .unwrap_or_else(|| vec![0; log.partitions.len()])
+    }
+
+    fn append(&self, message: Outbound) -> Result<Position, TransportError> {
+        validate_topic(&message.topic)?;
+        let topic = self.topic(&message.topic);
+        let position = {
+            let mut log = lock(&topic.log);
+            let count = log.partitions.len();
+            let partition = match &message.key {
+                Some(key) => {
+                    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+                    key.hash(&mut hasher);
+                    (hasher.finish() % count as u64) as usize
+                }
+                None => {
+                    log.round_robin = (log.round_robin + 1) % count;
+                    log.round_robin
+                }
+            };
+            let entries = &mut log.partitions[partition];
+            let position = Position {
+                partition: partition as i32,
+                offset: entries.len() as i64,
+            };
+            entries.push(Message {
+                topic: topic.name.clone(),
+                position,
+                key: message.key,
+                payload: message.payload,
+                headers: message.headers,
+                timestamp_ms: now_ms(),
+            });
+            position
+        };
+        topic.appended.notify_waiters();
+        Ok(position)
+    }
+}
+
+fn validate_topic(topic: &str) -> Result<(), TransportError> {
+    if topic.is_empty() || topic.chars().any(|c| c.is_whitespace()) {
+        return Err(TransportError::InvalidTopic {
+            topic: topic.to_string(),
+            reason: "must be non-empty and contain no whitespace".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Poisoning only happens if a thread panicked while holding the lock; the data (a log of
+/// appended messages) is still consistent, so keep going.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[async_trait]
+impl Broker for MemoryBroker {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn Source>, TransportError> {
+        validate_topic(&subscription.topic)?;
+        let topic = self.topic(&subscription.topic);
+        let next = {
+            let mut log = lock(&topic.log);
+            let lengths: Vec<i64> = log.partitions.iter().map(|p| p.len() as i64).collect();
+            let committed = log
+                .committed
+                .entry(subscription.group.clone())
+                .or_insert_with(|| match subscription.start {
+                    StartFrom::Earliest => vec![0; lengths.len()],
+                    StartFrom::Latest => lengths.clone(),
+                });
+            committed.clone()
+        };
+        let partitions = match &subscription.partitions {
+            Some(wanted) => {
+                for p in wanted {
+                    if *p < 0 || *p as usize >= next.len() {
+                        return Err(TransportError::Consume {
+                            topic: subscription.topic.clone(),
+                            reason: format!("partition {p} does not exist"),
+                            retryable: false,
+                        });
+                    }
+                }
+                wanted.clone()
+            }
+            None => (0..next.len() as i32).collect(),
+        };
+        Ok(Box::new(MemorySource {
+            topic,
+            group: subscription.group.clone(),
+            partitions,
+            next,
+            buffer: VecDeque::new(),
+            turn: 0,
+        }))
+    }
+
+    fn sink(&self) -> Arc<dyn Sink> {
+        Arc::new(self.clone())
+    }
+
+    async fn ping(&self) -> Result<(), TransportError> {
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Sink for MemoryBroker {
+    async fn publish(&self, message: Outbound) -> Result<Position, TransportError> {
+        self.append(message)
+    }
+}
+
+struct MemorySource {
+    topic: Arc<Topic>,
+    group: String,
+    partitions: Vec<i32>,
+    /// Next offset to fetch, per partition (not the committed position).
+    next: Vec<i64>,
+    buffer: VecDeque<Message>,
+    turn: usize,
+}
+
+impl MemorySource {
+    /// Moves available messages into the local buffer, taking partitions in turn so a
+    /// busy partition cannot starve the others.
+    fn fetch(&mut self) -> bool {
+        let log = lock(&self.topic.log);
+        for _ in 0..self.partitions.len() {
+            self.turn = (self.turn + 1) % self.partitions.len();
+            let p = self.partitions[self.turn] as usize;
+            let entries = &log.partitions[p];
+            let from = self.next[p] as usize;
+            if from < entries.len() {
+                let to = (from + FETCH_BATCH).min(entries.len());
+                self.buffer.extend(entries[from..to].iter().cloned());
+                self.next[p] = to as i64;
+                return true;
+            }
+        }
+        false
+    }
+}
+
+#[async_trait]
+impl Source for MemorySource {
+    async fn next(&mut self) -> Result<Message, TransportError> {
+        loop {
+            if let Some(message) = self.buffer.pop_front() {
+                return Ok(message);
+            }
+            let topic = self.topic.clone();
+            let appended = topic.appended.notified();
+            tokio::pin!(appended);
+            appended.as_mut().enable();
+            if self.fetch() {
+                continue;
+            }
+            appended.await;
+        }
+    }
+
+    async fn commit(&mut self, through: &[Position]) -> Result<(), TransportError> {
+        let mut log = lock(&self.topic.log);
+        let partitions = log.partitions.len();
+        let committed = log
+            .committed
+            .entry(self.group.clone())
+            .or_insert_with(|| vec![0; partitions]);
+        for position in through {
+            let p = position.partition as usize;
+            if p >= committed.len() {
+                return Err(TransportError::Commit {
+                    topic: self.topic.name.to_string(),
+                    reason: format!("partition {} does not exist", position.partition),
+                });
+            }
+            committed[p] = committed[p].max(position.offset + 1);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,195 @@
+//! The broker seam: [`Source`] (consume with commit-after-durable) and [`Sink`] (publish
+//! and wait for the acknowledgement), created by a [`Broker`].
+//!
+//! Backends: [`memory`] (the embedded default). Every backend keeps per-partition offsets
+//! and commits only what the caller says is durable, so at-least-once behaves the same
+//! everywhere.
+
+pub mod memory;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+/// Where a message sits in its topic: one partition's offset. For a JetStream-like log
+/// with a single sequence, the partition is 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Position {
+    pub partition: i32,
+    pub offset: i64,
+}
+
+/// A consumed message.
+#[derive(Debug, Clone)]
+pub struct Message {
+    pub topic: Arc<str>,
+    pub position: Position,
+    pub key: Option<Bytes>,
+    pub payload: Bytes,
+    pub headers: Vec<(String, String)>,
+    pub timestamp_ms: i64,
+}
+
+/// A message to publish.
+#[derive(Debug, Clone)]
+pub struct Outbound {
+    pub topic: String,
+    pub key: Option<Bytes>,
+    pub payload: Bytes,
+    pub headers: Vec<(String, String)>,
+}
+
+impl Outbound {
+    pub fn new(topic: impl Into<String>, payload: impl Into<Bytes>) -> Self {
+        Self {
+            topic: topic.into(),
+            key: None,
+            payload: payload.into(),
+            headers: Vec::new(),
+        }
+    }
+
+    pub fn key(mut self, key: impl Into<Bytes>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+}
+
+/// Where a new consumer group starts when it has no committed position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StartFrom {
+    /// The oldest retained message, so a new graph never skips what came before it.
+    #[default]
+    Earliest,
+    Latest,
+}
+
+/// What to consume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subscription {
+    pub topic: String,
+    /// Consumer group (Kafka) or durable consumer name (JetStream).
+    pub group: String,
+    pub start: StartFrom,
+    /// Read these partitions directly instead of joining the group's assignment.
+    pub partitions: Option<Vec<i32>>,
+}
+
+impl Subscription {
+    pub fn new(topic: impl Into<String>, group: impl Into<String>) -> Self {
+        Self {
+            topic: topic.into(),
+            group: group.into(),
+            start: StartFrom::Earliest,
+            partitions: None,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error("broker {broker} unreachable: {reason}")]
+    Unreachable { broker: String, reason: String },
+    #[error("publish to {topic} failed: {reason}")]
+    Publish {
+        topic: String,
+        reason: String,
+        retryable: bool,
+    },
+    #[error("consume from {topic} failed: {reason}")]
+    Consume {
+        topic: String,
+        reason: String,
+        retryable: bool,
+    },
+    #[error("commit on {topic} failed: {reason}")]
+    Commit { topic: String, reason: String },
+    #[error("invalid topic or subject {topic:?}: {reason}")]
+    InvalidTopic { topic: String, reason: String },
+    #[error("source on {topic} is closed")]
+    Closed { topic: String },
+}
+
+impl TransportError {
+    /// Whether the same call may succeed later (the broker came back, a leader moved).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Unreachable { .. } | Self::Commit { .. } => true,
+            Self::Publish { retryable, .. } | Self::Consume { retryable, .. } => *retryable,
+            Self::InvalidTopic { .. } | Self::Closed { .. } => false,
+        }
+    }
+}
+
+/// A consumer on one topic or subject.
+#[async_trait]
+pub trait Source: Send {
+    /// The next message, waiting for one if none is available.
+    async fn next(&mut self) -> Result<Message, TransportError>;
+
+    /// Marks everything up to and including each position as processed, so a restarted
+    /// consumer of the same group resumes right after it.
+    async fn commit(&mut self, through: &[Position]) -> Result<(), TransportError>;
+}
+
+/// A producer. `publish` returns once the broker has acknowledged the message.
+#[async_trait]
+pub trait Sink: Send + Sync {
+    async fn publish(&self, message: Outbound) -> Result<Position, TransportError>;
+}
+
+/// A connection to one broker, handing out sources and sinks.
+#[async_trait]
+pub trait Broker: Send + Sync {
+    /// A short name for logs and errors: `memory`, `kafka`, `nats`.
+    fn kind(&self) -> &'static str;
+
+    async fn subscribe(&self, subscription: &Subscription) -> Result<Box<dyn Source>, TransportError>;
+
+    fn sink(&self) -> Arc<dyn Sink>;
+
+    /// Succeeds when the broker answers.
+    async fn ping(&self) -> Result<(), TransportError>;
+}
+
+/// Opens a source afresh, each time an accumulator (re)starts.
+#[async_trait]
+pub trait SourceFactory: Send + Sync {
+    /// Where the source reads from, for logs, errors and dead-letter topics.
+    fn describe(&self) -> String;
+
+    async fn open(&self) -> Result<Box<dyn Source>, TransportError>;
+}
+
+/// A [`SourceFactory`] subscribing on a broker.
+pub struct BrokerSource {
+    pub broker: Arc<dyn Broker>,
+    pub subscription: Subscription,
+}
+
+#[async_trait]
+impl SourceFactory for BrokerSource {
+    fn describe(&self) -> String {
+        self.subscription.topic.clone()
+    }
+
+    async fn open(&self) -> Result<Box<dyn Source>, TransportError> {
+        self.broker.subscribe(&self.subscription).await
+    }
+}
+
+/// Milliseconds since the Unix epoch, for message and boundary timestamps.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
