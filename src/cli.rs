@@ -5,7 +5,11 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Parser)]
-#[command(name = "weir", version, about = "A message-broker-native stream processor and scheduler")]
+#[command(
+    name = "weir",
+    version,
+    about = "A message-broker-native stream processor and scheduler"
+)]
 pub struct Cli {
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Human, global = true, env = "WEIR_LOG_FORMAT")]

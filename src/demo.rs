@@ -50,7 +50,9 @@ async fn mid(ctx: NodeContext) -> NodeResult {
     let Some(q) = ctx.get::<Quote>("quotes")? else {
         return Ok(None);
     };
-    Ok(Some(json!({"mid": (q.bid + q.ask) / 2.0, "spread": q.ask - q.bid})))
+    Ok(Some(
+        json!({"mid": (q.bid + q.ask) / 2.0, "spread": q.ask - q.bid}),
+    ))
 }
 
 async fn vwap(ctx: NodeContext) -> NodeResult {
@@ -89,7 +91,9 @@ async fn signal(ctx: NodeContext) -> NodeResult {
 pub fn market_graph() -> Result<GraphDeclaration, crate::graph::GraphBuildError> {
     GraphBuilder::new("market")
         .accumulator(AccumulatorSpec::passthrough("quotes").topic(QUOTES_TOPIC))
-        .accumulator(AccumulatorSpec::batch("trades", 5, Duration::from_millis(500)).topic(TRADES_TOPIC))
+        .accumulator(
+            AccumulatorSpec::batch("trades", 5, Duration::from_millis(500)).topic(TRADES_TOPIC),
+        )
         .criteria(Criteria::WhenAny)
         .strategy(Strategy::Latest)
         .node("mid", ["quotes"], mid)
@@ -187,7 +191,11 @@ pub async fn run(
         .map_err(|e| Error::Usage(e.to_string()))?;
 
     let generator_stop = CancellationToken::new();
-    let generator = tokio::spawn(generate(broker.clone(), options.rate, generator_stop.clone()));
+    let generator = tokio::spawn(generate(
+        broker.clone(),
+        options.rate,
+        generator_stop.clone(),
+    ));
     let deadline = async {
         match options.duration {
             Some(d) => tokio::time::sleep(d).await,

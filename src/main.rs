@@ -14,7 +14,9 @@ async fn main() {
                 duration: Command::demo_duration(seconds),
                 rate,
             };
-            demo::run(options, cancel, &mut std::io::stdout()).await.map(|_| ())
+            demo::run(options, cancel, &mut std::io::stdout())
+                .await
+                .map(|_| ())
         }
     };
     if let Err(e) = result {

@@ -232,7 +232,10 @@ mod tests {
     fn batch_restores_held_events() {
         let mut batch = Batch::new(2, Duration::ZERO);
         batch.init(Some(json!(["a"]))).unwrap();
-        assert_eq!(batch.process(ev(json!("b"))).unwrap(), Some(json!(["a", "b"])));
+        assert_eq!(
+            batch.process(ev(json!("b"))).unwrap(),
+            Some(json!(["a", "b"]))
+        );
         assert!(batch.init(Some(json!({"x": 1}))).is_err());
         assert_eq!(batch.flush_interval(), None);
     }

@@ -144,6 +144,21 @@ pub struct AccumulatorSpec {
     pub(crate) dead_letter: Option<String>,
 }
 
+impl std::fmt::Debug for AccumulatorSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let source = match &self.source {
+            SourceSpec::None => "socket only".to_string(),
+            SourceSpec::Topic { topic, .. } => topic.clone(),
+            SourceSpec::Custom(factory) => factory.describe(),
+        };
+        f.debug_struct("AccumulatorSpec")
+            .field("name", &self.name)
+            .field("kind", &self.kind)
+            .field("source", &source)
+            .finish()
+    }
+}
+
 impl AccumulatorSpec {
     /// Any [`Accumulator`] implementation.
     pub fn custom<A, F>(name: impl Into<String>, factory: F) -> Self

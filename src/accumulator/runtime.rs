@@ -84,7 +84,8 @@ impl AccumulatorTask {
             self.set_health(Health::SocketOnly).await;
         }
         let mut flush = run.accumulator.flush_interval().map(|period| {
-            let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+            let mut interval =
+                tokio::time::interval_at(tokio::time::Instant::now() + period, period);
             interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             interval
         });
@@ -293,7 +294,9 @@ impl AccumulatorTask {
     }
 }
 
-async fn next_message(source: &mut Option<Box<dyn Source>>) -> Result<Message, crate::transport::TransportError> {
+async fn next_message(
+    source: &mut Option<Box<dyn Source>>,
+) -> Result<Message, crate::transport::TransportError> {
     match source {
         Some(s) => s.next().await,
         None => std::future::pending().await,

@@ -22,16 +22,24 @@ pub enum CodecError {
     Truncated { len: usize },
     #[error("message does not start with the Avro single-object marker C3 01")]
     BadMarker,
-    #[error("schema fingerprint mismatch for {record}: expected {expected:016x}, found {found:016x}")]
+    #[error(
+        "schema fingerprint mismatch for {record}: expected {expected:016x}, found {found:016x}"
+    )]
     FingerprintMismatch {
         record: &'static str,
         expected: u64,
         found: u64,
     },
     #[error("Avro body of {record} is invalid: {reason}")]
-    Avro { record: &'static str, reason: String },
+    Avro {
+        record: &'static str,
+        reason: String,
+    },
     #[error("schema {record} failed to parse: {reason}")]
-    Schema { record: &'static str, reason: String },
+    Schema {
+        record: &'static str,
+        reason: String,
+    },
     #[error("invalid JSON: {0}")]
     Json(#[from] serde_json::Error),
 }

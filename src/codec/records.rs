@@ -63,7 +63,11 @@ pub struct ReactorCommandRecord {
     pub cache: Option<String>,
     pub request_id: Option<String>,
 }
-avro_record!(ReactorCommandRecord, "ReactorCommand", "reactor_command.avsc");
+avro_record!(
+    ReactorCommandRecord,
+    "ReactorCommand",
+    "reactor_command.avsc"
+);
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobMessage {
@@ -185,7 +189,13 @@ mod tests {
         let bytes = encode(&tick()).unwrap();
         let err = decode::<TaskReadyEvent>(&bytes).unwrap_err();
         assert!(
-            matches!(err, CodecError::FingerprintMismatch { record: "TaskReadyEvent", .. }),
+            matches!(
+                err,
+                CodecError::FingerprintMismatch {
+                    record: "TaskReadyEvent",
+                    ..
+                }
+            ),
             "{err}"
         );
         assert!(err.to_string().contains("fingerprint mismatch"));

@@ -154,7 +154,11 @@ impl CompiledGraph {
                 runs.push((i, (node.function)(ctx)));
             }
             let results = if runs.len() == 1 {
-                let (i, run) = runs.pop().into_iter().next().unwrap_or_else(|| unreachable!());
+                let (i, run) = runs
+                    .pop()
+                    .into_iter()
+                    .next()
+                    .unwrap_or_else(|| unreachable!());
                 vec![(i, run.await)]
             } else {
                 let (ids, futures): (Vec<usize>, Vec<_>) = runs.into_iter().unzip();
@@ -210,10 +214,7 @@ fn levels(upstream: &[Vec<usize>]) -> Result<Vec<Vec<usize>>, Vec<usize>> {
         // of them must revisit a node: that loop is a cycle.
         let mut path = vec![start];
         let mut at = start;
-        loop {
-            let Some(&up) = upstream[at].iter().find(|&&j| !done[j]) else {
-                break;
-            };
+        while let Some(&up) = upstream[at].iter().find(|&&j| !done[j]) {
             if let Some(pos) = path.iter().position(|&p| p == up) {
                 let mut cycle = path.split_off(pos);
                 cycle.reverse();
@@ -267,28 +268,39 @@ mod tests {
     #[test]
     fn unknown_inputs_missing_and_orphan_nodes_are_rejected() {
         let err = base().node("x", ["nope"], echo).output("x", "o").build();
-        assert!(matches!(err, Err(GraphBuildError::UnknownInput { ref input, .. }) if input == "nope"));
+        assert!(
+            matches!(err, Err(GraphBuildError::UnknownInput { ref input, .. }) if input == "nope")
+        );
 
         let err = base().node("x", ["a"], echo).output("ghost", "o").build();
-        assert!(matches!(err, Err(GraphBuildError::MissingNode { ref node, .. }) if node == "ghost"));
+        assert!(
+            matches!(err, Err(GraphBuildError::MissingNode { ref node, .. }) if node == "ghost")
+        );
 
         let err = base()
             .node("x", ["a"], echo)
             .node("lonely", ["b"], echo)
             .output("x", "o")
             .build();
-        assert!(matches!(err, Err(GraphBuildError::OrphanNode { ref node, .. }) if node == "lonely"));
+        assert!(
+            matches!(err, Err(GraphBuildError::OrphanNode { ref node, .. }) if node == "lonely")
+        );
 
         let err = base().node("a", ["b"], echo).output("a", "o").build();
         assert!(matches!(err, Err(GraphBuildError::DuplicateName { .. })));
 
-        let err = GraphBuilder::new("g").node("x", ["a"], echo).output("x", "o").build();
+        let err = GraphBuilder::new("g")
+            .node("x", ["a"], echo)
+            .output("x", "o")
+            .build();
         assert!(matches!(err, Err(GraphBuildError::NoAccumulators { .. })));
 
         let err = base().node("x", ["a"], echo).build();
         assert!(matches!(err, Err(GraphBuildError::NoOutputs { .. })));
 
-        let err = GraphBuilder::new("bad name").accumulator(AccumulatorSpec::passthrough("a")).build();
+        let err = GraphBuilder::new("bad name")
+            .accumulator(AccumulatorSpec::passthrough("a"))
+            .build();
         assert!(matches!(err, Err(GraphBuildError::BadName(_))));
     }
 
@@ -303,7 +315,10 @@ mod tests {
             .unwrap();
         assert_eq!(
             decl.graph.level_names(),
-            vec![vec!["left".to_string(), "right".to_string()], vec!["join".to_string()]]
+            vec![
+                vec!["left".to_string(), "right".to_string()],
+                vec!["join".to_string()]
+            ]
         );
     }
 
@@ -317,7 +332,13 @@ mod tests {
             emit_time_ms: 0,
             value: json!(a),
         };
-        Arc::new(FireInput::new(Arc::from("g"), 1, false, names, vec![Some(Arc::new(boundary)), None]))
+        Arc::new(FireInput::new(
+            Arc::from("g"),
+            1,
+            false,
+            names,
+            vec![Some(Arc::new(boundary)), None],
+        ))
     }
 
     #[tokio::test]
@@ -346,10 +367,13 @@ mod tests {
             .output("join", "o")
             .build()
             .unwrap();
-        let out = tokio::time::timeout(std::time::Duration::from_secs(5), decl.graph.run(fire_input(1)))
-            .await
-            .expect("branches ran concurrently")
-            .unwrap();
+        let out = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            decl.graph.run(fire_input(1)),
+        )
+        .await
+        .expect("branches ran concurrently")
+        .unwrap();
         assert_eq!(out[0].as_deref(), Some(&json!(["l", "r"])));
     }
 
@@ -371,7 +395,10 @@ mod tests {
             .build()
             .unwrap();
         assert_eq!(decl.graph.run(fire_input(5)).await.unwrap(), vec![None]);
-        assert_eq!(decl.graph.run(fire_input(20)).await.unwrap()[0].as_deref(), Some(&json!(40)));
+        assert_eq!(
+            decl.graph.run(fire_input(20)).await.unwrap()[0].as_deref(),
+            Some(&json!(40))
+        );
         let err = decl.graph.run(fire_input(200)).await.unwrap_err();
         assert_eq!(err.node, "after");
         assert_eq!(err.to_string(), "node after failed: too big");

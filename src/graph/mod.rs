@@ -60,7 +60,10 @@ impl FireInput {
     pub fn inputs_json(&self) -> Value {
         let mut map = Map::with_capacity(self.names.len());
         for (name, value) in self.names.iter().zip(&self.values) {
-            let v = value.as_ref().map(|b| b.value.clone()).unwrap_or(Value::Null);
+            let v = value
+                .as_ref()
+                .map(|b| b.value.clone())
+                .unwrap_or(Value::Null);
             map.insert(name.to_string(), v);
         }
         Value::Object(map)
@@ -98,7 +101,10 @@ impl NodeContext {
             return Ok(None);
         };
         T::deserialize(value).map(Some).map_err(|e| {
-            NodeError::new(format!("input {name} of node {} has the wrong shape: {e}", self.node))
+            NodeError::new(format!(
+                "input {name} of node {} has the wrong shape: {e}",
+                self.node
+            ))
         })
     }
 }
@@ -144,7 +150,9 @@ pub struct OutputBinding {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GraphBuildError {
-    #[error("graph name must be non-empty and contain only letters, digits, '.', '_' and '-': {0:?}")]
+    #[error(
+        "graph name must be non-empty and contain only letters, digits, '.', '_' and '-': {0:?}"
+    )]
     BadName(String),
     #[error("graph {graph} declares no accumulators")]
     NoAccumulators { graph: String },
@@ -172,8 +180,17 @@ pub enum GraphBuildError {
     BadReactor { graph: String, reason: String },
 }
 
+impl std::fmt::Debug for OutputBinding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutputBinding")
+            .field("node", &self.node)
+            .field("topic", &self.topic)
+            .finish()
+    }
+}
+
 /// A validated, compiled graph ready for the supervisor.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct GraphDeclaration {
     pub name: String,
     pub tenant: Option<String>,
@@ -296,7 +313,12 @@ impl GraphBuilder {
     }
 
     /// A node running a registered graph function over every declared source.
-    pub fn function(mut self, node: impl Into<String>, registry: &FunctionRegistry, function: &str) -> Self {
+    pub fn function(
+        mut self,
+        node: impl Into<String>,
+        registry: &FunctionRegistry,
+        function: &str,
+    ) -> Self {
         match registry.get(function) {
             Some(f) => {
                 let sources: Vec<String> =

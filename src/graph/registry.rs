@@ -75,11 +75,19 @@ mod tests {
             emit_time_ms: 0,
             value: json!({"px": 1}),
         };
-        let input = FireInput::new(Arc::from("prices"), 7, false, names, vec![Some(Arc::new(a)), None]);
+        let input = FireInput::new(
+            Arc::from("prices"),
+            7,
+            false,
+            names,
+            vec![Some(Arc::new(a)), None],
+        );
         let out = decl.graph.run(Arc::new(input)).await.unwrap();
         assert_eq!(
             out[0].as_deref(),
-            Some(&json!({"graph": "prices", "fire": 7, "degraded": false, "inputs": {"a": {"px": 1}, "b": null}}))
+            Some(
+                &json!({"graph": "prices", "fire": 7, "degraded": false, "inputs": {"a": {"px": 1}, "b": null}})
+            )
         );
     }
 

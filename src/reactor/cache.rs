@@ -192,7 +192,9 @@ impl InputCache {
                     Strategy::Latest => stored.dirty |= !requeue.is_empty(),
                     Strategy::Sequential => {
                         stored.queue = requeue;
-                        stored.queue.extend(slot.queue.iter().map(|b| (**b).clone()));
+                        stored
+                            .queue
+                            .extend(slot.queue.iter().map(|b| (**b).clone()));
                         stored.dirty = !stored.queue.is_empty();
                     }
                 }

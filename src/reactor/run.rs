@@ -158,7 +158,9 @@ impl Reactor {
                 let (values, consumed) = self.cache.take();
                 self.fire(values, consumed).await?;
             }
-            if self.snapshot_pending && self.last_snapshot.elapsed() >= self.config.snapshot_interval {
+            if self.snapshot_pending
+                && self.last_snapshot.elapsed() >= self.config.snapshot_interval
+            {
                 self.snapshot().await;
             }
             let snapshot_at = self.last_snapshot + self.config.snapshot_interval;

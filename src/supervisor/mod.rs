@@ -65,9 +65,13 @@ pub fn default_node_id() -> String {
 pub enum GraphStatus {
     Running,
     /// Waiting out the backoff after a failure.
-    Restarting { failures: u32 },
+    Restarting {
+        failures: u32,
+    },
     /// The failure budget is spent; the graph stays down.
-    Failed { error: String },
+    Failed {
+        error: String,
+    },
     Stopped,
 }
 
@@ -276,8 +280,12 @@ impl GraphWiring {
         let mut sources = Vec::new();
         let mut dead_letter_topics = Vec::new();
         for spec in &decl.accumulators {
-            let (source, default_dlq): (Option<Arc<dyn SourceFactory>>, String) = match &spec.source {
-                SourceSpec::None => (None, decl.qualify_topic(&format!("{}.{}.dlq", decl.name, spec.name))),
+            let (source, default_dlq): (Option<Arc<dyn SourceFactory>>, String) = match &spec.source
+            {
+                SourceSpec::None => (
+                    None,
+                    decl.qualify_topic(&format!("{}.{}.dlq", decl.name, spec.name)),
+                ),
                 SourceSpec::Topic { topic, start } => {
                     let topic = decl.qualify_topic(topic);
                     let mut subscription = Subscription::new(topic.clone(), group.clone());
@@ -357,7 +365,12 @@ impl SupervisedGraph {
                 Ended::Failed => return,
                 Ended::ReactorFailed(error) => {
                     match self
-                        .failure(&mut failures, "reactor", RecoveryAction::GraphRespawned, &error)
+                        .failure(
+                            &mut failures,
+                            "reactor",
+                            RecoveryAction::GraphRespawned,
+                            &error,
+                        )
                         .await
                     {
                         Some(delay) => {
@@ -397,7 +410,11 @@ impl SupervisedGraph {
         failures.count += 1;
         failures.last = Some(now);
         let failed = failures.count >= self.policy.max_failures;
-        let action = if failed { RecoveryAction::GraphFailed } else { action };
+        let action = if failed {
+            RecoveryAction::GraphFailed
+        } else {
+            action
+        };
         let event = RecoveryEvent {
             graph: self.decl.key(),
             component: component.to_string(),
@@ -423,7 +440,12 @@ impl SupervisedGraph {
         Some(delay)
     }
 
-    fn accumulator_task(&self, index: usize, wiring: &Wiring, cancel: &CancellationToken) -> AccumulatorTask {
+    fn accumulator_task(
+        &self,
+        index: usize,
+        wiring: &Wiring,
+        cancel: &CancellationToken,
+    ) -> AccumulatorTask {
         AccumulatorTask {
             graph: Arc::from(self.decl.key().as_str()),
             key: self.decl.key(),

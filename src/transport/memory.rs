@@ -141,7 +141,9 @@ fn validate_topic(topic: &str) -> Result<(), TransportError> {
 /// Poisoning only happens if a thread panicked while holding the lock; the data (a log of
 /// appended messages) is still consistent, so keep going.
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[async_trait]

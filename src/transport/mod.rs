@@ -152,7 +152,10 @@ pub trait Broker: Send + Sync {
     /// A short name for logs and errors: `memory`, `kafka`, `nats`.
     fn kind(&self) -> &'static str;
 
-    async fn subscribe(&self, subscription: &Subscription) -> Result<Box<dyn Source>, TransportError>;
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn Source>, TransportError>;
 
     fn sink(&self) -> Arc<dyn Sink>;
 

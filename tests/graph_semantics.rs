@@ -1,0 +1,907 @@
+//! Reactor, accumulator and graph semantics on the embedded backends.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use common::{eventually, settle, Harness};
+use serde_json::{json, Value};
+use tokio::sync::Notify;
+use weir::graph::{FunctionRegistry, NodeContext};
+use weir::reactor::CommandError;
+use weir::transport::{Message, Position, Source, SourceFactory, TransportError};
+use weir::{
+    AccumulatorSpec, Criteria, GraphBuilder, Health, ReactorConfig, ReactorState, Strategy,
+};
+
+/// A graph over the given accumulators whose one node records every source's value.
+fn snapshot_graph(
+    name: &str,
+    accumulators: Vec<AccumulatorSpec>,
+    config: ReactorConfig,
+) -> weir::GraphDeclaration {
+    let registry = FunctionRegistry::default();
+    let mut builder = GraphBuilder::new(name).reactor(config);
+    for acc in accumulators {
+        builder = builder.accumulator(acc);
+    }
+    builder
+        .function("snapshot", &registry, "snapshot")
+        .output("snapshot", format!("{name}.out"))
+        .build()
+        .expect("valid graph")
+}
+
+fn config(criteria: Criteria, strategy: Strategy) -> ReactorConfig {
+    ReactorConfig {
+        criteria,
+        strategy,
+        ..ReactorConfig::default()
+    }
+}
+
+fn inputs(outputs: &[Value], source: &str) -> Vec<Value> {
+    outputs
+        .iter()
+        .map(|o| o["inputs"][source].clone())
+        .collect()
+}
+
+#[tokio::test]
+async fn when_all_fires_only_after_every_source_emitted() {
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "all",
+        vec![
+            AccumulatorSpec::passthrough("a"),
+            AccumulatorSpec::passthrough("b"),
+        ],
+        config(Criteria::WhenAll, Strategy::Latest),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    g.push("a", json!(1)).await.unwrap();
+    g.push("a", json!(2)).await.unwrap();
+    eventually("a cached", || async { g.stats().boundaries == 2 }).await;
+    settle().await;
+    assert!(h.outputs("all.out").is_empty(), "fired before b emitted");
+    g.push("b", json!(10)).await.unwrap();
+    eventually("first fire", || async { h.outputs("all.out").len() == 1 }).await;
+    let out = h.outputs("all.out");
+    assert_eq!(out[0]["inputs"], json!({"a": 2, "b": 10}));
+    // After a fire, both must emit again.
+    g.push("b", json!(11)).await.unwrap();
+    settle().await;
+    assert_eq!(h.outputs("all.out").len(), 1);
+    g.push("a", json!(3)).await.unwrap();
+    eventually("second fire", || async { h.outputs("all.out").len() == 2 }).await;
+    assert_eq!(h.outputs("all.out")[1]["inputs"], json!({"a": 3, "b": 11}));
+}
+
+#[tokio::test]
+async fn latest_skips_intermediates() {
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "latest",
+        vec![AccumulatorSpec::passthrough("a")],
+        config(Criteria::WhenAny, Strategy::Latest),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    g.reactor().pause().await.unwrap();
+    for i in 1..=5 {
+        g.push("a", json!(i)).await.unwrap();
+    }
+    eventually("all cached", || async { g.stats().boundaries == 5 }).await;
+    g.reactor().resume().await.unwrap();
+    eventually("a fire", || async { h.outputs("latest.out").len() == 1 }).await;
+    settle().await;
+    let out = h.outputs("latest.out");
+    assert_eq!(inputs(&out, "a"), vec![json!(5)]);
+}
+
+#[tokio::test]
+async fn sequential_skips_none() {
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "seq",
+        vec![AccumulatorSpec::passthrough("a")],
+        config(Criteria::WhenAny, Strategy::Sequential),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    g.reactor().pause().await.unwrap();
+    for i in 1..=5 {
+        g.push("a", json!(i)).await.unwrap();
+    }
+    eventually("all cached", || async { g.stats().boundaries == 5 }).await;
+    g.reactor().resume().await.unwrap();
+    eventually("five fires", || async { h.outputs("seq.out").len() == 5 }).await;
+    let out = h.outputs("seq.out");
+    assert_eq!(
+        inputs(&out, "a"),
+        (1..=5).map(|i| json!(i)).collect::<Vec<_>>()
+    );
+    let fires: Vec<u64> = out.iter().map(|o| o["fire"].as_u64().unwrap()).collect();
+    assert_eq!(fires, vec![1, 2, 3, 4, 5]);
+}
+
+#[tokio::test]
+async fn sequential_when_all_takes_the_head_of_each_queue() {
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "seqall",
+        vec![
+            AccumulatorSpec::passthrough("a"),
+            AccumulatorSpec::passthrough("b"),
+        ],
+        config(Criteria::WhenAll, Strategy::Sequential),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    for i in 1..=3 {
+        g.push("a", json!(i)).await.unwrap();
+    }
+    eventually("a queued", || async { g.stats().boundaries == 3 }).await;
+    settle().await;
+    assert!(h.outputs("seqall.out").is_empty());
+    g.push("b", json!("x")).await.unwrap();
+    g.push("b", json!("y")).await.unwrap();
+    eventually("two fires", || async { h.outputs("seqall.out").len() == 2 }).await;
+    settle().await;
+    let out = h.outputs("seqall.out");
+    assert_eq!(out.len(), 2);
+    assert_eq!(out[0]["inputs"], json!({"a": 1, "b": "x"}));
+    assert_eq!(out[1]["inputs"], json!({"a": 2, "b": "y"}));
+    let state = g.reactor().get_state().await.unwrap();
+    assert_eq!(state.sources["a"].queued, 1);
+    assert!(state.sources["a"].dirty);
+    assert!(!state.sources["b"].dirty);
+}
+
+#[tokio::test]
+async fn sequential_backpressure_never_drops() {
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "bp",
+        vec![AccumulatorSpec::passthrough("a").topic("bp.in")],
+        ReactorConfig {
+            queue_capacity: 2,
+            ..config(Criteria::WhenAny, Strategy::Sequential)
+        },
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    g.reactor().pause().await.unwrap();
+    for i in 0..10 {
+        h.publish("bp.in", json!(i).to_string().as_bytes()).await;
+    }
+    eventually("queue full", || async {
+        g.reactor().get_state().await.unwrap().sources["a"].queued == 2
+    })
+    .await;
+    settle().await;
+    assert_eq!(
+        g.reactor().get_state().await.unwrap().sources["a"].queued,
+        2
+    );
+    g.reactor().resume().await.unwrap();
+    eventually("ten fires", || async { h.outputs("bp.out").len() == 10 }).await;
+    assert_eq!(
+        inputs(&h.outputs("bp.out"), "a"),
+        (0..10).map(|i| json!(i)).collect::<Vec<_>>()
+    );
+}
+
+/// A source that opens only when released, then emits nothing.
+struct GatedSource {
+    open: Arc<Notify>,
+}
+
+struct Silent;
+
+#[async_trait]
+impl Source for Silent {
+    async fn next(&mut self) -> Result<Message, TransportError> {
+        std::future::pending().await
+    }
+    async fn commit(&mut self, _: &[Position]) -> Result<(), TransportError> {
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl SourceFactory for GatedSource {
+    fn describe(&self) -> String {
+        "gated".into()
+    }
+    async fn open(&self) -> Result<Box<dyn Source>, TransportError> {
+        self.open.notified().await;
+        Ok(Box::new(Silent))
+    }
+}
+
+#[tokio::test]
+async fn warming_gates_firing() {
+    let h = Harness::new();
+    let gate = Arc::new(Notify::new());
+    let g = h.spawn(snapshot_graph(
+        "warm",
+        vec![
+            AccumulatorSpec::passthrough("pushed"),
+            AccumulatorSpec::passthrough("slow")
+                .source(Arc::new(GatedSource { open: gate.clone() })),
+        ],
+        config(Criteria::WhenAny, Strategy::Latest),
+    ));
+    g.push("pushed", json!(1)).await.unwrap();
+    eventually("cached", || async { g.stats().boundaries == 1 }).await;
+    settle().await;
+    assert_eq!(g.state(), ReactorState::Warming);
+    assert_eq!(g.health("slow"), Some(Health::Connecting));
+    assert!(h.outputs("warm.out").is_empty(), "fired while warming");
+    gate.notify_one();
+    g.wait_for_state(ReactorState::Live).await;
+    eventually("fire after live", || async {
+        h.outputs("warm.out").len() == 1
+    })
+    .await;
+    assert_eq!(h.outputs("warm.out")[0]["inputs"]["pushed"], json!(1));
+}
+
+/// Emits one event, then fails when told to.
+struct OneThenFail {
+    sent: bool,
+    fail: Arc<Notify>,
+}
+
+#[async_trait]
+impl Source for OneThenFail {
+    async fn next(&mut self) -> Result<Message, TransportError> {
+        if !self.sent {
+            self.sent = true;
+            return Ok(Message {
+                topic: Arc::from("flaky"),
+                position: Position {
+                    partition: 0,
+                    offset: 0,
+                },
+                key: None,
+                payload: bytes::Bytes::from_static(b"\"tick\""),
+                headers: vec![],
+                timestamp_ms: 0,
+            });
+        }
+        self.fail.notified().await;
+        Err(TransportError::Unreachable {
+            broker: "flaky".into(),
+            reason: "connection reset".into(),
+        })
+    }
+    async fn commit(&mut self, _: &[Position]) -> Result<(), TransportError> {
+        Ok(())
+    }
+}
+
+struct FlakyFactory {
+    opens: Arc<AtomicUsize>,
+    fail: Arc<Notify>,
+}
+
+#[async_trait]
+impl SourceFactory for FlakyFactory {
+    fn describe(&self) -> String {
+        "flaky".into()
+    }
+    async fn open(&self) -> Result<Box<dyn Source>, TransportError> {
+        self.opens.fetch_add(1, Ordering::SeqCst);
+        Ok(Box::new(OneThenFail {
+            sent: false,
+            fail: self.fail.clone(),
+        }))
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn degraded_after_a_disconnect_then_live_again() {
+    let h = Harness::new();
+    let opens = Arc::new(AtomicUsize::new(0));
+    let fail = Arc::new(Notify::new());
+    let g = h.spawn(snapshot_graph(
+        "deg",
+        vec![
+            AccumulatorSpec::passthrough("pushed"),
+            AccumulatorSpec::passthrough("flaky").source(Arc::new(FlakyFactory {
+                opens: opens.clone(),
+                fail: fail.clone(),
+            })),
+        ],
+        config(Criteria::WhenAny, Strategy::Latest),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    fail.notify_one();
+    g.wait_for_state(ReactorState::Degraded).await;
+    assert_eq!(g.health("flaky"), Some(Health::Disconnected));
+    g.push("pushed", json!("while degraded")).await.unwrap();
+    eventually("degraded fire", || async {
+        h.outputs("deg.out")
+            .iter()
+            .any(|o| o["degraded"] == json!(true))
+    })
+    .await;
+    let degraded_message = h
+        .broker
+        .messages("deg.out")
+        .into_iter()
+        .find(|m| serde_json::from_slice::<Value>(&m.payload).unwrap()["degraded"] == json!(true))
+        .unwrap();
+    assert!(degraded_message
+        .headers
+        .contains(&("weir-degraded".to_string(), "true".to_string())));
+    // The supervisor restarts the accumulator after the backoff; the graph is Live again.
+    g.wait_for_state(ReactorState::Live).await;
+    assert_eq!(opens.load(Ordering::SeqCst), 2);
+    let events = h.store_recoveries().await;
+    assert_eq!(events[0].component, "flaky");
+    assert!(
+        events[0].error.contains("connection reset"),
+        "{}",
+        events[0].error
+    );
+}
+
+trait Recoveries {
+    async fn store_recoveries(&self) -> Vec<weir::store::RecoveryEvent>;
+}
+
+impl Recoveries for Harness {
+    async fn store_recoveries(&self) -> Vec<weir::store::RecoveryEvent> {
+        use weir::store::Store;
+        self.store.recovery_events(None, 100).await.unwrap()
+    }
+}
+
+#[tokio::test]
+async fn pause_and_resume() {
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "pause",
+        vec![AccumulatorSpec::passthrough("a")],
+        config(Criteria::WhenAny, Strategy::Latest),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    g.reactor().pause().await.unwrap();
+    assert!(g.reactor().get_state().await.unwrap().paused);
+    g.push("a", json!(1)).await.unwrap();
+    eventually("cached", || async { g.stats().boundaries == 1 }).await;
+    settle().await;
+    assert!(h.outputs("pause.out").is_empty());
+    let state = g.reactor().get_state().await.unwrap();
+    assert!(
+        state.sources["a"].dirty,
+        "boundaries keep accumulating while paused"
+    );
+    g.reactor().resume().await.unwrap();
+    eventually("fire on resume", || async {
+        h.outputs("pause.out").len() == 1
+    })
+    .await;
+    assert!(!g.reactor().get_state().await.unwrap().paused);
+}
+
+#[tokio::test]
+async fn force_fire_ignores_criteria() {
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "force",
+        vec![
+            AccumulatorSpec::passthrough("a"),
+            AccumulatorSpec::passthrough("b"),
+        ],
+        config(Criteria::WhenAll, Strategy::Latest),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    g.push("a", json!(7)).await.unwrap();
+    eventually("cached", || async { g.stats().boundaries == 1 }).await;
+    let report = g.reactor().force_fire().await.unwrap();
+    assert_eq!(report.fire, 1);
+    assert_eq!(report.outputs, 1);
+    eventually("output", || async { h.outputs("force.out").len() == 1 }).await;
+    assert_eq!(
+        h.outputs("force.out")[0]["inputs"],
+        json!({"a": 7, "b": null})
+    );
+    assert!(!g.reactor().get_state().await.unwrap().sources["a"].dirty);
+}
+
+#[tokio::test]
+async fn fire_with_an_injected_cache() {
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "inject",
+        vec![
+            AccumulatorSpec::passthrough("a"),
+            AccumulatorSpec::passthrough("b"),
+        ],
+        config(Criteria::WhenAll, Strategy::Latest),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    g.push("a", json!(1)).await.unwrap();
+    eventually("cached", || async { g.stats().boundaries == 1 }).await;
+    let cache = BTreeMap::from([("b".to_string(), json!({"px": 99}))]);
+    g.reactor().fire_with(cache).await.unwrap();
+    eventually("output", || async { h.outputs("inject.out").len() == 1 }).await;
+    assert_eq!(
+        h.outputs("inject.out")[0]["inputs"],
+        json!({"a": 1, "b": {"px": 99}})
+    );
+    let state = g.reactor().get_state().await.unwrap();
+    assert_eq!(state.sources["b"].value, Some(json!({"px": 99})));
+
+    let err = g
+        .reactor()
+        .fire_with(BTreeMap::from([("nope".to_string(), json!(1))]))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, CommandError::UnknownSource { .. }), "{err}");
+}
+
+#[tokio::test]
+async fn get_state_returns_cache_flags_and_state() {
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "state",
+        vec![
+            AccumulatorSpec::passthrough("a"),
+            AccumulatorSpec::passthrough("b"),
+        ],
+        config(Criteria::WhenAll, Strategy::Latest),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    let state = g.reactor().get_state().await.unwrap();
+    assert_eq!(state.state, ReactorState::Live);
+    assert!(!state.paused);
+    assert!(state
+        .sources
+        .values()
+        .all(|s| !s.dirty && s.value.is_none()));
+    g.push("a", json!("x")).await.unwrap();
+    eventually("cached", || async { g.stats().boundaries == 1 }).await;
+    let state = g.reactor().get_state().await.unwrap();
+    assert!(state.sources["a"].dirty);
+    assert!(!state.sources["b"].dirty);
+    assert_eq!(state.sources["a"].value, Some(json!("x")));
+    assert_eq!(state.sources["a"].last_sequence, 1);
+    assert_eq!(state.sources["a"].health, Health::SocketOnly);
+    assert_eq!(state.fires, 0);
+}
+
+/// Passes events through, panicking once on the value "poison".
+struct PanicsOnce {
+    armed: Arc<AtomicBool>,
+}
+
+impl weir::Accumulator for PanicsOnce {
+    fn process(
+        &mut self,
+        event: weir::Event,
+    ) -> Result<Option<Value>, weir::accumulator::AccumulatorError> {
+        if event.value == json!("poison") && self.armed.swap(false, Ordering::SeqCst) {
+            panic!("poisoned accumulator");
+        }
+        Ok(Some(event.value))
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn accumulator_restart_keeps_the_reactor_and_drops_replayed_duplicates() {
+    let h = Harness::new();
+    let armed = Arc::new(AtomicBool::new(true));
+    let flag = armed.clone();
+    let g = h.spawn(snapshot_graph(
+        "restart",
+        vec![AccumulatorSpec::custom("a", move || PanicsOnce {
+            armed: flag.clone(),
+        })
+        .topic("restart.in")],
+        ReactorConfig {
+            // No snapshot and no fire while paused: nothing becomes durable, nothing is
+            // committed, so the restarted accumulator replays from the start.
+            snapshot_interval: Duration::from_secs(3600),
+            ..config(Criteria::WhenAny, Strategy::Latest)
+        },
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    g.reactor().pause().await.unwrap();
+    for v in [json!(1), json!(2), json!("poison"), json!(3)] {
+        h.publish("restart.in", v.to_string().as_bytes()).await;
+    }
+    eventually("restart recorded", || async {
+        !h.store_recoveries().await.is_empty()
+    })
+    .await;
+    eventually("replay done", || async { g.stats().boundaries == 4 }).await;
+    let stats = g.stats();
+    // 1 and 2 were emitted before the panic and replayed after it.
+    assert_eq!(stats.duplicates, 2, "{stats:?}");
+    let state = g.reactor().get_state().await.unwrap();
+    assert!(
+        state.paused,
+        "the reactor kept running (still paused) through the restart"
+    );
+    assert_eq!(state.sources["a"].value, Some(json!(3)));
+    let events = h.store_recoveries().await;
+    assert_eq!(events.len(), 1);
+    assert_eq!(
+        events[0].action,
+        weir::store::RecoveryAction::AccumulatorRestarted
+    );
+    assert!(events[0].error.contains("poisoned accumulator"));
+    g.reactor().resume().await.unwrap();
+    eventually("fire", || async { h.outputs("restart.out").len() == 1 }).await;
+    // Once the fire is acknowledged, the source position is committed.
+    eventually("committed", || async {
+        h.broker.committed("restart.in", "weir.restart") == vec![4]
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn offsets_are_committed_only_after_outputs_are_durable() {
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "durable",
+        vec![AccumulatorSpec::passthrough("a").topic("durable.in")],
+        ReactorConfig {
+            snapshot_interval: Duration::from_secs(3600),
+            ..config(Criteria::WhenAny, Strategy::Sequential)
+        },
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    g.reactor().pause().await.unwrap();
+    for i in 0..3 {
+        h.publish("durable.in", json!(i).to_string().as_bytes())
+            .await;
+    }
+    eventually("cached", || async { g.stats().boundaries == 3 }).await;
+    settle().await;
+    assert_eq!(h.broker.committed("durable.in", "weir.durable"), vec![0]);
+    g.reactor().resume().await.unwrap();
+    eventually("fires", || async { h.outputs("durable.out").len() == 3 }).await;
+    eventually("committed", || async {
+        h.broker.committed("durable.in", "weir.durable") == vec![3]
+    })
+    .await;
+    use weir::store::Store;
+    let checkpoint = h
+        .store
+        .load_checkpoint("durable", "a")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(checkpoint.sequence, 3);
+    assert_eq!(
+        checkpoint.positions,
+        vec![Position {
+            partition: 0,
+            offset: 2
+        }]
+    );
+}
+
+/// Node that panics when source `a` holds "boom".
+fn panicky_graph(name: &str) -> weir::GraphDeclaration {
+    GraphBuilder::new(name)
+        .accumulator(AccumulatorSpec::passthrough("a"))
+        .accumulator(AccumulatorSpec::passthrough("b"))
+        .reactor(ReactorConfig {
+            snapshot_interval: Duration::ZERO,
+            ..ReactorConfig::default()
+        })
+        .node("n", ["a", "b"], |ctx: NodeContext| async move {
+            if ctx.source("a") == Some(&json!("boom")) {
+                panic!("reactor blew up");
+            }
+            Ok(Some(json!({"a": ctx.source("a"), "b": ctx.source("b")})))
+        })
+        .output("n", format!("{name}.out"))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn reactor_failure_respawns_the_graph_with_the_cache_restored() {
+    let h = Harness::new();
+    let g = h.spawn(panicky_graph("respawn"));
+    g.wait_for_state(ReactorState::Live).await;
+    g.push("b", json!("kept")).await.unwrap();
+    eventually("first fire", || async {
+        h.outputs("respawn.out").len() == 1
+    })
+    .await;
+    g.push("a", json!("boom")).await.unwrap();
+    g.wait_for_status(|s| matches!(s, weir::supervisor::GraphStatus::Restarting { .. }))
+        .await;
+    g.wait_for_status(|s| *s == weir::supervisor::GraphStatus::Running)
+        .await;
+    g.wait_for_state(ReactorState::Live).await;
+    let state = g.reactor().get_state().await.unwrap();
+    assert_eq!(
+        state.sources["b"].value,
+        Some(json!("kept")),
+        "cache restored from the store"
+    );
+    assert_eq!(state.fires, 1, "fire count restored");
+    let events = h.store_recoveries().await;
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0].component, "reactor");
+    assert_eq!(
+        events[0].action,
+        weir::store::RecoveryAction::GraphRespawned
+    );
+    assert!(
+        events[0].error.contains("reactor blew up"),
+        "{}",
+        events[0].error
+    );
+    // Commands reach the new reactor through the same handle.
+    g.push("a", json!("fine")).await.unwrap();
+    eventually("fire after respawn", || async {
+        h.outputs("respawn.out").len() == 2
+    })
+    .await;
+    assert_eq!(
+        h.outputs("respawn.out")[1],
+        json!({"a": "fine", "b": "kept"})
+    );
+}
+
+/// Emits one event each time it is opened; records when.
+struct OnOpen {
+    opened: Arc<std::sync::Mutex<Vec<tokio::time::Instant>>>,
+}
+
+#[async_trait]
+impl SourceFactory for OnOpen {
+    fn describe(&self) -> String {
+        "on-open".into()
+    }
+    async fn open(&self) -> Result<Box<dyn Source>, TransportError> {
+        self.opened
+            .lock()
+            .unwrap()
+            .push(tokio::time::Instant::now());
+        Ok(Box::new(OneThenFail {
+            sent: false,
+            fail: Arc::new(Notify::new()),
+        }))
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn backoff_doubles_and_the_graph_fails_after_five_failures() {
+    let h = Harness::new();
+    let opened = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let decl = GraphBuilder::new("doomed")
+        .accumulator(AccumulatorSpec::passthrough("a").source(Arc::new(OnOpen {
+            opened: opened.clone(),
+        })))
+        .node("n", ["a"], |_ctx: NodeContext| async move {
+            panic!("always fails");
+        })
+        .output("n", "doomed.out")
+        .build()
+        .unwrap();
+    let g = h.spawn(decl);
+    let status = g
+        .wait_for_status(|s| matches!(s, weir::supervisor::GraphStatus::Failed { .. }))
+        .await;
+    assert!(
+        matches!(status, weir::supervisor::GraphStatus::Failed { ref error } if error.contains("always fails"))
+    );
+    let opened = opened.lock().unwrap().clone();
+    assert_eq!(opened.len(), 5, "one start plus four restarts");
+    let gaps: Vec<u64> = opened.windows(2).map(|w| (w[1] - w[0]).as_secs()).collect();
+    assert_eq!(gaps, vec![1, 2, 4, 8]);
+    let mut events = h.store_recoveries().await;
+    events.reverse();
+    let attempts: Vec<u32> = events.iter().map(|e| e.attempt).collect();
+    assert_eq!(attempts, vec![1, 2, 3, 4, 5]);
+    assert!(events[..4]
+        .iter()
+        .all(|e| e.action == weir::store::RecoveryAction::GraphRespawned));
+    assert_eq!(events[4].action, weir::store::RecoveryAction::GraphFailed);
+    // Failed stays failed.
+    tokio::time::sleep(Duration::from_secs(300)).await;
+    assert_eq!(opened.len(), 5);
+}
+
+#[tokio::test(start_paused = true)]
+async fn sixty_healthy_seconds_reset_the_failure_count() {
+    let h = Harness::new();
+    let g = h.spawn(panicky_graph("reset"));
+    g.wait_for_state(ReactorState::Live).await;
+    for _ in 0..4 {
+        g.push("a", json!("boom")).await.unwrap();
+        g.wait_for_status(|s| matches!(s, weir::supervisor::GraphStatus::Restarting { .. }))
+            .await;
+        g.wait_for_status(|s| *s == weir::supervisor::GraphStatus::Running)
+            .await;
+        g.wait_for_state(ReactorState::Live).await;
+        tokio::time::sleep(Duration::from_secs(61)).await;
+    }
+    let attempts: Vec<u32> = h
+        .store_recoveries()
+        .await
+        .iter()
+        .map(|e| e.attempt)
+        .collect();
+    assert_eq!(attempts, vec![1, 1, 1, 1]);
+    assert_eq!(g.status(), weir::supervisor::GraphStatus::Running);
+}
+
+#[tokio::test(start_paused = true)]
+async fn batch_accumulator_flushes_on_interval() {
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "batch",
+        vec![AccumulatorSpec::batch("a", 10, Duration::from_millis(100))],
+        config(Criteria::WhenAny, Strategy::Latest),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    g.push("a", json!(1)).await.unwrap();
+    g.push("a", json!(2)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(h.outputs("batch.out").is_empty());
+    eventually("flush", || async { h.outputs("batch.out").len() == 1 }).await;
+    assert_eq!(h.outputs("batch.out")[0]["inputs"]["a"], json!([1, 2]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn polling_accumulator_emits_changes() {
+    let h = Harness::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let g = h.spawn(snapshot_graph(
+        "poll",
+        vec![AccumulatorSpec::polling(
+            "rate",
+            Duration::from_secs(1),
+            move || {
+                let n = c.fetch_add(1, Ordering::SeqCst);
+                async move { Some(json!(n / 2)) }
+            },
+        )],
+        config(Criteria::WhenAny, Strategy::Latest),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    eventually("three distinct values", || async {
+        h.outputs("poll.out").len() == 3
+    })
+    .await;
+    assert_eq!(
+        inputs(&h.outputs("poll.out"), "rate"),
+        vec![json!(0), json!(1), json!(2)]
+    );
+    assert!(calls.load(Ordering::SeqCst) >= 5);
+}
+
+#[tokio::test]
+async fn stateful_accumulator_resumes_from_its_checkpoint() {
+    let h = Harness::new();
+    let sum = || {
+        AccumulatorSpec::stateful("sum", json!(0), |state, event| {
+            let total = state.as_i64().unwrap_or(0) + event.as_i64().unwrap_or(0);
+            *state = json!(total);
+            Some(json!(total))
+        })
+        .topic("sum.in")
+    };
+    let g = h.spawn(snapshot_graph(
+        "sum",
+        vec![sum()],
+        config(Criteria::WhenAny, Strategy::Sequential),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    for i in [1, 2, 3] {
+        h.publish("sum.in", json!(i).to_string().as_bytes()).await;
+    }
+    eventually("fires", || async { h.outputs("sum.out").len() == 3 }).await;
+    use weir::store::Store;
+    eventually("checkpoint", || async {
+        h.store
+            .load_checkpoint("sum", "sum")
+            .await
+            .unwrap()
+            .is_some_and(|c| c.state == Some(json!(6)))
+    })
+    .await;
+    assert_eq!(
+        inputs(&h.outputs("sum.out"), "sum"),
+        vec![json!(1), json!(3), json!(6)]
+    );
+}
+
+#[tokio::test]
+async fn undecodable_events_go_to_the_dead_letter_topic() {
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "dlq",
+        vec![AccumulatorSpec::passthrough("a").topic("dlq.in")],
+        config(Criteria::WhenAny, Strategy::Sequential),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    h.publish("dlq.in", b"1").await;
+    h.publish("dlq.in", b"{not json").await;
+    h.publish("dlq.in", b"2").await;
+    eventually("good events flow", || async {
+        h.outputs("dlq.out").len() == 2
+    })
+    .await;
+    let dead = h.broker.messages("dlq.in.dlq");
+    assert_eq!(dead.len(), 1);
+    assert_eq!(&dead[0].payload[..], b"{not json");
+    let error = dead[0]
+        .headers
+        .iter()
+        .find(|(k, _)| k == "weir-error")
+        .unwrap();
+    assert!(error.1.contains("invalid JSON"), "{}", error.1);
+    assert_eq!(g.stats().dead_letters, 1);
+    eventually("dead letter committed", || async {
+        h.broker.committed("dlq.in", "weir.dlq") == vec![3]
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn tenants_get_their_own_topics_and_keys() {
+    let h = Harness::new();
+    let registry = FunctionRegistry::default();
+    let decl = GraphBuilder::new("prices")
+        .tenant("acme")
+        .accumulator(AccumulatorSpec::passthrough("a").topic("prices.in"))
+        .function("snapshot", &registry, "snapshot")
+        .output("snapshot", "prices.out")
+        .build()
+        .unwrap();
+    let g = h.spawn(decl);
+    assert_eq!(g.name(), "acme/prices");
+    g.wait_for_state(ReactorState::Live).await;
+    h.publish("prices.in", b"1").await;
+    h.publish("acme.prices.in", b"2").await;
+    eventually("tenant output", || async {
+        h.outputs("acme.prices.out").len() == 1
+    })
+    .await;
+    assert_eq!(h.outputs("acme.prices.out")[0]["inputs"]["a"], json!(2));
+    assert!(h.outputs("prices.out").is_empty());
+}
+
+#[tokio::test]
+async fn duplicate_graph_names_are_rejected() {
+    let h = Harness::new();
+    let make = || {
+        snapshot_graph(
+            "twice",
+            vec![AccumulatorSpec::passthrough("a")],
+            ReactorConfig::default(),
+        )
+    };
+    h.spawn(make());
+    assert!(h.supervisor.spawn(make()).is_err());
+}
+
+#[tokio::test]
+async fn shutdown_is_bounded_and_stops_every_graph() {
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "stop",
+        vec![AccumulatorSpec::passthrough("a")],
+        ReactorConfig::default(),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    assert!(h.supervisor.shutdown().await);
+    assert_eq!(g.status(), weir::supervisor::GraphStatus::Stopped);
+    assert!(g.reactor().get_state().await.is_err());
+    h.cancel.cancel();
+}
