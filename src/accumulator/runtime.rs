@@ -39,6 +39,7 @@ pub(crate) struct AccumulatorTask {
 }
 
 struct Running {
+    source_name: Arc<str>,
     accumulator: Box<dyn Accumulator>,
     stateful: bool,
     sequence: u64,
@@ -57,6 +58,7 @@ impl AccumulatorTask {
         accumulator.init(checkpoint.state.clone())?;
         let stateful = accumulator.checkpoint().is_some();
         let mut run = Running {
+            source_name: Arc::from(self.spec.name.as_str()),
             accumulator,
             stateful,
             sequence: checkpoint.sequence,
@@ -222,11 +224,17 @@ impl AccumulatorTask {
         run.sequence += 1;
         run.tracker.emitted(run.sequence, position);
         let boundary = Boundary {
-            source: Arc::from(self.spec.name.as_str()),
+            source: run.source_name.clone(),
             sequence: run.sequence,
             position,
             event_time_ms,
-            emit_time_ms: now_ms(),
+            // Pushed and flushed events were stamped a moment ago; reading the clock again
+            // would cost more than the difference is worth.
+            emit_time_ms: if position.is_some() {
+                now_ms()
+            } else {
+                event_time_ms
+            },
             value,
         };
         self.to_reactor

@@ -55,6 +55,9 @@ pub(crate) struct Wiring {
 
 pub(crate) struct Reactor {
     graph: Arc<str>,
+    /// Message key of every output: the graph's name, so one graph's outputs stay in
+    /// one partition, in fire order.
+    output_key: bytes::Bytes,
     key: String,
     config: ReactorConfig,
     compiled: Arc<CompiledGraph>,
@@ -63,7 +66,12 @@ pub(crate) struct Reactor {
     cache: InputCache,
     health: Vec<Health>,
     durable: Vec<watch::Sender<u64>>,
+    /// Durable sequence per source not yet told to its accumulator: published once per
+    /// loop turn, not once per fire.
+    durable_pending: Vec<u64>,
     permits: Vec<Option<Arc<Semaphore>>>,
+    /// Queue slots freed since the last loop turn, per source.
+    permits_pending: Vec<usize>,
     inputs: mpsc::Receiver<ReactorInput>,
     state: ReactorState,
     state_tx: watch::Sender<ReactorState>,
@@ -118,6 +126,7 @@ impl Reactor {
         }
         let reactor = Self {
             graph: Arc::from(decl.name.as_str()),
+            output_key: bytes::Bytes::from(decl.key().into_bytes()),
             key,
             config: decl.reactor.clone(),
             compiled: decl.graph.clone(),
@@ -125,7 +134,9 @@ impl Reactor {
             store,
             cache,
             health: vec![Health::Starting; names.len()],
+            durable_pending: durable.iter().map(|d| *d.borrow()).collect(),
             durable,
+            permits_pending: vec![0; permits.len()],
             permits: permits.clone(),
             inputs,
             state: ReactorState::Starting,
@@ -153,17 +164,25 @@ impl Reactor {
     ) -> Result<(), ReactorError> {
         self.set_state(ReactorState::Warming);
         self.update_state();
+        let snapshot_timer = tokio::time::sleep(self.config.snapshot_interval);
+        tokio::pin!(snapshot_timer);
+        let mut timer_armed = false;
         loop {
             while self.should_fire() {
                 let (values, consumed) = self.cache.take();
                 self.fire(values, consumed).await?;
             }
-            if self.snapshot_pending
-                && self.last_snapshot.elapsed() >= self.config.snapshot_interval
-            {
-                self.snapshot().await;
+            self.publish_progress();
+            if self.snapshot_pending && !timer_armed {
+                let due = self.last_snapshot + self.config.snapshot_interval;
+                if due <= Instant::now() {
+                    self.snapshot().await;
+                    self.publish_progress();
+                } else {
+                    snapshot_timer.as_mut().reset(due);
+                    timer_armed = true;
+                }
             }
-            let snapshot_at = self.last_snapshot + self.config.snapshot_interval;
             tokio::select! {
                 biased;
                 _ = cancel.cancelled() => break,
@@ -184,7 +203,13 @@ impl Reactor {
                     }
                     None => break,
                 },
-                _ = tokio::time::sleep_until(snapshot_at), if self.snapshot_pending => {}
+                _ = &mut snapshot_timer, if timer_armed => {
+                    timer_armed = false;
+                    if self.snapshot_pending {
+                        self.snapshot().await;
+                        self.publish_progress();
+                    }
+                }
             }
         }
         // Let acknowledged output count before the final snapshot; the supervisor bounds
@@ -196,6 +221,7 @@ impl Reactor {
         if self.snapshot_pending {
             self.snapshot().await;
         }
+        self.publish_progress();
         Ok(())
     }
 
@@ -235,9 +261,7 @@ impl Reactor {
                     Inserted::Duplicate => {
                         self.stats.duplicate_dropped();
                         // The slot this boundary took is free again.
-                        if let Some(p) = &self.permits[source] {
-                            p.add_permits(1);
-                        }
+                        self.permits_pending[source] += 1;
                     }
                 }
             }
@@ -255,9 +279,7 @@ impl Reactor {
     ) -> Result<FireReport, ReactorError> {
         if self.config.strategy == Strategy::Sequential {
             for (i, _) in &consumed {
-                if let Some(p) = &self.permits[*i] {
-                    p.add_permits(1);
-                }
+                self.permits_pending[*i] += 1;
             }
         }
         self.fires += 1;
@@ -281,7 +303,7 @@ impl Reactor {
                 .filter_map(|(value, (topic, sink))| {
                     let value = value.as_ref()?;
                     let message = Outbound::new(topic.clone(), crate::codec::json::encode(value))
-                        .key(self.graph.as_bytes().to_vec())
+                        .key(self.output_key.clone())
                         .header("weir-graph", &*self.graph)
                         .header("weir-fire", fire.to_string())
                         .header("weir-degraded", degraded.to_string());
@@ -328,15 +350,32 @@ impl Reactor {
         }
     }
 
-    fn mark_durable(&self, consumed: &Consumed) {
+    fn mark_durable(&mut self, consumed: &Consumed) {
         for (i, boundary) in consumed {
-            self.durable[*i].send_if_modified(|d| {
-                let advance = boundary.sequence > *d;
+            let d = &mut self.durable_pending[*i];
+            *d = (*d).max(boundary.sequence);
+        }
+    }
+
+    /// Tells accumulators what became durable and which queue slots are free.
+    fn publish_progress(&mut self) {
+        for (i, pending) in self.durable_pending.iter().enumerate() {
+            let pending = *pending;
+            self.durable[i].send_if_modified(|d| {
+                let advance = pending > *d;
                 if advance {
-                    *d = boundary.sequence;
+                    *d = pending;
                 }
                 advance
             });
+        }
+        for (i, freed) in self.permits_pending.iter_mut().enumerate() {
+            if *freed > 0 {
+                if let Some(p) = &self.permits[i] {
+                    p.add_permits(*freed);
+                }
+                *freed = 0;
+            }
         }
     }
 
@@ -349,15 +388,8 @@ impl Reactor {
                 self.stats.snapshot_written();
                 // Everything received is now either in the stored cache or re-queued
                 // there, so the accumulators may commit it.
-                for i in 0..self.durable.len() {
-                    let last = self.cache.last_sequence(i);
-                    self.durable[i].send_if_modified(|d| {
-                        let advance = last > *d;
-                        if advance {
-                            *d = last;
-                        }
-                        advance
-                    });
+                for (i, d) in self.durable_pending.iter_mut().enumerate() {
+                    *d = (*d).max(self.cache.last_sequence(i));
                 }
             }
             Err(e) => warn!(graph = %self.graph, error = %e, "cache snapshot failed; will retry"),

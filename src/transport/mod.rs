@@ -7,6 +7,7 @@
 
 pub mod memory;
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -21,6 +22,9 @@ pub struct Position {
     pub offset: i64,
 }
 
+/// Message headers: names are mostly weir's own constants, so they borrow when they can.
+pub type Headers = Vec<(Cow<'static, str>, String)>;
+
 /// A consumed message.
 #[derive(Debug, Clone)]
 pub struct Message {
@@ -28,8 +32,18 @@ pub struct Message {
     pub position: Position,
     pub key: Option<Bytes>,
     pub payload: Bytes,
-    pub headers: Vec<(String, String)>,
+    pub headers: Headers,
     pub timestamp_ms: i64,
+}
+
+impl Message {
+    /// The first header with this name.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 /// A message to publish.
@@ -38,7 +52,7 @@ pub struct Outbound {
     pub topic: String,
     pub key: Option<Bytes>,
     pub payload: Bytes,
-    pub headers: Vec<(String, String)>,
+    pub headers: Headers,
 }
 
 impl Outbound {
@@ -56,7 +70,7 @@ impl Outbound {
         self
     }
 
-    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+    pub fn header(mut self, name: impl Into<Cow<'static, str>>, value: impl Into<String>) -> Self {
         self.headers.push((name.into(), value.into()));
         self
     }
