@@ -38,6 +38,14 @@ impl CommitTracker {
         }
     }
 
+    /// Whether a position is at or before the committed one: a redelivery of something
+    /// already covered by the checkpoint, to be skipped.
+    pub fn covered(&self, position: Position) -> bool {
+        self.committed
+            .get(&position.partition)
+            .is_some_and(|&c| position.offset <= c)
+    }
+
     /// Records an event read from the source, whether or not it produced a boundary.
     pub fn processed(&mut self, position: Position) {
         let entry = self.processed.entry(position.partition).or_insert(i64::MIN);
@@ -183,6 +191,15 @@ mod tests {
                 sequence: 12
             })
         );
+    }
+
+    #[test]
+    fn redeliveries_of_checkpointed_positions_are_covered() {
+        let t = CommitTracker::new(4, &[pos(0, 7)]);
+        assert!(t.covered(pos(0, 7)));
+        assert!(t.covered(pos(0, 3)));
+        assert!(!t.covered(pos(0, 8)));
+        assert!(!t.covered(pos(1, 0)));
     }
 
     #[test]

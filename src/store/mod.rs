@@ -2,6 +2,7 @@
 //! leases. Backends: [`memory`] (the embedded default).
 
 pub mod memory;
+pub mod redis;
 
 use std::time::Duration;
 

@@ -5,7 +5,9 @@
 //! and commits only what the caller says is durable, so at-least-once behaves the same
 //! everywhere.
 
+pub mod kafka;
 pub mod memory;
+pub mod nats;
 
 use std::borrow::Cow;
 use std::sync::Arc;

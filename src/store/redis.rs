@@ -1,0 +1,260 @@
+//! Redis store. Values are JSON; leases are a key holding `holder|token` with a TTL,
+//! the token coming from a per-lease counter that only grows (the fencing token).
+//! Keys start with the configured prefix (`weir` by default).
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{AsyncCommands, Script};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::{Checkpoint, Lease, RecoveryEvent, Store, StoreError};
+use crate::reactor::CacheSnapshot;
+
+/// Recovery events kept per graph and in the global list.
+const RECOVERY_EVENTS_KEPT: isize = 10_000;
+
+#[derive(Clone)]
+pub struct RedisStore {
+    connection: ConnectionManager,
+    prefix: String,
+    url: String,
+}
+
+const ACQUIRE: &str = r#"
+local current = redis.call('GET', KEYS[1])
+if current then
+  local sep = string.find(current, '|', 1, true)
+  local holder = string.sub(current, 1, sep - 1)
+  if holder == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return tonumber(string.sub(current, sep + 1))
+  end
+  return false
+end
+local token = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], ARGV[1] .. '|' .. token, 'PX', ARGV[2])
+return token
+"#;
+
+const RENEW: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"#;
+
+const RELEASE: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"#;
+
+fn store_error(operation: &'static str, e: redis::RedisError) -> StoreError {
+    if e.is_io_error() || e.is_connection_refusal() || e.is_timeout() || e.is_connection_dropped() {
+        StoreError::Unreachable(format!("redis {operation}: {e}"))
+    } else {
+        StoreError::Operation {
+            operation,
+            reason: e.to_string(),
+        }
+    }
+}
+
+impl RedisStore {
+    /// Connects (failing fast when Redis is down); reconnects by itself afterwards.
+    pub async fn connect(url: &str, prefix: &str) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url).map_err(|e| StoreError::Operation {
+            operation: "open",
+            reason: format!("invalid Redis URL {url:?}: {e}"),
+        })?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Duration::from_secs(2))
+            .set_response_timeout(Duration::from_secs(2))
+            .set_number_of_retries(2);
+        let connection = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(|e| StoreError::Unreachable(format!("redis {url}: {e}")))?;
+        Ok(Self {
+            connection,
+            prefix: prefix.to_string(),
+            url: url.to_string(),
+        })
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn key(&self, parts: &[&str]) -> String {
+        let mut key = self.prefix.clone();
+        for p in parts {
+            key.push(':');
+            key.push_str(p);
+        }
+        key
+    }
+
+    async fn get_json<T: DeserializeOwned>(&self, key: String) -> Result<Option<T>, StoreError> {
+        let mut c = self.connection.clone();
+        let raw: Option<String> = c.get(&key).await.map_err(|e| store_error("GET", e))?;
+        raw.map(|text| {
+            serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
+                key,
+                reason: e.to_string(),
+            })
+        })
+        .transpose()
+    }
+
+    async fn set_json<T: Serialize>(&self, key: String, value: &T) -> Result<(), StoreError> {
+        let text = serde_json::to_string(value).map_err(|e| StoreError::Operation {
+            operation: "encode",
+            reason: e.to_string(),
+        })?;
+        let mut c = self.connection.clone();
+        c.set::<_, _, ()>(key, text)
+            .await
+            .map_err(|e| store_error("SET", e))
+    }
+
+    fn lease_value(lease: &Lease) -> String {
+        format!("{}|{}", lease.holder, lease.token)
+    }
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    async fn load_checkpoint(
+        &self,
+        graph: &str,
+        accumulator: &str,
+    ) -> Result<Option<Checkpoint>, StoreError> {
+        self.get_json(self.key(&["ckpt", graph, accumulator])).await
+    }
+
+    async fn save_checkpoint(
+        &self,
+        graph: &str,
+        accumulator: &str,
+        checkpoint: &Checkpoint,
+    ) -> Result<(), StoreError> {
+        self.set_json(self.key(&["ckpt", graph, accumulator]), checkpoint)
+            .await
+    }
+
+    async fn load_cache(&self, graph: &str) -> Result<Option<CacheSnapshot>, StoreError> {
+        self.get_json(self.key(&["cache", graph])).await
+    }
+
+    async fn save_cache(&self, graph: &str, snapshot: &CacheSnapshot) -> Result<(), StoreError> {
+        self.set_json(self.key(&["cache", graph]), snapshot).await
+    }
+
+    async fn record_recovery(&self, event: &RecoveryEvent) -> Result<(), StoreError> {
+        let text = serde_json::to_string(event).map_err(|e| StoreError::Operation {
+            operation: "encode",
+            reason: e.to_string(),
+        })?;
+        let per_graph = self.key(&["recovery", &event.graph]);
+        let all = self.key(&["recovery"]);
+        let mut c = self.connection.clone();
+        redis::pipe()
+            .atomic()
+            .lpush(&per_graph, &text)
+            .ltrim(&per_graph, 0, RECOVERY_EVENTS_KEPT - 1)
+            .lpush(&all, &text)
+            .ltrim(&all, 0, RECOVERY_EVENTS_KEPT - 1)
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(|e| store_error("LPUSH", e))
+    }
+
+    async fn recovery_events(
+        &self,
+        graph: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<RecoveryEvent>, StoreError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let key = match graph {
+            Some(g) => self.key(&["recovery", g]),
+            None => self.key(&["recovery"]),
+        };
+        let mut c = self.connection.clone();
+        let raw: Vec<String> = c
+            .lrange(&key, 0, limit as isize - 1)
+            .await
+            .map_err(|e| store_error("LRANGE", e))?;
+        raw.into_iter()
+            .map(|text| {
+                serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
+                    key: key.clone(),
+                    reason: e.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    async fn acquire_lease(
+        &self,
+        name: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, StoreError> {
+        let mut c = self.connection.clone();
+        let token: Option<u64> = Script::new(ACQUIRE)
+            .key(self.key(&["lease", name]))
+            .key(self.key(&["fence", name]))
+            .arg(holder)
+            .arg(ttl.as_millis().max(1) as u64)
+            .invoke_async(&mut c)
+            .await
+            .map_err(|e| store_error("acquire lease", e))?;
+        Ok(token.map(|token| Lease {
+            name: name.to_string(),
+            holder: holder.to_string(),
+            token,
+        }))
+    }
+
+    async fn renew_lease(&self, lease: &Lease, ttl: Duration) -> Result<bool, StoreError> {
+        let mut c = self.connection.clone();
+        let renewed: i64 = Script::new(RENEW)
+            .key(self.key(&["lease", &lease.name]))
+            .arg(Self::lease_value(lease))
+            .arg(ttl.as_millis().max(1) as u64)
+            .invoke_async(&mut c)
+            .await
+            .map_err(|e| store_error("renew lease", e))?;
+        Ok(renewed == 1)
+    }
+
+    async fn release_lease(&self, lease: &Lease) -> Result<bool, StoreError> {
+        let mut c = self.connection.clone();
+        let released: i64 = Script::new(RELEASE)
+            .key(self.key(&["lease", &lease.name]))
+            .arg(Self::lease_value(lease))
+            .invoke_async(&mut c)
+            .await
+            .map_err(|e| store_error("release lease", e))?;
+        Ok(released == 1)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let mut c = self.connection.clone();
+        redis::cmd("PING")
+            .query_async::<String>(&mut c)
+            .await
+            .map(|_| ())
+            .map_err(|e| store_error("PING", e))
+    }
+}

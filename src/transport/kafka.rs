@@ -1,0 +1,360 @@
+//! Kafka (rdkafka, classic consumer-group protocol). Offsets are stored and committed only
+//! through [`Source::commit`]; auto-commit is off. Works against Apache Kafka, Redpanda
+//! and other Kafka-compatible brokers.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, Headers, Message as _, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::util::Timeout;
+use rdkafka::{Offset, TopicPartitionList};
+
+use super::{
+    Broker, Message, Outbound, Position, Sink, Source, StartFrom, Subscription, TransportError,
+};
+
+/// Connection settings. `options` pass through to librdkafka (e.g.
+/// `session.timeout.ms`), overriding weir's defaults.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KafkaSettings {
+    pub brokers: String,
+    /// Partitions of topics weir creates.
+    pub partitions: i32,
+    pub replication: i32,
+    pub options: BTreeMap<String, String>,
+}
+
+impl Default for KafkaSettings {
+    fn default() -> Self {
+        Self {
+            brokers: "127.0.0.1:9092".into(),
+            partitions: 1,
+            replication: 1,
+            options: BTreeMap::new(),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct KafkaBroker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    settings: KafkaSettings,
+    producer: FutureProducer,
+    admin: AdminClient<DefaultClientContext>,
+    /// Topics known to exist, so creation is tried once per topic.
+    ensured: Mutex<HashSet<String>>,
+}
+
+fn unreachable(brokers: &str, e: impl std::fmt::Display) -> TransportError {
+    TransportError::Unreachable {
+        broker: format!("kafka {brokers}"),
+        reason: e.to_string(),
+    }
+}
+
+impl KafkaBroker {
+    pub fn connect(settings: KafkaSettings) -> Result<Self, TransportError> {
+        let mut producer_config = ClientConfig::new();
+        producer_config
+            .set("bootstrap.servers", &settings.brokers)
+            .set("acks", "all")
+            .set("linger.ms", "1")
+            .set("message.timeout.ms", "30000");
+        for (k, v) in &settings.options {
+            if is_producer_option(k) {
+                producer_config.set(k, v);
+            }
+        }
+        let producer: FutureProducer = producer_config
+            .create()
+            .map_err(|e| unreachable(&settings.brokers, e))?;
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", &settings.brokers)
+            .create()
+            .map_err(|e| unreachable(&settings.brokers, e))?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                settings,
+                producer,
+                admin,
+                ensured: Mutex::new(HashSet::new()),
+            }),
+        })
+    }
+
+    /// Creates the topic if it does not exist yet.
+    pub async fn ensure_topic(&self, topic: &str) -> Result<(), TransportError> {
+        if self
+            .inner
+            .ensured
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(topic)
+        {
+            return Ok(());
+        }
+        let settings = &self.inner.settings;
+        let new_topic = NewTopic::new(
+            topic,
+            settings.partitions,
+            TopicReplication::Fixed(settings.replication),
+        );
+        let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        let results = self
+            .inner
+            .admin
+            .create_topics([&new_topic], &options)
+            .await
+            .map_err(|e| unreachable(&settings.brokers, e))?;
+        for result in results {
+            match result {
+                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((name, code)) => {
+                    return Err(TransportError::InvalidTopic {
+                        topic: name,
+                        reason: format!("cannot create topic: {code}"),
+                    })
+                }
+            }
+        }
+        self.inner
+            .ensured
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(topic.to_string());
+        Ok(())
+    }
+}
+
+/// librdkafka rejects consumer-only properties on a producer and vice versa; route the
+/// pass-through options by their well-known prefixes.
+fn is_producer_option(key: &str) -> bool {
+    !(key.starts_with("session.")
+        || key.starts_with("max.poll")
+        || key.starts_with("group.")
+        || key.starts_with("heartbeat.")
+        || key.starts_with("fetch.")
+        || key.starts_with("partition.assignment")
+        || key.starts_with("auto.offset")
+        || key.starts_with("enable.auto")
+        || key.starts_with("isolation.")
+        || key.starts_with("enable.partition.eof"))
+}
+
+fn is_consumer_option(key: &str) -> bool {
+    !(key.starts_with("acks")
+        || key.starts_with("linger.")
+        || key.starts_with("batch.")
+        || key.starts_with("compression.")
+        || key.starts_with("message.timeout")
+        || key.starts_with("enable.idempotence")
+        || key.starts_with("queue.buffering")
+        || key.starts_with("retries"))
+}
+
+#[async_trait]
+impl Broker for KafkaBroker {
+    fn kind(&self) -> &'static str {
+        "kafka"
+    }
+
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn Source>, TransportError> {
+        let settings = &self.inner.settings;
+        self.ensure_topic(&subscription.topic).await?;
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &settings.brokers)
+            .set("group.id", &subscription.group)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set(
+                "auto.offset.reset",
+                match subscription.start {
+                    StartFrom::Earliest => "earliest",
+                    StartFrom::Latest => "latest",
+                },
+            )
+            .set("enable.partition.eof", "false");
+        for (k, v) in &settings.options {
+            if is_consumer_option(k) {
+                config.set(k, v);
+            }
+        }
+        let consumer: StreamConsumer = config
+            .create()
+            .map_err(|e| unreachable(&settings.brokers, e))?;
+        match &subscription.partitions {
+            Some(partitions) => {
+                // Direct assignment: resume each partition from the group's committed
+                // offset (or the start policy when there is none).
+                let mut wanted = TopicPartitionList::new();
+                for p in partitions {
+                    wanted.add_partition(&subscription.topic, *p);
+                }
+                let committed = consumer
+                    .committed_offsets(wanted, Timeout::After(Duration::from_secs(10)))
+                    .map_err(|e| unreachable(&settings.brokers, e))?;
+                let mut assignment = TopicPartitionList::new();
+                for element in committed.elements() {
+                    let offset = match element.offset() {
+                        Offset::Offset(o) => Offset::Offset(o),
+                        _ => match subscription.start {
+                            StartFrom::Earliest => Offset::Beginning,
+                            StartFrom::Latest => Offset::End,
+                        },
+                    };
+                    assignment
+                        .add_partition_offset(&subscription.topic, element.partition(), offset)
+                        .map_err(|e| unreachable(&settings.brokers, e))?;
+                }
+                consumer
+                    .assign(&assignment)
+                    .map_err(|e| unreachable(&settings.brokers, e))?;
+            }
+            None => consumer
+                .subscribe(&[&subscription.topic])
+                .map_err(|e| unreachable(&settings.brokers, e))?,
+        }
+        Ok(Box::new(KafkaSource {
+            topic: Arc::from(subscription.topic.as_str()),
+            consumer,
+        }))
+    }
+
+    fn sink(&self) -> Arc<dyn Sink> {
+        Arc::new(self.clone())
+    }
+
+    async fn ping(&self) -> Result<(), TransportError> {
+        let producer = self.inner.producer.clone();
+        let brokers = self.inner.settings.brokers.clone();
+        tokio::task::spawn_blocking(move || {
+            producer
+                .client()
+                .fetch_metadata(None, Timeout::After(Duration::from_secs(3)))
+                .map(|_| ())
+                .map_err(|e| unreachable(&brokers, e))
+        })
+        .await
+        .map_err(|e| unreachable(&self.inner.settings.brokers, e))?
+    }
+}
+
+#[async_trait]
+impl Sink for KafkaBroker {
+    async fn publish(&self, message: Outbound) -> Result<Position, TransportError> {
+        self.ensure_topic(&message.topic).await?;
+        let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
+        for (name, value) in &message.headers {
+            headers = headers.insert(Header {
+                key: name,
+                value: Some(value.as_bytes()),
+            });
+        }
+        let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&message.topic)
+            .payload(&message.payload[..])
+            .headers(headers);
+        if let Some(key) = &message.key {
+            record = record.key(&key[..]);
+        }
+        match self
+            .inner
+            .producer
+            .send(record, Timeout::After(Duration::from_secs(30)))
+            .await
+        {
+            Ok(delivery) => Ok(Position {
+                partition: delivery.partition,
+                offset: delivery.offset,
+            }),
+            Err((e, _)) => Err(TransportError::Publish {
+                topic: message.topic,
+                retryable: is_retryable(&e),
+                reason: e.to_string(),
+            }),
+        }
+    }
+}
+
+fn is_retryable(e: &KafkaError) -> bool {
+    !matches!(
+        e.rdkafka_error_code(),
+        Some(RDKafkaErrorCode::MessageSizeTooLarge)
+            | Some(RDKafkaErrorCode::InvalidTopic)
+            | Some(RDKafkaErrorCode::TopicAuthorizationFailed)
+    )
+}
+
+struct KafkaSource {
+    topic: Arc<str>,
+    consumer: StreamConsumer,
+}
+
+#[async_trait]
+impl Source for KafkaSource {
+    async fn next(&mut self) -> Result<Message, TransportError> {
+        let message = self
+            .consumer
+            .recv()
+            .await
+            .map_err(|e| TransportError::Consume {
+                topic: self.topic.to_string(),
+                retryable: is_retryable(&e),
+                reason: e.to_string(),
+            })?;
+        let headers = message
+            .headers()
+            .map(|hs| {
+                hs.iter()
+                    .map(|h| {
+                        let value = h.value.map(|v| String::from_utf8_lossy(v).into_owned());
+                        (h.key.to_string().into(), value.unwrap_or_default())
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(Message {
+            topic: self.topic.clone(),
+            position: Position {
+                partition: message.partition(),
+                offset: message.offset(),
+            },
+            key: message.key().map(Bytes::copy_from_slice),
+            payload: Bytes::copy_from_slice(message.payload().unwrap_or_default()),
+            headers,
+            timestamp_ms: message.timestamp().to_millis().unwrap_or_default(),
+        })
+    }
+
+    async fn commit(&mut self, through: &[Position]) -> Result<(), TransportError> {
+        let mut list = TopicPartitionList::new();
+        for p in through {
+            list.add_partition_offset(&self.topic, p.partition, Offset::Offset(p.offset + 1))
+                .map_err(|e| TransportError::Commit {
+                    topic: self.topic.to_string(),
+                    reason: e.to_string(),
+                })?;
+        }
+        self.consumer
+            .commit(&list, CommitMode::Async)
+            .map_err(|e| TransportError::Commit {
+                topic: self.topic.to_string(),
+                reason: e.to_string(),
+            })
+    }
+}

@@ -1,0 +1,353 @@
+//! NATS (async-nats). Two modes:
+//! - JetStream (the default): durable, at-least-once. Each subject is captured by a
+//!   stream named from it (created when missing, one subject per stream); consumers are
+//!   durable pull consumers with ack-all, acknowledged only through [`Source::commit`].
+//! - Core NATS: at-most-once. A message is gone once delivered; commits do nothing, and
+//!   a crash loses what was in flight. Use it only where that is acceptable.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, stream};
+use async_trait::async_trait;
+use futures::StreamExt;
+
+use super::{
+    Broker, Message, Outbound, Position, Sink, Source, StartFrom, Subscription, TransportError,
+};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NatsSettings {
+    pub url: String,
+    pub jetstream: bool,
+}
+
+impl Default for NatsSettings {
+    fn default() -> Self {
+        Self {
+            url: "nats://127.0.0.1:4222".into(),
+            jetstream: true,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct NatsBroker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    url: String,
+    client: async_nats::Client,
+    jetstream: Option<jetstream::Context>,
+    /// Subjects whose stream is known to exist.
+    ensured: Mutex<HashSet<String>>,
+}
+
+/// The JetStream stream that captures a subject: its name with dots and wildcards
+/// replaced, which stream names may not contain.
+pub fn stream_name(subject: &str) -> String {
+    subject
+        .chars()
+        .map(|c| match c {
+            '.' | '*' | '>' | ' ' | '/' | '\\' => '_',
+            c => c,
+        })
+        .collect()
+}
+
+impl NatsBroker {
+    pub async fn connect(settings: NatsSettings) -> Result<Self, TransportError> {
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(Duration::from_secs(5))
+            .connect(settings.url.as_str())
+            .await
+            .map_err(|e| TransportError::Unreachable {
+                broker: format!("nats {}", settings.url),
+                reason: e.to_string(),
+            })?;
+        let jetstream = settings.jetstream.then(|| jetstream::new(client.clone()));
+        Ok(Self {
+            inner: Arc::new(Inner {
+                url: settings.url,
+                client,
+                jetstream,
+                ensured: Mutex::new(HashSet::new()),
+            }),
+        })
+    }
+
+    fn unreachable(&self, e: impl std::fmt::Display) -> TransportError {
+        TransportError::Unreachable {
+            broker: format!("nats {}", self.inner.url),
+            reason: e.to_string(),
+        }
+    }
+
+    async fn ensure_stream(
+        &self,
+        js: &jetstream::Context,
+        subject: &str,
+    ) -> Result<stream::Stream, TransportError> {
+        let config = stream::Config {
+            name: stream_name(subject),
+            subjects: vec![subject.to_string()],
+            ..Default::default()
+        };
+        let stream =
+            js.get_or_create_stream(config)
+                .await
+                .map_err(|e| TransportError::InvalidTopic {
+                    topic: subject.to_string(),
+                    reason: format!("cannot create or open stream {}: {e}", stream_name(subject)),
+                })?;
+        self.inner
+            .ensured
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(subject.to_string());
+        Ok(stream)
+    }
+}
+
+fn validate_subject(subject: &str) -> Result<(), TransportError> {
+    if subject.is_empty()
+        || subject.contains(char::is_whitespace)
+        || subject.starts_with('.')
+        || subject.ends_with('.')
+    {
+        return Err(TransportError::InvalidTopic {
+            topic: subject.to_string(),
+            reason: "a NATS subject is non-empty dot-separated tokens without whitespace".into(),
+        });
+    }
+    Ok(())
+}
+
+fn headers_of(message: &async_nats::Message) -> super::Headers {
+    let Some(headers) = &message.headers else {
+        return Vec::new();
+    };
+    headers
+        .iter()
+        .flat_map(|(name, values)| {
+            let name = name.to_string();
+            values
+                .iter()
+                .map(move |v| (name.clone().into(), v.as_str().to_string()))
+        })
+        .collect()
+}
+
+#[async_trait]
+impl Broker for NatsBroker {
+    fn kind(&self) -> &'static str {
+        "nats"
+    }
+
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn Source>, TransportError> {
+        validate_subject(&subscription.topic)?;
+        let topic: Arc<str> = Arc::from(subscription.topic.as_str());
+        let Some(js) = &self.inner.jetstream else {
+            let subscriber = self
+                .inner
+                .client
+                .queue_subscribe(subscription.topic.clone(), subscription.group.clone())
+                .await
+                .map_err(|e| self.unreachable(e))?;
+            return Ok(Box::new(CoreSource { topic, subscriber }));
+        };
+        let stream = self.ensure_stream(js, &subscription.topic).await?;
+        let durable = stream_name(&subscription.group);
+        let config = consumer::pull::Config {
+            durable_name: Some(durable.clone()),
+            ack_policy: consumer::AckPolicy::All,
+            deliver_policy: match subscription.start {
+                StartFrom::Earliest => consumer::DeliverPolicy::All,
+                StartFrom::Latest => consumer::DeliverPolicy::New,
+            },
+            ack_wait: Duration::from_secs(30),
+            max_ack_pending: 100_000,
+            ..Default::default()
+        };
+        let consumer: consumer::PullConsumer = stream
+            .get_or_create_consumer(&durable, config)
+            .await
+            .map_err(|e| self.unreachable(format!("consumer {durable}: {e}")))?;
+        let messages = consumer
+            .messages()
+            .await
+            .map_err(|e| self.unreachable(format!("consumer {durable}: {e}")))?;
+        Ok(Box::new(JetStreamSource {
+            topic,
+            messages,
+            unacked: BTreeMap::new(),
+        }))
+    }
+
+    fn sink(&self) -> Arc<dyn Sink> {
+        Arc::new(self.clone())
+    }
+
+    async fn ping(&self) -> Result<(), TransportError> {
+        self.inner
+            .client
+            .flush()
+            .await
+            .map_err(|e| self.unreachable(e))
+    }
+}
+
+#[async_trait]
+impl Sink for NatsBroker {
+    async fn publish(&self, message: Outbound) -> Result<Position, TransportError> {
+        validate_subject(&message.topic)?;
+        let mut headers = async_nats::HeaderMap::new();
+        for (name, value) in &message.headers {
+            headers.insert(name.as_ref(), value.as_str());
+        }
+        let publish_error = |e: &dyn std::fmt::Display, retryable| TransportError::Publish {
+            topic: message.topic.clone(),
+            reason: e.to_string(),
+            retryable,
+        };
+        match &self.inner.jetstream {
+            Some(js) => {
+                let known = self
+                    .inner
+                    .ensured
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .contains(&message.topic);
+                if !known {
+                    self.ensure_stream(js, &message.topic).await?;
+                }
+                let ack = js
+                    .publish_with_headers(message.topic.clone(), headers, message.payload.clone())
+                    .await
+                    .map_err(|e| publish_error(&e, true))?
+                    .await
+                    .map_err(|e| publish_error(&e, true))?;
+                Ok(Position {
+                    partition: 0,
+                    offset: ack.sequence as i64,
+                })
+            }
+            None => {
+                self.inner
+                    .client
+                    .publish_with_headers(message.topic.clone(), headers, message.payload.clone())
+                    .await
+                    .map_err(|e| publish_error(&e, true))?;
+                Ok(Position {
+                    partition: 0,
+                    offset: -1,
+                })
+            }
+        }
+    }
+}
+
+struct JetStreamSource {
+    topic: Arc<str>,
+    messages: consumer::pull::Stream,
+    /// Delivered, not yet acknowledged: stream sequence → acker.
+    unacked: BTreeMap<u64, jetstream::message::Acker>,
+}
+
+#[async_trait]
+impl Source for JetStreamSource {
+    async fn next(&mut self) -> Result<Message, TransportError> {
+        let consume_error = |reason: String| TransportError::Consume {
+            topic: self.topic.to_string(),
+            reason,
+            retryable: true,
+        };
+        let message = match self.messages.next().await {
+            Some(Ok(m)) => m,
+            Some(Err(e)) => return Err(consume_error(e.to_string())),
+            None => {
+                return Err(TransportError::Closed {
+                    topic: self.topic.to_string(),
+                })
+            }
+        };
+        let (sequence, timestamp_ms) = {
+            let info = message.info().map_err(|e| consume_error(e.to_string()))?;
+            let ts = info.published.unix_timestamp_nanos() / 1_000_000;
+            (info.stream_sequence, ts as i64)
+        };
+        let headers = headers_of(&message.message);
+        let (message, acker) = message.split();
+        self.unacked.insert(sequence, acker);
+        Ok(Message {
+            topic: self.topic.clone(),
+            position: Position {
+                partition: 0,
+                offset: sequence as i64,
+            },
+            key: None,
+            payload: message.payload,
+            headers,
+            timestamp_ms,
+        })
+    }
+
+    async fn commit(&mut self, through: &[Position]) -> Result<(), TransportError> {
+        let Some(through) = through.iter().map(|p| p.offset).max() else {
+            return Ok(());
+        };
+        let through = through.max(0) as u64;
+        // With ack-all, acknowledging the newest covered message covers the older ones.
+        let newest = self.unacked.range(..=through).next_back().map(|(s, _)| *s);
+        let Some(newest) = newest else {
+            return Ok(());
+        };
+        let rest = self.unacked.split_off(&(newest + 1));
+        let covered = std::mem::replace(&mut self.unacked, rest);
+        if let Some((_, acker)) = covered.into_iter().next_back() {
+            acker.ack().await.map_err(|e| TransportError::Commit {
+                topic: self.topic.to_string(),
+                reason: e.to_string(),
+            })?;
+        }
+        Ok(())
+    }
+}
+
+struct CoreSource {
+    topic: Arc<str>,
+    subscriber: async_nats::Subscriber,
+}
+
+#[async_trait]
+impl Source for CoreSource {
+    async fn next(&mut self) -> Result<Message, TransportError> {
+        let Some(message) = self.subscriber.next().await else {
+            return Err(TransportError::Closed {
+                topic: self.topic.to_string(),
+            });
+        };
+        Ok(Message {
+            topic: self.topic.clone(),
+            // Core NATS has no replayable position; -1 is never committed or skipped.
+            position: Position {
+                partition: 0,
+                offset: -1,
+            },
+            key: None,
+            headers: headers_of(&message),
+            payload: message.payload,
+            timestamp_ms: super::now_ms(),
+        })
+    }
+
+    async fn commit(&mut self, _through: &[Position]) -> Result<(), TransportError> {
+        // Core NATS has no acknowledgements: delivery is at-most-once.
+        Ok(())
+    }
+}
