@@ -15,6 +15,7 @@ use crate::reactor::CacheSnapshot;
 
 /// Recovery events kept per graph and in the global list.
 const RECOVERY_EVENTS_KEPT: isize = 10_000;
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 #[derive(Clone)]
 pub struct RedisStore {
@@ -71,13 +72,26 @@ impl RedisStore {
             operation: "open",
             reason: format!("invalid Redis URL {url:?}: {e}"),
         })?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Duration::from_secs(2))
-            .set_response_timeout(Duration::from_secs(2))
-            .set_number_of_retries(2);
-        let connection = ConnectionManager::new_with_config(client, config)
+        let unreachable =
+            |reason: String| StoreError::Unreachable(format!("redis {url}: {reason}"));
+        // Fail fast on start; the manager below retries with backoff, which is right for
+        // a blip later on but would make a wrong URL hang at start.
+        tokio::time::timeout(CONNECT_TIMEOUT, client.get_multiplexed_async_connection())
             .await
-            .map_err(|e| StoreError::Unreachable(format!("redis {url}: {e}")))?;
+            .map_err(|_| unreachable("connection timed out".into()))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(CONNECT_TIMEOUT)
+            .set_response_timeout(CONNECT_TIMEOUT)
+            .set_number_of_retries(3)
+            .set_max_delay(500);
+        let connection = tokio::time::timeout(
+            2 * CONNECT_TIMEOUT,
+            ConnectionManager::new_with_config(client, config),
+        )
+        .await
+        .map_err(|_| unreachable("connection timed out".into()))?
+        .map_err(|e| unreachable(e.to_string()))?;
         Ok(Self {
             connection,
             prefix: prefix.to_string(),

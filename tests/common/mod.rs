@@ -1,6 +1,9 @@
 //! Helpers shared by the end-to-end tests on the embedded backends.
 #![allow(dead_code)]
 
+#[cfg(feature = "it")]
+pub mod services;
+
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,0 +1,66 @@
+//! Connections to the real services for `--features it` tests, named by the
+//! `WEIR_TEST_*` variables that `scripts/services` exports (loopback defaults).
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use weir::store::redis::RedisStore;
+use weir::transport::kafka::{KafkaBroker, KafkaSettings};
+use weir::transport::nats::{NatsBroker, NatsSettings};
+
+pub fn kafka_brokers() -> String {
+    std::env::var("WEIR_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+pub fn nats_url() -> String {
+    std::env::var("WEIR_TEST_NATS").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+pub fn redis_url() -> String {
+    std::env::var("WEIR_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// A prefix no other test (or earlier run) uses.
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
+}
+
+/// Consumer settings that make a group join take seconds rather than tens of them.
+pub fn fast_group_options() -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("session.timeout.ms".to_string(), "6000".to_string()),
+        ("max.poll.interval.ms".to_string(), "7000".to_string()),
+        ("heartbeat.interval.ms".to_string(), "1000".to_string()),
+    ])
+}
+
+pub fn kafka() -> Arc<KafkaBroker> {
+    Arc::new(
+        KafkaBroker::connect(KafkaSettings {
+            brokers: kafka_brokers(),
+            options: fast_group_options(),
+            ..KafkaSettings::default()
+        })
+        .expect("kafka client"),
+    )
+}
+
+pub async fn nats(jetstream: bool) -> Arc<NatsBroker> {
+    Arc::new(
+        NatsBroker::connect(NatsSettings {
+            url: nats_url(),
+            jetstream,
+        })
+        .await
+        .expect("nats reachable (run scripts/services)"),
+    )
+}
+
+pub async fn redis(prefix: &str) -> Arc<RedisStore> {
+    Arc::new(
+        RedisStore::connect(&redis_url(), prefix)
+            .await
+            .expect("redis reachable (run scripts/services)"),
+    )
+}

@@ -1,0 +1,273 @@
+//! One conformance suite per seam, run against every backend: the broker seam (Source,
+//! Sink) on memory, Kafka and NATS JetStream; the store seam on memory and Redis. The
+//! real services run with `--features it` (started by `scripts/services`).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use weir::store::{Checkpoint, Lease, RecoveryAction, RecoveryEvent, Store};
+use weir::transport::memory::MemoryBroker;
+use weir::transport::{Broker, Message, Outbound, Position, Source, Subscription};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+async fn next(source: &mut Box<dyn Source>) -> Message {
+    tokio::time::timeout(WAIT, source.next())
+        .await
+        .expect("a message within 30 s")
+        .expect("consume")
+}
+
+/// Publish, consume with headers and keys, commit part way, resume after the commit.
+async fn broker_conformance(broker: Arc<dyn Broker>, topic: &str, group: &str) {
+    let sink = broker.sink();
+    for i in 0..5 {
+        let message = Outbound::new(topic, format!("{{\"n\":{i}}}"))
+            .key(b"k".to_vec())
+            .header("weir-test", format!("h{i}"));
+        sink.publish(message).await.expect("publish acknowledged");
+    }
+    let subscription = Subscription::new(topic, group);
+    let mut source = broker.subscribe(&subscription).await.expect("subscribe");
+    let mut seen = Vec::new();
+    for _ in 0..5 {
+        seen.push(next(&mut source).await);
+    }
+    let payloads: Vec<String> = seen
+        .iter()
+        .map(|m| String::from_utf8(m.payload.to_vec()).unwrap())
+        .collect();
+    assert_eq!(
+        payloads,
+        (0..5).map(|i| format!("{{\"n\":{i}}}")).collect::<Vec<_>>(),
+        "one key, one partition: publish order is kept"
+    );
+    assert_eq!(seen[3].header("weir-test"), Some("h3"));
+    assert_eq!(&*seen[0].topic, topic);
+    let offsets: Vec<i64> = seen.iter().map(|m| m.position.offset).collect();
+    assert!(offsets.windows(2).all(|w| w[0] < w[1]), "{offsets:?}");
+
+    // Commit through the third message; a new member of the group resumes after it.
+    source.commit(&[seen[2].position]).await.expect("commit");
+    drop(source);
+    // Kafka commits asynchronously and a group needs a moment to hand partitions over.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut resumed = broker.subscribe(&subscription).await.expect("resubscribe");
+    let first = next(&mut resumed).await;
+    assert_eq!(
+        first.position, seen[3].position,
+        "resumes right after the commit"
+    );
+    assert_eq!(next(&mut resumed).await.position, seen[4].position);
+
+    // Another group reads everything again.
+    let mut other = broker
+        .subscribe(&Subscription::new(topic, format!("{group}-other")))
+        .await
+        .unwrap();
+    assert_eq!(next(&mut other).await.position, seen[0].position);
+
+    broker.ping().await.expect("ping");
+}
+
+async fn store_conformance(store: Arc<dyn Store>, graph: &str) {
+    // Checkpoints.
+    assert_eq!(store.load_checkpoint(graph, "a").await.unwrap(), None);
+    let checkpoint = Checkpoint {
+        positions: vec![
+            Position {
+                partition: 0,
+                offset: 41,
+            },
+            Position {
+                partition: 2,
+                offset: 7,
+            },
+        ],
+        sequence: 42,
+        state: Some(serde_json::json!({"sum": 3})),
+    };
+    store
+        .save_checkpoint(graph, "a", &checkpoint)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.load_checkpoint(graph, "a").await.unwrap(),
+        Some(checkpoint)
+    );
+    assert_eq!(store.load_checkpoint(graph, "b").await.unwrap(), None);
+
+    // Cache snapshots.
+    assert_eq!(store.load_cache(graph).await.unwrap(), None);
+    let mut snapshot = weir::reactor::CacheSnapshot {
+        fires: 9,
+        ..Default::default()
+    };
+    snapshot.sources.insert(
+        "a".into(),
+        weir::reactor::SourceSnapshot {
+            last_sequence: 5,
+            dirty: true,
+            current: Some(weir::Boundary {
+                source: Arc::from("a"),
+                sequence: 5,
+                position: Some(Position {
+                    partition: 0,
+                    offset: 3,
+                }),
+                event_time_ms: 1,
+                emit_time_ms: 2,
+                value: serde_json::json!([1, 2]),
+            }),
+            queue: Vec::new(),
+        },
+    );
+    store.save_cache(graph, &snapshot).await.unwrap();
+    assert_eq!(store.load_cache(graph).await.unwrap(), Some(snapshot));
+
+    // Recovery events: newest first, filterable by graph.
+    let other = format!("{graph}-other");
+    for (g, attempt) in [(graph, 1), (other.as_str(), 1), (graph, 2)] {
+        let event = RecoveryEvent {
+            graph: g.to_string(),
+            component: "reactor".into(),
+            action: RecoveryAction::GraphRespawned,
+            attempt,
+            error: "boom".into(),
+            at_ms: 10,
+            node_id: "n1".into(),
+        };
+        store.record_recovery(&event).await.unwrap();
+    }
+    let mine = store.recovery_events(Some(graph), 10).await.unwrap();
+    assert_eq!(
+        mine.iter().map(|e| e.attempt).collect::<Vec<_>>(),
+        vec![2, 1]
+    );
+    assert_eq!(
+        store.recovery_events(Some(graph), 1).await.unwrap().len(),
+        1
+    );
+    let all = store.recovery_events(None, 100).await.unwrap();
+    assert!(all.iter().any(|e| e.graph == other));
+
+    // Leases: exclusive, renewable by the holder only, compare-and-set release, fencing.
+    let name = format!("{graph}-lease");
+    let ttl = Duration::from_millis(400);
+    let first = store
+        .acquire_lease(&name, "n1", ttl)
+        .await
+        .unwrap()
+        .expect("free lease");
+    assert!(store
+        .acquire_lease(&name, "n2", ttl)
+        .await
+        .unwrap()
+        .is_none());
+    assert!(store.renew_lease(&first, ttl).await.unwrap());
+    let impostor = Lease {
+        holder: "n2".into(),
+        ..first.clone()
+    };
+    assert!(!store.renew_lease(&impostor, ttl).await.unwrap());
+    assert!(!store.release_lease(&impostor).await.unwrap());
+    assert!(store.release_lease(&first).await.unwrap());
+    let second = store
+        .acquire_lease(&name, "n2", ttl)
+        .await
+        .unwrap()
+        .expect("released");
+    assert!(second.token > first.token, "fencing token grows");
+    // Expiry hands the lease over with a higher token; the old holder can't renew.
+    tokio::time::sleep(ttl + Duration::from_millis(200)).await;
+    let third = store
+        .acquire_lease(&name, "n1", ttl)
+        .await
+        .unwrap()
+        .expect("expired");
+    assert!(third.token > second.token);
+    assert!(!store.renew_lease(&second, ttl).await.unwrap());
+    assert!(!store.release_lease(&second).await.unwrap());
+
+    store.ping().await.unwrap();
+}
+
+#[tokio::test]
+async fn memory_broker_conforms() {
+    broker_conformance(Arc::new(MemoryBroker::new(1)), "conf.mem", "g1").await;
+}
+
+#[tokio::test]
+async fn memory_store_conforms() {
+    store_conformance(Arc::new(weir::store::memory::MemoryStore::new()), "g").await;
+}
+
+#[cfg(feature = "it")]
+mod services {
+    use super::*;
+    use common::services;
+
+    #[tokio::test]
+    async fn kafka_broker_conforms() {
+        let topic = services::unique("conf.kafka.");
+        broker_conformance(services::kafka(), &topic, &services::unique("g")).await;
+    }
+
+    #[tokio::test]
+    async fn nats_jetstream_broker_conforms() {
+        let subject = services::unique("conf.js.");
+        broker_conformance(services::nats(true).await, &subject, &services::unique("g")).await;
+    }
+
+    #[tokio::test]
+    async fn nats_core_delivers_while_subscribed() {
+        // Core NATS is at-most-once: only what is published while subscribed arrives.
+        let broker = services::nats(false).await;
+        let subject = services::unique("conf.core.");
+        let mut source = broker
+            .subscribe(&Subscription::new(&subject, "g"))
+            .await
+            .unwrap();
+        broker
+            .sink()
+            .publish(Outbound::new(&subject, "1").header("weir-test", "x"))
+            .await
+            .unwrap();
+        let message = next(&mut source).await;
+        assert_eq!(&message.payload[..], b"1");
+        assert_eq!(message.header("weir-test"), Some("x"));
+        source.commit(&[message.position]).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn redis_store_conforms() {
+        let prefix = services::unique("weirtest");
+        store_conformance(services::redis(&prefix).await, "g").await;
+    }
+
+    #[tokio::test]
+    async fn redis_down_is_a_clear_retryable_error() {
+        let err = weir::store::redis::RedisStore::connect("redis://127.0.0.1:1", "x")
+            .await
+            .err()
+            .expect("nothing listens on port 1");
+        assert!(err.is_retryable());
+        assert!(err.to_string().contains("redis"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn nats_down_is_a_clear_error() {
+        let settings = weir::transport::nats::NatsSettings {
+            url: "nats://127.0.0.1:1".into(),
+            jetstream: true,
+        };
+        let err = weir::transport::nats::NatsBroker::connect(settings)
+            .await
+            .err()
+            .unwrap();
+        assert!(err.is_retryable());
+        assert!(err.to_string().contains("nats://127.0.0.1:1"), "{err}");
+    }
+}
