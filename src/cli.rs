@@ -1,5 +1,6 @@
-//! Command line: `weir demo`, with room for the commands that talk to services.
+//! Command line: `weir demo` on the embedded default, `weir run` on real services.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -37,6 +38,12 @@ pub enum Command {
         /// Quotes generated per second.
         #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
         rate: u32,
+    },
+    /// Run the graphs a TOML file declares, on the broker and store it names.
+    Run {
+        /// The configuration file; every key can be overridden by WEIR__SECTION__KEY.
+        #[arg(long, short)]
+        config: PathBuf,
     },
 }
 

@@ -1,5 +1,6 @@
 //! The binary's top-level error: what went wrong, mapped to an exit status.
 
+use crate::config::ConfigError;
 use crate::graph::GraphBuildError;
 use crate::supervisor::SupervisorError;
 
@@ -9,6 +10,8 @@ pub enum Error {
     Graph(#[from] GraphBuildError),
     #[error(transparent)]
     Supervisor(#[from] SupervisorError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     #[error("invalid argument: {0}")]
     Usage(String),
     #[error("I/O error: {0}")]
@@ -20,6 +23,7 @@ impl Error {
     pub fn exit_code(&self) -> i32 {
         match self {
             Self::Usage(_) | Self::Graph(_) => 2,
+            Self::Config(e) if !e.is_retryable() => 2,
             _ => 1,
         }
     }

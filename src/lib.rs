@@ -18,16 +18,20 @@
 //! - [`codec`]: Avro single-object encoding for weir's records (`schemas/`), JSON for
 //!   user events.
 //! - [`demo`]: the market-data example behind `weir demo`.
+//! - [`config`], [`run`]: the TOML file behind `weir run` (with `WEIR__…` overrides) and
+//!   the command itself.
 //! - [`cli`], [`shutdown`], [`metrics`], [`error`]: the binary's plumbing.
 
 pub mod accumulator;
 pub mod cli;
 pub mod codec;
+pub mod config;
 pub mod demo;
 pub mod error;
 pub mod graph;
 pub mod metrics;
 pub mod reactor;
+pub mod run;
 pub mod shutdown;
 pub mod store;
 pub mod supervisor;

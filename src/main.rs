@@ -1,7 +1,9 @@
 use clap::Parser;
 
 use weir::cli::{self, Cli, Command};
-use weir::{demo, shutdown};
+use weir::config::Config;
+use weir::graph::FunctionRegistry;
+use weir::{demo, run, shutdown};
 
 #[tokio::main]
 async fn main() {
@@ -18,6 +20,10 @@ async fn main() {
                 .await
                 .map(|_| ())
         }
+        Command::Run { config } => match Config::load(&config) {
+            Ok(config) => run::run(config, &FunctionRegistry::default(), cancel).await,
+            Err(e) => Err(e.into()),
+        },
     };
     if let Err(e) = result {
         eprintln!("weir: {e}");

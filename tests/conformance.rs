@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use weir::store::{Checkpoint, Lease, RecoveryAction, RecoveryEvent, Store};
 use weir::transport::memory::MemoryBroker;
-use weir::transport::{Broker, Message, Outbound, Position, Source, Subscription};
+use weir::transport::{Assignment, Broker, Message, Outbound, Position, Source, Subscription};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -21,7 +21,12 @@ async fn next(source: &mut Box<dyn Source>) -> Message {
 }
 
 /// Publish, consume with headers and keys, commit part way, resume after the commit.
-async fn broker_conformance(broker: Arc<dyn Broker>, topic: &str, group: &str) {
+async fn broker_conformance(
+    broker: Arc<dyn Broker>,
+    topic: &str,
+    group: &str,
+    assignment: Assignment,
+) {
     let sink = broker.sink();
     for i in 0..5 {
         let message = Outbound::new(topic, format!("{{\"n\":{i}}}"))
@@ -29,7 +34,8 @@ async fn broker_conformance(broker: Arc<dyn Broker>, topic: &str, group: &str) {
             .header("weir-test", format!("h{i}"));
         sink.publish(message).await.expect("publish acknowledged");
     }
-    let subscription = Subscription::new(topic, group);
+    let mut subscription = Subscription::new(topic, group);
+    subscription.assignment = assignment;
     let mut source = broker.subscribe(&subscription).await.expect("subscribe");
     let mut seen = Vec::new();
     for _ in 0..5 {
@@ -196,7 +202,20 @@ async fn store_conformance(store: Arc<dyn Store>, graph: &str) {
 
 #[tokio::test]
 async fn memory_broker_conforms() {
-    broker_conformance(Arc::new(MemoryBroker::new(1)), "conf.mem", "g1").await;
+    broker_conformance(
+        Arc::new(MemoryBroker::new(1)),
+        "conf.mem",
+        "g1",
+        Assignment::Group,
+    )
+    .await;
+    broker_conformance(
+        Arc::new(MemoryBroker::new(3)),
+        "conf.mem",
+        "g1",
+        Assignment::All,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -212,13 +231,37 @@ mod services {
     #[tokio::test]
     async fn kafka_broker_conforms() {
         let topic = services::unique("conf.kafka.");
-        broker_conformance(services::kafka(), &topic, &services::unique("g")).await;
+        broker_conformance(
+            services::kafka(),
+            &topic,
+            &services::unique("g"),
+            Assignment::Group,
+        )
+        .await;
+    }
+
+    #[tokio::test]
+    async fn kafka_broker_conforms_with_direct_assignment() {
+        let topic = services::unique("conf.kafka.");
+        broker_conformance(
+            services::kafka(),
+            &topic,
+            &services::unique("g"),
+            Assignment::All,
+        )
+        .await;
     }
 
     #[tokio::test]
     async fn nats_jetstream_broker_conforms() {
         let subject = services::unique("conf.js.");
-        broker_conformance(services::nats(true).await, &subject, &services::unique("g")).await;
+        broker_conformance(
+            services::nats(true).await,
+            &subject,
+            &services::unique("g"),
+            Assignment::Group,
+        )
+        .await;
     }
 
     #[tokio::test]

@@ -123,6 +123,24 @@ pub trait Accumulator: Send + 'static {
 
 type AccumulatorFactory = Arc<dyn Fn() -> Box<dyn Accumulator> + Send + Sync>;
 
+/// How source-path events are decoded.
+#[derive(Clone, Default)]
+pub enum EventFormat {
+    #[default]
+    Json,
+    /// Avro single-object encoding of the given schema, turned into JSON.
+    Avro(Arc<crate::codec::AvroCodec>),
+}
+
+impl EventFormat {
+    pub fn decode(&self, bytes: &[u8]) -> Result<Value, crate::codec::CodecError> {
+        match self {
+            Self::Json => crate::codec::json::decode(bytes),
+            Self::Avro(codec) => codec.decode_json(bytes),
+        }
+    }
+}
+
 /// Where an accumulator's source path reads from.
 #[derive(Clone)]
 pub enum SourceSpec {
@@ -141,6 +159,7 @@ pub struct AccumulatorSpec {
     pub(crate) kind: &'static str,
     pub(crate) factory: AccumulatorFactory,
     pub(crate) source: SourceSpec,
+    pub(crate) format: EventFormat,
     pub(crate) dead_letter: Option<String>,
 }
 
@@ -171,6 +190,7 @@ impl AccumulatorSpec {
             kind: "custom",
             factory: Arc::new(move || Box::new(factory())),
             source: SourceSpec::None,
+            format: EventFormat::Json,
             dead_letter: None,
         }
     }
@@ -240,6 +260,12 @@ impl AccumulatorSpec {
 
     pub fn source(mut self, factory: Arc<dyn SourceFactory>) -> Self {
         self.source = SourceSpec::Custom(factory);
+        self
+    }
+
+    /// How source events are decoded (JSON by default).
+    pub fn format(mut self, format: EventFormat) -> Self {
+        self.format = format;
         self
     }
 

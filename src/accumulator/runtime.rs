@@ -162,7 +162,7 @@ impl AccumulatorTask {
             // own commit lagged the store's); the checkpoint is the truth.
             return Ok(true);
         }
-        let value = match crate::codec::json::decode(&message.payload) {
+        let value = match self.spec.format.decode(&message.payload) {
             Ok(value) => value,
             Err(e) => {
                 self.dead_letter(&message, &e.to_string()).await?;

@@ -69,6 +69,34 @@ impl AvroCodec {
     }
 
     pub fn decode<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, CodecError> {
+        let value = self.decode_value(bytes)?;
+        apache_avro::from_value(&value).map_err(|e| CodecError::Avro {
+            record: self.name,
+            reason: e.to_string(),
+        })
+    }
+}
+
+impl AvroCodec {
+    /// Decodes a single-object encoded record of this schema into JSON, for user events.
+    pub fn decode_json(&self, bytes: &[u8]) -> Result<serde_json::Value, CodecError> {
+        let value: apache_avro::types::Value = self.decode_value(bytes)?;
+        serde_json::Value::try_from(value).map_err(|e| CodecError::Avro {
+            record: self.name,
+            reason: e.to_string(),
+        })
+    }
+
+    fn decode_value(&self, bytes: &[u8]) -> Result<apache_avro::types::Value, CodecError> {
+        self.check_header(bytes)?;
+        let mut body = &bytes[HEADER_LEN..];
+        apache_avro::from_avro_datum(&self.schema, &mut body, None).map_err(|e| CodecError::Avro {
+            record: self.name,
+            reason: e.to_string(),
+        })
+    }
+
+    fn check_header(&self, bytes: &[u8]) -> Result<(), CodecError> {
         if bytes.len() < HEADER_LEN {
             return Err(CodecError::Truncated { len: bytes.len() });
         }
@@ -83,14 +111,7 @@ impl AvroCodec {
                 found,
             });
         }
-        let avro_err = |e: apache_avro::Error| CodecError::Avro {
-            record: self.name,
-            reason: e.to_string(),
-        };
-        let mut body = &bytes[HEADER_LEN..];
-        let value =
-            apache_avro::from_avro_datum(&self.schema, &mut body, None).map_err(avro_err)?;
-        apache_avro::from_value(&value).map_err(avro_err)
+        Ok(())
     }
 }
 

@@ -12,6 +12,9 @@ pub struct SupervisionPolicy {
     pub healthy_reset: Duration,
     /// How long shutdown waits for a graph's tasks to finish.
     pub shutdown_timeout: Duration,
+    /// When set, a graph runs only on the node holding its lease in the store, renewed
+    /// every third of this TTL; another node takes over within the TTL.
+    pub graph_lease_ttl: Option<Duration>,
 }
 
 impl Default for SupervisionPolicy {
@@ -22,6 +25,7 @@ impl Default for SupervisionPolicy {
             max_failures: 5,
             healthy_reset: Duration::from_secs(60),
             shutdown_timeout: Duration::from_secs(5),
+            graph_lease_ttl: None,
         }
     }
 }

@@ -25,7 +25,9 @@ use crate::metrics::{GraphStats, StatsSnapshot};
 use crate::reactor::run::{Reactor, Wiring};
 use crate::reactor::{Command, ReactorHandle, ReactorInput, ReactorState};
 use crate::store::{RecoveryAction, RecoveryEvent, Store};
-use crate::transport::{now_ms, Broker, BrokerSource, Sink, SourceFactory, Subscription};
+use crate::transport::{
+    now_ms, Assignment, Broker, BrokerSource, Sink, SourceFactory, Subscription,
+};
 
 /// Socket and command queue depth per graph.
 const COMMAND_QUEUE: usize = 64;
@@ -63,6 +65,8 @@ pub fn default_node_id() -> String {
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case", tag = "status")]
 pub enum GraphStatus {
+    /// Another node holds the graph's lease; this one takes over if it lapses.
+    Standby,
     Running,
     /// Waiting out the backoff after a failure.
     Restarting {
@@ -290,6 +294,8 @@ impl GraphWiring {
                     let topic = decl.qualify_topic(topic);
                     let mut subscription = Subscription::new(topic.clone(), group.clone());
                     subscription.start = *start;
+                    // One active instance per graph: read every partition directly.
+                    subscription.assignment = Assignment::All;
                     let source = BrokerSource {
                         broker: runtime.broker.clone(),
                         subscription,
@@ -348,6 +354,15 @@ enum Ended {
     Cancelled,
     ReactorFailed(String),
     Failed,
+    LeaseLost,
+}
+
+/// Why the graph stopped running on this node.
+#[derive(PartialEq, Eq)]
+enum Outcome {
+    Stop,
+    Failed,
+    Standby,
 }
 
 impl SupervisedGraph {
@@ -359,36 +374,102 @@ impl SupervisedGraph {
             last: None,
         };
         loop {
-            let ended = self.incarnation(&mut failures).await;
-            match ended {
-                Ended::Cancelled => break,
-                Ended::Failed => return,
-                Ended::ReactorFailed(error) => {
-                    match self
-                        .failure(
-                            &mut failures,
-                            "reactor",
-                            RecoveryAction::GraphRespawned,
-                            &error,
-                        )
-                        .await
-                    {
-                        Some(delay) => {
-                            self.status.send_replace(GraphStatus::Restarting {
-                                failures: failures.count,
-                            });
-                            tokio::select! {
-                                _ = self.cancel.cancelled() => break,
-                                _ = tokio::time::sleep(delay) => {}
-                            }
-                        }
-                        None => return,
+            let lease = match self.policy.graph_lease_ttl {
+                Some(ttl) => match self.acquire_lease(ttl).await {
+                    Some(lease) => Some((lease, ttl)),
+                    None => break,
+                },
+                None => None,
+            };
+            let lost = CancellationToken::new();
+            let renewer = lease.clone().map(|(lease, ttl)| {
+                tokio::spawn(renew_lease(
+                    self.runtime.store.clone(),
+                    lease,
+                    ttl,
+                    lost.clone(),
+                    self.cancel.clone(),
+                ))
+            });
+            let outcome = self.run_while_leased(&mut failures, &lost).await;
+            if let Some(renewer) = renewer {
+                renewer.abort();
+            }
+            if let Some((lease, _)) = &lease {
+                if outcome != Outcome::Standby {
+                    if let Err(e) = self.runtime.store.release_lease(lease).await {
+                        warn!(graph = %name, error = %e, "lease not released; it will expire");
                     }
                 }
+            }
+            match outcome {
+                Outcome::Stop => break,
+                Outcome::Failed => return,
+                Outcome::Standby => warn!(graph = %name, "graph lease lost; standing by"),
             }
         }
         self.status.send_replace(GraphStatus::Stopped);
         info!(graph = %name, "graph stopped");
+    }
+
+    /// Waits until this node holds the graph's lease; `None` if cancelled first.
+    async fn acquire_lease(&self, ttl: std::time::Duration) -> Option<crate::store::Lease> {
+        self.status.send_replace(GraphStatus::Standby);
+        let name = format!("graph:{}", self.decl.key());
+        let retry = (ttl / 3).max(std::time::Duration::from_millis(50));
+        loop {
+            match self
+                .runtime
+                .store
+                .acquire_lease(&name, &self.runtime.node_id, ttl)
+                .await
+            {
+                Ok(Some(lease)) => {
+                    info!(graph = %self.decl.key(), token = lease.token, "graph lease acquired");
+                    return Some(lease);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    warn!(graph = %self.decl.key(), error = %e, "cannot reach the store for the graph lease")
+                }
+            }
+            tokio::select! {
+                _ = self.cancel.cancelled() => return None,
+                _ = tokio::time::sleep(retry) => {}
+            }
+        }
+    }
+
+    /// Runs incarnations, restarting after failures, until stopped, failed or the lease
+    /// is lost.
+    async fn run_while_leased(
+        &self,
+        failures: &mut FailureCount,
+        lost: &CancellationToken,
+    ) -> Outcome {
+        loop {
+            match self.incarnation(failures, lost).await {
+                Ended::Cancelled => return Outcome::Stop,
+                Ended::Failed => return Outcome::Failed,
+                Ended::LeaseLost => return Outcome::Standby,
+                Ended::ReactorFailed(error) => {
+                    let Some(delay) = self
+                        .failure(failures, "reactor", RecoveryAction::GraphRespawned, &error)
+                        .await
+                    else {
+                        return Outcome::Failed;
+                    };
+                    self.status.send_replace(GraphStatus::Restarting {
+                        failures: failures.count,
+                    });
+                    tokio::select! {
+                        _ = self.cancel.cancelled() => return Outcome::Stop,
+                        _ = lost.cancelled() => return Outcome::Standby,
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                }
+            }
+        }
     }
 
     /// Counts a failure and records it. Returns the backoff before the restart, or `None`
@@ -465,7 +546,7 @@ impl SupervisedGraph {
         }
     }
 
-    async fn incarnation(&self, failures: &mut FailureCount) -> Ended {
+    async fn incarnation(&self, failures: &mut FailureCount, lost: &CancellationToken) -> Ended {
         let cancel = self.cancel.child_token();
         let restored = Reactor::restore(
             &self.decl,
@@ -501,6 +582,7 @@ impl SupervisedGraph {
             tokio::select! {
                 biased;
                 _ = self.cancel.cancelled() => break Ended::Cancelled,
+                _ = lost.cancelled() => break Ended::LeaseLost,
                 result = &mut reactor_task => {
                     if self.cancel.is_cancelled() {
                         break Ended::Cancelled;
@@ -563,6 +645,40 @@ impl SupervisedGraph {
             let _ = reactor_task.await;
         }
         ended
+    }
+}
+
+/// Keeps a graph lease alive; cancels `lost` when it can no longer be sure it holds it.
+async fn renew_lease(
+    store: Arc<dyn Store>,
+    lease: crate::store::Lease,
+    ttl: std::time::Duration,
+    lost: CancellationToken,
+    cancel: CancellationToken,
+) {
+    let period = ttl / 3;
+    let mut confirmed = Instant::now();
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(period) => {}
+        }
+        match store.renew_lease(&lease, ttl).await {
+            Ok(true) => confirmed = Instant::now(),
+            Ok(false) => {
+                warn!(lease = %lease.name, "lease taken over");
+                lost.cancel();
+                return;
+            }
+            Err(e) => {
+                // Unconfirmed: stop before the TTL could have let another node in.
+                warn!(lease = %lease.name, error = %e, "lease renewal failed");
+                if confirmed.elapsed() + period >= ttl {
+                    lost.cancel();
+                    return;
+                }
+            }
+        }
     }
 }
 

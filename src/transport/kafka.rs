@@ -19,7 +19,8 @@ use rdkafka::util::Timeout;
 use rdkafka::{Offset, TopicPartitionList};
 
 use super::{
-    Broker, Message, Outbound, Position, Sink, Source, StartFrom, Subscription, TransportError,
+    Assignment, Broker, Message, Outbound, Position, Sink, Source, StartFrom, Subscription,
+    TransportError,
 };
 
 /// Connection settings. `options` pass through to librdkafka (e.g.
@@ -92,6 +93,34 @@ impl KafkaBroker {
                 ensured: Mutex::new(HashSet::new()),
             }),
         })
+    }
+
+    /// The partition ids of a topic, from the cluster's metadata.
+    pub async fn partitions_of(&self, topic: &str) -> Result<Vec<i32>, TransportError> {
+        let producer = self.inner.producer.clone();
+        let brokers = self.inner.settings.brokers.clone();
+        let name = topic.to_string();
+        tokio::task::spawn_blocking(move || {
+            let metadata = producer
+                .client()
+                .fetch_metadata(Some(&name), Timeout::After(Duration::from_secs(10)))
+                .map_err(|e| unreachable(&brokers, e))?;
+            let partitions: Vec<i32> = metadata
+                .topics()
+                .iter()
+                .filter(|t| t.name() == name)
+                .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+                .collect();
+            if partitions.is_empty() {
+                return Err(TransportError::InvalidTopic {
+                    topic: name,
+                    reason: "the broker reports no partitions".into(),
+                });
+            }
+            Ok(partitions)
+        })
+        .await
+        .map_err(|e| unreachable(&self.inner.settings.brokers, e))?
     }
 
     /// Creates the topic if it does not exist yet.
@@ -198,12 +227,17 @@ impl Broker for KafkaBroker {
         let consumer: StreamConsumer = config
             .create()
             .map_err(|e| unreachable(&settings.brokers, e))?;
-        match &subscription.partitions {
+        let direct = match &subscription.assignment {
+            Assignment::Group => None,
+            Assignment::Partitions(partitions) => Some(partitions.clone()),
+            Assignment::All => Some(self.partitions_of(&subscription.topic).await?),
+        };
+        match direct {
             Some(partitions) => {
                 // Direct assignment: resume each partition from the group's committed
                 // offset (or the start policy when there is none).
                 let mut wanted = TopicPartitionList::new();
-                for p in partitions {
+                for p in &partitions {
                     wanted.add_partition(&subscription.topic, *p);
                 }
                 let committed = consumer
@@ -212,7 +246,7 @@ impl Broker for KafkaBroker {
                 let mut assignment = TopicPartitionList::new();
                 for element in committed.elements() {
                     let offset = match element.offset() {
-                        Offset::Offset(o) => Offset::Offset(o),
+                        Offset::Offset(o) if o >= 0 => Offset::Offset(o),
                         _ => match subscription.start {
                             StartFrom::Earliest => Offset::Beginning,
                             StartFrom::Latest => Offset::End,
@@ -232,7 +266,7 @@ impl Broker for KafkaBroker {
         }
         Ok(Box::new(KafkaSource {
             topic: Arc::from(subscription.topic.as_str()),
-            consumer,
+            consumer: Some(consumer),
         }))
     }
 
@@ -302,14 +336,40 @@ fn is_retryable(e: &KafkaError) -> bool {
 
 struct KafkaSource {
     topic: Arc<str>,
-    consumer: StreamConsumer,
+    /// Always `Some` until dropped.
+    consumer: Option<StreamConsumer>,
+}
+
+impl Drop for KafkaSource {
+    fn drop(&mut self) {
+        // Closing a consumer waits for the broker (leaving the group), which must not
+        // block an async worker thread.
+        if let Some(consumer) = self.consumer.take() {
+            match tokio::runtime::Handle::try_current() {
+                Ok(handle) => {
+                    handle.spawn_blocking(move || drop(consumer));
+                }
+                Err(_) => drop(consumer),
+            }
+        }
+    }
+}
+
+impl KafkaSource {
+    fn consumer(&self) -> Result<&StreamConsumer, TransportError> {
+        self.consumer
+            .as_ref()
+            .ok_or_else(|| TransportError::Closed {
+                topic: self.topic.to_string(),
+            })
+    }
 }
 
 #[async_trait]
 impl Source for KafkaSource {
     async fn next(&mut self) -> Result<Message, TransportError> {
         let message = self
-            .consumer
+            .consumer()?
             .recv()
             .await
             .map_err(|e| TransportError::Consume {
@@ -350,7 +410,7 @@ impl Source for KafkaSource {
                     reason: e.to_string(),
                 })?;
         }
-        self.consumer
+        self.consumer()?
             .commit(&list, CommitMode::Async)
             .map_err(|e| TransportError::Commit {
                 topic: self.topic.to_string(),

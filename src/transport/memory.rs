@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 
 use super::{
-    now_ms, Broker, Message, Outbound, Position, Sink, Source, StartFrom, Subscription,
+    now_ms, Assignment, Broker, Message, Outbound, Position, Sink, Source, StartFrom, Subscription,
     TransportError,
 };
 
@@ -170,8 +170,8 @@ impl Broker for MemoryBroker {
                 });
             committed.clone()
         };
-        let partitions = match &subscription.partitions {
-            Some(wanted) => {
+        let partitions = match &subscription.assignment {
+            Assignment::Partitions(wanted) => {
                 for p in wanted {
                     if *p < 0 || *p as usize >= next.len() {
                         return Err(TransportError::Consume {
@@ -183,7 +183,7 @@ impl Broker for MemoryBroker {
                 }
                 wanted.clone()
             }
-            None => (0..next.len() as i32).collect(),
+            Assignment::Group | Assignment::All => (0..next.len() as i32).collect(),
         };
         Ok(Box::new(MemorySource {
             topic,

@@ -88,6 +88,20 @@ pub enum StartFrom {
     Latest,
 }
 
+/// Which partitions a consumer reads.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Assignment {
+    /// Join the group; the broker spreads partitions over its members.
+    #[default]
+    Group,
+    /// Read every partition directly, with the group's committed positions. For a
+    /// consumer that is the only one of its group (a graph holding its lease): no
+    /// group join, no rebalance.
+    All,
+    /// Read these partitions directly.
+    Partitions(Vec<i32>),
+}
+
 /// What to consume.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Subscription {
@@ -95,8 +109,7 @@ pub struct Subscription {
     /// Consumer group (Kafka) or durable consumer name (JetStream).
     pub group: String,
     pub start: StartFrom,
-    /// Read these partitions directly instead of joining the group's assignment.
-    pub partitions: Option<Vec<i32>>,
+    pub assignment: Assignment,
 }
 
 impl Subscription {
@@ -105,7 +118,7 @@ impl Subscription {
             topic: topic.into(),
             group: group.into(),
             start: StartFrom::Earliest,
-            partitions: None,
+            assignment: Assignment::Group,
         }
     }
 }

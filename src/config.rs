@@ -1,0 +1,717 @@
+//! `weir run` configuration: a TOML file, every key overridable by an environment
+//! variable `WEIR__SECTION__KEY` (array entries by index: `WEIR__GRAPH__0__OUTPUT`).
+//! Unknown keys and bad values are errors naming the key. Defaults live in [`defaults`].
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::accumulator::{AccumulatorSpec, EventFormat};
+use crate::codec::AvroCodec;
+use crate::graph::{FunctionRegistry, GraphBuilder, GraphDeclaration};
+use crate::reactor::{Criteria, ReactorConfig, Strategy};
+use crate::store::Store;
+use crate::supervisor::{default_node_id, Runtime, SupervisionPolicy};
+use crate::transport::{Broker, StartFrom};
+
+/// Every default of the configuration, in one place.
+pub mod defaults {
+    pub const KAFKA_BROKERS: &str = "127.0.0.1:9092";
+    pub const NATS_URL: &str = "nats://127.0.0.1:4222";
+    pub const REDIS_URL: &str = "redis://127.0.0.1:6379";
+    pub const KEY_PREFIX: &str = "weir";
+    pub const PARTITIONS: i32 = 1;
+    pub const REPLICATION: i32 = 1;
+    pub const FUNCTION: &str = "snapshot";
+    pub const QUEUE_CAPACITY: usize = 1024;
+    pub const MAX_IN_FLIGHT: usize = 64;
+    pub const SNAPSHOT_INTERVAL_MS: u64 = 200;
+    pub const BATCH_SIZE: usize = 100;
+    pub const BATCH_INTERVAL_MS: u64 = 1000;
+    pub const BACKOFF_BASE_MS: u64 = 1000;
+    pub const BACKOFF_MAX_MS: u64 = 60_000;
+    pub const MAX_FAILURES: u32 = 5;
+    pub const HEALTHY_RESET_MS: u64 = 60_000;
+    pub const SHUTDOWN_TIMEOUT_MS: u64 = 5000;
+    pub const GRAPH_LEASE_TTL_MS: u64 = 10_000;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config file {path} is not valid TOML: {message}")]
+    Syntax { path: PathBuf, message: String },
+    #[error("environment variable {var}: {message}")]
+    Env { var: String, message: String },
+    #[error("config key {key}: {message}")]
+    Invalid { key: String, message: String },
+    #[error("invalid configuration:\n{}", .0.iter().map(|e| format!("  - {e}")).collect::<Vec<_>>().join("\n"))]
+    Many(Vec<ConfigError>),
+    #[error("cannot connect: {0}")]
+    Connect(String),
+}
+
+impl ConfigError {
+    /// Only a failed connection may succeed on a retry; bad config stays bad.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::Connect(_))
+    }
+}
+
+fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        message: message.into(),
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub node: NodeConfig,
+    pub broker: BrokerConfig,
+    pub store: StoreConfig,
+    pub supervision: SupervisionConfig,
+    #[serde(rename = "graph")]
+    pub graphs: Vec<GraphConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct NodeConfig {
+    /// Default: host name and process id.
+    pub id: Option<String>,
+    /// Election priority: the live node with the highest priority leads.
+    pub priority: i64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum BrokerKind {
+    #[default]
+    Memory,
+    Kafka,
+    Nats,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BrokerConfig {
+    pub kind: BrokerKind,
+    /// Kafka bootstrap servers.
+    pub brokers: String,
+    /// NATS server URL.
+    pub url: String,
+    /// NATS: JetStream (durable, at-least-once) or core NATS (at-most-once).
+    pub jetstream: bool,
+    /// Kafka: partitions and replication factor of topics weir creates.
+    pub partitions: i32,
+    pub replication: i32,
+    /// Kafka: librdkafka properties passed through, e.g. `"session.timeout.ms" = "6000"`.
+    pub options: BTreeMap<String, String>,
+}
+
+impl Default for BrokerConfig {
+    fn default() -> Self {
+        Self {
+            kind: BrokerKind::Memory,
+            brokers: defaults::KAFKA_BROKERS.into(),
+            url: defaults::NATS_URL.into(),
+            jetstream: true,
+            partitions: defaults::PARTITIONS,
+            replication: defaults::REPLICATION,
+            options: BTreeMap::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum StoreKind {
+    #[default]
+    Memory,
+    Redis,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    pub kind: StoreKind,
+    pub url: String,
+    /// First segment of every Redis key.
+    pub prefix: String,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            kind: StoreKind::Memory,
+            url: defaults::REDIS_URL.into(),
+            prefix: defaults::KEY_PREFIX.into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SupervisionConfig {
+    pub backoff_base_ms: u64,
+    pub backoff_max_ms: u64,
+    pub max_failures: u32,
+    pub healthy_reset_ms: u64,
+    pub shutdown_timeout_ms: u64,
+    /// A graph runs on the node holding its lease; others take over within this TTL.
+    pub graph_lease_ttl_ms: u64,
+}
+
+impl Default for SupervisionConfig {
+    fn default() -> Self {
+        Self {
+            backoff_base_ms: defaults::BACKOFF_BASE_MS,
+            backoff_max_ms: defaults::BACKOFF_MAX_MS,
+            max_failures: defaults::MAX_FAILURES,
+            healthy_reset_ms: defaults::HEALTHY_RESET_MS,
+            shutdown_timeout_ms: defaults::SHUTDOWN_TIMEOUT_MS,
+            graph_lease_ttl_ms: defaults::GRAPH_LEASE_TTL_MS,
+        }
+    }
+}
+
+fn default_function() -> String {
+    defaults::FUNCTION.into()
+}
+fn default_queue_capacity() -> usize {
+    defaults::QUEUE_CAPACITY
+}
+fn default_max_in_flight() -> usize {
+    defaults::MAX_IN_FLIGHT
+}
+fn default_snapshot_interval_ms() -> u64 {
+    defaults::SNAPSHOT_INTERVAL_MS
+}
+fn default_batch_size() -> usize {
+    defaults::BATCH_SIZE
+}
+fn default_batch_interval_ms() -> u64 {
+    defaults::BATCH_INTERVAL_MS
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GraphConfig {
+    pub name: String,
+    #[serde(default)]
+    pub tenant: Option<String>,
+    #[serde(default)]
+    pub criteria: Criteria,
+    #[serde(default)]
+    pub strategy: Strategy,
+    #[serde(default = "default_function")]
+    pub function: String,
+    /// Topic or subject the function's output is published to.
+    pub output: String,
+    #[serde(default = "default_queue_capacity")]
+    pub queue_capacity: usize,
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: usize,
+    #[serde(default = "default_snapshot_interval_ms")]
+    pub snapshot_interval_ms: u64,
+    #[serde(rename = "accumulator", default)]
+    pub accumulators: Vec<AccumulatorConfig>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Format {
+    #[default]
+    Json,
+    Avro,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AccumulatorKind {
+    #[default]
+    Passthrough,
+    Batch,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AccumulatorConfig {
+    pub name: String,
+    /// Topic or subject to consume; without one the accumulator is push-only.
+    #[serde(default)]
+    pub topic: Option<String>,
+    #[serde(default)]
+    pub format: Format,
+    /// Avro schema file (`.avsc`) of the events, for `format = "avro"`.
+    #[serde(default)]
+    pub schema: Option<PathBuf>,
+    #[serde(default)]
+    pub kind: AccumulatorKind,
+    #[serde(default = "default_batch_size")]
+    pub batch_size: usize,
+    #[serde(default = "default_batch_interval_ms")]
+    pub batch_interval_ms: u64,
+    #[serde(default)]
+    pub start: StartFrom,
+    /// Dead-letter topic (default: the topic + `.dlq`).
+    #[serde(default)]
+    pub dead_letter: Option<String>,
+}
+
+impl Config {
+    /// Reads a file and applies the process environment's overrides.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&text, path, std::env::vars())
+    }
+
+    /// Parses TOML text with the given `WEIR__…` overrides.
+    pub fn parse(
+        text: &str,
+        path: &Path,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let mut value: toml::Value = toml::from_str::<toml::Table>(text)
+            .map(toml::Value::Table)
+            .map_err(|e| ConfigError::Syntax {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })?;
+        for (var, raw) in env {
+            if let Some(rest) = var.strip_prefix("WEIR__") {
+                apply_override(&mut value, &var, rest, &raw)?;
+            }
+        }
+        let config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
+            let key = e.path().to_string();
+            invalid(
+                if key == "." {
+                    "(top level)".into()
+                } else {
+                    key
+                },
+                e.into_inner().to_string(),
+            )
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let mut errors = Vec::new();
+        let registry = FunctionRegistry::default();
+        let mut names = std::collections::HashSet::new();
+        for (i, g) in self.graphs.iter().enumerate() {
+            let key = |field: &str| format!("graph[{i}].{field}");
+            if !names.insert((g.tenant.clone(), g.name.clone())) {
+                errors.push(invalid(
+                    key("name"),
+                    format!("graph {} is declared twice", g.name),
+                ));
+            }
+            if g.output.trim().is_empty() {
+                errors.push(invalid(key("output"), "must name a topic or subject"));
+            }
+            if registry.get(&g.function).is_none() {
+                let known: Vec<&str> = registry.names().collect();
+                errors.push(invalid(
+                    key("function"),
+                    format!(
+                        "unknown graph function {:?}; known: {}",
+                        g.function,
+                        known.join(", ")
+                    ),
+                ));
+            }
+            if g.accumulators.is_empty() {
+                errors.push(invalid(
+                    key("accumulator"),
+                    "a graph needs at least one accumulator",
+                ));
+            }
+            if g.queue_capacity == 0 {
+                errors.push(invalid(key("queue_capacity"), "must be at least 1"));
+            }
+            if g.max_in_flight == 0 {
+                errors.push(invalid(key("max_in_flight"), "must be at least 1"));
+            }
+            for (j, a) in g.accumulators.iter().enumerate() {
+                let key = |field: &str| format!("graph[{i}].accumulator[{j}].{field}");
+                if a.format == Format::Avro && a.schema.is_none() {
+                    errors.push(invalid(
+                        key("schema"),
+                        "format = \"avro\" needs the events' schema file",
+                    ));
+                }
+                if a.kind == AccumulatorKind::Batch && a.batch_size == 0 {
+                    errors.push(invalid(key("batch_size"), "must be at least 1"));
+                }
+                if a.topic.as_deref().is_some_and(|t| t.trim().is_empty()) {
+                    errors.push(invalid(key("topic"), "must not be empty"));
+                }
+            }
+        }
+        if self.broker.partitions < 1 {
+            errors.push(invalid("broker.partitions", "must be at least 1"));
+        }
+        if self.supervision.max_failures == 0 {
+            errors.push(invalid("supervision.max_failures", "must be at least 1"));
+        }
+        match errors.len() {
+            0 => Ok(()),
+            1 => Err(errors.remove(0)),
+            _ => Err(ConfigError::Many(errors)),
+        }
+    }
+
+    pub fn node_id(&self) -> String {
+        self.node.id.clone().unwrap_or_else(default_node_id)
+    }
+
+    pub fn supervision_policy(&self) -> SupervisionPolicy {
+        let s = &self.supervision;
+        SupervisionPolicy {
+            backoff_base: Duration::from_millis(s.backoff_base_ms),
+            backoff_max: Duration::from_millis(s.backoff_max_ms),
+            max_failures: s.max_failures,
+            healthy_reset: Duration::from_millis(s.healthy_reset_ms),
+            shutdown_timeout: Duration::from_millis(s.shutdown_timeout_ms),
+            graph_lease_ttl: (s.graph_lease_ttl_ms > 0)
+                .then(|| Duration::from_millis(s.graph_lease_ttl_ms)),
+        }
+    }
+
+    /// Connects to the configured broker and store.
+    pub async fn runtime(&self) -> Result<Runtime, ConfigError> {
+        let connect = |e: &dyn std::fmt::Display| ConfigError::Connect(e.to_string());
+        let broker: Arc<dyn Broker> = match self.broker.kind {
+            BrokerKind::Memory => Arc::new(crate::transport::memory::MemoryBroker::new(
+                self.broker.partitions as usize,
+            )),
+            BrokerKind::Kafka => {
+                let broker = crate::transport::kafka::KafkaBroker::connect(
+                    crate::transport::kafka::KafkaSettings {
+                        brokers: self.broker.brokers.clone(),
+                        partitions: self.broker.partitions,
+                        replication: self.broker.replication,
+                        options: self.broker.options.clone(),
+                    },
+                )
+                .map_err(|e| connect(&e))?;
+                broker.ping().await.map_err(|e| connect(&e))?;
+                Arc::new(broker)
+            }
+            BrokerKind::Nats => Arc::new(
+                crate::transport::nats::NatsBroker::connect(crate::transport::nats::NatsSettings {
+                    url: self.broker.url.clone(),
+                    jetstream: self.broker.jetstream,
+                })
+                .await
+                .map_err(|e| connect(&e))?,
+            ),
+        };
+        let store: Arc<dyn Store> = match self.store.kind {
+            StoreKind::Memory => Arc::new(crate::store::memory::MemoryStore::new()),
+            StoreKind::Redis => Arc::new(
+                crate::store::redis::RedisStore::connect(&self.store.url, &self.store.prefix)
+                    .await
+                    .map_err(|e| connect(&e))?,
+            ),
+        };
+        Ok(Runtime {
+            broker,
+            store,
+            node_id: self.node_id(),
+        })
+    }
+
+    /// The declared graphs, compiled.
+    pub fn graphs(
+        &self,
+        registry: &FunctionRegistry,
+    ) -> Result<Vec<GraphDeclaration>, ConfigError> {
+        self.graphs
+            .iter()
+            .enumerate()
+            .map(|(i, g)| g.declaration(i, registry))
+            .collect()
+    }
+}
+
+impl GraphConfig {
+    fn declaration(
+        &self,
+        index: usize,
+        registry: &FunctionRegistry,
+    ) -> Result<GraphDeclaration, ConfigError> {
+        let mut builder = GraphBuilder::new(&self.name).reactor(ReactorConfig {
+            criteria: self.criteria,
+            strategy: self.strategy,
+            queue_capacity: self.queue_capacity,
+            max_in_flight: self.max_in_flight,
+            snapshot_interval: Duration::from_millis(self.snapshot_interval_ms),
+        });
+        if let Some(t) = &self.tenant {
+            builder = builder.tenant(t);
+        }
+        for (j, a) in self.accumulators.iter().enumerate() {
+            let mut spec = match a.kind {
+                AccumulatorKind::Passthrough => AccumulatorSpec::passthrough(&a.name),
+                AccumulatorKind::Batch => AccumulatorSpec::batch(
+                    &a.name,
+                    a.batch_size,
+                    Duration::from_millis(a.batch_interval_ms),
+                ),
+            };
+            if let Some(topic) = &a.topic {
+                spec = spec.topic(topic).start(a.start);
+            }
+            if let Some(dlq) = &a.dead_letter {
+                spec = spec.dead_letter(dlq);
+            }
+            if a.format == Format::Avro {
+                let key = format!("graph[{index}].accumulator[{j}].schema");
+                let path = a.schema.as_ref().ok_or_else(|| invalid(&key, "missing"))?;
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| invalid(&key, format!("cannot read {}: {e}", path.display())))?;
+                let codec =
+                    AvroCodec::new("event", &text).map_err(|e| invalid(&key, e.to_string()))?;
+                spec = spec.format(EventFormat::Avro(Arc::new(codec)));
+            }
+            builder = builder.accumulator(spec);
+        }
+        builder
+            .function(&self.function, registry, &self.function)
+            .output(&self.function, &self.output)
+            .build()
+            .map_err(|e| invalid(format!("graph[{index}]"), e.to_string()))
+    }
+}
+
+fn apply_override(
+    root: &mut toml::Value,
+    var: &str,
+    path: &str,
+    raw: &str,
+) -> Result<(), ConfigError> {
+    let segments: Vec<String> = path.split("__").map(|s| s.to_ascii_lowercase()).collect();
+    if segments.iter().any(String::is_empty) {
+        return Err(ConfigError::Env {
+            var: var.into(),
+            message: "expected WEIR__SECTION__KEY".into(),
+        });
+    }
+    // A value that parses as TOML (number, boolean, quoted string, array) is taken as
+    // such; anything else is a plain string.
+    let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()));
+    let mut at = root;
+    for (i, segment) in segments.iter().enumerate() {
+        let last = i + 1 == segments.len();
+        let key = segment.clone();
+        // `graph` and `accumulator` are arrays of tables in the file; an index selects one.
+        at = match at {
+            toml::Value::Table(table) => {
+                if last {
+                    table.insert(key, value);
+                    return Ok(());
+                }
+                let next_is_index = segments[i + 1].parse::<usize>().is_ok();
+                table.entry(key).or_insert_with(|| {
+                    if next_is_index {
+                        toml::Value::Array(Vec::new())
+                    } else {
+                        toml::Value::Table(toml::Table::new())
+                    }
+                })
+            }
+            toml::Value::Array(items) => {
+                let index: usize = segment.parse().map_err(|_| ConfigError::Env {
+                    var: var.into(),
+                    message: format!("{segment:?} is not an array index"),
+                })?;
+                if index >= items.len() {
+                    return Err(ConfigError::Env {
+                        var: var.into(),
+                        message: format!(
+                            "index {index} is past the {} declared entries",
+                            items.len()
+                        ),
+                    });
+                }
+                if last {
+                    items[index] = value;
+                    return Ok(());
+                }
+                &mut items[index]
+            }
+            _ => {
+                return Err(ConfigError::Env {
+                    var: var.into(),
+                    message: format!("{segment:?} is inside a value that is not a table"),
+                })
+            }
+        };
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAMPLE: &str = r#"
+[node]
+id = "n1"
+[broker]
+kind = "kafka"
+brokers = "127.0.0.1:9092"
+[store]
+kind = "redis"
+url = "redis://127.0.0.1:6379"
+[[graph]]
+name = "prices"
+criteria = "when_any"
+strategy = "sequential"
+function = "snapshot"
+output = "prices.out"
+[[graph.accumulator]]
+name = "a"
+topic = "prices.a"
+format = "json"
+"#;
+
+    fn parse(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        Config::parse(
+            text,
+            Path::new("weir.toml"),
+            env.iter().map(|(k, v)| (k.to_string(), v.to_string())),
+        )
+    }
+
+    #[test]
+    fn the_documented_example_parses() {
+        let c = parse(SAMPLE, &[]).unwrap();
+        assert_eq!(c.node.id.as_deref(), Some("n1"));
+        assert_eq!(c.broker.kind, BrokerKind::Kafka);
+        assert_eq!(c.store.kind, StoreKind::Redis);
+        let g = &c.graphs[0];
+        assert_eq!(g.strategy, Strategy::Sequential);
+        assert_eq!(g.criteria, Criteria::WhenAny);
+        assert_eq!(g.accumulators[0].topic.as_deref(), Some("prices.a"));
+        assert_eq!(g.queue_capacity, defaults::QUEUE_CAPACITY);
+        let decls = c.graphs(&FunctionRegistry::default()).unwrap();
+        assert_eq!(decls[0].name, "prices");
+    }
+
+    #[test]
+    fn environment_overrides_any_key() {
+        let c = parse(
+            SAMPLE,
+            &[
+                ("WEIR__BROKER__KIND", "nats"),
+                ("WEIR__BROKER__JETSTREAM", "false"),
+                ("WEIR__STORE__URL", "redis://10.0.0.1:6380"),
+                ("WEIR__GRAPH__0__OUTPUT", "elsewhere"),
+                ("WEIR__GRAPH__0__ACCUMULATOR__0__TOPIC", "other.a"),
+                ("WEIR__SUPERVISION__GRAPH_LEASE_TTL_MS", "3000"),
+                ("UNRELATED", "x"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.broker.kind, BrokerKind::Nats);
+        assert!(!c.broker.jetstream);
+        assert_eq!(c.store.url, "redis://10.0.0.1:6380");
+        assert_eq!(c.graphs[0].output, "elsewhere");
+        assert_eq!(
+            c.graphs[0].accumulators[0].topic.as_deref(),
+            Some("other.a")
+        );
+        assert_eq!(c.supervision.graph_lease_ttl_ms, 3000);
+    }
+
+    #[test]
+    fn unknown_keys_are_errors_naming_the_key() {
+        let err = parse(
+            &SAMPLE.replace("format = \"json\"", "formatt = \"json\""),
+            &[],
+        )
+        .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("graph[0].accumulator[0]") && text.contains("formatt"),
+            "{text}"
+        );
+
+        let err = parse(SAMPLE, &[("WEIR__BROKER__NOPE", "1")]).unwrap_err();
+        assert!(
+            err.to_string().contains("broker") && err.to_string().contains("nope"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn bad_values_are_errors_naming_the_key() {
+        let err = parse(&SAMPLE.replace("\"sequential\"", "\"random\""), &[]).unwrap_err();
+        assert!(err.to_string().contains("graph[0].strategy"), "{err}");
+        let err = parse(SAMPLE, &[("WEIR__BROKER__PARTITIONS", "many")]).unwrap_err();
+        assert!(err.to_string().contains("broker.partitions"), "{err}");
+        let err = parse(&SAMPLE.replace("\"snapshot\"", "\"nope\""), &[]).unwrap_err();
+        assert!(err.to_string().contains("graph[0].function"), "{err}");
+    }
+
+    #[test]
+    fn several_problems_are_reported_together() {
+        let text = SAMPLE
+            .replace(
+                "output = \"prices.out\"",
+                "output = \"\"\nqueue_capacity = 0",
+            )
+            .replace("format = \"json\"", "format = \"avro\"");
+        let err = parse(&text, &[]).unwrap_err();
+        let text = err.to_string();
+        for key in [
+            "graph[0].output",
+            "graph[0].queue_capacity",
+            "graph[0].accumulator[0].schema",
+        ] {
+            assert!(text.contains(key), "{key} missing from {text}");
+        }
+    }
+
+    #[test]
+    fn syntax_errors_name_the_file() {
+        let err = parse("[node\nid = 1", &[]).unwrap_err();
+        assert!(err.to_string().contains("weir.toml"), "{err}");
+    }
+
+    #[test]
+    fn an_empty_file_means_all_defaults() {
+        let c = parse("", &[]).unwrap();
+        assert_eq!(c.broker.kind, BrokerKind::Memory);
+        assert_eq!(c.store.kind, StoreKind::Memory);
+        assert!(c.graphs.is_empty());
+        assert_eq!(
+            c.supervision_policy(),
+            SupervisionPolicy {
+                graph_lease_ttl: Some(Duration::from_millis(defaults::GRAPH_LEASE_TTL_MS)),
+                ..SupervisionPolicy::default()
+            }
+        );
+    }
+}
