@@ -214,7 +214,7 @@ impl SourceFactory for GatedSource {
     fn describe(&self) -> String {
         "gated".into()
     }
-    async fn open(&self) -> Result<Box<dyn Source>, TransportError> {
+    async fn open(&self, _: &[Position]) -> Result<Box<dyn Source>, TransportError> {
         self.open.notified().await;
         Ok(Box::new(Silent))
     }
@@ -292,7 +292,7 @@ impl SourceFactory for FlakyFactory {
     fn describe(&self) -> String {
         "flaky".into()
     }
-    async fn open(&self) -> Result<Box<dyn Source>, TransportError> {
+    async fn open(&self, _: &[Position]) -> Result<Box<dyn Source>, TransportError> {
         self.opens.fetch_add(1, Ordering::SeqCst);
         Ok(Box::new(OneThenFail {
             sent: false,
@@ -663,7 +663,7 @@ impl SourceFactory for OnOpen {
     fn describe(&self) -> String {
         "on-open".into()
     }
-    async fn open(&self) -> Result<Box<dyn Source>, TransportError> {
+    async fn open(&self, _: &[Position]) -> Result<Box<dyn Source>, TransportError> {
         self.opened
             .lock()
             .unwrap()

@@ -155,7 +155,7 @@ impl SourceFactory for PollSource {
         format!("poll:{}", self.name)
     }
 
-    async fn open(&self) -> Result<Box<dyn Source>, TransportError> {
+    async fn open(&self, _resume_after: &[Position]) -> Result<Box<dyn Source>, TransportError> {
         let mut ticker = tokio::time::interval(self.interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         Ok(Box::new(Polling {
@@ -269,7 +269,7 @@ mod tests {
         let factory = PollSource::new("fx", Duration::from_millis(100), || async {
             Some(json!({"rate": 1.1}))
         });
-        let mut source = factory.open().await.unwrap();
+        let mut source = factory.open(&[]).await.unwrap();
         let first = source.next().await.unwrap();
         let second = source.next().await.unwrap();
         assert_eq!(first.position.offset, 1);

@@ -71,7 +71,7 @@ impl AccumulatorTask {
         let mut source: Option<Box<dyn Source>> = None;
         if let Some(factory) = self.source.clone() {
             self.set_health(Health::Connecting).await;
-            match factory.open().await {
+            match factory.open(&checkpoint.positions).await {
                 Ok(s) => source = Some(s),
                 Err(e) => {
                     self.set_health(Health::Disconnected).await;

@@ -244,10 +244,16 @@ impl Broker for KafkaBroker {
                     .committed_offsets(wanted, Timeout::After(Duration::from_secs(10)))
                     .map_err(|e| unreachable(&settings.brokers, e))?;
                 let mut assignment = TopicPartitionList::new();
+                let resume_all = subscription.assignment == Assignment::All;
                 for element in committed.elements() {
-                    let offset = match element.offset() {
-                        Offset::Offset(o) if o >= 0 => Offset::Offset(o),
-                        _ => match subscription.start {
+                    let resume = subscription
+                        .resume_after
+                        .iter()
+                        .find(|p| resume_all && p.partition == element.partition());
+                    let offset = match (resume, element.offset()) {
+                        (Some(p), _) => Offset::Offset(p.offset + 1),
+                        (None, Offset::Offset(o)) if o >= 0 => Offset::Offset(o),
+                        (None, _) => match subscription.start {
                             StartFrom::Earliest => Offset::Beginning,
                             StartFrom::Latest => Offset::End,
                         },

@@ -170,6 +170,14 @@ impl Broker for MemoryBroker {
                 });
             committed.clone()
         };
+        let mut next = next;
+        if subscription.assignment == Assignment::All {
+            for p in &subscription.resume_after {
+                if let Some(n) = next.get_mut(p.partition as usize) {
+                    *n = p.offset + 1;
+                }
+            }
+        }
         let partitions = match &subscription.assignment {
             Assignment::Partitions(wanted) => {
                 for p in wanted {

@@ -110,6 +110,10 @@ pub struct Subscription {
     pub group: String,
     pub start: StartFrom,
     pub assignment: Assignment,
+    /// Positions already processed, from the consumer's own checkpoint. A source with
+    /// [`Assignment::All`] starts right after them, whatever the broker last recorded:
+    /// the checkpoint is written before the broker commit, so it is never behind.
+    pub resume_after: Vec<Position>,
 }
 
 impl Subscription {
@@ -119,6 +123,7 @@ impl Subscription {
             group: group.into(),
             start: StartFrom::Earliest,
             assignment: Assignment::Group,
+            resume_after: Vec::new(),
         }
     }
 }
@@ -198,7 +203,8 @@ pub trait SourceFactory: Send + Sync {
     /// Where the source reads from, for logs, errors and dead-letter topics.
     fn describe(&self) -> String;
 
-    async fn open(&self) -> Result<Box<dyn Source>, TransportError>;
+    /// `resume_after`: positions the caller's checkpoint says are already processed.
+    async fn open(&self, resume_after: &[Position]) -> Result<Box<dyn Source>, TransportError>;
 }
 
 /// A [`SourceFactory`] subscribing on a broker.
@@ -213,8 +219,10 @@ impl SourceFactory for BrokerSource {
         self.subscription.topic.clone()
     }
 
-    async fn open(&self) -> Result<Box<dyn Source>, TransportError> {
-        self.broker.subscribe(&self.subscription).await
+    async fn open(&self, resume_after: &[Position]) -> Result<Box<dyn Source>, TransportError> {
+        let mut subscription = self.subscription.clone();
+        subscription.resume_after = resume_after.to_vec();
+        self.broker.subscribe(&subscription).await
     }
 }
 

@@ -14,7 +14,8 @@ use async_trait::async_trait;
 use futures::StreamExt;
 
 use super::{
-    Broker, Message, Outbound, Position, Sink, Source, StartFrom, Subscription, TransportError,
+    Assignment, Broker, Message, Outbound, Position, Sink, Source, StartFrom, Subscription,
+    TransportError,
 };
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -163,13 +164,30 @@ impl Broker for NatsBroker {
         };
         let stream = self.ensure_stream(js, &subscription.topic).await?;
         let durable = stream_name(&subscription.group);
-        let config = consumer::pull::Config {
-            durable_name: Some(durable.clone()),
-            ack_policy: consumer::AckPolicy::All,
-            deliver_policy: match subscription.start {
+        let resume = subscription.resume_after.iter().map(|p| p.offset).max();
+        let deliver_policy = match (&subscription.assignment, resume) {
+            (Assignment::All, Some(seq)) => consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: (seq + 1).max(1) as u64,
+            },
+            _ => match subscription.start {
                 StartFrom::Earliest => consumer::DeliverPolicy::All,
                 StartFrom::Latest => consumer::DeliverPolicy::New,
             },
+        };
+        if subscription.assignment == Assignment::All {
+            // The only reader of its durable: start it afresh at the checkpoint, so what
+            // a crashed predecessor held unacknowledged comes again now, in order,
+            // rather than after the ack wait.
+            match stream.delete_consumer(&durable).await {
+                Ok(_) => {}
+                Err(e) if e.to_string().contains("not found") => {}
+                Err(e) => return Err(self.unreachable(format!("consumer {durable}: {e}"))),
+            }
+        }
+        let config = consumer::pull::Config {
+            durable_name: Some(durable.clone()),
+            ack_policy: consumer::AckPolicy::All,
+            deliver_policy,
             ack_wait: Duration::from_secs(30),
             max_ack_pending: 100_000,
             ..Default::default()

@@ -1,0 +1,327 @@
+//! `weir run` on real services: crash safety under SIGKILL (Kafka and NATS JetStream),
+//! graph failover between two processes, and poison messages to the dead-letter topic.
+#![cfg(feature = "it")]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::services;
+use serde_json::{json, Value};
+use weir::transport::{Assignment, Broker, Message, Outbound, Subscription};
+
+const MAX_IN_FLIGHT: usize = 8;
+
+enum Kind {
+    Kafka,
+    Nats,
+}
+
+struct Setup {
+    kind: Kind,
+    prefix: String,
+    input: String,
+    output: String,
+    config: tempfile::NamedTempFile,
+}
+
+impl Setup {
+    fn new(kind: Kind, lease_ttl_ms: u64) -> Self {
+        let prefix = services::unique("it");
+        let input = format!("{prefix}.in");
+        let output = format!("{prefix}.out");
+        let broker = match kind {
+            Kind::Kafka => format!(
+                "kind = \"kafka\"\nbrokers = \"{}\"",
+                services::kafka_brokers()
+            ),
+            Kind::Nats => format!("kind = \"nats\"\nurl = \"{}\"", services::nats_url()),
+        };
+        let text = format!(
+            r#"
+[broker]
+{broker}
+[store]
+kind = "redis"
+url = "{redis}"
+prefix = "{prefix}"
+[supervision]
+graph_lease_ttl_ms = {lease_ttl_ms}
+backoff_base_ms = 200
+[[graph]]
+name = "prices"
+criteria = "when_any"
+strategy = "sequential"
+function = "snapshot"
+output = "{output}"
+max_in_flight = {MAX_IN_FLIGHT}
+snapshot_interval_ms = 0
+[[graph.accumulator]]
+name = "a"
+topic = "{input}"
+format = "json"
+"#,
+            redis = services::redis_url(),
+        );
+        let mut config = tempfile::NamedTempFile::new().unwrap();
+        config.write_all(text.as_bytes()).unwrap();
+        Self {
+            kind,
+            prefix,
+            input,
+            output,
+            config,
+        }
+    }
+
+    async fn broker(&self) -> Arc<dyn Broker> {
+        match self.kind {
+            Kind::Kafka => services::kafka(),
+            Kind::Nats => services::nats(true).await,
+        }
+    }
+
+    fn start(&self, node: &str) -> Child {
+        let log =
+            std::fs::File::create(std::env::temp_dir().join(format!("{}-{node}.log", self.prefix)))
+                .unwrap();
+        Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(["run", "--config"])
+            .arg(self.config.path())
+            .env("WEIR__NODE__ID", node)
+            .env("WEIR_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("weir starts")
+    }
+
+    async fn lease_holder(&self) -> Option<String> {
+        let client = redis::Client::open(services::redis_url()).unwrap();
+        let mut c = client.get_multiplexed_async_connection().await.unwrap();
+        let value: Option<String> =
+            redis::AsyncCommands::get(&mut c, format!("{}:lease:graph:prices", self.prefix))
+                .await
+                .unwrap();
+        value.map(|v| v.split('|').next().unwrap_or_default().to_string())
+    }
+}
+
+/// Reads a topic from the start until `done` holds for what was read, or panics.
+async fn read_until(
+    broker: &Arc<dyn Broker>,
+    topic: &str,
+    within: Duration,
+    mut done: impl FnMut(&[Message]) -> bool,
+) -> Vec<Message> {
+    let mut subscription = Subscription::new(topic, services::unique("reader"));
+    subscription.assignment = Assignment::All;
+    let mut source = broker.subscribe(&subscription).await.unwrap();
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + within;
+    while !done(&seen) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, source.next()).await {
+            Ok(Ok(m)) => seen.push(m),
+            Ok(Err(e)) => panic!("reading {topic}: {e}"),
+            Err(_) => panic!("timed out reading {topic}: {} messages", seen.len()),
+        }
+    }
+    seen
+}
+
+fn ids_in(outputs: &[Message]) -> Vec<u64> {
+    outputs
+        .iter()
+        .filter_map(|m| {
+            let v: Value = serde_json::from_slice(&m.payload).ok()?;
+            v["inputs"]["a"]["id"].as_u64()
+        })
+        .collect()
+}
+
+async fn crash_safety(kind: Kind) {
+    const EVENTS: u64 = 1500;
+    let setup = Setup::new(kind, 2000);
+    let broker = setup.broker().await;
+    let sink = broker.sink();
+    let mut weir = setup.start("n1");
+    let mut killed = false;
+    for id in 0..EVENTS {
+        let event = json!({"id": id, "px": 100.0 + id as f64 / 100.0});
+        sink.publish(Outbound::new(&setup.input, event.to_string()))
+            .await
+            .unwrap();
+        if id % 50 == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if id == EVENTS / 2 && !killed {
+            // Make sure the first process has been producing outputs before the kill.
+            read_until(&broker, &setup.output, Duration::from_secs(60), |seen| {
+                seen.len() >= 50
+            })
+            .await;
+            weir.kill().unwrap();
+            weir.wait().unwrap();
+            killed = true;
+            weir = setup.start("n1");
+        }
+    }
+    let outputs = read_until(&broker, &setup.output, Duration::from_secs(90), |seen| {
+        let ids: std::collections::BTreeSet<u64> = ids_in(seen).into_iter().collect();
+        ids.len() as u64 == EVENTS
+    })
+    .await;
+    // Let any late duplicates arrive before counting them.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let outputs = read_until(&broker, &setup.output, Duration::from_secs(30), |seen| {
+        seen.len() >= outputs.len()
+    })
+    .await;
+    weir.kill().unwrap();
+    let _ = weir.wait();
+    let ids = ids_in(&outputs);
+    let mut counts: BTreeMap<u64, usize> = BTreeMap::new();
+    for id in &ids {
+        *counts.entry(*id).or_default() += 1;
+    }
+    assert_eq!(
+        counts.len() as u64,
+        EVENTS,
+        "every input appears in some output"
+    );
+    let duplicates: usize = counts.values().map(|c| c - 1).sum();
+    eprintln!(
+        "{} outputs for {EVENTS} events: {duplicates} duplicates",
+        outputs.len()
+    );
+    // Fires awaiting acknowledgement at the kill, and at most one reactor turn's fires
+    // since the last cache snapshot, may be fired again.
+    assert!(
+        duplicates <= 2 * MAX_IN_FLIGHT,
+        "{duplicates} duplicates exceed the in-flight window"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_crash_loses_nothing() {
+    crash_safety(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_jetstream_crash_loses_nothing() {
+    crash_safety(Kind::Nats).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn graph_fails_over_within_the_lease_ttl() {
+    const TTL: Duration = Duration::from_millis(3000);
+    let setup = Setup::new(Kind::Nats, TTL.as_millis() as u64);
+    let broker = setup.broker().await;
+    let mut first = setup.start("n1");
+    let mut second = setup.start("n2");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let holder = loop {
+        if let Some(h) = setup.lease_holder().await {
+            break h;
+        }
+        assert!(Instant::now() < deadline, "no node took the graph lease");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let sink = broker.sink();
+    sink.publish(Outbound::new(&setup.input, json!({"id": 1}).to_string()))
+        .await
+        .unwrap();
+    read_until(&broker, &setup.output, Duration::from_secs(30), |seen| {
+        ids_in(seen) == vec![1]
+    })
+    .await;
+    // Only the holder runs the graph: the other keeps standing by.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(setup.lease_holder().await.as_deref(), Some(holder.as_str()));
+
+    let (victim, survivor, survivor_name) = if holder == "n1" {
+        (&mut first, &mut second, "n2")
+    } else {
+        (&mut second, &mut first, "n1")
+    };
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    let killed_at = Instant::now();
+    loop {
+        if setup.lease_holder().await.as_deref() == Some(survivor_name) {
+            break;
+        }
+        assert!(
+            killed_at.elapsed() < TTL + Duration::from_secs(3),
+            "no takeover within the lease TTL"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let took_over = killed_at.elapsed();
+    assert!(
+        took_over <= TTL + Duration::from_secs(1),
+        "takeover took {took_over:?}"
+    );
+    sink.publish(Outbound::new(&setup.input, json!({"id": 2}).to_string()))
+        .await
+        .unwrap();
+    read_until(&broker, &setup.output, Duration::from_secs(30), |seen| {
+        ids_in(seen).contains(&2)
+    })
+    .await;
+    survivor.kill().unwrap();
+    let _ = survivor.wait();
+}
+
+async fn poison_goes_to_the_dead_letter_topic(kind: Kind) {
+    let setup = Setup::new(kind, 2000);
+    let broker = setup.broker().await;
+    let mut weir = setup.start("n1");
+    let sink = broker.sink();
+    sink.publish(Outbound::new(&setup.input, json!({"id": 1}).to_string()))
+        .await
+        .unwrap();
+    sink.publish(Outbound::new(&setup.input, "{definitely not json"))
+        .await
+        .unwrap();
+    sink.publish(Outbound::new(&setup.input, json!({"id": 2}).to_string()))
+        .await
+        .unwrap();
+    let outputs = read_until(&broker, &setup.output, Duration::from_secs(60), |seen| {
+        ids_in(seen).len() >= 2
+    })
+    .await;
+    assert_eq!(
+        ids_in(&outputs),
+        vec![1, 2],
+        "good events keep flowing around the poison"
+    );
+    let dead = read_until(
+        &broker,
+        &format!("{}.dlq", setup.input),
+        Duration::from_secs(30),
+        |seen| !seen.is_empty(),
+    )
+    .await;
+    assert_eq!(&dead[0].payload[..], b"{definitely not json");
+    assert!(dead[0]
+        .header("weir-error")
+        .is_some_and(|e| e.contains("invalid JSON")));
+    weir.kill().unwrap();
+    let _ = weir.wait();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_poison_message_is_dead_lettered() {
+    poison_goes_to_the_dead_letter_topic(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_poison_message_is_dead_lettered() {
+    poison_goes_to_the_dead_letter_topic(Kind::Nats).await;
+}
