@@ -1,0 +1,306 @@
+//! End-to-end harness on real brokers: an external producer → weir (accumulator →
+//! reactor → `snapshot` → sink) → an external consumer, over Kafka and over NATS
+//! JetStream, with Redis as the store. In the same run, a bare client loop (consume →
+//! produce, no weir) over the same broker gives the baseline.
+//!
+//! Run `scripts/services` first, then `cargo bench --bench e2e`. Environment:
+//! `WEIR_BENCH_EVENTS` (throughput phase, default 20000), `WEIR_BENCH_RATE` and
+//! `WEIR_BENCH_SECONDS` (latency phase, default 1000 events/s for 5 s),
+//! `WEIR_BENCH_BROKERS` (default `kafka,nats`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::stream::{FuturesOrdered, StreamExt};
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+use weir::graph::FunctionRegistry;
+use weir::store::redis::RedisStore;
+use weir::transport::kafka::{KafkaBroker, KafkaSettings};
+use weir::transport::nats::{NatsBroker, NatsSettings};
+use weir::transport::{Assignment, Broker, Outbound, Subscription};
+use weir::{
+    AccumulatorSpec, Criteria, GraphBuilder, ReactorConfig, Runtime, Strategy, SupervisionPolicy,
+    Supervisor,
+};
+
+const WINDOW: usize = 256;
+
+fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn unique(prefix: &str) -> String {
+    format!("{prefix}{:010x}", rand::random::<u64>() & 0xff_ffff_ffff)
+}
+
+struct Figures {
+    events_per_second: f64,
+    p50: Duration,
+    p99: Duration,
+}
+
+async fn broker(kind: &str) -> Arc<dyn Broker> {
+    match kind {
+        "kafka" => Arc::new(
+            KafkaBroker::connect(KafkaSettings {
+                brokers: std::env::var("WEIR_TEST_KAFKA")
+                    .unwrap_or_else(|_| "127.0.0.1:9092".into()),
+                options: BTreeMap::new(),
+                ..KafkaSettings::default()
+            })
+            .expect("kafka"),
+        ),
+        _ => Arc::new(
+            NatsBroker::connect(NatsSettings {
+                url: std::env::var("WEIR_TEST_NATS")
+                    .unwrap_or_else(|_| "nats://127.0.0.1:4222".into()),
+                jetstream: true,
+            })
+            .await
+            .expect("nats"),
+        ),
+    }
+}
+
+/// The producer's timestamp inside an output: weir wraps the event in a snapshot record,
+/// the bare loop forwards it as is.
+fn sent_at(payload: &[u8], run: &str) -> Option<i64> {
+    let v: Value = serde_json::from_slice(payload).ok()?;
+    let event = if v["inputs"].is_object() {
+        &v["inputs"]["a"]
+    } else {
+        &v
+    };
+    if event["run"].as_str() != Some(run) {
+        return None;
+    }
+    event["sent_us"].as_i64()
+}
+
+fn now_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as i64)
+        .unwrap_or_default()
+}
+
+/// Publishes `events` (paced at `rate` per second, or as fast as acknowledgements
+/// allow) and reads them back from `output`: throughput and latency.
+async fn measure(
+    broker: &Arc<dyn Broker>,
+    input: &str,
+    output: &str,
+    events: usize,
+    rate: Option<u32>,
+) -> Figures {
+    let mut subscription = Subscription::new(output, unique("reader"));
+    subscription.assignment = Assignment::All;
+    let mut reader = broker.subscribe(&subscription).await.expect("reader");
+    let sink = broker.sink();
+    let input = input.to_string();
+    // Each phase reads the topic from the start; only its own events count.
+    let run = unique("run");
+    let tag = run.clone();
+    let producer = tokio::spawn(async move {
+        let mut in_flight = FuturesOrdered::new();
+        let period = rate.map(|r| Duration::from_secs_f64(1.0 / f64::from(r)));
+        let start = tokio::time::Instant::now();
+        let mut sent = 0;
+        while sent < events || !in_flight.is_empty() {
+            let due = match period {
+                Some(p) => start + p * sent as u32,
+                None => start,
+            };
+            tokio::select! {
+                Some(done) = in_flight.next(), if !in_flight.is_empty() => {
+                    let done: Result<weir::transport::Position, weir::transport::TransportError> = done;
+                    done.expect("publish");
+                }
+                _ = tokio::time::sleep_until(due), if sent < events && in_flight.len() < WINDOW => {
+                    let payload = json!({"i": sent, "run": tag, "sent_us": now_us()}).to_string();
+                    let sink = sink.clone();
+                    let message = Outbound::new(input.clone(), payload);
+                    in_flight.push_back(async move { sink.publish(message).await });
+                    sent += 1;
+                }
+            }
+        }
+    });
+    let mut latencies = Vec::with_capacity(events);
+    let mut first = None;
+    while latencies.len() < events {
+        let message = tokio::time::timeout(Duration::from_secs(60), reader.next())
+            .await
+            .expect("outputs keep coming")
+            .expect("read");
+        let received = now_us();
+        if let Some(sent) = sent_at(&message.payload, &run) {
+            first.get_or_insert_with(Instant::now);
+            latencies.push(Duration::from_micros((received - sent).max(0) as u64));
+        }
+    }
+    producer.await.expect("producer");
+    let elapsed = first.map(|f| f.elapsed()).unwrap_or_default();
+    latencies.sort();
+    let pct = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
+    Figures {
+        events_per_second: events as f64 / elapsed.as_secs_f64().max(1e-9),
+        p50: pct(0.5),
+        p99: pct(0.99),
+    }
+}
+
+/// The baseline: consume → produce with the same acknowledgement window, no weir.
+fn bare_loop(
+    broker: Arc<dyn Broker>,
+    input: String,
+    output: String,
+    cancel: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut subscription = Subscription::new(&input, unique("bare"));
+        subscription.assignment = Assignment::All;
+        let mut source = broker.subscribe(&subscription).await.expect("bare source");
+        let sink = broker.sink();
+        let mut in_flight = FuturesOrdered::new();
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                Some(done) = in_flight.next(), if !in_flight.is_empty() => {
+                    let position = done;
+                    let _ = source.commit(&[position]).await;
+                }
+                message = source.next(), if in_flight.len() < WINDOW => {
+                    let message = message.expect("bare consume");
+                    let sink = sink.clone();
+                    let out = Outbound::new(output.clone(), message.payload.clone());
+                    let position = message.position;
+                    in_flight.push_back(async move {
+                        sink.publish(out).await.expect("bare publish");
+                        position
+                    });
+                }
+            }
+        }
+    })
+}
+
+async fn weir_graph(
+    broker: Arc<dyn Broker>,
+    input: &str,
+    output: &str,
+    prefix: &str,
+    cancel: CancellationToken,
+) -> Supervisor {
+    let store = RedisStore::connect(
+        &std::env::var("WEIR_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into()),
+        prefix,
+    )
+    .await
+    .expect("redis");
+    let runtime = Runtime {
+        broker,
+        store: Arc::new(store),
+        node_id: "bench".into(),
+    };
+    let registry = FunctionRegistry::default();
+    let decl = GraphBuilder::new("e2e")
+        .reactor(ReactorConfig {
+            criteria: Criteria::WhenAny,
+            strategy: Strategy::Sequential,
+            max_in_flight: WINDOW,
+            ..ReactorConfig::default()
+        })
+        .accumulator(AccumulatorSpec::passthrough("a").topic(input))
+        .function("snapshot", &registry, "snapshot")
+        .output("snapshot", output)
+        .build()
+        .expect("graph");
+    let supervisor = Supervisor::new(runtime, SupervisionPolicy::default(), cancel);
+    let graph = supervisor.spawn(decl).expect("spawn");
+    graph.wait_for_state(weir::ReactorState::Live).await;
+    supervisor
+}
+
+fn print(kind: &str, what: &str, throughput: &Figures, latency: &Figures) {
+    println!(
+        "{kind:5} {what:4}  {:>9.0} events/s   latency at pace: p50 {:>8.2} ms  p99 {:>8.2} ms",
+        throughput.events_per_second,
+        latency.p50.as_secs_f64() * 1e3,
+        latency.p99.as_secs_f64() * 1e3,
+    );
+}
+
+/// One measurement on fresh topics, so no phase reads another's backlog.
+async fn phase(
+    broker: &Arc<dyn Broker>,
+    with_weir: bool,
+    events: usize,
+    rate: Option<u32>,
+) -> Figures {
+    let prefix = unique("bench");
+    let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
+    let cancel = CancellationToken::new();
+    let figures = if with_weir {
+        let supervisor = weir_graph(broker.clone(), &input, &output, &prefix, cancel.clone()).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let figures = measure(broker, &input, &output, events, rate).await;
+        supervisor.shutdown().await;
+        figures
+    } else {
+        let bare = bare_loop(
+            broker.clone(),
+            input.clone(),
+            output.clone(),
+            cancel.clone(),
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let figures = measure(broker, &input, &output, events, rate).await;
+        cancel.cancel();
+        let _ = bare.await;
+        figures
+    };
+    figures
+}
+
+async fn run(kind: &str) {
+    let events: usize = env("WEIR_BENCH_EVENTS", 20_000);
+    let rate: u32 = env("WEIR_BENCH_RATE", 1000);
+    let seconds: usize = env("WEIR_BENCH_SECONDS", 5);
+    let broker = broker(kind).await;
+    let paced = rate as usize * seconds;
+
+    let bare = (
+        phase(&broker, false, events, None).await,
+        phase(&broker, false, paced, Some(rate)).await,
+    );
+    print(kind, "bare", &bare.0, &bare.1);
+    let weir = (
+        phase(&broker, true, events, None).await,
+        phase(&broker, true, paced, Some(rate)).await,
+    );
+    print(kind, "weir", &weir.0, &weir.1);
+    println!(
+        "{kind:5} weir/bare throughput {:.2}; latency weir adds at p99: {:.2} ms (p50 {:.2} ms)",
+        weir.0.events_per_second / bare.0.events_per_second,
+        (weir.1.p99.as_secs_f64() - bare.1.p99.as_secs_f64()) * 1e3,
+        (weir.1.p50.as_secs_f64() - bare.1.p50.as_secs_f64()) * 1e3,
+    );
+}
+
+#[tokio::main]
+async fn main() {
+    // `cargo bench` passes `--bench`; `cargo test --benches` does not run this harness.
+    if !std::env::args().any(|a| a == "--bench") {
+        return;
+    }
+    let brokers = std::env::var("WEIR_BENCH_BROKERS").unwrap_or_else(|_| "kafka,nats".into());
+    for kind in brokers.split(',') {
+        run(kind.trim()).await;
+    }
+}
