@@ -39,11 +39,34 @@ pub enum Command {
         #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
         rate: u32,
     },
+    /// Cron schedules: preview fire times, manage schedules in the store.
+    Cron {
+        #[command(subcommand)]
+        command: CronCommand,
+    },
     /// Run the graphs a TOML file declares, on the broker and store it names.
     Run {
         /// The configuration file; every key can be overridden by WEIR__SECTION__KEY.
         #[arg(long, short)]
         config: PathBuf,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CronCommand {
+    /// Print the next fire instants of an expression, in UTC (RFC 3339, `Z`).
+    Preview {
+        /// 5 fields (minute hour day-of-month month day-of-week), or 6 with seconds.
+        #[arg(long)]
+        expr: String,
+        /// IANA time zone the expression is read in, e.g. America/New_York.
+        #[arg(long)]
+        tz: String,
+        /// Start after this instant (RFC 3339; default: now).
+        #[arg(long)]
+        from: Option<String>,
+        #[arg(long, default_value_t = 10)]
+        count: usize,
     },
 }
 

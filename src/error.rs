@@ -12,6 +12,10 @@ pub enum Error {
     Supervisor(#[from] SupervisorError),
     #[error(transparent)]
     Config(#[from] ConfigError),
+    #[error(transparent)]
+    Schedule(#[from] crate::cron::ScheduleError),
+    #[error(transparent)]
+    Cron(#[from] crate::cron::CronError),
     #[error("invalid argument: {0}")]
     Usage(String),
     #[error("I/O error: {0}")]
@@ -22,7 +26,7 @@ impl Error {
     /// 2 for bad input (as clap does for bad arguments), 1 for everything else.
     pub fn exit_code(&self) -> i32 {
         match self {
-            Self::Usage(_) | Self::Graph(_) => 2,
+            Self::Usage(_) | Self::Graph(_) | Self::Schedule(_) | Self::Cron(_) => 2,
             Self::Config(e) if !e.is_retryable() => 2,
             _ => 1,
         }

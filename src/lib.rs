@@ -15,6 +15,7 @@
 //! - [`transport`]: the broker seam ([`transport::Source`], [`transport::Sink`],
 //!   [`transport::Broker`]) and its backends; [`store`]: the state seam
 //!   ([`store::Store`]) and its backends. Memory backends are the embedded default.
+//! - [`cron`]: schedules as data, next fire times with Vixie-cron DST rules.
 //! - [`codec`]: Avro single-object encoding for weir's records (`schemas/`), JSON for
 //!   user events.
 //! - [`demo`]: the market-data example behind `weir demo`.
@@ -26,6 +27,7 @@ pub mod accumulator;
 pub mod cli;
 pub mod codec;
 pub mod config;
+pub mod cron;
 pub mod demo;
 pub mod error;
 pub mod graph;

@@ -1,0 +1,13 @@
+//! Cron: schedules as data, next fire times with Vixie-cron DST rules.
+//!
+//! [`expr`] parses expressions, [`next`] maps matches to instants in a time zone,
+//! [`schedule`] is the schedule model and its validation.
+
+pub mod cli;
+pub mod expr;
+pub mod next;
+pub mod schedule;
+
+pub use expr::{CronError, CronExpr};
+pub use next::{next_fire, preview};
+pub use schedule::{CatchUp, Delivery, Overlap, Schedule, ScheduleError, Target};

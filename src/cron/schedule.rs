@@ -1,0 +1,297 @@
+//! The schedule model. Everything a user supplies is validated at registration, with
+//! errors that name the offending field and value.
+
+use chrono::{DateTime, Utc};
+use chrono_tz::Tz;
+use serde::{Deserialize, Serialize};
+
+use super::expr::CronExpr;
+use super::next::next_fire;
+
+/// Missed fire times after downtime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "policy")]
+pub enum CatchUp {
+    /// Drop them; fire at the next time after now.
+    Skip,
+    /// Fire once for the most recent missed time.
+    Latest,
+    /// Fire each missed time, oldest first, at most `cap` of them (the newest).
+    All { cap: u32 },
+}
+
+/// A firing due while the previous one is still running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Overlap {
+    Allow,
+    Skip,
+    /// Keep one waiting firing; drop further ones.
+    BufferOne,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Delivery {
+    /// Fire only while holding a valid lease: never twice, possibly not at all.
+    AtMostOnce,
+    /// Keep firing from local state when the store is unreachable: never missed,
+    /// possibly twice (same tick id).
+    AtLeastOnce,
+}
+
+impl Delivery {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::AtMostOnce => "at_most_once",
+            Self::AtLeastOnce => "at_least_once",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Target {
+    /// Publish the tick to this topic or subject.
+    Topic(String),
+    /// Start one execution of this workflow per tick.
+    Workflow(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Schedule {
+    pub id: String,
+    pub cron: String,
+    pub timezone: String,
+    pub enabled: bool,
+    pub start: Option<DateTime<Utc>>,
+    pub end: Option<DateTime<Utc>>,
+    pub target: Target,
+    pub payload: serde_json::Value,
+    pub catchup: CatchUp,
+    pub overlap: Overlap,
+    pub delivery: Delivery,
+    pub tenant: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScheduleError {
+    #[error("schedule {id}: {source}")]
+    Cron {
+        id: String,
+        #[source]
+        source: super::expr::CronError,
+    },
+    #[error("schedule {id}: unknown time zone {zone:?} (use an IANA name such as Europe/London)")]
+    UnknownZone { id: String, zone: String },
+    #[error("schedule {id}: {field} {value:?} is invalid: {reason}")]
+    Invalid {
+        id: String,
+        field: &'static str,
+        value: String,
+        reason: String,
+    },
+}
+
+impl ScheduleError {
+    /// A schedule that fails validation stays invalid.
+    pub fn is_retryable(&self) -> bool {
+        false
+    }
+}
+
+impl Schedule {
+    /// A schedule with the defaults: enabled, tick to `weir.cron.ticks`, skip missed
+    /// times, skip overlapping firings, at-most-once.
+    pub fn new(
+        id: impl Into<String>,
+        cron: impl Into<String>,
+        timezone: impl Into<String>,
+    ) -> Self {
+        Self {
+            id: id.into(),
+            cron: cron.into(),
+            timezone: timezone.into(),
+            enabled: true,
+            start: None,
+            end: None,
+            target: Target::Topic("weir.cron.ticks".into()),
+            payload: serde_json::Value::Object(Default::default()),
+            catchup: CatchUp::Skip,
+            overlap: Overlap::Skip,
+            delivery: Delivery::AtMostOnce,
+            tenant: None,
+        }
+    }
+
+    /// Checks every field; returns the parsed expression and zone.
+    pub fn validate(&self) -> Result<(CronExpr, Tz), ScheduleError> {
+        let invalid = |field, value: &str, reason: &str| ScheduleError::Invalid {
+            id: self.id.clone(),
+            field,
+            value: value.to_string(),
+            reason: reason.to_string(),
+        };
+        if self.id.is_empty() || self.id.chars().any(|c| c.is_whitespace() || c == ':') {
+            return Err(invalid(
+                "id",
+                &self.id,
+                "must be non-empty, without spaces or ':'",
+            ));
+        }
+        let expr = CronExpr::parse(&self.cron).map_err(|source| ScheduleError::Cron {
+            id: self.id.clone(),
+            source,
+        })?;
+        let tz: Tz = self
+            .timezone
+            .parse()
+            .map_err(|_| ScheduleError::UnknownZone {
+                id: self.id.clone(),
+                zone: self.timezone.clone(),
+            })?;
+        if let (Some(start), Some(end)) = (self.start, self.end) {
+            if end <= start {
+                return Err(invalid("end", &end.to_rfc3339(), "must be after start"));
+            }
+        }
+        if let CatchUp::All { cap: 0 } = self.catchup {
+            return Err(invalid("catchup", "all", "the cap must be at least 1"));
+        }
+        match &self.target {
+            Target::Topic(t) | Target::Workflow(t) if t.trim().is_empty() => {
+                return Err(invalid("target", t, "must name a topic or a workflow"))
+            }
+            _ => {}
+        }
+        Ok((expr, tz))
+    }
+
+    /// The first fire instant strictly after `after`, within the start/end window.
+    pub fn next_after(
+        &self,
+        expr: &CronExpr,
+        tz: Tz,
+        after: DateTime<Utc>,
+    ) -> Option<DateTime<Utc>> {
+        let from = match self.start {
+            // Start is inclusive: look from just before it.
+            Some(start) if start > after => start - chrono::Duration::milliseconds(1),
+            _ => after,
+        };
+        let next = next_fire(expr, tz, from)?;
+        match self.end {
+            Some(end) if next > end => None,
+            _ => Some(next),
+        }
+    }
+
+    /// Fire times to emit for the interval (`last`, `now`], following the catch-up
+    /// policy: all of them, the latest, or none.
+    pub fn due(
+        &self,
+        expr: &CronExpr,
+        tz: Tz,
+        last: DateTime<Utc>,
+        now: DateTime<Utc>,
+    ) -> Vec<DateTime<Utc>> {
+        let cap = match self.catchup {
+            CatchUp::Skip | CatchUp::Latest => 1,
+            CatchUp::All { cap } => cap as usize,
+        };
+        let mut times = std::collections::VecDeque::new();
+        let mut at = last;
+        while let Some(t) = self.next_after(expr, tz, at) {
+            if t > now {
+                break;
+            }
+            if times.len() == cap {
+                times.pop_front();
+            }
+            times.push_back(t);
+            at = t;
+        }
+        let times: Vec<_> = times.into();
+        match self.catchup {
+            // A time due just now is not "missed": skip keeps it, drops older ones.
+            CatchUp::Skip => times
+                .into_iter()
+                .filter(|t| now - *t < chrono::Duration::seconds(1))
+                .collect(),
+            _ => times,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn utc(s: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
+    }
+
+    #[test]
+    fn invalid_fields_are_named() {
+        let err = Schedule::new("s", "not cron", "UTC")
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("\"not cron\""), "{err}");
+        let err = Schedule::new("s", "* * * * *", "Mars/Olympus")
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("Mars/Olympus"), "{err}");
+        let mut s = Schedule::new("s", "* * * * *", "UTC");
+        s.catchup = CatchUp::All { cap: 0 };
+        assert!(s.validate().unwrap_err().to_string().contains("catchup"));
+        let s = Schedule::new("has space", "* * * * *", "UTC");
+        assert!(s.validate().unwrap_err().to_string().contains("id"));
+    }
+
+    #[test]
+    fn catch_up_policies() {
+        let mut s = Schedule::new("s", "0 * * * *", "UTC");
+        let (expr, tz) = s.validate().unwrap();
+        let last = utc("2026-01-01T00:00:00Z");
+        let now = utc("2026-01-01T05:30:00Z");
+        assert!(
+            s.due(&expr, tz, last, now).is_empty(),
+            "skip drops missed times"
+        );
+        s.catchup = CatchUp::Latest;
+        assert_eq!(
+            s.due(&expr, tz, last, now),
+            vec![utc("2026-01-01T05:00:00Z")]
+        );
+        s.catchup = CatchUp::All { cap: 3 };
+        assert_eq!(
+            s.due(&expr, tz, last, now),
+            vec![
+                utc("2026-01-01T03:00:00Z"),
+                utc("2026-01-01T04:00:00Z"),
+                utc("2026-01-01T05:00:00Z")
+            ]
+        );
+        s.catchup = CatchUp::Skip;
+        let on_time = utc("2026-01-01T05:00:00.200Z");
+        assert_eq!(
+            s.due(&expr, tz, utc("2026-01-01T04:59:00Z"), on_time),
+            vec![utc("2026-01-01T05:00:00Z")]
+        );
+    }
+
+    #[test]
+    fn start_and_end_bound_the_fires() {
+        let mut s = Schedule::new("s", "0 * * * *", "UTC");
+        s.start = Some(utc("2026-01-01T03:00:00Z"));
+        s.end = Some(utc("2026-01-01T04:00:00Z"));
+        let (expr, tz) = s.validate().unwrap();
+        let first = s.next_after(&expr, tz, utc("2026-01-01T00:00:00Z"));
+        assert_eq!(first, Some(utc("2026-01-01T03:00:00Z")));
+        assert_eq!(
+            s.next_after(&expr, tz, utc("2026-01-01T03:00:00Z")),
+            Some(utc("2026-01-01T04:00:00Z"))
+        );
+        assert_eq!(s.next_after(&expr, tz, utc("2026-01-01T04:00:00Z")), None);
+    }
+}
