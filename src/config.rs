@@ -37,6 +37,13 @@ pub mod defaults {
     pub const HEALTHY_RESET_MS: u64 = 60_000;
     pub const SHUTDOWN_TIMEOUT_MS: u64 = 5000;
     pub const GRAPH_LEASE_TTL_MS: u64 = 10_000;
+    pub const CRON_SHARDS: u32 = 1;
+    pub const CRON_LEASE_TTL_MS: u64 = 3000;
+    pub const CRON_ORPHAN_AFTER_MS: u64 = 30_000;
+    pub const CRON_MAX_ATTEMPTS: u32 = 3;
+    pub const CATCHUP_CAP: u32 = 100;
+    pub const TICK_TOPIC: &str = "weir.cron.ticks";
+    pub const TIMEZONE: &str = "UTC";
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -79,8 +86,157 @@ pub struct Config {
     pub broker: BrokerConfig,
     pub store: StoreConfig,
     pub supervision: SupervisionConfig,
+    pub cron: CronConfig,
     #[serde(rename = "graph")]
     pub graphs: Vec<GraphConfig>,
+    #[serde(rename = "schedule")]
+    pub schedules: Vec<ScheduleConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CronConfig {
+    /// Run the schedule master election and fire schedules (on by default when the
+    /// file declares schedules).
+    pub enabled: Option<bool>,
+    pub shards: u32,
+    pub lease_ttl_ms: u64,
+    pub orphan_after_ms: u64,
+    pub max_attempts: u32,
+}
+
+impl Default for CronConfig {
+    fn default() -> Self {
+        Self {
+            enabled: None,
+            shards: defaults::CRON_SHARDS,
+            lease_ttl_ms: defaults::CRON_LEASE_TTL_MS,
+            orphan_after_ms: defaults::CRON_ORPHAN_AFTER_MS,
+            max_attempts: defaults::CRON_MAX_ATTEMPTS,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum CatchUpKind {
+    #[default]
+    Skip,
+    Latest,
+    All,
+}
+
+fn default_timezone() -> String {
+    defaults::TIMEZONE.into()
+}
+fn default_catchup_cap() -> u32 {
+    defaults::CATCHUP_CAP
+}
+fn default_overlap() -> crate::cron::Overlap {
+    crate::cron::Overlap::Skip
+}
+fn default_delivery() -> crate::cron::Delivery {
+    crate::cron::Delivery::AtMostOnce
+}
+fn default_enabled() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleConfig {
+    pub id: String,
+    pub cron: String,
+    #[serde(default = "default_timezone")]
+    pub timezone: String,
+    /// Topic or subject for the ticks (default `weir.cron.ticks`).
+    #[serde(default)]
+    pub topic: Option<String>,
+    /// A workflow to start per tick, instead of a topic.
+    #[serde(default)]
+    pub workflow: Option<String>,
+    #[serde(default)]
+    pub payload: Option<toml::Value>,
+    #[serde(default)]
+    pub catchup: CatchUpKind,
+    #[serde(default = "default_catchup_cap")]
+    pub catchup_cap: u32,
+    #[serde(default = "default_overlap")]
+    pub overlap: crate::cron::Overlap,
+    #[serde(default = "default_delivery")]
+    pub delivery: crate::cron::Delivery,
+    #[serde(default)]
+    pub start: Option<String>,
+    #[serde(default)]
+    pub end: Option<String>,
+    #[serde(default = "default_enabled")]
+    pub enabled: bool,
+    #[serde(default)]
+    pub tenant: Option<String>,
+}
+
+impl ScheduleConfig {
+    /// The schedule this entry declares; `index` names it in errors.
+    pub fn schedule(&self, index: usize) -> Result<crate::cron::Schedule, ConfigError> {
+        use crate::cron::{CatchUp, Schedule, Target};
+        let key = |field: &str| format!("schedule[{index}].{field}");
+        let instant = |field: &str,
+                       text: &Option<String>|
+         -> Result<Option<chrono::DateTime<chrono::Utc>>, ConfigError> {
+            text.as_ref()
+                .map(|t| {
+                    chrono::DateTime::parse_from_rfc3339(t)
+                        .map(|d| d.with_timezone(&chrono::Utc))
+                        .map_err(|e| invalid(key(field), format!("{t:?} is not RFC 3339: {e}")))
+                })
+                .transpose()
+        };
+        let target = match (&self.topic, &self.workflow) {
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    key("workflow"),
+                    "give a topic or a workflow, not both",
+                ))
+            }
+            (None, Some(w)) => Target::Workflow(w.clone()),
+            (Some(t), None) => Target::Topic(t.clone()),
+            (None, None) => Target::Topic(defaults::TICK_TOPIC.into()),
+        };
+        let payload = match &self.payload {
+            None => serde_json::Value::Object(Default::default()),
+            Some(v) => {
+                serde_json::to_value(v).map_err(|e| invalid(key("payload"), e.to_string()))?
+            }
+        };
+        let schedule = Schedule {
+            id: self.id.clone(),
+            cron: self.cron.clone(),
+            timezone: self.timezone.clone(),
+            enabled: self.enabled,
+            start: instant("start", &self.start)?,
+            end: instant("end", &self.end)?,
+            target,
+            payload,
+            catchup: match self.catchup {
+                CatchUpKind::Skip => CatchUp::Skip,
+                CatchUpKind::Latest => CatchUp::Latest,
+                CatchUpKind::All => CatchUp::All {
+                    cap: self.catchup_cap,
+                },
+            },
+            overlap: self.overlap,
+            delivery: self.delivery,
+            tenant: self.tenant.clone(),
+        };
+        schedule.validate().map_err(|e| match e {
+            crate::cron::ScheduleError::Cron { .. } => invalid(key("cron"), e.to_string()),
+            crate::cron::ScheduleError::UnknownZone { .. } => {
+                invalid(key("timezone"), e.to_string())
+            }
+            crate::cron::ScheduleError::Invalid { field, .. } => invalid(key(field), e.to_string()),
+        })?;
+        Ok(schedule)
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -364,6 +520,14 @@ impl Config {
                 }
             }
         }
+        for (i, sc) in self.schedules.iter().enumerate() {
+            if let Err(e) = sc.schedule(i) {
+                errors.push(e);
+            }
+        }
+        if self.cron.shards == 0 {
+            errors.push(invalid("cron.shards", "must be at least 1"));
+        }
         if self.broker.partitions < 1 {
             errors.push(invalid("broker.partitions", "must be at least 1"));
         }
@@ -392,6 +556,32 @@ impl Config {
             graph_lease_ttl: (s.graph_lease_ttl_ms > 0)
                 .then(|| Duration::from_millis(s.graph_lease_ttl_ms)),
         }
+    }
+
+    /// Whether `weir run` runs the cron scheduler.
+    pub fn cron_enabled(&self) -> bool {
+        self.cron.enabled.unwrap_or(!self.schedules.is_empty())
+    }
+
+    pub fn scheduler_config(&self) -> crate::cron::scheduler::SchedulerConfig {
+        crate::cron::scheduler::SchedulerConfig {
+            node_id: self.node_id(),
+            priority: self.node.priority,
+            shards: self.cron.shards,
+            lease_ttl: Duration::from_millis(self.cron.lease_ttl_ms),
+            orphan_after: Duration::from_millis(self.cron.orphan_after_ms),
+            max_attempts: self.cron.max_attempts,
+            tenant: None,
+        }
+    }
+
+    /// The declared schedules, validated.
+    pub fn declared_schedules(&self) -> Result<Vec<crate::cron::Schedule>, ConfigError> {
+        self.schedules
+            .iter()
+            .enumerate()
+            .map(|(i, s)| s.schedule(i))
+            .collect()
     }
 
     /// Connects to the configured broker and store.

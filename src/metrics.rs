@@ -17,6 +17,8 @@ pub const DEAD_LETTERS_TOTAL: &str = "weir_dead_letters_total";
 pub const CHECKPOINTS_TOTAL: &str = "weir_checkpoints_total";
 pub const CACHE_SNAPSHOTS_TOTAL: &str = "weir_cache_snapshots_total";
 pub const RECOVERY_EVENTS_TOTAL: &str = "weir_recovery_events_total";
+pub const CRON_TICKS_TOTAL: &str = "weir_cron_ticks_total";
+pub const TICK_LATENESS_SECONDS: &str = "weir_cron_tick_lateness_seconds";
 
 /// Counters of one graph, shared by its accumulators, reactor and supervisor across
 /// restarts. Each count is kept both as a plain atomic (for `GraphHandle::stats` and

@@ -1,12 +1,14 @@
 //! Cron: schedules as data, next fire times with Vixie-cron DST rules.
 //!
 //! [`expr`] parses expressions, [`next`] maps matches to instants in a time zone,
-//! [`schedule`] is the schedule model and its validation.
+//! [`schedule`] is the schedule model and its validation, [`scheduler`] the elected
+//! per-shard master that fires them as CronTick messages.
 
 pub mod cli;
 pub mod expr;
 pub mod next;
 pub mod schedule;
+pub mod scheduler;
 
 pub use expr::{CronError, CronExpr};
 pub use next::{next_fire, preview};

@@ -7,8 +7,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::time::Instant;
 
-use super::{Checkpoint, Lease, RecoveryEvent, Store, StoreError};
+use super::{Checkpoint, Execution, Lease, RecoveryEvent, ScheduleChanges, Store, StoreError};
+use crate::cron::Schedule;
 use crate::reactor::CacheSnapshot;
+
+/// Execution records kept per schedule.
+const EXECUTIONS_KEPT: usize = 1000;
 
 /// Recovery events kept per process; older ones are dropped first.
 const RECOVERY_EVENTS_KEPT: usize = 10_000;
@@ -16,6 +20,7 @@ const RECOVERY_EVENTS_KEPT: usize = 10_000;
 #[derive(Default)]
 pub struct MemoryStore {
     state: Mutex<State>,
+    watchers: Mutex<Vec<tokio::sync::mpsc::Sender<()>>>,
 }
 
 #[derive(Default)]
@@ -25,6 +30,11 @@ struct State {
     recoveries: VecDeque<RecoveryEvent>,
     leases: HashMap<String, HeldLease>,
     fencing: HashMap<String, u64>,
+    schedules: std::collections::BTreeMap<String, Schedule>,
+    /// Per shard: (next fire ms, schedule id).
+    due: HashMap<u32, std::collections::BTreeSet<(i64, String)>>,
+    executions: HashMap<String, VecDeque<Execution>>,
+    nodes: HashMap<String, (i64, Instant)>,
 }
 
 struct HeldLease {
@@ -40,6 +50,15 @@ impl MemoryStore {
 
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn notify_watchers(&self) {
+        let mut watchers = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
+        watchers.retain(|w| !w.is_closed());
+        for w in watchers.iter() {
+            // A full queue already holds a wake-up.
+            let _ = w.try_send(());
+        }
     }
 }
 
@@ -178,5 +197,171 @@ impl Store for MemoryStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
+    }
+
+    async fn put_schedule(&self, schedule: &Schedule) -> Result<(), StoreError> {
+        self.state()
+            .schedules
+            .insert(schedule.id.clone(), schedule.clone());
+        self.notify_watchers();
+        Ok(())
+    }
+
+    async fn get_schedule(&self, id: &str) -> Result<Option<Schedule>, StoreError> {
+        Ok(self.state().schedules.get(id).cloned())
+    }
+
+    async fn list_schedules(&self) -> Result<Vec<Schedule>, StoreError> {
+        Ok(self.state().schedules.values().cloned().collect())
+    }
+
+    async fn delete_schedule(&self, id: &str, shard: u32) -> Result<bool, StoreError> {
+        let existed = {
+            let mut state = self.state();
+            if let Some(set) = state.due.get_mut(&shard) {
+                set.retain(|(_, s)| s != id);
+            }
+            state.schedules.remove(id).is_some()
+        };
+        self.notify_watchers();
+        Ok(existed)
+    }
+
+    async fn set_next_fire(
+        &self,
+        shard: u32,
+        id: &str,
+        at_ms: Option<i64>,
+    ) -> Result<(), StoreError> {
+        let mut state = self.state();
+        let set = state.due.entry(shard).or_default();
+        set.retain(|(_, s)| s != id);
+        if let Some(at) = at_ms {
+            set.insert((at, id.to_string()));
+        }
+        Ok(())
+    }
+
+    async fn due_schedules(
+        &self,
+        shard: u32,
+        until_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(String, i64)>, StoreError> {
+        let state = self.state();
+        Ok(state
+            .due
+            .get(&shard)
+            .map(|set| {
+                set.iter()
+                    .take_while(|(at, _)| *at <= until_ms)
+                    .take(limit)
+                    .map(|(at, id)| (id.clone(), *at))
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+
+    async fn earliest_fire(&self, shard: u32) -> Result<Option<i64>, StoreError> {
+        Ok(self
+            .state()
+            .due
+            .get(&shard)
+            .and_then(|set| set.first().map(|(at, _)| *at)))
+    }
+
+    async fn claim_execution(&self, execution: &Execution) -> Result<bool, StoreError> {
+        let mut state = self.state();
+        let list = state
+            .executions
+            .entry(execution.schedule_id.clone())
+            .or_default();
+        if list
+            .iter()
+            .any(|e| e.scheduled_ms == execution.scheduled_ms)
+        {
+            return Ok(false);
+        }
+        if list.len() == EXECUTIONS_KEPT {
+            list.pop_front();
+        }
+        list.push_back(execution.clone());
+        Ok(true)
+    }
+
+    async fn put_execution(&self, execution: &Execution) -> Result<(), StoreError> {
+        let mut state = self.state();
+        let list = state
+            .executions
+            .entry(execution.schedule_id.clone())
+            .or_default();
+        match list
+            .iter_mut()
+            .find(|e| e.scheduled_ms == execution.scheduled_ms)
+        {
+            Some(e) => *e = execution.clone(),
+            None => list.push_back(execution.clone()),
+        }
+        Ok(())
+    }
+
+    async fn get_execution(
+        &self,
+        schedule_id: &str,
+        scheduled_ms: i64,
+    ) -> Result<Option<Execution>, StoreError> {
+        Ok(self
+            .state()
+            .executions
+            .get(schedule_id)
+            .and_then(|l| l.iter().find(|e| e.scheduled_ms == scheduled_ms).cloned()))
+    }
+
+    async fn executions(
+        &self,
+        schedule_id: &str,
+        limit: usize,
+    ) -> Result<Vec<Execution>, StoreError> {
+        let state = self.state();
+        let mut list: Vec<Execution> = state
+            .executions
+            .get(schedule_id)
+            .map(|l| l.iter().cloned().collect())
+            .unwrap_or_default();
+        list.sort_by(|a, b| b.scheduled_ms.cmp(&a.scheduled_ms));
+        list.truncate(limit);
+        Ok(list)
+    }
+
+    async fn register_node(
+        &self,
+        node: &str,
+        priority: i64,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.state()
+            .nodes
+            .insert(node.to_string(), (priority, Instant::now() + ttl));
+        Ok(())
+    }
+
+    async fn live_nodes(&self) -> Result<Vec<(String, i64)>, StoreError> {
+        let now = Instant::now();
+        let mut state = self.state();
+        state.nodes.retain(|_, (_, expires)| *expires > now);
+        Ok(state
+            .nodes
+            .iter()
+            .map(|(n, (p, _))| (n.clone(), *p))
+            .collect())
+    }
+
+    async fn watch_schedules(&self) -> Result<ScheduleChanges, StoreError> {
+        let (tx, receiver) = tokio::sync::mpsc::channel(1);
+        self.watchers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(tx);
+        Ok(ScheduleChanges { receiver })
     }
 }

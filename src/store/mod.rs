@@ -9,6 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
+use crate::cron::Schedule;
 use crate::reactor::CacheSnapshot;
 use crate::transport::Position;
 
@@ -60,6 +61,47 @@ pub struct Lease {
     pub name: String,
     pub holder: String,
     pub token: u64,
+}
+
+/// One firing of a schedule: at most one record per (schedule, scheduled time).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Execution {
+    pub schedule_id: String,
+    pub scheduled_ms: i64,
+    pub tick_id: String,
+    pub status: ExecutionStatus,
+    pub attempt: u32,
+    pub node_id: String,
+    pub fencing_token: u64,
+    pub updated_ms: i64,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExecutionStatus {
+    /// Claimed by a master; the tick is being emitted.
+    Scheduled,
+    /// The tick was emitted; its work is under way.
+    Running,
+    Completed,
+    Failed,
+    /// Not fired: the overlap policy dropped it.
+    Skipped,
+}
+
+/// Wakes a scheduler when schedules change.
+pub struct ScheduleChanges {
+    pub(crate) receiver: tokio::sync::mpsc::Receiver<()>,
+}
+
+impl ScheduleChanges {
+    /// Waits for the next change; pends forever if the feed ended.
+    pub async fn changed(&mut self) {
+        if self.receiver.recv().await.is_none() {
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -127,4 +169,67 @@ pub trait Store: Send + Sync {
     async fn release_lease(&self, lease: &Lease) -> Result<bool, StoreError>;
 
     async fn ping(&self) -> Result<(), StoreError>;
+
+    /// Creates or replaces a schedule and wakes the schedulers.
+    async fn put_schedule(&self, schedule: &Schedule) -> Result<(), StoreError>;
+
+    async fn get_schedule(&self, id: &str) -> Result<Option<Schedule>, StoreError>;
+
+    async fn list_schedules(&self) -> Result<Vec<Schedule>, StoreError>;
+
+    /// Removes a schedule and its pending fire time; false if there was none.
+    async fn delete_schedule(&self, id: &str, shard: u32) -> Result<bool, StoreError>;
+
+    /// Sets (or clears) a schedule's next fire time in its shard's sorted set.
+    async fn set_next_fire(
+        &self,
+        shard: u32,
+        id: &str,
+        at_ms: Option<i64>,
+    ) -> Result<(), StoreError>;
+
+    /// Schedules of a shard due at or before `until_ms`, earliest first.
+    async fn due_schedules(
+        &self,
+        shard: u32,
+        until_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(String, i64)>, StoreError>;
+
+    /// The earliest next fire time in a shard.
+    async fn earliest_fire(&self, shard: u32) -> Result<Option<i64>, StoreError>;
+
+    /// Creates the execution record if none exists for its (schedule, scheduled time):
+    /// true for the one caller that created it.
+    async fn claim_execution(&self, execution: &Execution) -> Result<bool, StoreError>;
+
+    /// Overwrites an execution record (status changes).
+    async fn put_execution(&self, execution: &Execution) -> Result<(), StoreError>;
+
+    async fn get_execution(
+        &self,
+        schedule_id: &str,
+        scheduled_ms: i64,
+    ) -> Result<Option<Execution>, StoreError>;
+
+    /// Newest first.
+    async fn executions(
+        &self,
+        schedule_id: &str,
+        limit: usize,
+    ) -> Result<Vec<Execution>, StoreError>;
+
+    /// Announces a live node and its election priority for `ttl`.
+    async fn register_node(
+        &self,
+        node: &str,
+        priority: i64,
+        ttl: Duration,
+    ) -> Result<(), StoreError>;
+
+    /// Nodes whose registration has not expired, with their priorities.
+    async fn live_nodes(&self) -> Result<Vec<(String, i64)>, StoreError>;
+
+    /// A feed of schedule changes, to wake sleeping schedulers.
+    async fn watch_schedules(&self) -> Result<ScheduleChanges, StoreError>;
 }

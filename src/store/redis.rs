@@ -10,8 +10,12 @@ use redis::{AsyncCommands, Script};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use super::{Checkpoint, Lease, RecoveryEvent, Store, StoreError};
+use super::{Checkpoint, Execution, Lease, RecoveryEvent, ScheduleChanges, Store, StoreError};
+use crate::cron::Schedule;
 use crate::reactor::CacheSnapshot;
+
+/// Execution records kept per schedule.
+const EXECUTIONS_KEPT: isize = 1000;
 
 /// Recovery events kept per graph and in the global list.
 const RECOVERY_EVENTS_KEPT: isize = 10_000;
@@ -19,6 +23,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 #[derive(Clone)]
 pub struct RedisStore {
+    client: redis::Client,
     connection: ConnectionManager,
     prefix: String,
     url: String,
@@ -85,6 +90,7 @@ impl RedisStore {
             .set_response_timeout(CONNECT_TIMEOUT)
             .set_number_of_retries(3)
             .set_max_delay(500);
+        let pubsub_client = client.clone();
         let connection = tokio::time::timeout(
             2 * CONNECT_TIMEOUT,
             ConnectionManager::new_with_config(client, config),
@@ -93,6 +99,7 @@ impl RedisStore {
         .map_err(|_| unreachable("connection timed out".into()))?
         .map_err(|e| unreachable(e.to_string()))?;
         Ok(Self {
+            client: pubsub_client,
             connection,
             prefix: prefix.to_string(),
             url: url.to_string(),
@@ -133,6 +140,17 @@ impl RedisStore {
         c.set::<_, _, ()>(key, text)
             .await
             .map_err(|e| store_error("SET", e))
+    }
+
+    fn changes_channel(&self) -> String {
+        self.key(&["sched", "changed"])
+    }
+
+    fn encode<T: Serialize>(value: &T) -> Result<String, StoreError> {
+        serde_json::to_string(value).map_err(|e| StoreError::Operation {
+            operation: "encode",
+            reason: e.to_string(),
+        })
     }
 
     fn lease_value(lease: &Lease) -> String {
@@ -270,5 +288,267 @@ impl Store for RedisStore {
             .await
             .map(|_| ())
             .map_err(|e| store_error("PING", e))
+    }
+
+    async fn put_schedule(&self, schedule: &Schedule) -> Result<(), StoreError> {
+        let text = Self::encode(schedule)?;
+        let mut c = self.connection.clone();
+        redis::pipe()
+            .atomic()
+            .set(self.key(&["sched", &schedule.id]), text)
+            .sadd(self.key(&["sched", "ids"]), &schedule.id)
+            .publish(self.changes_channel(), &schedule.id)
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(|e| store_error("put schedule", e))
+    }
+
+    async fn get_schedule(&self, id: &str) -> Result<Option<Schedule>, StoreError> {
+        self.get_json(self.key(&["sched", id])).await
+    }
+
+    async fn list_schedules(&self) -> Result<Vec<Schedule>, StoreError> {
+        let mut c = self.connection.clone();
+        let ids: Vec<String> = c
+            .smembers(self.key(&["sched", "ids"]))
+            .await
+            .map_err(|e| store_error("SMEMBERS", e))?;
+        let mut schedules = Vec::with_capacity(ids.len());
+        for chunk in ids.chunks(500) {
+            let keys: Vec<String> = chunk.iter().map(|id| self.key(&["sched", id])).collect();
+            let raw: Vec<Option<String>> = redis::cmd("MGET")
+                .arg(&keys)
+                .query_async(&mut c)
+                .await
+                .map_err(|e| store_error("MGET", e))?;
+            for (key, text) in keys.into_iter().zip(raw) {
+                if let Some(text) = text {
+                    schedules.push(serde_json::from_str(&text).map_err(|e| {
+                        StoreError::Corrupt {
+                            key,
+                            reason: e.to_string(),
+                        }
+                    })?);
+                }
+            }
+        }
+        schedules.sort_by(|a: &Schedule, b| a.id.cmp(&b.id));
+        Ok(schedules)
+    }
+
+    async fn delete_schedule(&self, id: &str, shard: u32) -> Result<bool, StoreError> {
+        let mut c = self.connection.clone();
+        let (deleted,): (i64,) = redis::pipe()
+            .atomic()
+            .del(self.key(&["sched", id]))
+            .srem(self.key(&["sched", "ids"]), id)
+            .ignore()
+            .zrem(self.key(&["sched", "due", &shard.to_string()]), id)
+            .ignore()
+            .publish(self.changes_channel(), id)
+            .ignore()
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("delete schedule", e))?;
+        Ok(deleted > 0)
+    }
+
+    async fn set_next_fire(
+        &self,
+        shard: u32,
+        id: &str,
+        at_ms: Option<i64>,
+    ) -> Result<(), StoreError> {
+        let key = self.key(&["sched", "due", &shard.to_string()]);
+        let mut c = self.connection.clone();
+        match at_ms {
+            Some(at) => c.zadd::<_, _, _, ()>(key, id, at).await,
+            None => c.zrem::<_, _, ()>(key, id).await,
+        }
+        .map_err(|e| store_error("ZADD", e))
+    }
+
+    async fn due_schedules(
+        &self,
+        shard: u32,
+        until_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(String, i64)>, StoreError> {
+        let mut c = self.connection.clone();
+        c.zrangebyscore_limit_withscores(
+            self.key(&["sched", "due", &shard.to_string()]),
+            "-inf",
+            until_ms,
+            0,
+            limit as isize,
+        )
+        .await
+        .map_err(|e| store_error("ZRANGEBYSCORE", e))
+    }
+
+    async fn earliest_fire(&self, shard: u32) -> Result<Option<i64>, StoreError> {
+        let mut c = self.connection.clone();
+        let first: Vec<(String, i64)> = c
+            .zrange_withscores(self.key(&["sched", "due", &shard.to_string()]), 0, 0)
+            .await
+            .map_err(|e| store_error("ZRANGE", e))?;
+        Ok(first.first().map(|(_, at)| *at))
+    }
+
+    async fn claim_execution(&self, execution: &Execution) -> Result<bool, StoreError> {
+        let text = Self::encode(execution)?;
+        let key = self.key(&[
+            "exec",
+            &execution.schedule_id,
+            &execution.scheduled_ms.to_string(),
+        ]);
+        let history = self.key(&["exec", "hist", &execution.schedule_id]);
+        let mut c = self.connection.clone();
+        let claimed: Option<String> = redis::cmd("SET")
+            .arg(&key)
+            .arg(text)
+            .arg("NX")
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("SET NX", e))?;
+        if claimed.is_none() {
+            return Ok(false);
+        }
+        redis::pipe()
+            .zadd(&history, execution.scheduled_ms, execution.scheduled_ms)
+            .zremrangebyrank(&history, 0, -(EXECUTIONS_KEPT + 1))
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(|e| store_error("ZADD", e))?;
+        Ok(true)
+    }
+
+    async fn put_execution(&self, execution: &Execution) -> Result<(), StoreError> {
+        let key = self.key(&[
+            "exec",
+            &execution.schedule_id,
+            &execution.scheduled_ms.to_string(),
+        ]);
+        self.set_json(key, execution).await
+    }
+
+    async fn get_execution(
+        &self,
+        schedule_id: &str,
+        scheduled_ms: i64,
+    ) -> Result<Option<Execution>, StoreError> {
+        self.get_json(self.key(&["exec", schedule_id, &scheduled_ms.to_string()]))
+            .await
+    }
+
+    async fn executions(
+        &self,
+        schedule_id: &str,
+        limit: usize,
+    ) -> Result<Vec<Execution>, StoreError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let mut c = self.connection.clone();
+        let times: Vec<i64> = c
+            .zrevrange(
+                self.key(&["exec", "hist", schedule_id]),
+                0,
+                limit as isize - 1,
+            )
+            .await
+            .map_err(|e| store_error("ZREVRANGE", e))?;
+        if times.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = times
+            .iter()
+            .map(|t| self.key(&["exec", schedule_id, &t.to_string()]))
+            .collect();
+        let raw: Vec<Option<String>> = redis::cmd("MGET")
+            .arg(&keys)
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("MGET", e))?;
+        keys.into_iter()
+            .zip(raw)
+            .filter_map(|(key, text)| text.map(|t| (key, t)))
+            .map(|(key, text)| {
+                serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
+                    key,
+                    reason: e.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    async fn register_node(
+        &self,
+        node: &str,
+        priority: i64,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let mut c = self.connection.clone();
+        redis::pipe()
+            .cmd("SET")
+            .arg(self.key(&["node", node]))
+            .arg(priority)
+            .arg("PX")
+            .arg(ttl.as_millis().max(1) as u64)
+            .sadd(self.key(&["nodes"]), node)
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(|e| store_error("register node", e))
+    }
+
+    async fn live_nodes(&self) -> Result<Vec<(String, i64)>, StoreError> {
+        let mut c = self.connection.clone();
+        let nodes: Vec<String> = c
+            .smembers(self.key(&["nodes"]))
+            .await
+            .map_err(|e| store_error("SMEMBERS", e))?;
+        if nodes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = nodes.iter().map(|n| self.key(&["node", n])).collect();
+        let priorities: Vec<Option<i64>> = redis::cmd("MGET")
+            .arg(&keys)
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("MGET", e))?;
+        let mut live = Vec::new();
+        for (node, priority) in nodes.into_iter().zip(priorities) {
+            match priority {
+                Some(p) => live.push((node, p)),
+                None => {
+                    let _: Result<(), _> = c.srem(self.key(&["nodes"]), &node).await;
+                }
+            }
+        }
+        Ok(live)
+    }
+
+    async fn watch_schedules(&self) -> Result<ScheduleChanges, StoreError> {
+        let mut pubsub = self
+            .client
+            .get_async_pubsub()
+            .await
+            .map_err(|e| store_error("SUBSCRIBE", e))?;
+        pubsub
+            .subscribe(self.changes_channel())
+            .await
+            .map_err(|e| store_error("SUBSCRIBE", e))?;
+        let (tx, receiver) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(async move {
+            use futures::StreamExt;
+            let mut messages = pubsub.on_message();
+            while messages.next().await.is_some() {
+                if tx.is_closed() {
+                    return;
+                }
+                let _ = tx.try_send(());
+            }
+        });
+        Ok(ScheduleChanges { receiver })
     }
 }

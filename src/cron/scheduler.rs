@@ -1,0 +1,540 @@
+//! The cron scheduler. Every node registers with its election priority; per shard, the
+//! live node with the highest priority holds the shard's lease (a lower-priority master
+//! yields) and fires that shard's due schedules. The loop sleeps until the earliest due
+//! time, a schedule change, or the next lease renewal; it never polls on a fixed period
+//! shorter than that.
+//!
+//! Each firing is an execution record keyed by (schedule, scheduled time), claimed with
+//! SET NX, then a [`CronTick`] published to the target. `at_most_once` schedules fire
+//! only while the lease is known valid; `at_least_once` ones keep firing from local
+//! state when the store is unreachable, with the same tick id so consumers can drop
+//! duplicates.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, TimeZone, Utc};
+use chrono_tz::Tz;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::expr::CronExpr;
+use super::schedule::{Delivery, Overlap, Schedule, ScheduleError, Target};
+use crate::codec::avro::encode;
+use crate::codec::CronTick;
+use crate::store::{Execution, ExecutionStatus, Lease, Store, StoreError};
+use crate::transport::{Outbound, Sink};
+
+/// Scheduler settings; defaults give failover within a few seconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedulerConfig {
+    pub node_id: String,
+    pub priority: i64,
+    pub shards: u32,
+    /// Shard lease TTL; renewed every third of it. Also the node registration TTL.
+    pub lease_ttl: Duration,
+    /// An execution still `scheduled` this long after its claim was never emitted: it is
+    /// emitted again, up to `max_attempts`, then marked failed.
+    pub orphan_after: Duration,
+    pub max_attempts: u32,
+    pub tenant: Option<String>,
+}
+
+impl SchedulerConfig {
+    pub fn new(node_id: impl Into<String>) -> Self {
+        Self {
+            node_id: node_id.into(),
+            priority: 0,
+            shards: 1,
+            lease_ttl: Duration::from_secs(3),
+            orphan_after: Duration::from_secs(30),
+            max_attempts: 3,
+            tenant: None,
+        }
+    }
+}
+
+/// The shard a schedule belongs to (FNV-1a, stable across processes and versions).
+pub fn shard_of(id: &str, shards: u32) -> u32 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in id.bytes() {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    (hash % u64::from(shards.max(1))) as u32
+}
+
+pub fn tick_id(schedule_id: &str, scheduled: DateTime<Utc>) -> String {
+    format!("{schedule_id}@{}", scheduled.timestamp_millis())
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    #[error(transparent)]
+    Invalid(#[from] ScheduleError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Validates and stores a schedule, with its next fire time after now.
+pub async fn register(
+    store: &dyn Store,
+    schedule: &Schedule,
+    shards: u32,
+) -> Result<Option<DateTime<Utc>>, RegisterError> {
+    let (expr, tz) = schedule.validate()?;
+    store.put_schedule(schedule).await?;
+    let next = if schedule.enabled {
+        schedule.next_after(&expr, tz, Utc::now())
+    } else {
+        None
+    };
+    store
+        .set_next_fire(
+            shard_of(&schedule.id, shards),
+            &schedule.id,
+            next.map(|t| t.timestamp_millis()),
+        )
+        .await?;
+    Ok(next)
+}
+
+/// Pauses or resumes a stored schedule. Returns false if there is no such schedule.
+pub async fn set_enabled(
+    store: &dyn Store,
+    id: &str,
+    enabled: bool,
+    shards: u32,
+) -> Result<bool, RegisterError> {
+    let Some(mut schedule) = store.get_schedule(id).await? else {
+        return Ok(false);
+    };
+    schedule.enabled = enabled;
+    register(store, &schedule, shards).await?;
+    Ok(true)
+}
+
+struct Shard {
+    lease: Option<Lease>,
+    /// Until when the lease is known valid (last successful renewal + TTL).
+    valid_until: Option<Instant>,
+}
+
+struct Cached {
+    schedule: Schedule,
+    expr: CronExpr,
+    tz: Tz,
+}
+
+pub struct Scheduler {
+    store: Arc<dyn Store>,
+    sink: Arc<dyn Sink>,
+    config: SchedulerConfig,
+    shards: Vec<Shard>,
+    /// Schedules seen while the store was reachable, with their next fire time: what
+    /// `at_least_once` keeps firing from when it is not.
+    cache: HashMap<String, (Cached, Option<DateTime<Utc>>)>,
+}
+
+impl Scheduler {
+    pub fn new(store: Arc<dyn Store>, sink: Arc<dyn Sink>, config: SchedulerConfig) -> Self {
+        let shards = (0..config.shards.max(1))
+            .map(|_| Shard {
+                lease: None,
+                valid_until: None,
+            })
+            .collect();
+        Self {
+            store,
+            sink,
+            config,
+            shards,
+            cache: HashMap::new(),
+        }
+    }
+
+    /// Runs until cancelled, then releases the shard leases it holds.
+    pub async fn run(mut self, cancel: CancellationToken) {
+        let mut changes = loop {
+            match self.store.watch_schedules().await {
+                Ok(c) => break Some(c),
+                Err(e) => {
+                    warn!(error = %e, "cannot watch schedule changes; retrying");
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        _ = tokio::time::sleep(self.config.lease_ttl / 3) => {}
+                    }
+                }
+            }
+        };
+        let renew_every = self.config.lease_ttl / 3;
+        let mut next_election = Instant::now();
+        loop {
+            if Instant::now() >= next_election {
+                self.elect().await;
+                next_election = Instant::now() + renew_every;
+            }
+            let next_due = self.fire_due().await;
+            let mut wake = next_election;
+            if let Some(due) = next_due {
+                let wait = (due - Utc::now()).to_std().unwrap_or_default();
+                wake = wake.min(Instant::now() + wait);
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = tokio::time::sleep_until(wake) => {}
+                _ = async {
+                    match &mut changes {
+                        Some(c) => c.changed().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    debug!("schedules changed");
+                    self.cache.clear();
+                }
+            }
+        }
+        for shard in &mut self.shards {
+            if let Some(lease) = shard.lease.take() {
+                let _ = self.store.release_lease(&lease).await;
+            }
+        }
+        changes.take();
+    }
+
+    fn holds(&self, shard: usize) -> bool {
+        self.shards[shard]
+            .valid_until
+            .is_some_and(|v| Instant::now() < v)
+    }
+
+    /// Registers this node, then per shard: renew, yield to a higher priority, or take
+    /// the lease if this node is the best live one.
+    async fn elect(&mut self) {
+        let ttl = self.config.lease_ttl;
+        if let Err(e) = self
+            .store
+            .register_node(&self.config.node_id, self.config.priority, ttl)
+            .await
+        {
+            warn!(error = %e, "node registration failed");
+        }
+        let best = match self.store.live_nodes().await {
+            Ok(nodes) => nodes
+                .into_iter()
+                // Highest priority wins; among equals the smallest node id, so every node
+                // agrees on one.
+                .max_by(|a, b| a.1.cmp(&b.1).then(b.0.cmp(&a.0))),
+            Err(e) => {
+                warn!(error = %e, "cannot list live nodes");
+                None
+            }
+        };
+        let me_best = best
+            .as_ref()
+            .is_none_or(|(node, _)| *node == self.config.node_id);
+        for i in 0..self.shards.len() {
+            let name = format!("cron:shard:{i}");
+            if let Some(lease) = self.shards[i].lease.clone() {
+                if !me_best {
+                    info!(
+                        shard = i,
+                        "yielding the schedule master to a higher-priority node"
+                    );
+                    let _ = self.store.release_lease(&lease).await;
+                    self.shards[i] = Shard {
+                        lease: None,
+                        valid_until: None,
+                    };
+                    continue;
+                }
+                match self.store.renew_lease(&lease, ttl).await {
+                    Ok(true) => self.shards[i].valid_until = Some(Instant::now() + ttl),
+                    Ok(false) => {
+                        warn!(shard = i, "schedule master lease lost");
+                        self.shards[i] = Shard {
+                            lease: None,
+                            valid_until: None,
+                        };
+                    }
+                    // Keep the lease until it would have expired; at_most_once stops
+                    // firing then, at_least_once carries on from local state.
+                    Err(e) => warn!(shard = i, error = %e, "lease renewal failed"),
+                }
+            } else if me_best {
+                match self
+                    .store
+                    .acquire_lease(&name, &self.config.node_id, ttl)
+                    .await
+                {
+                    Ok(Some(lease)) => {
+                        info!(shard = i, token = lease.token, "schedule master for shard");
+                        self.shards[i] = Shard {
+                            lease: Some(lease),
+                            valid_until: Some(Instant::now() + ttl),
+                        };
+                    }
+                    Ok(None) => {}
+                    Err(e) => warn!(shard = i, error = %e, "cannot take the shard lease"),
+                }
+            }
+        }
+    }
+
+    /// Fires what is due in the shards this node leads. Returns the earliest next fire.
+    async fn fire_due(&mut self) -> Option<DateTime<Utc>> {
+        let mut earliest: Option<DateTime<Utc>> = None;
+        for shard in 0..self.shards.len() {
+            let Some(lease) = self.shards[shard].lease.clone() else {
+                continue;
+            };
+            let store_up = self.holds(shard);
+            let next = if store_up {
+                match self.fire_shard_from_store(shard as u32, &lease).await {
+                    Ok(next) => next,
+                    Err(e) => {
+                        warn!(shard, error = %e, "store unreachable; firing at_least_once schedules from local state");
+                        self.fire_shard_locally(shard as u32, &lease).await
+                    }
+                }
+            } else {
+                self.fire_shard_locally(shard as u32, &lease).await
+            };
+            if let Some(n) = next {
+                earliest = Some(earliest.map_or(n, |e| e.min(n)));
+            }
+        }
+        earliest
+    }
+
+    async fn cached(
+        &mut self,
+        id: &str,
+    ) -> Result<Option<&(Cached, Option<DateTime<Utc>>)>, StoreError> {
+        if !self.cache.contains_key(id) {
+            let Some(schedule) = self.store.get_schedule(id).await? else {
+                return Ok(None);
+            };
+            match schedule.validate() {
+                Ok((expr, tz)) => {
+                    self.cache
+                        .insert(id.to_string(), (Cached { schedule, expr, tz }, None));
+                }
+                Err(e) => {
+                    warn!(schedule = id, error = %e, "stored schedule is invalid; not firing it");
+                    return Ok(None);
+                }
+            }
+        }
+        Ok(self.cache.get(id))
+    }
+
+    async fn fire_shard_from_store(
+        &mut self,
+        shard: u32,
+        lease: &Lease,
+    ) -> Result<Option<DateTime<Utc>>, StoreError> {
+        let now = Utc::now();
+        let due = self
+            .store
+            .due_schedules(shard, now.timestamp_millis(), 1000)
+            .await?;
+        for (id, next_ms) in due {
+            let Some((cached, _)) = self.cached(&id).await? else {
+                self.store.set_next_fire(shard, &id, None).await?;
+                continue;
+            };
+            let schedule = cached.schedule.clone();
+            if !schedule.enabled {
+                self.store.set_next_fire(shard, &id, None).await?;
+                continue;
+            }
+            let (expr, tz) = (cached.expr.clone(), cached.tz);
+            let last = Utc
+                .timestamp_millis_opt(next_ms - 1)
+                .single()
+                .unwrap_or(now);
+            let times = schedule.due(&expr, tz, last, now);
+            for t in &times {
+                self.fire(&schedule, *t, lease, true).await?;
+            }
+            let from = times.last().copied().unwrap_or(now).max(now);
+            let next = schedule.next_after(&expr, tz, from);
+            self.store
+                .set_next_fire(shard, &id, next.map(|t| t.timestamp_millis()))
+                .await?;
+            if let Some(entry) = self.cache.get_mut(&id) {
+                entry.1 = next;
+            }
+        }
+        let earliest = self.store.earliest_fire(shard).await?;
+        Ok(earliest.and_then(|ms| Utc.timestamp_millis_opt(ms).single()))
+    }
+
+    /// The store is unreachable: fire `at_least_once` schedules this node knows.
+    async fn fire_shard_locally(&mut self, shard: u32, lease: &Lease) -> Option<DateTime<Utc>> {
+        let now = Utc::now();
+        let shards = self.config.shards;
+        let mut earliest = None;
+        let ids: Vec<String> = self.cache.keys().cloned().collect();
+        for id in ids {
+            if shard_of(&id, shards) != shard {
+                continue;
+            }
+            let Some((cached, next)) = self.cache.get(&id) else {
+                continue;
+            };
+            if cached.schedule.delivery != Delivery::AtLeastOnce || !cached.schedule.enabled {
+                continue;
+            }
+            let schedule = cached.schedule.clone();
+            let (expr, tz) = (cached.expr.clone(), cached.tz);
+            let mut next = *next;
+            while let Some(t) = next.filter(|t| *t <= now) {
+                let _ = self.fire(&schedule, t, lease, false).await;
+                next = schedule.next_after(&expr, tz, t);
+            }
+            if let Some(entry) = self.cache.get_mut(&id) {
+                entry.1 = next;
+            }
+            if let Some(n) = next {
+                earliest = Some(earliest.map_or(n, |e: DateTime<Utc>| e.min(n)));
+            }
+        }
+        earliest
+    }
+
+    /// One firing. With the store reachable, the execution record is claimed first so a
+    /// scheduled time fires once; without it, only `at_least_once` fires.
+    async fn fire(
+        &mut self,
+        schedule: &Schedule,
+        scheduled: DateTime<Utc>,
+        lease: &Lease,
+        store_up: bool,
+    ) -> Result<(), StoreError> {
+        let shard = shard_of(&schedule.id, self.config.shards) as usize;
+        if schedule.delivery == Delivery::AtMostOnce && !(store_up && self.holds(shard)) {
+            debug!(schedule = %schedule.id, "lease not confirmed; at_most_once tick not fired");
+            return Ok(());
+        }
+        let tick_id = tick_id(&schedule.id, scheduled);
+        let mut execution = Execution {
+            schedule_id: schedule.id.clone(),
+            scheduled_ms: scheduled.timestamp_millis(),
+            tick_id: tick_id.clone(),
+            status: ExecutionStatus::Scheduled,
+            attempt: 1,
+            node_id: self.config.node_id.clone(),
+            fencing_token: lease.token,
+            updated_ms: Utc::now().timestamp_millis(),
+            error: None,
+        };
+        if store_up {
+            if schedule.overlap != Overlap::Allow && self.running(&schedule.id).await? {
+                execution.status = ExecutionStatus::Skipped;
+                execution.error = Some("previous execution still running".into());
+                self.store.claim_execution(&execution).await?;
+                return Ok(());
+            }
+            if !self.store.claim_execution(&execution).await? {
+                return Ok(());
+            }
+        }
+        let published = self.publish(schedule, &execution).await;
+        if store_up {
+            match published {
+                Ok(()) => {
+                    execution.status = match schedule.target {
+                        Target::Topic(_) => ExecutionStatus::Completed,
+                        Target::Workflow(_) => ExecutionStatus::Running,
+                    };
+                }
+                Err(reason) => {
+                    // Stays `scheduled`: orphan recovery emits it again.
+                    warn!(schedule = %schedule.id, %reason, "tick not published");
+                    execution.error = Some(reason);
+                }
+            }
+            execution.updated_ms = Utc::now().timestamp_millis();
+            self.store.put_execution(&execution).await?;
+        }
+        Ok(())
+    }
+
+    async fn running(&self, schedule_id: &str) -> Result<bool, StoreError> {
+        let recent = self.store.executions(schedule_id, 5).await?;
+        Ok(recent.iter().any(|e| e.status == ExecutionStatus::Running))
+    }
+
+    async fn publish(&self, schedule: &Schedule, execution: &Execution) -> Result<(), String> {
+        let topic = match &schedule.target {
+            Target::Topic(t) => t.clone(),
+            Target::Workflow(w) => format!("weir.workflows.{w}.start"),
+        };
+        let topic = match &schedule.tenant {
+            Some(tenant) => format!("{tenant}.{topic}"),
+            None => topic,
+        };
+        let tick = CronTick {
+            schedule_id: schedule.id.clone(),
+            tick_id: execution.tick_id.clone(),
+            scheduled_time_ms: execution.scheduled_ms,
+            emitted_time_ms: Utc::now().timestamp_millis(),
+            fencing_token: execution.fencing_token as i64,
+            delivery: schedule.delivery.as_str().to_string(),
+            attempt: execution.attempt as i32,
+            payload: schedule.payload.to_string(),
+            node_id: self.config.node_id.clone(),
+            tenant: schedule.tenant.clone(),
+        };
+        let bytes = encode(&tick).map_err(|e| e.to_string())?;
+        let lateness = (tick.emitted_time_ms - tick.scheduled_time_ms).max(0) as f64 / 1000.0;
+        metrics::histogram!(crate::metrics::TICK_LATENESS_SECONDS).record(lateness);
+        metrics::counter!(crate::metrics::CRON_TICKS_TOTAL, "delivery" => schedule.delivery.as_str()).increment(1);
+        self.sink
+            .publish(
+                Outbound::new(topic, bytes)
+                    .key(schedule.id.clone().into_bytes())
+                    .header("weir-tick-id", execution.tick_id.clone()),
+            )
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// For tick consumers: drops duplicates (same tick id) and ticks from a deposed master
+/// (a fencing token lower than one already seen for the schedule).
+#[derive(Debug, Default)]
+pub struct TickGuard {
+    highest_token: HashMap<String, i64>,
+    seen: std::collections::HashSet<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TickVerdict {
+    Accept,
+    Duplicate,
+    /// From a master that has since lost its lease.
+    Stale,
+}
+
+impl TickGuard {
+    pub fn check(&mut self, tick: &CronTick) -> TickVerdict {
+        let highest = self
+            .highest_token
+            .entry(tick.schedule_id.clone())
+            .or_insert(i64::MIN);
+        if tick.fencing_token < *highest {
+            return TickVerdict::Stale;
+        }
+        *highest = tick.fencing_token;
+        if !self.seen.insert(tick.tick_id.clone()) {
+            return TickVerdict::Duplicate;
+        }
+        TickVerdict::Accept
+    }
+}
