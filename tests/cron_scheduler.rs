@@ -1,0 +1,315 @@
+//! The cron scheduler against the embedded backends (real time: schedules fire every
+//! second), plus `weir run` failover on real Redis and NATS with `--features it`.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use weir::codec::avro::decode;
+use weir::codec::CronTick;
+use weir::cron::scheduler::{
+    register, set_enabled, Scheduler, SchedulerConfig, TickGuard, TickVerdict,
+};
+use weir::cron::{Schedule, Target};
+use weir::store::memory::MemoryStore;
+use weir::store::{ExecutionStatus, Store};
+use weir::transport::memory::MemoryBroker;
+
+fn ticks(broker: &MemoryBroker, topic: &str) -> Vec<CronTick> {
+    broker
+        .messages(topic)
+        .iter()
+        .map(|m| decode::<CronTick>(&m.payload).expect("ticks are Avro CronTick records"))
+        .collect()
+}
+
+fn every_second(id: &str, topic: &str) -> Schedule {
+    let mut s = Schedule::new(id, "* * * * * *", "UTC");
+    s.target = Target::Topic(topic.into());
+    s.payload = serde_json::json!({"job": id});
+    s
+}
+
+fn config(node: &str, priority: i64) -> SchedulerConfig {
+    SchedulerConfig {
+        priority,
+        lease_ttl: Duration::from_millis(600),
+        ..SchedulerConfig::new(node)
+    }
+}
+
+#[tokio::test]
+async fn fires_each_scheduled_time_once_with_a_stable_tick_id() {
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    register(store.as_ref(), &every_second("s1", "ticks"), 1)
+        .await
+        .unwrap();
+    let cancel = CancellationToken::new();
+    let a = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), config("a", 0)).run(cancel.clone()),
+    );
+    let b = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), config("b", 0)).run(cancel.clone()),
+    );
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    cancel.cancel();
+    let _ = tokio::join!(a, b);
+
+    let ticks = ticks(&broker, "ticks");
+    assert!(ticks.len() >= 2, "{} ticks", ticks.len());
+    let mut times: Vec<i64> = ticks.iter().map(|t| t.scheduled_time_ms).collect();
+    times.dedup();
+    assert_eq!(
+        times.len(),
+        ticks.len(),
+        "two schedulers, still one tick per scheduled time"
+    );
+    assert!(times.windows(2).all(|w| w[1] - w[0] == 1000));
+    for t in &ticks {
+        assert_eq!(t.tick_id, format!("s1@{}", t.scheduled_time_ms));
+        assert_eq!(t.payload, r#"{"job":"s1"}"#);
+        assert_eq!(t.delivery, "at_most_once");
+        assert!(t.emitted_time_ms >= t.scheduled_time_ms);
+        assert_eq!(t.scheduled_time_ms % 1000, 0);
+    }
+    let history = store.executions("s1", 100).await.unwrap();
+    assert_eq!(history.len(), ticks.len());
+    assert!(history
+        .iter()
+        .all(|e| e.status == ExecutionStatus::Completed));
+}
+
+#[tokio::test]
+async fn paused_schedules_do_not_fire_and_resume_later() {
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    register(store.as_ref(), &every_second("p", "pticks"), 1)
+        .await
+        .unwrap();
+    assert!(set_enabled(store.as_ref(), "p", false, 1).await.unwrap());
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), config("a", 0)).run(cancel.clone()),
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(ticks(&broker, "pticks").is_empty());
+    // Resuming wakes the sleeping scheduler through the change feed.
+    assert!(set_enabled(store.as_ref(), "p", true, 1).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    assert!(!ticks(&broker, "pticks").is_empty());
+    cancel.cancel();
+    let _ = task.await;
+    assert!(!set_enabled(store.as_ref(), "missing", true, 1)
+        .await
+        .unwrap());
+}
+
+#[tokio::test]
+async fn the_highest_priority_node_is_master_and_a_lower_one_yields() {
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    register(store.as_ref(), &every_second("y", "yticks"), 1)
+        .await
+        .unwrap();
+    let low_cancel = CancellationToken::new();
+    let low = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), config("low", 1))
+            .run(low_cancel.clone()),
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let high_cancel = CancellationToken::new();
+    let high = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), config("high", 5))
+            .run(high_cancel.clone()),
+    );
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    low_cancel.cancel();
+    high_cancel.cancel();
+    let _ = tokio::join!(low, high);
+    let ticks = ticks(&broker, "yticks");
+    let first = ticks.first().unwrap();
+    let last = ticks.last().unwrap();
+    assert_eq!(first.node_id, "low");
+    assert_eq!(last.node_id, "high", "the higher priority took over");
+    assert!(last.fencing_token > first.fencing_token);
+    let mut times: Vec<i64> = ticks.iter().map(|t| t.scheduled_time_ms).collect();
+    let n = times.len();
+    times.dedup();
+    assert_eq!(
+        times.len(),
+        n,
+        "no scheduled time ticked twice across the hand-over"
+    );
+}
+
+#[test]
+fn ticks_from_a_deposed_master_are_rejected() {
+    let tick = |token: i64, at: i64| CronTick {
+        schedule_id: "s".into(),
+        tick_id: format!("s@{at}"),
+        scheduled_time_ms: at,
+        emitted_time_ms: at,
+        fencing_token: token,
+        delivery: "at_least_once".into(),
+        attempt: 1,
+        payload: "{}".into(),
+        node_id: "n".into(),
+        tenant: None,
+    };
+    let mut guard = TickGuard::default();
+    assert_eq!(guard.check(&tick(1, 1000)), TickVerdict::Accept);
+    assert_eq!(guard.check(&tick(2, 2000)), TickVerdict::Accept);
+    assert_eq!(
+        guard.check(&tick(1, 3000)),
+        TickVerdict::Stale,
+        "the old master's late tick"
+    );
+    assert_eq!(guard.check(&tick(2, 2000)), TickVerdict::Duplicate);
+    assert_eq!(guard.check(&tick(3, 3000)), TickVerdict::Accept);
+}
+
+#[tokio::test]
+async fn invalid_schedules_are_rejected_at_registration() {
+    let store = MemoryStore::new();
+    let err = register(&store, &Schedule::new("bad", "* * *", "UTC"), 1)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("\"* * *\""), "{err}");
+    let err = register(
+        &store,
+        &Schedule::new("bad", "* * * * *", "Atlantis/Nowhere"),
+        1,
+    )
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("Atlantis/Nowhere"), "{err}");
+    assert!(store.list_schedules().await.unwrap().is_empty());
+}
+
+#[cfg(feature = "it")]
+mod failover {
+    use super::*;
+    use common::services;
+    use std::io::Write;
+    use std::process::{Child, Command, Stdio};
+    use weir::transport::{Assignment, Broker, Subscription};
+
+    const TTL_MS: u64 = 2000;
+
+    fn start(config: &std::path::Path, node: &str, prefix: &str) -> Child {
+        let path = std::env::temp_dir().join(format!("{prefix}-{node}.log"));
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .unwrap();
+        Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(["run", "--config"])
+            .arg(config)
+            .env("WEIR__NODE__ID", node)
+            .env("WEIR_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap()
+    }
+
+    async fn drain(broker: &Arc<dyn Broker>, topic: &str) -> Vec<CronTick> {
+        let mut sub = Subscription::new(topic, services::unique("reader"));
+        sub.assignment = Assignment::All;
+        let mut source = broker.subscribe(&sub).await.unwrap();
+        let mut out = Vec::new();
+        while let Ok(Ok(m)) = tokio::time::timeout(Duration::from_secs(2), source.next()).await {
+            out.push(decode::<CronTick>(&m.payload).unwrap());
+        }
+        out
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn killing_the_master_neither_duplicates_at_most_once_nor_misses_at_least_once() {
+        let prefix = services::unique("cronit");
+        let (amo, alo) = (format!("{prefix}.amo"), format!("{prefix}.alo"));
+        let text = format!(
+            r#"
+[broker]
+kind = "nats"
+url = "{nats}"
+[store]
+kind = "redis"
+url = "{redis}"
+prefix = "{prefix}"
+[cron]
+lease_ttl_ms = {TTL_MS}
+[[schedule]]
+id = "amo"
+cron = "* * * * * *"
+topic = "{amo}"
+delivery = "at_most_once"
+[[schedule]]
+id = "alo"
+cron = "* * * * * *"
+topic = "{alo}"
+delivery = "at_least_once"
+catchup = "all"
+"#,
+            nats = services::nats_url(),
+            redis = services::redis_url(),
+        );
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        file.write_all(text.as_bytes()).unwrap();
+        let mut n1 = start(file.path(), "n1", &prefix);
+        let mut n2 = start(file.path(), "n2", &prefix);
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let client = redis::Client::open(services::redis_url()).unwrap();
+        let mut c = client.get_multiplexed_async_connection().await.unwrap();
+        let holder: String =
+            redis::AsyncCommands::get(&mut c, format!("{prefix}:lease:cron:shard:0"))
+                .await
+                .unwrap();
+        let (master, survivor) = if holder.starts_with("n1|") {
+            (&mut n1, &mut n2)
+        } else {
+            (&mut n2, &mut n1)
+        };
+        master.kill().unwrap();
+        master.wait().unwrap();
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        survivor.kill().unwrap();
+        survivor.wait().unwrap();
+
+        let broker: Arc<dyn Broker> = services::nats(true).await;
+        let amo_ticks = drain(&broker, &amo).await;
+        let mut times: Vec<i64> = amo_ticks.iter().map(|t| t.scheduled_time_ms).collect();
+        times.sort();
+        let n = times.len();
+        times.dedup();
+        assert_eq!(
+            times.len(),
+            n,
+            "at_most_once: no scheduled time ticked twice"
+        );
+        assert!(n >= 6, "{n} ticks");
+        let nodes: std::collections::BTreeSet<&str> =
+            amo_ticks.iter().map(|t| t.node_id.as_str()).collect();
+        assert_eq!(nodes.len(), 2, "both nodes were master in turn");
+
+        let alo_ticks = drain(&broker, &alo).await;
+        let mut times: Vec<i64> = alo_ticks.iter().map(|t| t.scheduled_time_ms).collect();
+        times.sort();
+        times.dedup();
+        assert!(
+            times.windows(2).all(|w| w[1] - w[0] == 1000),
+            "at_least_once: no scheduled time missed: {times:?}"
+        );
+        let mut emitted: Vec<i64> = alo_ticks.iter().map(|t| t.emitted_time_ms).collect();
+        emitted.sort();
+        let gap = emitted.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+        assert!(
+            gap <= TTL_MS as i64 + 1500,
+            "ticks stopped for {gap} ms, more than the lease TTL"
+        );
+    }
+}
