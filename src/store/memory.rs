@@ -328,7 +328,7 @@ impl Store for MemoryStore {
             .get(schedule_id)
             .map(|l| l.iter().cloned().collect())
             .unwrap_or_default();
-        list.sort_by(|a, b| b.scheduled_ms.cmp(&a.scheduled_ms));
+        list.sort_by_key(|e| std::cmp::Reverse(e.scheduled_ms));
         list.truncate(limit);
         Ok(list)
     }
