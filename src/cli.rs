@@ -68,6 +68,89 @@ pub enum CronCommand {
         #[arg(long, default_value_t = 10)]
         count: usize,
     },
+    /// Register (or replace) a schedule in the configured store.
+    Add(CronAddArgs),
+    /// List the stored schedules with their next fire time.
+    List {
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Show one schedule as JSON.
+    Show {
+        #[arg(long, short)]
+        config: PathBuf,
+        id: String,
+    },
+    /// Delete a schedule.
+    Rm {
+        #[arg(long, short)]
+        config: PathBuf,
+        id: String,
+    },
+    /// Stop firing a schedule until resumed.
+    Pause {
+        #[arg(long, short)]
+        config: PathBuf,
+        id: String,
+    },
+    /// Fire a paused schedule again, from the next time after now.
+    Resume {
+        #[arg(long, short)]
+        config: PathBuf,
+        id: String,
+    },
+    /// A schedule's executions, newest first, one JSON object per line.
+    History {
+        #[arg(long, short)]
+        config: PathBuf,
+        id: String,
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct CronAddArgs {
+    #[arg(long, short)]
+    pub config: PathBuf,
+    #[arg(long)]
+    pub id: String,
+    /// 5 fields, or 6 with seconds.
+    #[arg(long)]
+    pub cron: String,
+    /// IANA time zone.
+    #[arg(long, default_value = "UTC")]
+    pub tz: String,
+    /// Topic or subject for the ticks (default weir.cron.ticks).
+    #[arg(long, conflicts_with = "workflow")]
+    pub topic: Option<String>,
+    /// Workflow to start per tick.
+    #[arg(long)]
+    pub workflow: Option<String>,
+    /// JSON payload carried by each tick.
+    #[arg(long)]
+    pub payload: Option<String>,
+    /// skip | latest | all
+    #[arg(long, default_value = "skip")]
+    pub catchup: String,
+    /// Most missed times fired with `--catchup all`.
+    #[arg(long, default_value_t = 100)]
+    pub catchup_cap: u32,
+    /// allow | skip | buffer_one
+    #[arg(long, default_value = "skip")]
+    pub overlap: String,
+    /// at_most_once | at_least_once
+    #[arg(long, default_value = "at_most_once")]
+    pub delivery: String,
+    /// First instant the schedule may fire (RFC 3339).
+    #[arg(long)]
+    pub start: Option<String>,
+    /// Last instant the schedule may fire (RFC 3339).
+    #[arg(long)]
+    pub end: Option<String>,
+    /// Register it paused.
+    #[arg(long)]
+    pub paused: bool,
 }
 
 impl Command {

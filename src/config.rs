@@ -613,18 +613,23 @@ impl Config {
                 .map_err(|e| connect(&e))?,
             ),
         };
-        let store: Arc<dyn Store> = match self.store.kind {
-            StoreKind::Memory => Arc::new(crate::store::memory::MemoryStore::new()),
-            StoreKind::Redis => Arc::new(
-                crate::store::redis::RedisStore::connect(&self.store.url, &self.store.prefix)
-                    .await
-                    .map_err(|e| connect(&e))?,
-            ),
-        };
+        let store = self.store().await?;
         Ok(Runtime {
             broker,
             store,
             node_id: self.node_id(),
+        })
+    }
+
+    /// Connects to the configured store only (for commands that need no broker).
+    pub async fn store(&self) -> Result<Arc<dyn Store>, ConfigError> {
+        Ok(match self.store.kind {
+            StoreKind::Memory => Arc::new(crate::store::memory::MemoryStore::new()),
+            StoreKind::Redis => Arc::new(
+                crate::store::redis::RedisStore::connect(&self.store.url, &self.store.prefix)
+                    .await
+                    .map_err(|e| ConfigError::Connect(e.to_string()))?,
+            ),
         })
     }
 

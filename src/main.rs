@@ -20,7 +20,7 @@ async fn main() {
                 .await
                 .map(|_| ())
         }
-        Command::Cron { command } => weir::cron::cli::run(command, &mut std::io::stdout()),
+        Command::Cron { command } => weir::cron::cli::run(command, &mut std::io::stdout()).await,
         Command::Run { config } => match Config::load(&config) {
             Ok(config) => run::run(config, &FunctionRegistry::default(), cancel).await,
             Err(e) => Err(e.into()),

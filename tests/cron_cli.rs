@@ -1,5 +1,7 @@
 //! `weir cron preview` as users call it.
 
+mod common;
+
 use std::process::Command;
 
 fn weir(args: &[&str]) -> std::process::Output {
@@ -55,4 +57,64 @@ fn bad_expression_or_zone_exits_2_naming_it() {
     ]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("Nowhere/Land"));
+}
+
+#[cfg(feature = "it")]
+mod with_redis {
+    use super::weir;
+    use std::io::Write;
+
+    use crate::common::services;
+
+    #[test]
+    fn add_list_pause_resume_history_and_rm() {
+        let prefix = services::unique("weircli");
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        write!(
+            file,
+            "[store]\nkind = \"redis\"\nurl = \"{}\"\nprefix = \"{prefix}\"\n",
+            services::redis_url()
+        )
+        .unwrap();
+        let config = file.path().to_str().unwrap().to_string();
+        let run = |args: &[&str]| {
+            let mut all = vec!["cron"];
+            all.extend_from_slice(&args[..1]);
+            all.extend_from_slice(&["--config", &config]);
+            all.extend_from_slice(&args[1..]);
+            weir(&all)
+        };
+        let out = run(&[
+            "add",
+            "--id",
+            "nightly",
+            "--cron",
+            "30 2 * * *",
+            "--tz",
+            "America/New_York",
+            "--payload",
+            r#"{"k":1}"#,
+        ]);
+        assert!(out.status.success(), "{out:?}");
+        let out = run(&["list"]);
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            text.starts_with("nightly\t30 2 * * *\tAmerica/New_York\tenabled\tnext=20"),
+            "{text}"
+        );
+        assert!(run(&["pause", "nightly"]).status.success());
+        assert!(String::from_utf8(run(&["list"]).stdout)
+            .unwrap()
+            .contains("paused\tnext=-"));
+        assert!(run(&["resume", "nightly"]).status.success());
+        let show: serde_json::Value =
+            serde_json::from_slice(&run(&["show", "nightly"]).stdout).unwrap();
+        assert_eq!(show["payload"]["k"], 1);
+        assert!(show["next_fire"].as_str().unwrap().ends_with(":30:00Z"));
+        assert!(run(&["history", "nightly"]).status.success());
+        let bad = run(&["add", "--id", "x", "--cron", "* * *"]);
+        assert_eq!(bad.status.code(), Some(2));
+        assert!(run(&["rm", "nightly"]).status.success());
+        assert_eq!(run(&["rm", "nightly"]).status.code(), Some(2));
+    }
 }

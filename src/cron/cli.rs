@@ -1,21 +1,44 @@
 //! `weir cron …` commands.
 
 use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, TimeZone, Utc};
 use chrono_tz::Tz;
 
 use super::expr::CronExpr;
 use super::next::preview;
-use crate::cli::CronCommand;
+use super::scheduler::{register, set_enabled, shard_of};
+use crate::cli::{CronAddArgs, CronCommand};
+use crate::config::{CatchUpKind, Config, ScheduleConfig};
 use crate::error::Error;
+use crate::store::Store;
 
 /// Formats an instant the way every weir command prints one: RFC 3339, UTC, `Z`.
 pub fn format_instant(t: DateTime<Utc>) -> String {
     t.format("%Y-%m-%dT%H:%M:%SZ").to_string()
 }
 
-pub fn run(command: CronCommand, out: &mut impl Write) -> Result<(), Error> {
+async fn open(config: &Path) -> Result<(Config, Arc<dyn Store>), Error> {
+    let config = Config::load(config)?;
+    let store = config.store().await?;
+    Ok((config, store))
+}
+
+fn parse_enum<T: serde::de::DeserializeOwned>(flag: &str, value: &str) -> Result<T, Error> {
+    serde_json::from_value(serde_json::Value::String(value.to_string())).map_err(|_| {
+        Error::Usage(format!(
+            "--{flag} {value:?} is not one of the accepted values"
+        ))
+    })
+}
+
+fn store_error(e: crate::store::StoreError) -> Error {
+    Error::Usage(format!("store: {e}"))
+}
+
+pub async fn run(command: CronCommand, out: &mut impl Write) -> Result<(), Error> {
     match command {
         CronCommand::Preview {
             expr,
@@ -38,7 +61,122 @@ pub fn run(command: CronCommand, out: &mut impl Write) -> Result<(), Error> {
             for t in preview(&parsed, zone, from, count) {
                 writeln!(out, "{}", format_instant(t))?;
             }
-            Ok(())
+        }
+        CronCommand::Add(args) => {
+            let (config, store) = open(&args.config).await?;
+            let schedule = schedule_from_args(&args)?;
+            let next = register(store.as_ref(), &schedule, config.cron.shards)
+                .await
+                .map_err(|e| Error::Usage(e.to_string()))?;
+            let next = next.map(format_instant).unwrap_or_else(|| "-".into());
+            writeln!(out, "{} next={next}", schedule.id)?;
+        }
+        CronCommand::List { config } => {
+            let (config, store) = open(&config).await?;
+            for s in store.list_schedules().await.map_err(store_error)? {
+                let next = next_fire(store.as_ref(), &s.id, config.cron.shards).await?;
+                writeln!(
+                    out,
+                    "{}\t{}\t{}\t{}\tnext={}",
+                    s.id,
+                    s.cron,
+                    s.timezone,
+                    if s.enabled { "enabled" } else { "paused" },
+                    next.map(format_instant).unwrap_or_else(|| "-".into())
+                )?;
+            }
+        }
+        CronCommand::Show { config, id } => {
+            let (config, store) = open(&config).await?;
+            let schedule = store
+                .get_schedule(&id)
+                .await
+                .map_err(store_error)?
+                .ok_or_else(|| Error::Usage(format!("no schedule {id:?}")))?;
+            let next = next_fire(store.as_ref(), &id, config.cron.shards).await?;
+            let mut value =
+                serde_json::to_value(&schedule).map_err(|e| Error::Usage(e.to_string()))?;
+            value["next_fire"] = next.map(format_instant).into();
+            writeln!(
+                out,
+                "{}",
+                serde_json::to_string_pretty(&value).unwrap_or_default()
+            )?;
+        }
+        CronCommand::Rm { config, id } => {
+            let (config, store) = open(&config).await?;
+            if !store
+                .delete_schedule(&id, shard_of(&id, config.cron.shards))
+                .await
+                .map_err(store_error)?
+            {
+                return Err(Error::Usage(format!("no schedule {id:?}")));
+            }
+            writeln!(out, "{id} removed")?;
+        }
+        CronCommand::Pause { config, id } => toggle(&config, &id, false, out).await?,
+        CronCommand::Resume { config, id } => toggle(&config, &id, true, out).await?,
+        CronCommand::History { config, id, limit } => {
+            let (_, store) = open(&config).await?;
+            for e in store.executions(&id, limit).await.map_err(store_error)? {
+                writeln!(out, "{}", serde_json::to_string(&e).unwrap_or_default())?;
+            }
         }
     }
+    Ok(())
+}
+
+async fn toggle(config: &Path, id: &str, enabled: bool, out: &mut impl Write) -> Result<(), Error> {
+    let (config, store) = open(config).await?;
+    let found = set_enabled(store.as_ref(), id, enabled, config.cron.shards)
+        .await
+        .map_err(|e| Error::Usage(e.to_string()))?;
+    if !found {
+        return Err(Error::Usage(format!("no schedule {id:?}")));
+    }
+    writeln!(out, "{id} {}", if enabled { "resumed" } else { "paused" })?;
+    Ok(())
+}
+
+async fn next_fire(
+    store: &dyn Store,
+    id: &str,
+    shards: u32,
+) -> Result<Option<DateTime<Utc>>, Error> {
+    let shard = shard_of(id, shards);
+    let due = store
+        .due_schedules(shard, i64::MAX, usize::MAX)
+        .await
+        .map_err(store_error)?;
+    Ok(due
+        .into_iter()
+        .find(|(s, _)| s == id)
+        .and_then(|(_, ms)| Utc.timestamp_millis_opt(ms).single()))
+}
+
+fn schedule_from_args(args: &CronAddArgs) -> Result<super::Schedule, Error> {
+    let entry = ScheduleConfig {
+        id: args.id.clone(),
+        cron: args.cron.clone(),
+        timezone: args.tz.clone(),
+        topic: args.topic.clone(),
+        workflow: args.workflow.clone(),
+        payload: None,
+        catchup: parse_enum::<CatchUpKind>("catchup", &args.catchup)?,
+        catchup_cap: args.catchup_cap,
+        overlap: parse_enum("overlap", &args.overlap)?,
+        delivery: parse_enum("delivery", &args.delivery)?,
+        start: args.start.clone(),
+        end: args.end.clone(),
+        enabled: !args.paused,
+        tenant: None,
+    };
+    let mut schedule = entry
+        .schedule(0)
+        .map_err(|e| Error::Usage(e.to_string().replace("schedule[0].", "")))?;
+    if let Some(payload) = &args.payload {
+        schedule.payload = serde_json::from_str(payload)
+            .map_err(|e| Error::Usage(format!("--payload is not JSON: {e}")))?;
+    }
+    Ok(schedule)
 }
