@@ -69,7 +69,7 @@ pub enum CronCommand {
         count: usize,
     },
     /// Register (or replace) a schedule in the configured store.
-    Add(CronAddArgs),
+    Add(Box<CronAddArgs>),
     /// List the stored schedules with their next fire time.
     List {
         #[arg(long, short)]
