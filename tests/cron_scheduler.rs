@@ -313,3 +313,47 @@ catchup = "all"
         );
     }
 }
+
+#[tokio::test]
+async fn orphaned_executions_are_re_emitted_or_failed_at_the_stored_cap() {
+    use weir::store::Execution;
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let mut schedule = every_second("orph", "oticks");
+    // Far in the future: only the orphans fire during the test.
+    schedule.cron = "0 0 1 1 *".into();
+    register(store.as_ref(), &schedule, 1).await.unwrap();
+    let orphan = |at: i64, attempt: u32| Execution {
+        schedule_id: "orph".into(),
+        scheduled_ms: at,
+        tick_id: format!("orph@{at}"),
+        status: ExecutionStatus::Scheduled,
+        attempt,
+        max_attempts: 3,
+        node_id: "dead".into(),
+        fencing_token: 1,
+        updated_ms: 0,
+        error: None,
+    };
+    store.claim_execution(&orphan(1_000, 1)).await.unwrap();
+    store.claim_execution(&orphan(2_000, 3)).await.unwrap();
+    let cancel = CancellationToken::new();
+    let cfg = SchedulerConfig {
+        orphan_after: Duration::from_millis(200),
+        ..config("a", 0)
+    };
+    let task = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+    );
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    cancel.cancel();
+    let _ = task.await;
+    let ticks = ticks(&broker, "oticks");
+    assert_eq!(ticks.len(), 1);
+    assert_eq!(ticks[0].tick_id, "orph@1000");
+    assert_eq!(ticks[0].attempt, 2);
+    let retried = store.get_execution("orph", 1_000).await.unwrap().unwrap();
+    assert_eq!(retried.status, ExecutionStatus::Completed);
+    let given_up = store.get_execution("orph", 2_000).await.unwrap().unwrap();
+    assert_eq!(given_up.status, ExecutionStatus::Failed);
+}

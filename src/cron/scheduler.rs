@@ -170,14 +170,22 @@ impl Scheduler {
             }
         };
         let renew_every = self.config.lease_ttl / 3;
+        let sweep_every = (self.config.orphan_after / 2).max(Duration::from_millis(100));
         let mut next_election = Instant::now();
+        let mut next_sweep = Instant::now() + sweep_every;
         loop {
             if Instant::now() >= next_election {
                 self.elect().await;
                 next_election = Instant::now() + renew_every;
             }
+            if Instant::now() >= next_sweep {
+                if let Err(e) = self.recover_orphans().await {
+                    warn!(error = %e, "orphan recovery failed");
+                }
+                next_sweep = Instant::now() + sweep_every;
+            }
             let next_due = self.fire_due().await;
-            let mut wake = next_election;
+            let mut wake = next_election.min(next_sweep);
             if let Some(due) = next_due {
                 let wait = (due - Utc::now()).to_std().unwrap_or_default();
                 wake = wake.min(Instant::now() + wait);
@@ -427,6 +435,7 @@ impl Scheduler {
             tick_id: tick_id.clone(),
             status: ExecutionStatus::Scheduled,
             attempt: 1,
+            max_attempts: self.config.max_attempts,
             node_id: self.config.node_id.clone(),
             fencing_token: lease.token,
             updated_ms: Utc::now().timestamp_millis(),
@@ -460,6 +469,57 @@ impl Scheduler {
             }
             execution.updated_ms = Utc::now().timestamp_millis();
             self.store.put_execution(&execution).await?;
+        }
+        Ok(())
+    }
+
+    /// Executions claimed but never emitted (their master died between the claim and
+    /// the publish) are emitted again once they are older than `orphan_after`, until
+    /// their stored attempt cap; then they are marked failed.
+    async fn recover_orphans(&mut self) -> Result<(), StoreError> {
+        let led: Vec<usize> = (0..self.shards.len()).filter(|&i| self.holds(i)).collect();
+        if led.is_empty() {
+            return Ok(());
+        }
+        let threshold = Utc::now().timestamp_millis() - self.config.orphan_after.as_millis() as i64;
+        for schedule in self.store.list_schedules().await? {
+            let shard = shard_of(&schedule.id, self.config.shards) as usize;
+            if !led.contains(&shard) {
+                continue;
+            }
+            let Some(lease) = self.shards[shard].lease.clone() else {
+                continue;
+            };
+            for mut execution in self.store.executions(&schedule.id, 10).await? {
+                if execution.status != ExecutionStatus::Scheduled
+                    || execution.updated_ms > threshold
+                {
+                    continue;
+                }
+                if execution.attempt >= execution.max_attempts {
+                    warn!(schedule = %schedule.id, tick = %execution.tick_id, attempts = execution.attempt, "execution failed: never emitted");
+                    execution.status = ExecutionStatus::Failed;
+                    execution.error =
+                        Some(format!("not emitted after {} attempts", execution.attempt));
+                } else {
+                    execution.attempt += 1;
+                    execution.fencing_token = lease.token;
+                    execution.node_id = self.config.node_id.clone();
+                    info!(schedule = %schedule.id, tick = %execution.tick_id, attempt = execution.attempt, "re-emitting orphaned execution");
+                    match self.publish(&schedule, &execution).await {
+                        Ok(()) => {
+                            execution.status = match schedule.target {
+                                Target::Topic(_) => ExecutionStatus::Completed,
+                                Target::Workflow(_) => ExecutionStatus::Running,
+                            };
+                            execution.error = None;
+                        }
+                        Err(reason) => execution.error = Some(reason),
+                    }
+                }
+                execution.updated_ms = Utc::now().timestamp_millis();
+                self.store.put_execution(&execution).await?;
+            }
         }
         Ok(())
     }

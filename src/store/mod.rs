@@ -71,6 +71,9 @@ pub struct Execution {
     pub tick_id: String,
     pub status: ExecutionStatus,
     pub attempt: u32,
+    /// Emission attempts allowed before the execution is marked failed; stored with the
+    /// record so a new master applies the same cap.
+    pub max_attempts: u32,
     pub node_id: String,
     pub fencing_token: u64,
     pub updated_ms: i64,
