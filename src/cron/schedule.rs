@@ -187,7 +187,7 @@ impl Schedule {
     }
 
     /// Fire times to emit for the interval (`last`, `now`], following the catch-up
-    /// policy: all of them, the latest, or none.
+    /// policy: all of them (up to the cap), the latest, or none.
     pub fn due(
         &self,
         expr: &CronExpr,
@@ -195,31 +195,45 @@ impl Schedule {
         last: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Vec<DateTime<Utc>> {
+        self.due_and_next(expr, tz, last, now).0
+    }
+
+    /// [`Schedule::due`] and the first fire time after `now`, computed in one pass.
+    pub fn due_and_next(
+        &self,
+        expr: &CronExpr,
+        tz: Tz,
+        last: DateTime<Utc>,
+        now: DateTime<Utc>,
+    ) -> (Vec<DateTime<Utc>>, Option<DateTime<Utc>>) {
         let cap = match self.catchup {
             CatchUp::Skip | CatchUp::Latest => 1,
             CatchUp::All { cap } => cap as usize,
         };
         let mut times = std::collections::VecDeque::new();
         let mut at = last;
-        while let Some(t) = self.next_after(expr, tz, at) {
-            if t > now {
-                break;
+        let next = loop {
+            match self.next_after(expr, tz, at) {
+                Some(t) if t <= now => {
+                    if times.len() == cap {
+                        times.pop_front();
+                    }
+                    times.push_back(t);
+                    at = t;
+                }
+                other => break other,
             }
-            if times.len() == cap {
-                times.pop_front();
-            }
-            times.push_back(t);
-            at = t;
-        }
+        };
         let times: Vec<_> = times.into();
-        match self.catchup {
+        let times = match self.catchup {
             // A time due just now is not "missed": skip keeps it, drops older ones.
             CatchUp::Skip => times
                 .into_iter()
                 .filter(|t| now - *t < chrono::Duration::seconds(1))
                 .collect(),
             _ => times,
-        }
+        };
+        (times, next)
     }
 }
 

@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeZone, Utc};
 use chrono_tz::Tz;
+use futures::StreamExt;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -26,6 +27,13 @@ use crate::codec::avro::encode;
 use crate::codec::CronTick;
 use crate::store::{Execution, ExecutionStatus, Lease, Store, StoreError};
 use crate::transport::{Outbound, Sink};
+
+/// Due schedules taken from the store per pass.
+const DUE_BATCH: usize = 10_000;
+/// How far ahead of their time due ticks are planned and claimed.
+const LOOKAHEAD: Duration = Duration::from_millis(250);
+/// Schedules fired at once: store round trips and publishes overlap.
+const CONCURRENCY: usize = 1024;
 
 /// Scheduler settings; defaults give failover within a few seconds.
 #[derive(Debug, Clone, PartialEq)]
@@ -187,7 +195,10 @@ impl Scheduler {
             let next_due = self.fire_due().await;
             let mut wake = next_election.min(next_sweep);
             if let Some(due) = next_due {
-                let wait = (due - Utc::now()).to_std().unwrap_or_default();
+                let wait = (due - Utc::now())
+                    .to_std()
+                    .unwrap_or_default()
+                    .saturating_sub(LOOKAHEAD);
                 wake = wake.min(Instant::now() + wait);
             }
             tokio::select! {
@@ -317,64 +328,110 @@ impl Scheduler {
         earliest
     }
 
-    async fn cached(
-        &mut self,
-        id: &str,
-    ) -> Result<Option<&(Cached, Option<DateTime<Utc>>)>, StoreError> {
-        if !self.cache.contains_key(id) {
-            let Some(schedule) = self.store.get_schedule(id).await? else {
-                return Ok(None);
-            };
-            match schedule.validate() {
-                Ok((expr, tz)) => {
-                    self.cache
-                        .insert(id.to_string(), (Cached { schedule, expr, tz }, None));
-                }
-                Err(e) => {
-                    warn!(schedule = id, error = %e, "stored schedule is invalid; not firing it");
-                    return Ok(None);
-                }
-            }
-        }
-        Ok(self.cache.get(id))
-    }
-
     async fn fire_shard_from_store(
         &mut self,
         shard: u32,
         lease: &Lease,
     ) -> Result<Option<DateTime<Utc>>, StoreError> {
+        // Plan and claim a little ahead, so at the due instant only the publish remains.
         let now = Utc::now();
+        let horizon = now + chrono::Duration::from_std(LOOKAHEAD).unwrap_or_default();
         let due = self
             .store
-            .due_schedules(shard, now.timestamp_millis(), 1000)
+            .due_schedules(shard, horizon.timestamp_millis(), DUE_BATCH)
             .await?;
+        // Load what is not cached yet, many at a time.
+        let missing: Vec<String> = due
+            .iter()
+            .filter(|(id, _)| !self.cache.contains_key(id))
+            .map(|(id, _)| id.clone())
+            .collect();
+        let store = self.store.clone();
+        let loaded: Vec<(String, Result<Option<Schedule>, StoreError>)> =
+            futures::stream::iter(missing)
+                .map(|id| {
+                    let store = store.clone();
+                    async move {
+                        let found = store.get_schedule(&id).await;
+                        (id, found)
+                    }
+                })
+                .buffer_unordered(CONCURRENCY)
+                .collect()
+                .await;
+        for (id, found) in loaded {
+            if let Some(schedule) = found? {
+                match schedule.validate() {
+                    Ok((expr, tz)) => {
+                        self.cache.insert(id, (Cached { schedule, expr, tz }, None));
+                    }
+                    Err(e) => {
+                        warn!(schedule = %id, error = %e, "stored schedule is invalid; not firing it")
+                    }
+                }
+            }
+        }
+        // Plan every firing, claim them all in one round trip, publish the claimed ones
+        // concurrently, then record statuses and next fire times in one more.
+        let mut next_fires = Vec::with_capacity(due.len());
+        let mut planned: Vec<(String, Execution)> = Vec::new();
         for (id, next_ms) in due {
-            let Some((cached, _)) = self.cached(&id).await? else {
-                self.store.set_next_fire(shard, &id, None).await?;
+            let Some((cached, _)) = self.cache.get(&id) else {
+                next_fires.push((id, None));
                 continue;
             };
-            let schedule = cached.schedule.clone();
+            let schedule = &cached.schedule;
             if !schedule.enabled {
-                self.store.set_next_fire(shard, &id, None).await?;
+                next_fires.push((id, None));
                 continue;
             }
-            let (expr, tz) = (cached.expr.clone(), cached.tz);
             let last = Utc
                 .timestamp_millis_opt(next_ms - 1)
                 .single()
                 .unwrap_or(now);
-            let times = schedule.due(&expr, tz, last, now);
-            for t in &times {
-                self.fire(&schedule, *t, lease, true).await?;
+            let (times, next) = schedule.due_and_next(&cached.expr, cached.tz, last, horizon);
+            // Only workflow executions stay running; a topic tick completes on publish.
+            let overlapping = schedule.overlap != Overlap::Allow
+                && matches!(schedule.target, Target::Workflow(_))
+                && self.running(&id).await?;
+            for t in times {
+                let mut execution = self.execution(schedule, t, lease);
+                if overlapping {
+                    execution.status = ExecutionStatus::Skipped;
+                    execution.error = Some("previous execution still running".into());
+                }
+                planned.push((id.clone(), execution));
             }
-            let from = times.last().copied().unwrap_or(now).max(now);
-            let next = schedule.next_after(&expr, tz, from);
-            self.store
-                .set_next_fire(shard, &id, next.map(|t| t.timestamp_millis()))
-                .await?;
+            next_fires.push((id, next.map(|t| t.timestamp_millis())));
+        }
+        let executions: Vec<Execution> = planned.iter().map(|(_, e)| e.clone()).collect();
+        let claims = self.store.claim_executions(&executions).await?;
+        let mut claimed: Vec<(String, Execution)> = planned
+            .into_iter()
+            .zip(claims)
+            .filter(|((_, e), claimed)| *claimed && e.status == ExecutionStatus::Scheduled)
+            .map(|(planned, _)| planned)
+            .collect();
+        claimed.sort_by_key(|(_, e)| e.scheduled_ms);
+        let mut fired = Vec::with_capacity(claimed.len());
+        let mut batch = Vec::new();
+        let mut pending = claimed.into_iter().peekable();
+        while let Some((id, execution)) = pending.next() {
+            let at = execution.scheduled_ms;
+            batch.push((id, execution));
+            if pending.peek().is_some_and(|(_, e)| e.scheduled_ms == at) {
+                continue;
+            }
+            let wait = at - Utc::now().timestamp_millis();
+            if wait > 0 {
+                tokio::time::sleep(Duration::from_millis(wait as u64)).await;
+            }
+            fired.extend(self.publish_batch(std::mem::take(&mut batch), shard).await);
+        }
+        self.store.record_fires(shard, &fired, &next_fires).await?;
+        for (id, next) in next_fires {
             if let Some(entry) = self.cache.get_mut(&id) {
-                entry.1 = next;
+                entry.1 = next.and_then(|ms| Utc.timestamp_millis_opt(ms).single());
             }
         }
         let earliest = self.store.earliest_fire(shard).await?;
@@ -401,7 +458,7 @@ impl Scheduler {
             let (expr, tz) = (cached.expr.clone(), cached.tz);
             let mut next = *next;
             while let Some(t) = next.filter(|t| *t <= now) {
-                let _ = self.fire(&schedule, t, lease, false).await;
+                self.fire_without_store(&schedule, t, lease).await;
                 next = schedule.next_after(&expr, tz, t);
             }
             if let Some(entry) = self.cache.get_mut(&id) {
@@ -414,25 +471,46 @@ impl Scheduler {
         earliest
     }
 
-    /// One firing. With the store reachable, the execution record is claimed first so a
-    /// scheduled time fires once; without it, only `at_least_once` fires.
-    async fn fire(
-        &mut self,
-        schedule: &Schedule,
-        scheduled: DateTime<Utc>,
-        lease: &Lease,
-        store_up: bool,
-    ) -> Result<(), StoreError> {
-        let shard = shard_of(&schedule.id, self.config.shards) as usize;
-        if schedule.delivery == Delivery::AtMostOnce && !(store_up && self.holds(shard)) {
-            debug!(schedule = %schedule.id, "lease not confirmed; at_most_once tick not fired");
-            return Ok(());
-        }
-        let tick_id = tick_id(&schedule.id, scheduled);
-        let mut execution = Execution {
+    /// Publishes the ticks of one scheduled instant concurrently; returns their records
+    /// with the new status. An `at_most_once` tick whose lease lapsed meanwhile stays
+    /// `scheduled` for the next master's orphan recovery.
+    async fn publish_batch(&self, batch: Vec<(String, Execution)>, shard: u32) -> Vec<Execution> {
+        let holds = self.holds(shard as usize);
+        futures::stream::iter(batch)
+            .map(|(id, mut execution)| async move {
+                let Some((cached, _)) = self.cache.get(&id) else {
+                    return execution;
+                };
+                if cached.schedule.delivery == Delivery::AtMostOnce && !holds {
+                    execution.error = Some("lease lapsed before the tick was due".into());
+                    return execution;
+                }
+                match self.publish(&cached.schedule, &execution).await {
+                    Ok(()) => {
+                        execution.status = match cached.schedule.target {
+                            Target::Topic(_) => ExecutionStatus::Completed,
+                            Target::Workflow(_) => ExecutionStatus::Running,
+                        };
+                    }
+                    // Stays `scheduled`: orphan recovery emits it again.
+                    Err(reason) => {
+                        warn!(schedule = %id, %reason, "tick not published");
+                        execution.error = Some(reason);
+                    }
+                }
+                execution.updated_ms = Utc::now().timestamp_millis();
+                execution
+            })
+            .buffer_unordered(CONCURRENCY)
+            .collect()
+            .await
+    }
+
+    fn execution(&self, schedule: &Schedule, scheduled: DateTime<Utc>, lease: &Lease) -> Execution {
+        Execution {
             schedule_id: schedule.id.clone(),
             scheduled_ms: scheduled.timestamp_millis(),
-            tick_id: tick_id.clone(),
+            tick_id: tick_id(&schedule.id, scheduled),
             status: ExecutionStatus::Scheduled,
             attempt: 1,
             max_attempts: self.config.max_attempts,
@@ -440,37 +518,21 @@ impl Scheduler {
             fencing_token: lease.token,
             updated_ms: Utc::now().timestamp_millis(),
             error: None,
-        };
-        if store_up {
-            if schedule.overlap != Overlap::Allow && self.running(&schedule.id).await? {
-                execution.status = ExecutionStatus::Skipped;
-                execution.error = Some("previous execution still running".into());
-                self.store.claim_execution(&execution).await?;
-                return Ok(());
-            }
-            if !self.store.claim_execution(&execution).await? {
-                return Ok(());
-            }
         }
-        let published = self.publish(schedule, &execution).await;
-        if store_up {
-            match published {
-                Ok(()) => {
-                    execution.status = match schedule.target {
-                        Target::Topic(_) => ExecutionStatus::Completed,
-                        Target::Workflow(_) => ExecutionStatus::Running,
-                    };
-                }
-                Err(reason) => {
-                    // Stays `scheduled`: orphan recovery emits it again.
-                    warn!(schedule = %schedule.id, %reason, "tick not published");
-                    execution.error = Some(reason);
-                }
-            }
-            execution.updated_ms = Utc::now().timestamp_millis();
-            self.store.put_execution(&execution).await?;
+    }
+
+    /// A firing while the store is unreachable: no claim is possible, so only
+    /// `at_least_once` schedules fire, with the tick id a claim would have used.
+    async fn fire_without_store(
+        &self,
+        schedule: &Schedule,
+        scheduled: DateTime<Utc>,
+        lease: &Lease,
+    ) {
+        let execution = self.execution(schedule, scheduled, lease);
+        if let Err(reason) = self.publish(schedule, &execution).await {
+            warn!(schedule = %schedule.id, %reason, "tick not published");
         }
-        Ok(())
     }
 
     /// Executions claimed but never emitted (their master died between the claim and

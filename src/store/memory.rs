@@ -289,6 +289,29 @@ impl Store for MemoryStore {
         Ok(true)
     }
 
+    async fn claim_executions(&self, executions: &[Execution]) -> Result<Vec<bool>, StoreError> {
+        let mut claimed = Vec::with_capacity(executions.len());
+        for e in executions {
+            claimed.push(self.claim_execution(e).await?);
+        }
+        Ok(claimed)
+    }
+
+    async fn record_fires(
+        &self,
+        shard: u32,
+        executions: &[Execution],
+        next_fires: &[(String, Option<i64>)],
+    ) -> Result<(), StoreError> {
+        for e in executions {
+            self.put_execution(e).await?;
+        }
+        for (id, at) in next_fires {
+            self.set_next_fire(shard, id, *at).await?;
+        }
+        Ok(())
+    }
+
     async fn put_execution(&self, execution: &Execution) -> Result<(), StoreError> {
         let mut state = self.state();
         let list = state

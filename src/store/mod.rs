@@ -206,6 +206,18 @@ pub trait Store: Send + Sync {
     /// true for the one caller that created it.
     async fn claim_execution(&self, execution: &Execution) -> Result<bool, StoreError>;
 
+    /// [`Store::claim_execution`] for many records in one round trip.
+    async fn claim_executions(&self, executions: &[Execution]) -> Result<Vec<bool>, StoreError>;
+
+    /// [`Store::put_execution`] and [`Store::set_next_fire`] for many records in one
+    /// round trip.
+    async fn record_fires(
+        &self,
+        shard: u32,
+        executions: &[Execution],
+        next_fires: &[(String, Option<i64>)],
+    ) -> Result<(), StoreError>;
+
     /// Overwrites an execution record (status changes).
     async fn put_execution(&self, execution: &Execution) -> Result<(), StoreError>;
 

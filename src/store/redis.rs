@@ -423,6 +423,55 @@ impl Store for RedisStore {
         Ok(true)
     }
 
+    async fn claim_executions(&self, executions: &[Execution]) -> Result<Vec<bool>, StoreError> {
+        if executions.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        for e in executions {
+            let key = self.key(&["exec", &e.schedule_id, &e.scheduled_ms.to_string()]);
+            let history = self.key(&["exec", "hist", &e.schedule_id]);
+            pipe.cmd("SET").arg(key).arg(Self::encode(e)?).arg("NX");
+            // The history member is the scheduled time: adding it again changes nothing.
+            pipe.zadd(&history, e.scheduled_ms, e.scheduled_ms).ignore();
+            pipe.zremrangebyrank(&history, 0, -(EXECUTIONS_KEPT + 1))
+                .ignore();
+        }
+        let mut c = self.connection.clone();
+        let replies: Vec<Option<String>> = pipe
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("SET NX", e))?;
+        Ok(replies.into_iter().map(|r| r.is_some()).collect())
+    }
+
+    async fn record_fires(
+        &self,
+        shard: u32,
+        executions: &[Execution],
+        next_fires: &[(String, Option<i64>)],
+    ) -> Result<(), StoreError> {
+        if executions.is_empty() && next_fires.is_empty() {
+            return Ok(());
+        }
+        let due = self.key(&["sched", "due", &shard.to_string()]);
+        let mut pipe = redis::pipe();
+        for e in executions {
+            let key = self.key(&["exec", &e.schedule_id, &e.scheduled_ms.to_string()]);
+            pipe.set(key, Self::encode(e)?).ignore();
+        }
+        for (id, at) in next_fires {
+            match at {
+                Some(at) => pipe.zadd(&due, id, *at).ignore(),
+                None => pipe.zrem(&due, id).ignore(),
+            };
+        }
+        let mut c = self.connection.clone();
+        pipe.query_async::<()>(&mut c)
+            .await
+            .map_err(|e| store_error("record fires", e))
+    }
+
     async fn put_execution(&self, execution: &Execution) -> Result<(), StoreError> {
         let key = self.key(&[
             "exec",
