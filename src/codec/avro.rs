@@ -52,19 +52,16 @@ impl AvroCodec {
     }
 
     pub fn encode<T: Serialize>(&self, record: &T) -> Result<Vec<u8>, CodecError> {
-        let avro_err = |e: apache_avro::Error| CodecError::Avro {
-            record: self.name,
-            reason: e.to_string(),
-        };
-        let value = apache_avro::to_value(record)
-            .map_err(avro_err)?
-            .resolve(&self.schema)
-            .map_err(avro_err)?;
-        let body = apache_avro::to_avro_datum(&self.schema, value).map_err(avro_err)?;
-        let mut out = Vec::with_capacity(HEADER_LEN + body.len());
+        let mut out = Vec::with_capacity(HEADER_LEN + 128);
         out.extend_from_slice(&MARKER);
         out.extend_from_slice(&self.fingerprint.to_le_bytes());
-        out.extend_from_slice(&body);
+        // Serializes straight against the schema, without an intermediate `Value`.
+        apache_avro::write_avro_datum_ref(&self.schema, record, &mut out).map_err(|e| {
+            CodecError::Avro {
+                record: self.name,
+                reason: e.to_string(),
+            }
+        })?;
         Ok(out)
     }
 

@@ -32,7 +32,7 @@ use crate::transport::{Outbound, Sink};
 const DUE_BATCH: usize = 10_000;
 /// How far ahead of their time due ticks are planned and claimed.
 const LOOKAHEAD: Duration = Duration::from_millis(250);
-/// Schedules fired at once: store round trips and publishes overlap.
+/// Schedule loads in flight at once.
 const CONCURRENCY: usize = 1024;
 
 /// Scheduler settings; defaults give failover within a few seconds.
@@ -501,7 +501,7 @@ impl Scheduler {
                 execution.updated_ms = Utc::now().timestamp_millis();
                 execution
             })
-            .buffer_unordered(CONCURRENCY)
+            .buffer_unordered(DUE_BATCH)
             .collect()
             .await
     }
