@@ -44,6 +44,7 @@ pub mod defaults {
     pub const CATCHUP_CAP: u32 = 100;
     pub const TICK_TOPIC: &str = "weir.cron.ticks";
     pub const TIMEZONE: &str = "UTC";
+    pub const EXECUTOR: &str = "default";
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +92,32 @@ pub struct Config {
     pub graphs: Vec<GraphConfig>,
     #[serde(rename = "schedule")]
     pub schedules: Vec<ScheduleConfig>,
+    #[serde(rename = "route")]
+    pub routes: Vec<RouteConfig>,
+    pub dispatch: DispatchConfig,
+}
+
+/// `[[route]]`: task namespaces matching `pattern` go to `executor` (first match wins).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    pub pattern: String,
+    pub executor: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DispatchConfig {
+    /// Executor for namespaces no route matches.
+    pub default_executor: String,
+}
+
+impl Default for DispatchConfig {
+    fn default() -> Self {
+        Self {
+            default_executor: defaults::EXECUTOR.into(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -525,6 +552,14 @@ impl Config {
                 errors.push(e);
             }
         }
+        for (i, r) in self.routes.iter().enumerate() {
+            if let Err(e) = crate::dispatch::Route::new(&r.pattern, &r.executor) {
+                errors.push(invalid(format!("route[{i}].pattern"), e.to_string()));
+            }
+        }
+        if let Err(e) = crate::dispatch::Router::new(Vec::new(), &self.dispatch.default_executor) {
+            errors.push(invalid("dispatch.default_executor", e.to_string()));
+        }
         if self.cron.shards == 0 {
             errors.push(invalid("cron.shards", "must be at least 1"));
         }
@@ -556,6 +591,21 @@ impl Config {
             graph_lease_ttl: (s.graph_lease_ttl_ms > 0)
                 .then(|| Duration::from_millis(s.graph_lease_ttl_ms)),
         }
+    }
+
+    /// The task router the `[[route]]` tables declare, in order.
+    pub fn router(&self) -> Result<crate::dispatch::Router, ConfigError> {
+        let routes = self
+            .routes
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                crate::dispatch::Route::new(&r.pattern, &r.executor)
+                    .map_err(|e| invalid(format!("route[{i}].pattern"), e.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        crate::dispatch::Router::new(routes, &self.dispatch.default_executor)
+            .map_err(|e| invalid("dispatch.default_executor", e.to_string()))
     }
 
     /// Whether `weir run` runs the cron scheduler.
@@ -887,6 +937,19 @@ format = "json"
         ] {
             assert!(text.contains(key), "{key} missing from {text}");
         }
+    }
+
+    #[test]
+    fn routes_are_ordered_and_validated() {
+        let text = format!(
+            "{SAMPLE}\n[[route]]\npattern = \"acme::ml::**\"\nexecutor = \"gpu\"\n[[route]]\npattern = \"**\"\nexecutor = \"cpu\"\n"
+        );
+        let router = parse(&text, &[]).unwrap().router().unwrap();
+        assert_eq!(router.topic("acme::ml::train::step"), "weir.tasks.gpu");
+        assert_eq!(router.topic("acme::etl::x::y"), "weir.tasks.cpu");
+        let bad = text.replace("acme::ml::**", "acme::ml*");
+        let err = parse(&bad, &[]).unwrap_err();
+        assert!(err.to_string().contains("route[0].pattern"), "{err}");
     }
 
     #[test]

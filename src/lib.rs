@@ -16,6 +16,7 @@
 //!   [`transport::Broker`]) and its backends; [`store`]: the state seam
 //!   ([`store::Store`]) and its backends. Memory backends are the embedded default.
 //! - [`cron`]: schedules as data, next fire times with Vixie-cron DST rules.
+//! - [`dispatch`]: routing task namespaces to executor topics by ordered glob rules.
 //! - [`codec`]: Avro single-object encoding for weir's records (`schemas/`), JSON for
 //!   user events.
 //! - [`demo`]: the market-data example behind `weir demo`.
@@ -29,6 +30,7 @@ pub mod codec;
 pub mod config;
 pub mod cron;
 pub mod demo;
+pub mod dispatch;
 pub mod error;
 pub mod graph;
 pub mod metrics;
