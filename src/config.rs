@@ -45,6 +45,9 @@ pub mod defaults {
     pub const TICK_TOPIC: &str = "weir.cron.ticks";
     pub const TIMEZONE: &str = "UTC";
     pub const EXECUTOR: &str = "default";
+    pub const TASK_MAX_ATTEMPTS: u32 = 3;
+    pub const TASK_TIMEOUT_MS: u64 = 30_000;
+    pub const TASK_BACKOFF_MS: u64 = 1000;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -94,7 +97,68 @@ pub struct Config {
     pub schedules: Vec<ScheduleConfig>,
     #[serde(rename = "route")]
     pub routes: Vec<RouteConfig>,
+    #[serde(rename = "workflow")]
+    pub workflows: Vec<WorkflowConfig>,
     pub dispatch: DispatchConfig,
+}
+
+/// `[[workflow]]` with its `[[workflow.task]]` entries.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkflowConfig {
+    pub name: String,
+    #[serde(default)]
+    pub tenant: Option<String>,
+    #[serde(rename = "task", default)]
+    pub tasks: Vec<TaskConfig>,
+}
+
+fn default_max_attempts() -> u32 {
+    defaults::TASK_MAX_ATTEMPTS
+}
+fn default_timeout_ms() -> u64 {
+    defaults::TASK_TIMEOUT_MS
+}
+fn default_backoff_ms() -> u64 {
+    defaults::TASK_BACKOFF_MS
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskConfig {
+    pub id: String,
+    pub handler: String,
+    #[serde(default)]
+    pub depends_on: Vec<String>,
+    #[serde(default = "default_max_attempts")]
+    pub max_attempts: u32,
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u64,
+    #[serde(default = "default_backoff_ms")]
+    pub backoff_ms: u64,
+}
+
+impl WorkflowConfig {
+    pub fn workflow(&self, index: usize) -> Result<crate::dispatch::Workflow, ConfigError> {
+        let tasks = self
+            .tasks
+            .iter()
+            .map(|t| crate::dispatch::TaskSpec {
+                id: t.id.clone(),
+                handler: t.handler.clone(),
+                depends_on: t.depends_on.clone(),
+                max_attempts: t.max_attempts,
+                timeout: Duration::from_millis(t.timeout_ms),
+                backoff: Duration::from_millis(t.backoff_ms),
+            })
+            .collect();
+        let workflow = crate::dispatch::Workflow::new(&self.name, tasks)
+            .map_err(|e| invalid(format!("workflow[{index}]"), e.to_string()))?;
+        Ok(match &self.tenant {
+            Some(t) => workflow.with_tenant(t),
+            None => workflow,
+        })
+    }
 }
 
 /// `[[route]]`: task namespaces matching `pattern` go to `executor` (first match wins).
@@ -557,6 +621,11 @@ impl Config {
                 errors.push(invalid(format!("route[{i}].pattern"), e.to_string()));
             }
         }
+        for (i, w) in self.workflows.iter().enumerate() {
+            if let Err(e) = w.workflow(i) {
+                errors.push(e);
+            }
+        }
         if let Err(e) = crate::dispatch::Router::new(Vec::new(), &self.dispatch.default_executor) {
             errors.push(invalid("dispatch.default_executor", e.to_string()));
         }
@@ -950,6 +1019,34 @@ format = "json"
         let bad = text.replace("acme::ml::**", "acme::ml*");
         let err = parse(&bad, &[]).unwrap_err();
         assert!(err.to_string().contains("route[0].pattern"), "{err}");
+    }
+
+    #[test]
+    fn workflows_are_declared_and_validated() {
+        let text = r#"
+[[workflow]]
+name = "etl"
+[[workflow.task]]
+id = "extract"
+handler = "builtin::echo"
+[[workflow.task]]
+id = "load"
+handler = "builtin::sleep"
+depends_on = ["extract"]
+max_attempts = 5
+timeout_ms = 100
+backoff_ms = 10
+"#;
+        let config = parse(text, &[]).unwrap();
+        let w = config.workflows[0].workflow(0).unwrap();
+        assert_eq!(w.task("load").unwrap().max_attempts, 5);
+        assert_eq!(w.task("load").unwrap().timeout, Duration::from_millis(100));
+        assert_eq!(w.namespace("load"), "public::default::etl::load");
+        let err = parse(&text.replace("[\"extract\"]", "[\"nope\"]"), &[]).unwrap_err();
+        assert!(
+            err.to_string().contains("workflow[0]") && err.to_string().contains("nope"),
+            "{err}"
+        );
     }
 
     #[test]
