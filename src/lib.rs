@@ -17,6 +17,7 @@
 //!   ([`store::Store`]) and its backends. Memory backends are the embedded default.
 //! - [`cron`]: schedules as data, next fire times with Vixie-cron DST rules.
 //! - [`dispatch`]: routing task namespaces to executor topics by ordered glob rules.
+//! - [`worker`]: task handlers by name, with the built-ins.
 //! - [`codec`]: Avro single-object encoding for weir's records (`schemas/`), JSON for
 //!   user events.
 //! - [`demo`]: the market-data example behind `weir demo`.
@@ -40,6 +41,7 @@ pub mod shutdown;
 pub mod store;
 pub mod supervisor;
 pub mod transport;
+pub mod worker;
 
 pub use accumulator::{Accumulator, AccumulatorSpec, Boundary, Event, Health};
 pub use graph::{GraphBuilder, GraphDeclaration, NodeContext, NodeError};
