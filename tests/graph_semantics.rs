@@ -903,3 +903,51 @@ async fn shutdown_is_bounded_and_stops_every_graph() {
     assert!(g.reactor().get_state().await.is_err());
     h.cancel.cancel();
 }
+
+#[tokio::test]
+async fn a_leased_graph_runs_once_and_fences_its_outputs() {
+    use weir::supervisor::GraphStatus;
+    let policy = weir::SupervisionPolicy {
+        graph_lease_ttl: Some(Duration::from_millis(600)),
+        ..weir::SupervisionPolicy::default()
+    };
+    let h = Harness::with_policy(policy.clone());
+    let make = || {
+        snapshot_graph(
+            "leased",
+            vec![AccumulatorSpec::passthrough("a").topic("leased.in")],
+            ReactorConfig::default(),
+        )
+    };
+    let first = h.spawn(make());
+    first.wait_for_state(ReactorState::Live).await;
+    // A second node on the same broker and store stands by.
+    let runtime = weir::Runtime {
+        broker: Arc::new(h.broker.clone()),
+        store: h.store.clone(),
+        node_id: "other-node".into(),
+    };
+    let other_cancel = tokio_util::sync::CancellationToken::new();
+    let other = weir::Supervisor::new(runtime, policy, other_cancel.clone());
+    let second = other.spawn(make()).unwrap();
+    settle().await;
+    assert_eq!(second.status(), GraphStatus::Standby);
+    h.publish("leased.in", b"1").await;
+    eventually("output", || async { h.outputs("leased.out").len() == 1 }).await;
+    let message = &h.broker.messages("leased.out")[0];
+    assert_eq!(message.header("weir-fencing"), Some("1"));
+    // The first node stops and releases the lease: the second takes over with a higher token.
+    assert!(h.supervisor.shutdown().await);
+    second.wait_for_status(|s| *s == GraphStatus::Running).await;
+    second.wait_for_state(ReactorState::Live).await;
+    h.publish("leased.in", b"2").await;
+    eventually("output from the second node", || async {
+        h.outputs("leased.out").len() == 2
+    })
+    .await;
+    assert_eq!(
+        h.broker.messages("leased.out")[1].header("weir-fencing"),
+        Some("2")
+    );
+    assert!(other.shutdown().await);
+}

@@ -58,6 +58,9 @@ pub(crate) struct Reactor {
     /// Message key of every output: the graph's name, so one graph's outputs stay in
     /// one partition, in fire order.
     output_key: bytes::Bytes,
+    /// The graph lease's fencing token, sent with every output so consumers can drop
+    /// what a deposed instance published.
+    fencing: Option<String>,
     key: String,
     config: ReactorConfig,
     compiled: Arc<CompiledGraph>,
@@ -93,6 +96,7 @@ impl Reactor {
         store: Arc<dyn Store>,
         stats: Arc<GraphStats>,
         state_tx: watch::Sender<ReactorState>,
+        fencing: Option<u64>,
     ) -> Result<(Self, Wiring), ReactorError> {
         state_tx.send_replace(ReactorState::Starting);
         let key = decl.key();
@@ -127,6 +131,7 @@ impl Reactor {
         let reactor = Self {
             graph: Arc::from(decl.name.as_str()),
             output_key: bytes::Bytes::from(decl.key().into_bytes()),
+            fencing: fencing.map(|t| t.to_string()),
             key,
             config: decl.reactor.clone(),
             compiled: decl.graph.clone(),
@@ -302,11 +307,15 @@ impl Reactor {
                 .zip(self.outputs.iter())
                 .filter_map(|(value, (topic, sink))| {
                     let value = value.as_ref()?;
-                    let message = Outbound::new(topic.clone(), crate::codec::json::encode(value))
-                        .key(self.output_key.clone())
-                        .header("weir-graph", &*self.graph)
-                        .header("weir-fire", fire.to_string())
-                        .header("weir-degraded", degraded.to_string());
+                    let mut message =
+                        Outbound::new(topic.clone(), crate::codec::json::encode(value))
+                            .key(self.output_key.clone())
+                            .header("weir-graph", &*self.graph)
+                            .header("weir-fire", fire.to_string())
+                            .header("weir-degraded", degraded.to_string());
+                    if let Some(token) = &self.fencing {
+                        message = message.header("weir-fencing", token.clone());
+                    }
                     Some((message, sink.clone()))
                 })
                 .collect(),

@@ -391,7 +391,8 @@ impl SupervisedGraph {
                     self.cancel.clone(),
                 ))
             });
-            let outcome = self.run_while_leased(&mut failures, &lost).await;
+            let fencing = lease.as_ref().map(|(lease, _)| lease.token);
+            let outcome = self.run_while_leased(&mut failures, &lost, fencing).await;
             if let Some(renewer) = renewer {
                 renewer.abort();
             }
@@ -446,9 +447,10 @@ impl SupervisedGraph {
         &self,
         failures: &mut FailureCount,
         lost: &CancellationToken,
+        fencing: Option<u64>,
     ) -> Outcome {
         loop {
-            match self.incarnation(failures, lost).await {
+            match self.incarnation(failures, lost, fencing).await {
                 Ended::Cancelled => return Outcome::Stop,
                 Ended::Failed => return Outcome::Failed,
                 Ended::LeaseLost => return Outcome::Standby,
@@ -546,7 +548,12 @@ impl SupervisedGraph {
         }
     }
 
-    async fn incarnation(&self, failures: &mut FailureCount, lost: &CancellationToken) -> Ended {
+    async fn incarnation(
+        &self,
+        failures: &mut FailureCount,
+        lost: &CancellationToken,
+        fencing: Option<u64>,
+    ) -> Ended {
         let cancel = self.cancel.child_token();
         let restored = Reactor::restore(
             &self.decl,
@@ -554,6 +561,7 @@ impl SupervisedGraph {
             self.runtime.store.clone(),
             self.stats.clone(),
             self.state.clone(),
+            fencing,
         )
         .await;
         let (reactor, wiring) = match restored {
