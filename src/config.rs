@@ -691,6 +691,7 @@ impl Config {
             orphan_after: Duration::from_millis(self.cron.orphan_after_ms),
             max_attempts: self.cron.max_attempts,
             tenant: None,
+            clock: std::sync::Arc::new(crate::cron::scheduler::SystemClock),
         }
     }
 

@@ -357,3 +357,111 @@ async fn orphaned_executions_are_re_emitted_or_failed_at_the_stored_cap() {
     let given_up = store.get_execution("orph", 2_000).await.unwrap().unwrap();
     assert_eq!(given_up.status, ExecutionStatus::Failed);
 }
+
+fn at(s: &str) -> chrono::DateTime<chrono::Utc> {
+    chrono::DateTime::parse_from_rfc3339(s)
+        .unwrap()
+        .with_timezone(&chrono::Utc)
+}
+
+/// Runs a scheduler on a clock that follows tokio's paused time from `start`, for `run`.
+async fn run_on_paused_clock(
+    store: Arc<MemoryStore>,
+    broker: &MemoryBroker,
+    clock: Arc<weir::cron::scheduler::TokioClock>,
+    run: Duration,
+) {
+    let cfg = SchedulerConfig {
+        clock,
+        ..config("a", 0)
+    };
+    let cancel = CancellationToken::new();
+    let task =
+        tokio::spawn(Scheduler::new(store, Arc::new(broker.clone()), cfg).run(cancel.clone()));
+    tokio::time::sleep(run).await;
+    cancel.cancel();
+    let _ = task.await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn missed_times_after_downtime_follow_the_catch_up_policy() {
+    use weir::cron::scheduler::{register_at, Clock, TokioClock};
+    use weir::cron::CatchUp;
+    let cases = [
+        (CatchUp::Skip, vec!["2026-01-01T06:00:00Z"]),
+        (
+            CatchUp::Latest,
+            vec!["2026-01-01T05:00:00Z", "2026-01-01T06:00:00Z"],
+        ),
+        (
+            CatchUp::All { cap: 3 },
+            vec![
+                "2026-01-01T03:00:00Z",
+                "2026-01-01T04:00:00Z",
+                "2026-01-01T05:00:00Z",
+                "2026-01-01T06:00:00Z",
+            ],
+        ),
+    ];
+    for (policy, expected) in cases {
+        let store = Arc::new(MemoryStore::new());
+        let broker = MemoryBroker::default();
+        let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:30:00Z")));
+        let mut schedule = Schedule::new("hourly", "0 * * * *", "UTC");
+        schedule.target = Target::Topic("hourly.ticks".into());
+        schedule.catchup = policy;
+        let next = register_at(store.as_ref(), &schedule, 1, clock.now())
+            .await
+            .unwrap();
+        assert_eq!(next, Some(at("2026-01-01T01:00:00Z")));
+        // Nobody runs a scheduler until 05:10.
+        tokio::time::sleep(Duration::from_secs(4 * 3600 + 40 * 60)).await;
+        // Then one runs past 06:00.
+        run_on_paused_clock(
+            store.clone(),
+            &broker,
+            clock.clone(),
+            Duration::from_secs(55 * 60),
+        )
+        .await;
+        let fired: Vec<String> = ticks(&broker, "hourly.ticks")
+            .iter()
+            .map(|t| {
+                weir::cron::cli::format_instant(
+                    chrono::DateTime::from_timestamp_millis(t.scheduled_time_ms).unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(fired, expected, "{policy:?}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn overlap_skip_drops_firings_while_the_previous_one_runs() {
+    use weir::cron::scheduler::{register_at, Clock, TokioClock};
+    use weir::cron::Overlap;
+    for (overlap, expected_ticks) in [(Overlap::Skip, 1), (Overlap::Allow, 3)] {
+        let store = Arc::new(MemoryStore::new());
+        let broker = MemoryBroker::default();
+        let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
+        let mut schedule = Schedule::new("wf", "* * * * *", "UTC");
+        // Workflow executions stay running until their workflow completes.
+        schedule.target = Target::Workflow("report".into());
+        schedule.overlap = overlap;
+        register_at(store.as_ref(), &schedule, 1, clock.now())
+            .await
+            .unwrap();
+        run_on_paused_clock(store.clone(), &broker, clock, Duration::from_secs(3 * 60)).await;
+        assert_eq!(
+            ticks(&broker, "weir.workflows.report.start").len(),
+            expected_ticks,
+            "{overlap:?}"
+        );
+        let history = store.executions("wf", 10).await.unwrap();
+        let skipped = history
+            .iter()
+            .filter(|e| e.status == ExecutionStatus::Skipped)
+            .count();
+        assert_eq!(skipped, 3 - expected_ticks, "{overlap:?}");
+    }
+}

@@ -35,8 +35,46 @@ const LOOKAHEAD: Duration = Duration::from_millis(250);
 /// Schedule loads in flight at once.
 const CONCURRENCY: usize = 1024;
 
+/// Where the scheduler reads the time.
+pub trait Clock: Send + Sync + std::fmt::Debug {
+    fn now(&self) -> DateTime<Utc>;
+}
+
+/// The system's wall clock.
+#[derive(Debug, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> DateTime<Utc> {
+        Utc::now()
+    }
+}
+
+/// Wall-clock time that advances with tokio's clock from a fixed start, so schedules can
+/// be driven through hours of (paused) test time.
+#[derive(Debug)]
+pub struct TokioClock {
+    start: DateTime<Utc>,
+    origin: Instant,
+}
+
+impl TokioClock {
+    pub fn starting_at(start: DateTime<Utc>) -> Self {
+        Self {
+            start,
+            origin: Instant::now(),
+        }
+    }
+}
+
+impl Clock for TokioClock {
+    fn now(&self) -> DateTime<Utc> {
+        self.start + chrono::Duration::from_std(self.origin.elapsed()).unwrap_or_default()
+    }
+}
+
 /// Scheduler settings; defaults give failover within a few seconds.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     pub node_id: String,
     pub priority: i64,
@@ -48,6 +86,19 @@ pub struct SchedulerConfig {
     pub orphan_after: Duration,
     pub max_attempts: u32,
     pub tenant: Option<String>,
+    pub clock: Arc<dyn Clock>,
+}
+
+impl PartialEq for SchedulerConfig {
+    fn eq(&self, other: &Self) -> bool {
+        self.node_id == other.node_id
+            && self.priority == other.priority
+            && self.shards == other.shards
+            && self.lease_ttl == other.lease_ttl
+            && self.orphan_after == other.orphan_after
+            && self.max_attempts == other.max_attempts
+            && self.tenant == other.tenant
+    }
 }
 
 impl SchedulerConfig {
@@ -60,6 +111,7 @@ impl SchedulerConfig {
             orphan_after: Duration::from_secs(30),
             max_attempts: 3,
             tenant: None,
+            clock: Arc::new(SystemClock),
         }
     }
 }
@@ -92,10 +144,20 @@ pub async fn register(
     schedule: &Schedule,
     shards: u32,
 ) -> Result<Option<DateTime<Utc>>, RegisterError> {
+    register_at(store, schedule, shards, Utc::now()).await
+}
+
+/// [`register`] with the next fire time computed after `now`.
+pub async fn register_at(
+    store: &dyn Store,
+    schedule: &Schedule,
+    shards: u32,
+    now: DateTime<Utc>,
+) -> Result<Option<DateTime<Utc>>, RegisterError> {
     let (expr, tz) = schedule.validate()?;
     store.put_schedule(schedule).await?;
     let next = if schedule.enabled {
-        schedule.next_after(&expr, tz, Utc::now())
+        schedule.next_after(&expr, tz, now)
     } else {
         None
     };
@@ -195,7 +257,7 @@ impl Scheduler {
             let next_due = self.fire_due().await;
             let mut wake = next_election.min(next_sweep);
             if let Some(due) = next_due {
-                let wait = (due - Utc::now())
+                let wait = (due - self.config.clock.now())
                     .to_std()
                     .unwrap_or_default()
                     .saturating_sub(LOOKAHEAD);
@@ -334,7 +396,7 @@ impl Scheduler {
         lease: &Lease,
     ) -> Result<Option<DateTime<Utc>>, StoreError> {
         // Plan and claim a little ahead, so at the due instant only the publish remains.
-        let now = Utc::now();
+        let now = self.config.clock.now();
         let horizon = now + chrono::Duration::from_std(LOOKAHEAD).unwrap_or_default();
         let due = self
             .store
@@ -422,7 +484,7 @@ impl Scheduler {
             if pending.peek().is_some_and(|(_, e)| e.scheduled_ms == at) {
                 continue;
             }
-            let wait = at - Utc::now().timestamp_millis();
+            let wait = at - self.config.clock.now().timestamp_millis();
             if wait > 0 {
                 tokio::time::sleep(Duration::from_millis(wait as u64)).await;
             }
@@ -440,7 +502,7 @@ impl Scheduler {
 
     /// The store is unreachable: fire `at_least_once` schedules this node knows.
     async fn fire_shard_locally(&mut self, shard: u32, lease: &Lease) -> Option<DateTime<Utc>> {
-        let now = Utc::now();
+        let now = self.config.clock.now();
         let shards = self.config.shards;
         let mut earliest = None;
         let ids: Vec<String> = self.cache.keys().cloned().collect();
@@ -498,7 +560,7 @@ impl Scheduler {
                         execution.error = Some(reason);
                     }
                 }
-                execution.updated_ms = Utc::now().timestamp_millis();
+                execution.updated_ms = self.config.clock.now().timestamp_millis();
                 execution
             })
             .buffer_unordered(DUE_BATCH)
@@ -516,7 +578,7 @@ impl Scheduler {
             max_attempts: self.config.max_attempts,
             node_id: self.config.node_id.clone(),
             fencing_token: lease.token,
-            updated_ms: Utc::now().timestamp_millis(),
+            updated_ms: self.config.clock.now().timestamp_millis(),
             error: None,
         }
     }
@@ -543,7 +605,8 @@ impl Scheduler {
         if led.is_empty() {
             return Ok(());
         }
-        let threshold = Utc::now().timestamp_millis() - self.config.orphan_after.as_millis() as i64;
+        let threshold = self.config.clock.now().timestamp_millis()
+            - self.config.orphan_after.as_millis() as i64;
         for schedule in self.store.list_schedules().await? {
             let shard = shard_of(&schedule.id, self.config.shards) as usize;
             if !led.contains(&shard) {
@@ -579,7 +642,7 @@ impl Scheduler {
                         Err(reason) => execution.error = Some(reason),
                     }
                 }
-                execution.updated_ms = Utc::now().timestamp_millis();
+                execution.updated_ms = self.config.clock.now().timestamp_millis();
                 self.store.put_execution(&execution).await?;
             }
         }
@@ -604,7 +667,7 @@ impl Scheduler {
             schedule_id: schedule.id.clone(),
             tick_id: execution.tick_id.clone(),
             scheduled_time_ms: execution.scheduled_ms,
-            emitted_time_ms: Utc::now().timestamp_millis(),
+            emitted_time_ms: self.config.clock.now().timestamp_millis(),
             fencing_token: execution.fencing_token as i64,
             delivery: schedule.delivery.as_str().to_string(),
             attempt: execution.attempt as i32,
