@@ -465,3 +465,62 @@ async fn overlap_skip_drops_firings_while_the_previous_one_runs() {
         assert_eq!(skipped, 3 - expected_ticks, "{overlap:?}");
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn overlap_buffer_one_holds_one_firing_until_the_running_one_ends() {
+    use weir::cron::scheduler::{register_at, Clock, TokioClock};
+    use weir::cron::Overlap;
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
+    let mut schedule = Schedule::new("buf", "* * * * *", "UTC");
+    schedule.target = Target::Workflow("report".into());
+    schedule.overlap = Overlap::BufferOne;
+    register_at(store.as_ref(), &schedule, 1, clock.now())
+        .await
+        .unwrap();
+    let cfg = SchedulerConfig {
+        clock: clock.clone(),
+        orphan_after: Duration::from_secs(2),
+        ..config("a", 0)
+    };
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+    );
+    // 00:01 fires, 00:02 is buffered, 00:03 is skipped.
+    tokio::time::sleep(Duration::from_secs(3 * 60)).await;
+    let status = |ms: i64| {
+        let store = store.clone();
+        async move {
+            store
+                .get_execution("buf", ms)
+                .await
+                .unwrap()
+                .unwrap()
+                .status
+        }
+    };
+    let minute = |m: i64| at("2026-01-01T00:00:00Z").timestamp_millis() + m * 60_000;
+    assert_eq!(status(minute(1)).await, ExecutionStatus::Running);
+    assert_eq!(status(minute(2)).await, ExecutionStatus::Buffered);
+    assert_eq!(status(minute(3)).await, ExecutionStatus::Skipped);
+    assert_eq!(ticks(&broker, "weir.workflows.report.start").len(), 1);
+    // The running workflow completes: the buffered firing goes out.
+    let mut first = store
+        .get_execution("buf", minute(1))
+        .await
+        .unwrap()
+        .unwrap();
+    first.status = ExecutionStatus::Completed;
+    store.put_execution(&first).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    cancel.cancel();
+    let _ = task.await;
+    assert_eq!(status(minute(2)).await, ExecutionStatus::Running);
+    let sent: Vec<i64> = ticks(&broker, "weir.workflows.report.start")
+        .iter()
+        .map(|t| t.scheduled_time_ms)
+        .collect();
+    assert_eq!(sent, vec![minute(1), minute(2)]);
+}

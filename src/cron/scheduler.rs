@@ -453,14 +453,28 @@ impl Scheduler {
                 .unwrap_or(now);
             let (times, next) = schedule.due_and_next(&cached.expr, cached.tz, last, horizon);
             // Only workflow executions stay running; a topic tick completes on publish.
-            let overlapping = schedule.overlap != Overlap::Allow
+            let mut busy = if schedule.overlap != Overlap::Allow
                 && matches!(schedule.target, Target::Workflow(_))
-                && self.running(&id).await?;
+            {
+                let recent = self.store.executions(&id, 10).await?;
+                let running = recent.iter().any(|e| e.status == ExecutionStatus::Running);
+                let buffered = recent.iter().any(|e| e.status == ExecutionStatus::Buffered);
+                running.then_some(buffered)
+            } else {
+                None
+            };
             for t in times {
                 let mut execution = self.execution(schedule, t, lease);
-                if overlapping {
-                    execution.status = ExecutionStatus::Skipped;
-                    execution.error = Some("previous execution still running".into());
+                match (schedule.overlap, busy) {
+                    (Overlap::BufferOne, Some(false)) => {
+                        execution.status = ExecutionStatus::Buffered;
+                        busy = Some(true);
+                    }
+                    (_, Some(_)) => {
+                        execution.status = ExecutionStatus::Skipped;
+                        execution.error = Some("previous execution still running".into());
+                    }
+                    _ => {}
                 }
                 planned.push((id.clone(), execution));
             }
@@ -599,7 +613,8 @@ impl Scheduler {
 
     /// Executions claimed but never emitted (their master died between the claim and
     /// the publish) are emitted again once they are older than `orphan_after`, until
-    /// their stored attempt cap; then they are marked failed.
+    /// their stored attempt cap; then they are marked failed. A `buffer_one` execution
+    /// goes out once nothing of its schedule is running.
     async fn recover_orphans(&mut self) -> Result<(), StoreError> {
         let led: Vec<usize> = (0..self.shards.len()).filter(|&i| self.holds(i)).collect();
         if led.is_empty() {
@@ -615,7 +630,19 @@ impl Scheduler {
             let Some(lease) = self.shards[shard].lease.clone() else {
                 continue;
             };
-            for mut execution in self.store.executions(&schedule.id, 10).await? {
+            let recent = self.store.executions(&schedule.id, 10).await?;
+            let running = recent.iter().any(|e| e.status == ExecutionStatus::Running);
+            for mut execution in recent {
+                if execution.status == ExecutionStatus::Buffered && !running {
+                    // The running execution ended: the buffered one goes now.
+                    execution.fencing_token = lease.token;
+                    if self.publish(&schedule, &execution).await.is_ok() {
+                        execution.status = ExecutionStatus::Running;
+                    }
+                    execution.updated_ms = self.config.clock.now().timestamp_millis();
+                    self.store.put_execution(&execution).await?;
+                    continue;
+                }
                 if execution.status != ExecutionStatus::Scheduled
                     || execution.updated_ms > threshold
                 {
@@ -647,11 +674,6 @@ impl Scheduler {
             }
         }
         Ok(())
-    }
-
-    async fn running(&self, schedule_id: &str) -> Result<bool, StoreError> {
-        let recent = self.store.executions(schedule_id, 5).await?;
-        Ok(recent.iter().any(|e| e.status == ExecutionStatus::Running))
     }
 
     async fn publish(&self, schedule: &Schedule, execution: &Execution) -> Result<(), String> {

@@ -91,6 +91,8 @@ pub enum ExecutionStatus {
     Failed,
     /// Not fired: the overlap policy dropped it.
     Skipped,
+    /// Held back by `buffer_one` until the running execution ends.
+    Buffered,
 }
 
 /// Wakes a scheduler when schedules change.
