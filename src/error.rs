@@ -14,6 +14,8 @@ pub enum Error {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Schedule(#[from] crate::cron::ScheduleError),
+    #[error("store: {0}")]
+    Store(#[from] crate::store::StoreError),
     #[error(transparent)]
     Cron(#[from] crate::cron::CronError),
     #[error("invalid argument: {0}")]

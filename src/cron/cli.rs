@@ -35,7 +35,7 @@ fn parse_enum<T: serde::de::DeserializeOwned>(flag: &str, value: &str) -> Result
 }
 
 fn store_error(e: crate::store::StoreError) -> Error {
-    Error::Usage(format!("store: {e}"))
+    Error::Store(e)
 }
 
 pub async fn run(command: CronCommand, out: &mut impl Write) -> Result<(), Error> {
@@ -67,7 +67,7 @@ pub async fn run(command: CronCommand, out: &mut impl Write) -> Result<(), Error
             let schedule = schedule_from_args(&args)?;
             let next = register(store.as_ref(), &schedule, config.cron.shards)
                 .await
-                .map_err(|e| Error::Usage(e.to_string()))?;
+                .map_err(register_error)?;
             let next = next.map(format_instant).unwrap_or_else(|| "-".into());
             writeln!(out, "{} next={next}", schedule.id)?;
         }
@@ -126,11 +126,18 @@ pub async fn run(command: CronCommand, out: &mut impl Write) -> Result<(), Error
     Ok(())
 }
 
+fn register_error(e: super::scheduler::RegisterError) -> Error {
+    match e {
+        super::scheduler::RegisterError::Invalid(e) => Error::Schedule(e),
+        super::scheduler::RegisterError::Store(e) => Error::Store(e),
+    }
+}
+
 async fn toggle(config: &Path, id: &str, enabled: bool, out: &mut impl Write) -> Result<(), Error> {
     let (config, store) = open(config).await?;
     let found = set_enabled(store.as_ref(), id, enabled, config.cron.shards)
         .await
-        .map_err(|e| Error::Usage(e.to_string()))?;
+        .map_err(register_error)?;
     if !found {
         return Err(Error::Usage(format!("no schedule {id:?}")));
     }
