@@ -482,12 +482,38 @@ impl Scheduler {
         }
         let executions: Vec<Execution> = planned.iter().map(|(_, e)| e.clone()).collect();
         let claims = self.store.claim_executions(&executions).await?;
-        let mut claimed: Vec<(String, Execution)> = planned
-            .into_iter()
-            .zip(claims)
-            .filter(|((_, e), claimed)| *claimed && e.status == ExecutionStatus::Scheduled)
-            .map(|(planned, _)| planned)
-            .collect();
+        let mut claimed = Vec::with_capacity(planned.len());
+        for ((id, execution), won) in planned.into_iter().zip(claims) {
+            if won {
+                if execution.status == ExecutionStatus::Scheduled {
+                    claimed.push((id, execution));
+                }
+                continue;
+            }
+            // Claimed already. If a deposed master claimed it and died before emitting,
+            // an at_least_once tick must not wait for orphan recovery: take it over now.
+            let at_least_once = self
+                .cache
+                .get(&id)
+                .is_some_and(|(c, _)| c.schedule.delivery == Delivery::AtLeastOnce);
+            if !at_least_once {
+                continue;
+            }
+            if let Some(mut existing) = self
+                .store
+                .get_execution(&id, execution.scheduled_ms)
+                .await?
+            {
+                if existing.status == ExecutionStatus::Scheduled
+                    && existing.fencing_token < lease.token
+                {
+                    existing.attempt += 1;
+                    existing.fencing_token = lease.token;
+                    existing.node_id = self.config.node_id.clone();
+                    claimed.push((id, existing));
+                }
+            }
+        }
         claimed.sort_by_key(|(_, e)| e.scheduled_ms);
         let mut fired = Vec::with_capacity(claimed.len());
         let mut batch = Vec::new();
