@@ -126,6 +126,15 @@ pub fn shard_of(id: &str, shards: u32) -> u32 {
     (hash % u64::from(shards.max(1))) as u32
 }
 
+/// An emitted tick's execution: a topic tick is done once published; a workflow's runs
+/// until its workflow ends.
+fn emitted_status(schedule: &Schedule) -> ExecutionStatus {
+    match schedule.target {
+        Target::Topic(_) => ExecutionStatus::Completed,
+        Target::Workflow(_) => ExecutionStatus::Running,
+    }
+}
+
 pub fn tick_id(schedule_id: &str, scheduled: DateTime<Utc>) -> String {
     format!("{schedule_id}@{}", scheduled.timestamp_millis())
 }
@@ -589,10 +598,7 @@ impl Scheduler {
                 }
                 match self.publish(&cached.schedule, &execution).await {
                     Ok(()) => {
-                        execution.status = match cached.schedule.target {
-                            Target::Topic(_) => ExecutionStatus::Completed,
-                            Target::Workflow(_) => ExecutionStatus::Running,
-                        };
+                        execution.status = emitted_status(&cached.schedule);
                     }
                     // Stays `scheduled`: orphan recovery emits it again.
                     Err(reason) => {
@@ -686,10 +692,7 @@ impl Scheduler {
                     info!(schedule = %schedule.id, tick = %execution.tick_id, attempt = execution.attempt, "re-emitting orphaned execution");
                     match self.publish(&schedule, &execution).await {
                         Ok(()) => {
-                            execution.status = match schedule.target {
-                                Target::Topic(_) => ExecutionStatus::Completed,
-                                Target::Workflow(_) => ExecutionStatus::Running,
-                            };
+                            execution.status = emitted_status(&schedule);
                             execution.error = None;
                         }
                         Err(reason) => execution.error = Some(reason),
