@@ -197,6 +197,31 @@ async fn store_conformance(store: Arc<dyn Store>, graph: &str) {
     assert!(!store.renew_lease(&second, ttl).await.unwrap());
     assert!(!store.release_lease(&second).await.unwrap());
 
+    // Published-task records, per workflow execution.
+    let execution = format!("{graph}-wf");
+    assert!(store.published_tasks(&execution).await.unwrap().is_empty());
+    store
+        .mark_tasks_published(&execution, &["a".to_string(), "b".to_string()])
+        .await
+        .unwrap();
+    store
+        .mark_tasks_published(&execution, &["b".to_string(), "c".to_string()])
+        .await
+        .unwrap();
+    store.mark_tasks_published(&execution, &[]).await.unwrap();
+    let published: Vec<String> = store
+        .published_tasks(&execution)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert_eq!(published, ["a", "b", "c"]);
+    assert!(store
+        .published_tasks(&format!("{execution}-other"))
+        .await
+        .unwrap()
+        .is_empty());
+
     store.ping().await.unwrap();
 }
 
@@ -305,6 +330,7 @@ mod services {
         let settings = weir::transport::nats::NatsSettings {
             url: "nats://127.0.0.1:1".into(),
             jetstream: true,
+            ..Default::default()
         };
         let err = weir::transport::nats::NatsBroker::connect(settings)
             .await

@@ -43,6 +43,11 @@ impl AvroCodec {
         })
     }
 
+    /// The record name, as in errors.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
     }

@@ -10,7 +10,7 @@ pub mod records;
 
 pub use avro::{AvroCodec, AvroRecord};
 pub use records::{
-    BoundaryRecord, CronTick, ExecutionResult, JobMessage, ReactorCommandRecord,
+    BoundaryRecord, CronTick, ExecutionResult, JobMessage, PreparedTick, ReactorCommandRecord,
     RecoveryEventRecord, TaskReadyEvent,
 };
 

@@ -31,6 +31,70 @@ pub struct CronTick {
 }
 avro_record!(CronTick, "CronTick", "cron_tick.avsc");
 
+/// A [`CronTick`] encoded ahead of its time with every field but the emission time, so
+/// that at the due instant only that one field is written: ticks go out at their
+/// instant without paying for Avro encoding there.
+#[derive(Debug, Clone)]
+pub struct PreparedTick {
+    /// Marker, fingerprint and the fields before `emitted_time_ms`.
+    head: Vec<u8>,
+    /// The fields after it.
+    tail: Vec<u8>,
+}
+
+/// Avro's zig-zag variable-length encoding of a long.
+fn write_long(out: &mut Vec<u8>, value: i64) {
+    let mut n = ((value << 1) ^ (value >> 63)) as u64;
+    while n >= 0x80 {
+        out.push((n as u8) | 0x80);
+        n >>= 7;
+    }
+    out.push(n as u8);
+}
+
+fn long_len(value: i64) -> usize {
+    let mut buf = Vec::with_capacity(10);
+    write_long(&mut buf, value);
+    buf.len()
+}
+
+impl PreparedTick {
+    pub fn new(tick: &CronTick) -> Result<Self, super::CodecError> {
+        let placeholder = CronTick {
+            emitted_time_ms: 0,
+            ..tick.clone()
+        };
+        let bytes = super::avro::encode(&placeholder)?;
+        // Single-object header (2 + 8 bytes), then the fields in schema order.
+        let split = 10
+            + long_len(tick.schedule_id.len() as i64)
+            + tick.schedule_id.len()
+            + long_len(tick.tick_id.len() as i64)
+            + tick.tick_id.len()
+            + long_len(tick.scheduled_time_ms);
+        // The placeholder 0 is the single byte 0x00.
+        if bytes.get(split) != Some(&0) {
+            return Err(super::CodecError::Avro {
+                record: "CronTick",
+                reason: "unexpected layout of the encoded tick".into(),
+            });
+        }
+        Ok(Self {
+            head: bytes[..split].to_vec(),
+            tail: bytes[split + 1..].to_vec(),
+        })
+    }
+
+    /// The complete record, emitted at `emitted_ms`.
+    pub fn finish(&self, emitted_ms: i64) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.head.len() + 10 + self.tail.len());
+        out.extend_from_slice(&self.head);
+        write_long(&mut out, emitted_ms);
+        out.extend_from_slice(&self.tail);
+        out
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TaskReadyEvent {
     pub execution_id: String,
@@ -53,6 +117,7 @@ pub struct ExecutionResult {
     pub duration_ms: i64,
     pub worker_id: String,
     pub finished_at_ms: i64,
+    pub output: Option<String>,
 }
 avro_record!(ExecutionResult, "ExecutionResult", "execution_result.avsc");
 
@@ -89,6 +154,33 @@ pub struct RecoveryEventRecord {
     pub node_id: String,
 }
 avro_record!(RecoveryEventRecord, "RecoveryEvent", "recovery_event.avsc");
+
+/// The codecs of every record above, for tools that meet them on a topic.
+pub fn codecs() -> [&'static super::AvroCodec; 7] {
+    use super::avro::AvroRecord;
+    [
+        BoundaryRecord::codec(),
+        CronTick::codec(),
+        TaskReadyEvent::codec(),
+        ExecutionResult::codec(),
+        ReactorCommandRecord::codec(),
+        JobMessage::codec(),
+        RecoveryEventRecord::codec(),
+    ]
+}
+
+/// Decodes a message holding one of weir's records, recognised by the schema fingerprint
+/// of its single-object encoding: the record's name and fields. `None` when the bytes
+/// carry no known fingerprint.
+pub fn decode_known(
+    bytes: &[u8],
+) -> Option<Result<(&'static str, serde_json::Value), super::CodecError>> {
+    let fingerprint = super::avro::fingerprint_of(bytes)?;
+    let codec = codecs()
+        .into_iter()
+        .find(|c| c.fingerprint() == fingerprint)?;
+    Some(codec.decode_json(bytes).map(|v| (codec.name(), v)))
+}
 
 #[cfg(test)]
 mod tests {
@@ -152,6 +244,7 @@ mod tests {
             duration_ms: 12,
             worker_id: "w1".into(),
             finished_at_ms: 9,
+            output: Some(r#"{"rows":3}"#.into()),
         });
         round_trip(ReactorCommandRecord {
             graph: "prices".into(),
@@ -174,6 +267,34 @@ mod tests {
             at_ms: 4,
             node_id: "n1".into(),
         });
+    }
+
+    #[test]
+    fn a_prepared_tick_encodes_like_the_codec() {
+        for (emitted, tenant) in [(1_700_000_000_003, None), (-5, Some("acme")), (0, None)] {
+            let t = CronTick {
+                emitted_time_ms: emitted,
+                tenant: tenant.map(String::from),
+                payload: r#"{"x":"é"}"#.into(),
+                ..tick()
+            };
+            let prepared = PreparedTick::new(&t).unwrap();
+            assert_eq!(prepared.finish(emitted), encode(&t).unwrap());
+            assert_eq!(decode::<CronTick>(&prepared.finish(emitted)).unwrap(), t);
+        }
+    }
+
+    #[test]
+    fn known_records_decode_to_json_by_fingerprint() {
+        let bytes = encode(&tick()).unwrap();
+        let (name, value) = decode_known(&bytes).unwrap().unwrap();
+        assert_eq!(name, "CronTick");
+        assert_eq!(value["schedule_id"], "nightly");
+        assert_eq!(value["fencing_token"], 7);
+        assert!(decode_known(br#"{"json": true}"#).is_none());
+        let mut unknown = bytes.clone();
+        unknown[2] ^= 0xff;
+        assert!(decode_known(&unknown).is_none());
     }
 
     #[test]

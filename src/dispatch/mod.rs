@@ -2,10 +2,17 @@
 //! (`tenant::package::workflow::task`).
 //!
 //! [`router`] matches namespaces against ordered glob rules; [`workflow`] declares and
-//! validates workflows (DAGs of tasks).
+//! validates workflows (DAGs of tasks); [`execution`] is one run's state and how a
+//! result advances it; [`manager`] is the state manager that stores executions and
+//! publishes TaskReadyEvents.
 
+pub mod cli;
+pub mod execution;
+pub mod manager;
 pub mod router;
 pub mod workflow;
 
-pub use router::{Route, RouteError, Router};
+pub use execution::{CronOrigin, Reported, RunStatus, TaskRecord, TaskStatus, WorkflowExecution};
+pub use manager::{DispatchError, DispatchSettings, Dispatcher};
+pub use router::{executor_topic, Route, RouteError, Router};
 pub use workflow::{TaskSpec, Workflow, WorkflowError};

@@ -9,6 +9,7 @@ use tokio::time::Instant;
 
 use super::{Checkpoint, Execution, Lease, RecoveryEvent, ScheduleChanges, Store, StoreError};
 use crate::cron::Schedule;
+use crate::dispatch::WorkflowExecution;
 use crate::reactor::CacheSnapshot;
 
 /// Execution records kept per schedule.
@@ -35,6 +36,8 @@ struct State {
     due: HashMap<u32, std::collections::BTreeSet<(i64, String)>>,
     executions: HashMap<String, VecDeque<Execution>>,
     nodes: HashMap<String, (i64, Instant)>,
+    workflows: HashMap<String, WorkflowExecution>,
+    published: HashMap<String, std::collections::BTreeSet<String>>,
 }
 
 struct HeldLease {
@@ -386,5 +389,65 @@ impl Store for MemoryStore {
             .unwrap_or_else(|p| p.into_inner())
             .push(tx);
         Ok(ScheduleChanges { receiver })
+    }
+
+    async fn create_workflow_execution(
+        &self,
+        execution: &WorkflowExecution,
+    ) -> Result<bool, StoreError> {
+        let mut state = self.state();
+        if state.workflows.contains_key(&execution.id) {
+            return Ok(false);
+        }
+        state
+            .workflows
+            .insert(execution.id.clone(), execution.clone());
+        Ok(true)
+    }
+
+    async fn get_workflow_execution(
+        &self,
+        id: &str,
+    ) -> Result<Option<WorkflowExecution>, StoreError> {
+        Ok(self.state().workflows.get(id).cloned())
+    }
+
+    async fn update_workflow_execution(
+        &self,
+        execution: &WorkflowExecution,
+    ) -> Result<bool, StoreError> {
+        let mut state = self.state();
+        match state.workflows.get_mut(&execution.id) {
+            Some(stored) if stored.version + 1 == execution.version => {
+                *stored = execution.clone();
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    async fn mark_tasks_published(
+        &self,
+        execution: &str,
+        tasks: &[String],
+    ) -> Result<(), StoreError> {
+        self.state()
+            .published
+            .entry(execution.to_string())
+            .or_default()
+            .extend(tasks.iter().cloned());
+        Ok(())
+    }
+
+    async fn published_tasks(
+        &self,
+        execution: &str,
+    ) -> Result<std::collections::BTreeSet<String>, StoreError> {
+        Ok(self
+            .state()
+            .published
+            .get(execution)
+            .cloned()
+            .unwrap_or_default())
     }
 }

@@ -4,12 +4,14 @@
 pub mod memory;
 pub mod redis;
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
 use crate::cron::Schedule;
+use crate::dispatch::WorkflowExecution;
 use crate::reactor::CacheSnapshot;
 use crate::transport::Position;
 
@@ -249,4 +251,33 @@ pub trait Store: Send + Sync {
 
     /// A feed of schedule changes, to wake sleeping schedulers.
     async fn watch_schedules(&self) -> Result<ScheduleChanges, StoreError>;
+
+    /// Stores a new workflow execution unless one with its id exists: true if created.
+    async fn create_workflow_execution(
+        &self,
+        execution: &WorkflowExecution,
+    ) -> Result<bool, StoreError>;
+
+    async fn get_workflow_execution(
+        &self,
+        id: &str,
+    ) -> Result<Option<WorkflowExecution>, StoreError>;
+
+    /// Replaces the stored execution if its version is still `execution.version - 1`
+    /// (compare and set); false if another writer changed it first.
+    async fn update_workflow_execution(
+        &self,
+        execution: &WorkflowExecution,
+    ) -> Result<bool, StoreError>;
+
+    /// Records that the TaskReadyEvents of `tasks` were published for `execution`, so a
+    /// repeated start or result does not dispatch them a second time while they run.
+    async fn mark_tasks_published(
+        &self,
+        execution: &str,
+        tasks: &[String],
+    ) -> Result<(), StoreError>;
+
+    /// The tasks of `execution` recorded by [`Store::mark_tasks_published`].
+    async fn published_tasks(&self, execution: &str) -> Result<BTreeSet<String>, StoreError>;
 }

@@ -2,6 +2,7 @@
 //! the token coming from a per-lease counter that only grows (the fencing token).
 //! Keys start with the configured prefix (`weir` by default).
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -12,6 +13,7 @@ use serde::Serialize;
 
 use super::{Checkpoint, Execution, Lease, RecoveryEvent, ScheduleChanges, Store, StoreError};
 use crate::cron::Schedule;
+use crate::dispatch::{RunStatus, WorkflowExecution};
 use crate::reactor::CacheSnapshot;
 
 /// Execution records kept per schedule.
@@ -57,6 +59,28 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
+"#;
+
+/// Finished workflow executions are kept this long, then expire.
+const FINISHED_WORKFLOW_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
+
+const CREATE_WORKFLOW: &str = r#"
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'v', ARGV[1], 'data', ARGV[2])
+return 1
+"#;
+
+const UPDATE_WORKFLOW: &str = r#"
+if redis.call('HGET', KEYS[1], 'v') ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'v', ARGV[2], 'data', ARGV[3])
+if tonumber(ARGV[4]) > 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+end
+return 1
 "#;
 
 fn store_error(operation: &'static str, e: redis::RedisError) -> StoreError {
@@ -599,5 +623,89 @@ impl Store for RedisStore {
             }
         });
         Ok(ScheduleChanges { receiver })
+    }
+
+    async fn create_workflow_execution(
+        &self,
+        execution: &WorkflowExecution,
+    ) -> Result<bool, StoreError> {
+        let mut c = self.connection.clone();
+        let created: i64 = Script::new(CREATE_WORKFLOW)
+            .key(self.key(&["wf", &execution.id]))
+            .arg(execution.version)
+            .arg(Self::encode(execution)?)
+            .invoke_async(&mut c)
+            .await
+            .map_err(|e| store_error("create workflow execution", e))?;
+        Ok(created == 1)
+    }
+
+    async fn get_workflow_execution(
+        &self,
+        id: &str,
+    ) -> Result<Option<WorkflowExecution>, StoreError> {
+        let key = self.key(&["wf", id]);
+        let mut c = self.connection.clone();
+        let raw: Option<String> = c
+            .hget(&key, "data")
+            .await
+            .map_err(|e| store_error("HGET", e))?;
+        raw.map(|text| {
+            serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
+                key,
+                reason: e.to_string(),
+            })
+        })
+        .transpose()
+    }
+
+    async fn update_workflow_execution(
+        &self,
+        execution: &WorkflowExecution,
+    ) -> Result<bool, StoreError> {
+        let expire = if execution.status == RunStatus::Running {
+            0
+        } else {
+            FINISHED_WORKFLOW_TTL_MS
+        };
+        let mut c = self.connection.clone();
+        let updated: i64 = Script::new(UPDATE_WORKFLOW)
+            .key(self.key(&["wf", &execution.id]))
+            .arg(execution.version.saturating_sub(1))
+            .arg(execution.version)
+            .arg(Self::encode(execution)?)
+            .arg(expire)
+            .invoke_async(&mut c)
+            .await
+            .map_err(|e| store_error("update workflow execution", e))?;
+        Ok(updated == 1)
+    }
+
+    async fn mark_tasks_published(
+        &self,
+        execution: &str,
+        tasks: &[String],
+    ) -> Result<(), StoreError> {
+        if tasks.is_empty() {
+            return Ok(());
+        }
+        let key = self.key(&["wf", execution, "published"]);
+        let mut c = self.connection.clone();
+        // Outlives any running execution's interest in it; renewed with every publish.
+        redis::pipe()
+            .sadd(&key, tasks)
+            .ignore()
+            .pexpire(&key, FINISHED_WORKFLOW_TTL_MS)
+            .ignore()
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(|e| store_error("SADD", e))
+    }
+
+    async fn published_tasks(&self, execution: &str) -> Result<BTreeSet<String>, StoreError> {
+        let mut c = self.connection.clone();
+        c.smembers(self.key(&["wf", execution, "published"]))
+            .await
+            .map_err(|e| store_error("SMEMBERS", e))
     }
 }

@@ -19,8 +19,8 @@ use rdkafka::util::Timeout;
 use rdkafka::{Offset, TopicPartitionList};
 
 use super::{
-    Assignment, Broker, Message, Outbound, Position, Sink, Source, StartFrom, Subscription,
-    TransportError,
+    Acks, Assignment, Broker, FinishedPrefix, Message, Outbound, Position, Sink, Source, StartFrom,
+    Subscription, TransportError,
 };
 
 /// Connection settings. `options` pass through to librdkafka (e.g.
@@ -273,6 +273,7 @@ impl Broker for KafkaBroker {
         Ok(Box::new(KafkaSource {
             topic: Arc::from(subscription.topic.as_str()),
             consumer: Some(consumer),
+            prefix: matches!(subscription.acks, Acks::Each { .. }).then(FinishedPrefix::default),
         }))
     }
 
@@ -344,6 +345,9 @@ struct KafkaSource {
     topic: Arc<str>,
     /// Always `Some` until dropped.
     consumer: Option<StreamConsumer>,
+    /// With [`Acks::Each`]: what is delivered and not finished, so commits stop short
+    /// of it.
+    prefix: Option<FinishedPrefix>,
 }
 
 impl Drop for KafkaSource {
@@ -394,20 +398,36 @@ impl Source for KafkaSource {
                     .collect()
             })
             .unwrap_or_default();
-        Ok(Message {
+        let position = Position {
+            partition: message.partition(),
+            offset: message.offset(),
+        };
+        let message = Message {
             topic: self.topic.clone(),
-            position: Position {
-                partition: message.partition(),
-                offset: message.offset(),
-            },
+            position,
             key: message.key().map(Bytes::copy_from_slice),
             payload: Bytes::copy_from_slice(message.payload().unwrap_or_default()),
             headers,
             timestamp_ms: message.timestamp().to_millis().unwrap_or_default(),
-        })
+        };
+        if let Some(prefix) = &mut self.prefix {
+            prefix.delivered(position);
+        }
+        Ok(message)
     }
 
     async fn commit(&mut self, through: &[Position]) -> Result<(), TransportError> {
+        let prefix;
+        let through = match &mut self.prefix {
+            Some(open) => {
+                prefix = open.finished(through);
+                if prefix.is_empty() {
+                    return Ok(());
+                }
+                &prefix[..]
+            }
+            None => through,
+        };
         let mut list = TopicPartitionList::new();
         for p in through {
             list.add_partition_offset(&self.topic, p.partition, Offset::Offset(p.offset + 1))

@@ -9,8 +9,8 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 
 use super::{
-    now_ms, Assignment, Broker, Message, Outbound, Position, Sink, Source, StartFrom, Subscription,
-    TransportError,
+    now_ms, Acks, Assignment, Broker, FinishedPrefix, Message, Outbound, Position, Sink, Source,
+    StartFrom, Subscription, TransportError,
 };
 
 /// How many messages a source takes from the broker per lock.
@@ -200,6 +200,7 @@ impl Broker for MemoryBroker {
             next,
             buffer: VecDeque::new(),
             turn: 0,
+            prefix: matches!(subscription.acks, Acks::Each { .. }).then(FinishedPrefix::default),
         }))
     }
 
@@ -227,6 +228,8 @@ struct MemorySource {
     next: Vec<i64>,
     buffer: VecDeque<Message>,
     turn: usize,
+    /// With [`Acks::Each`]: delivered, unfinished messages hold commits back.
+    prefix: Option<FinishedPrefix>,
 }
 
 impl MemorySource {
@@ -255,6 +258,9 @@ impl Source for MemorySource {
     async fn next(&mut self) -> Result<Message, TransportError> {
         loop {
             if let Some(message) = self.buffer.pop_front() {
+                if let Some(prefix) = &mut self.prefix {
+                    prefix.delivered(message.position);
+                }
                 return Ok(message);
             }
             let topic = self.topic.clone();
@@ -269,6 +275,14 @@ impl Source for MemorySource {
     }
 
     async fn commit(&mut self, through: &[Position]) -> Result<(), TransportError> {
+        let prefix;
+        let through = match &mut self.prefix {
+            Some(open) => {
+                prefix = open.finished(through);
+                &prefix[..]
+            }
+            None => through,
+        };
         let mut log = lock(&self.topic.log);
         let partitions = log.partitions.len();
         let committed = log

@@ -5,6 +5,7 @@
 //! and commits only what the caller says is durable, so at-least-once behaves the same
 //! everywhere.
 
+pub mod concurrent;
 pub mod kafka;
 pub mod memory;
 pub mod nats;
@@ -114,6 +115,21 @@ pub struct Subscription {
     /// [`Assignment::All`] starts right after them, whatever the broker last recorded:
     /// the checkpoint is written before the broker commit, so it is never behind.
     pub resume_after: Vec<Position>,
+    pub acks: Acks,
+}
+
+/// What a commit acknowledges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Acks {
+    /// Everything up to and including the given positions (a consumer that finishes
+    /// messages in order, or commits only a finished prefix).
+    #[default]
+    Cumulative,
+    /// Exactly the given positions, where the broker can acknowledge single messages
+    /// (JetStream); elsewhere the same as `Cumulative`, so callers commit only finished
+    /// prefixes. For members of a shared work queue that finish out of order, and read
+    /// at most `prefetch` messages ahead.
+    Each { prefetch: usize },
 }
 
 impl Subscription {
@@ -124,6 +140,18 @@ impl Subscription {
             start: StartFrom::Earliest,
             assignment: Assignment::Group,
             resume_after: Vec::new(),
+            acks: Acks::Cumulative,
+        }
+    }
+
+    /// A member of a shared work queue: acknowledges single messages and prefetches at
+    /// most `prefetch` of them.
+    pub fn work_queue(topic: impl Into<String>, group: impl Into<String>, prefetch: usize) -> Self {
+        Self {
+            acks: Acks::Each {
+                prefetch: prefetch.max(1),
+            },
+            ..Self::new(topic, group)
         }
     }
 }
@@ -172,6 +200,13 @@ pub trait Source: Send {
     /// Marks everything up to and including each position as processed, so a restarted
     /// consumer of the same group resumes right after it.
     async fn commit(&mut self, through: &[Position]) -> Result<(), TransportError>;
+
+    /// Tells the broker that these delivered messages are still being worked on, so it
+    /// does not redeliver them yet. Brokers that never redeliver to a live consumer
+    /// need nothing.
+    async fn keep_alive(&mut self, _positions: &[Position]) -> Result<(), TransportError> {
+        Ok(())
+    }
 }
 
 /// A producer. `publish` returns once the broker has acknowledged the message.
@@ -226,10 +261,85 @@ impl SourceFactory for BrokerSource {
     }
 }
 
+/// For brokers that only commit "through an offset": turns messages finished out of
+/// order into the finished prefix of each partition, so [`Acks::Each`] never commits
+/// past a message still being worked on.
+#[derive(Debug, Default)]
+pub(crate) struct FinishedPrefix {
+    /// Delivered and not yet finished, per partition.
+    open: std::collections::BTreeMap<i32, std::collections::BTreeSet<i64>>,
+    /// Highest finished offset per partition.
+    finished: std::collections::BTreeMap<i32, i64>,
+    /// Highest offset already handed out for commit, per partition.
+    committed: std::collections::BTreeMap<i32, i64>,
+}
+
+impl FinishedPrefix {
+    pub(crate) fn delivered(&mut self, position: Position) {
+        self.open
+            .entry(position.partition)
+            .or_default()
+            .insert(position.offset);
+    }
+
+    /// Marks messages finished; returns the positions that may now be committed.
+    pub(crate) fn finished(&mut self, positions: &[Position]) -> Vec<Position> {
+        let mut touched = std::collections::BTreeSet::new();
+        for p in positions {
+            if let Some(open) = self.open.get_mut(&p.partition) {
+                open.remove(&p.offset);
+            }
+            let highest = self.finished.entry(p.partition).or_insert(i64::MIN);
+            *highest = (*highest).max(p.offset);
+            touched.insert(p.partition);
+        }
+        let mut commit = Vec::new();
+        for partition in touched {
+            let finished = self.finished[&partition];
+            let through = match self.open.get(&partition).and_then(|o| o.first()) {
+                Some(&oldest_open) => finished.min(oldest_open - 1),
+                None => finished,
+            };
+            let committed = self.committed.entry(partition).or_insert(i64::MIN);
+            if through > *committed && through >= 0 {
+                *committed = through;
+                commit.push(Position {
+                    partition,
+                    offset: through,
+                });
+            }
+        }
+        commit
+    }
+}
+
 /// Milliseconds since the Unix epoch, for message and boundary timestamps.
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(partition: i32, offset: i64) -> Position {
+        Position { partition, offset }
+    }
+
+    #[test]
+    fn only_the_finished_prefix_is_committed() {
+        let mut prefix = FinishedPrefix::default();
+        for o in 0..4 {
+            prefix.delivered(at(0, o));
+        }
+        prefix.delivered(at(1, 7));
+        assert_eq!(prefix.finished(&[at(0, 1)]), vec![], "offset 0 still open");
+        assert_eq!(prefix.finished(&[at(0, 0)]), vec![at(0, 1)]);
+        assert_eq!(prefix.finished(&[at(0, 3)]), vec![], "offset 2 still open");
+        assert_eq!(prefix.finished(&[at(1, 7)]), vec![at(1, 7)]);
+        assert_eq!(prefix.finished(&[at(0, 2)]), vec![at(0, 3)]);
+    }
 }

@@ -1,7 +1,8 @@
 //! NATS (async-nats). Two modes:
 //! - JetStream (the default): durable, at-least-once. Each subject is captured by a
 //!   stream named from it (created when missing, one subject per stream); consumers are
-//!   durable pull consumers with ack-all, acknowledged only through [`Source::commit`].
+//!   durable pull consumers with ack-all (or explicit acks for work queues),
+//!   acknowledged only through [`Source::commit`].
 //! - Core NATS: at-most-once. A message is gone once delivered; commits do nothing, and
 //!   a crash loses what was in flight. Use it only where that is acceptable.
 
@@ -14,7 +15,7 @@ use async_trait::async_trait;
 use futures::StreamExt;
 
 use super::{
-    Assignment, Broker, Message, Outbound, Position, Sink, Source, StartFrom, Subscription,
+    Acks, Assignment, Broker, Message, Outbound, Position, Sink, Source, StartFrom, Subscription,
     TransportError,
 };
 
@@ -22,6 +23,9 @@ use super::{
 pub struct NatsSettings {
     pub url: String,
     pub jetstream: bool,
+    /// JetStream: how long a delivered message may stay unacknowledged (without a
+    /// keep-alive) before it is delivered again.
+    pub ack_wait: Duration,
 }
 
 impl Default for NatsSettings {
@@ -29,6 +33,7 @@ impl Default for NatsSettings {
         Self {
             url: "nats://127.0.0.1:4222".into(),
             jetstream: true,
+            ack_wait: Duration::from_secs(30),
         }
     }
 }
@@ -42,6 +47,7 @@ struct Inner {
     url: String,
     client: async_nats::Client,
     jetstream: Option<jetstream::Context>,
+    ack_wait: Duration,
     /// Subjects whose stream is known to exist.
     ensured: Mutex<HashSet<String>>,
 }
@@ -74,6 +80,7 @@ impl NatsBroker {
                 url: settings.url,
                 client,
                 jetstream,
+                ack_wait: settings.ack_wait,
                 ensured: Mutex::new(HashSet::new()),
             }),
         })
@@ -184,11 +191,15 @@ impl Broker for NatsBroker {
                 Err(e) => return Err(self.unreachable(format!("consumer {durable}: {e}"))),
             }
         }
+        let (ack_policy, prefetch) = match subscription.acks {
+            Acks::Cumulative => (consumer::AckPolicy::All, None),
+            Acks::Each { prefetch } => (consumer::AckPolicy::Explicit, Some(prefetch)),
+        };
         let config = consumer::pull::Config {
             durable_name: Some(durable.clone()),
-            ack_policy: consumer::AckPolicy::All,
+            ack_policy,
             deliver_policy,
-            ack_wait: Duration::from_secs(30),
+            ack_wait: self.inner.ack_wait,
             max_ack_pending: 100_000,
             ..Default::default()
         };
@@ -196,14 +207,22 @@ impl Broker for NatsBroker {
             .get_or_create_consumer(&durable, config)
             .await
             .map_err(|e| self.unreachable(format!("consumer {durable}: {e}")))?;
-        let messages = consumer
-            .messages()
-            .await
-            .map_err(|e| self.unreachable(format!("consumer {durable}: {e}")))?;
+        let messages = match prefetch {
+            None => consumer.messages().await,
+            Some(batch) => {
+                consumer
+                    .stream()
+                    .max_messages_per_batch(batch)
+                    .messages()
+                    .await
+            }
+        }
+        .map_err(|e| self.unreachable(format!("consumer {durable}: {e}")))?;
         Ok(Box::new(JetStreamSource {
             topic,
             messages,
             unacked: BTreeMap::new(),
+            each: prefetch.is_some(),
         }))
     }
 
@@ -275,6 +294,8 @@ struct JetStreamSource {
     messages: consumer::pull::Stream,
     /// Delivered, not yet acknowledged: stream sequence → acker.
     unacked: BTreeMap<u64, jetstream::message::Acker>,
+    /// Explicit acks: a commit acknowledges exactly the positions it names.
+    each: bool,
 }
 
 #[async_trait]
@@ -316,6 +337,17 @@ impl Source for JetStreamSource {
     }
 
     async fn commit(&mut self, through: &[Position]) -> Result<(), TransportError> {
+        if self.each {
+            for position in through {
+                if let Some(acker) = self.unacked.remove(&(position.offset.max(0) as u64)) {
+                    acker.ack().await.map_err(|e| TransportError::Commit {
+                        topic: self.topic.to_string(),
+                        reason: e.to_string(),
+                    })?;
+                }
+            }
+            return Ok(());
+        }
         let Some(through) = through.iter().map(|p| p.offset).max() else {
             return Ok(());
         };
@@ -332,6 +364,21 @@ impl Source for JetStreamSource {
                 topic: self.topic.to_string(),
                 reason: e.to_string(),
             })?;
+        }
+        Ok(())
+    }
+
+    async fn keep_alive(&mut self, positions: &[Position]) -> Result<(), TransportError> {
+        for position in positions {
+            if let Some(acker) = self.unacked.get(&(position.offset.max(0) as u64)) {
+                acker
+                    .ack_with(jetstream::AckKind::Progress)
+                    .await
+                    .map_err(|e| TransportError::Commit {
+                        topic: self.topic.to_string(),
+                        reason: e.to_string(),
+                    })?;
+            }
         }
         Ok(())
     }

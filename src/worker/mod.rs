@@ -1,7 +1,11 @@
-//! Task handlers: what a worker runs for a task, registered by name.
+//! Workers: what runs tasks.
 //!
-//! [`handlers`] holds the registry and the built-ins used for tests and demos.
+//! [`handlers`] holds the registry of task handlers by name and the built-ins used for
+//! tests and demos; [`runtime`] is the worker process itself (consume the executor's
+//! topic, bounded concurrency, timeouts, retries, results, dead letters).
 
 pub mod handlers;
+pub mod runtime;
 
 pub use handlers::{HandlerRegistry, TaskContext, TaskHandler, TaskOutcome};
+pub use runtime::{Worker, WorkerError, WorkerSettings};

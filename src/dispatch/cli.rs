@@ -1,0 +1,109 @@
+//! `weir workflow …` and `weir worker`.
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use super::execution::RunStatus;
+use crate::cli::WorkflowCommand;
+use crate::config::Config;
+use crate::error::Error;
+use crate::worker::{HandlerRegistry, Worker, WorkerSettings};
+
+/// How often `weir workflow run --wait` looks at the execution.
+const WAIT_POLL: Duration = Duration::from_millis(100);
+
+pub async fn run(
+    command: WorkflowCommand,
+    cancel: CancellationToken,
+    out: &mut impl Write,
+) -> Result<(), Error> {
+    match command {
+        WorkflowCommand::Run {
+            config,
+            name,
+            context,
+            wait,
+        } => {
+            let context = match context {
+                None => serde_json::json!({}),
+                Some(text) => serde_json::from_str(&text)
+                    .map_err(|e| Error::Usage(format!("--context is not JSON: {e}")))?,
+            };
+            let config = Config::load(&config)?;
+            let runtime = config.runtime().await?;
+            let dispatcher = config.dispatcher(&runtime)?;
+            let id = dispatcher.start(&name, context).await?;
+            if !wait {
+                writeln!(out, "{id}")?;
+                return Ok(());
+            }
+            eprintln!("execution {id} started");
+            loop {
+                if let Some(execution) = dispatcher.execution(&id).await? {
+                    if execution.status != RunStatus::Running {
+                        writeln!(out, "{}", execution.summary())?;
+                        return Ok(());
+                    }
+                }
+                tokio::select! {
+                    _ = cancel.cancelled() => return Err(Error::Usage(format!("stopped waiting for execution {id}"))),
+                    _ = tokio::time::sleep(WAIT_POLL) => {}
+                }
+            }
+        }
+        WorkflowCommand::Status { config, id } => {
+            let config = Config::load(&config)?;
+            let store = config.store().await?;
+            match store.get_workflow_execution(&id).await? {
+                Some(execution) => {
+                    writeln!(out, "{}", execution.summary())?;
+                    Ok(())
+                }
+                None => Err(Error::Usage(format!("no workflow execution {id:?}"))),
+            }
+        }
+    }
+}
+
+/// `weir worker`: runs tasks of one executor until Ctrl-C or SIGTERM.
+pub async fn worker(
+    config: &Path,
+    executor: String,
+    concurrency: usize,
+    handlers: impl FnOnce(&crate::supervisor::Runtime) -> HandlerRegistry,
+    cancel: CancellationToken,
+) -> Result<(), Error> {
+    // The executor key names a topic: reject a bad one before connecting anywhere.
+    crate::dispatch::Router::new(Vec::new(), &executor)
+        .map_err(|e| Error::Usage(format!("--executor: {e}")))?;
+    let config = Config::load(config)?;
+    let runtime = config.runtime().await?;
+    let registry = handlers(&runtime);
+    let settings = WorkerSettings {
+        executor: executor.clone(),
+        concurrency,
+        worker_id: runtime.node_id.clone(),
+        results_topic: config.dispatch.results_topic.clone(),
+    };
+    // Health, readiness and metrics, before any metric handle exists.
+    let admin = crate::admin::AdminState::new()
+        .with_runtime(&runtime)
+        .with_token(config.admin.token.clone());
+    let servers = crate::admin::serve(admin, &config.listen(), cancel.clone()).await?;
+    info!(%executor, concurrency, broker = runtime.broker.kind(), "worker running");
+    let worker = Worker::new(
+        runtime.broker.clone(),
+        runtime.store.clone(),
+        registry,
+        config.workflows()?,
+        settings,
+    );
+    let outcome = worker.run(cancel.clone()).await;
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), servers.stopped()).await;
+    outcome.map_err(Error::from)
+}

@@ -1,0 +1,505 @@
+//! The workflow state manager: starts executions, publishes a TaskReadyEvent for each
+//! task whose dependencies completed, and advances executions from the workers'
+//! results. Execution state lives in the store and every change is a compare-and-set
+//! on its version, so any number of state managers (one per `weir run` node) can share
+//! the results topic.
+//!
+//! Ready events are published after the state that made them ready is stored, and a
+//! result is committed on the broker only after both, and then the published tasks are
+//! recorded. A crash in between leaves ready tasks no attempt has reported on; the
+//! redelivered result (or start) publishes those not recorded as published, so a
+//! repeated start does not dispatch a running task again, and workers drop what is
+//! already done.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::execution::{CronOrigin, Reported, RunStatus, WorkflowExecution};
+use super::router::{executor_topic, Router};
+use super::workflow::Workflow;
+use crate::codec::avro::{decode, encode};
+use crate::codec::{CodecError, CronTick, ExecutionResult, TaskReadyEvent};
+use crate::store::{ExecutionStatus, Store, StoreError};
+use crate::transport::concurrent::consume_concurrently;
+use crate::transport::{now_ms, Broker, Message, Outbound, Sink, Subscription, TransportError};
+
+/// Compare-and-set attempts before an update gives up (and the result is redelivered).
+const MAX_CAS_ATTEMPTS: u32 = 64;
+/// Results applied at once by one state manager.
+const RESULTS_IN_FLIGHT: usize = 512;
+/// Consumer group (durable) of the state managers on one topic: a group per topic, so
+/// joining one never rebalances another.
+fn state_manager_group(topic: &str) -> String {
+    format!("weir-state-manager.{topic}")
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DispatchError {
+    #[error("unknown workflow {0:?}")]
+    UnknownWorkflow(String),
+    #[error("no workflow execution {0:?}")]
+    UnknownExecution(String),
+    #[error("workflow execution {0} changed under too many concurrent updates")]
+    Contended(String),
+    #[error("workflow store: {0}")]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    #[error(transparent)]
+    Codec(#[from] CodecError),
+}
+
+impl DispatchError {
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::UnknownWorkflow(_) | Self::UnknownExecution(_) | Self::Codec(_) => false,
+            Self::Contended(_) => true,
+            Self::Store(e) => e.is_retryable(),
+            Self::Transport(e) => e.is_retryable(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct DispatchSettings {
+    /// Where workers report results (`weir.results`).
+    pub results_topic: String,
+}
+
+impl Default for DispatchSettings {
+    fn default() -> Self {
+        Self {
+            results_topic: crate::config::defaults::RESULTS_TOPIC.into(),
+        }
+    }
+}
+
+/// Topic a schedule's ticks go to when its target is a workflow.
+pub fn workflow_start_topic(workflow: &str) -> String {
+    format!("weir.workflows.{workflow}.start")
+}
+
+/// Task execution id: the execution and the task.
+pub fn task_execution_id(execution: &str, task: &str) -> String {
+    format!("{execution}/{task}")
+}
+
+#[derive(Clone)]
+pub struct Dispatcher {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    store: Arc<dyn Store>,
+    sink: Arc<dyn Sink>,
+    workflows: BTreeMap<String, Workflow>,
+    router: Router,
+    settings: DispatchSettings,
+}
+
+impl Dispatcher {
+    pub fn new(
+        store: Arc<dyn Store>,
+        sink: Arc<dyn Sink>,
+        workflows: Vec<Workflow>,
+        router: Router,
+        settings: DispatchSettings,
+    ) -> Self {
+        let workflows = workflows.into_iter().map(|w| (w.name.clone(), w)).collect();
+        Self {
+            inner: Arc::new(Inner {
+                store,
+                sink,
+                workflows,
+                router,
+                settings,
+            }),
+        }
+    }
+
+    pub fn workflow(&self, name: &str) -> Option<&Workflow> {
+        self.inner.workflows.get(name)
+    }
+
+    pub fn workflows(&self) -> impl Iterator<Item = &Workflow> {
+        self.inner.workflows.values()
+    }
+
+    /// Starts an execution with a fresh id, returned.
+    pub async fn start(&self, workflow: &str, context: Value) -> Result<String, DispatchError> {
+        let id = format!("{:016x}", rand::random::<u64>());
+        self.start_with_id(workflow, &id, context, None).await?;
+        Ok(id)
+    }
+
+    /// Starts an execution under `id` unless one exists (then re-publishes its ready
+    /// tasks that no attempt reported on). Returns whether it was created.
+    pub async fn start_with_id(
+        &self,
+        workflow: &str,
+        id: &str,
+        context: Value,
+        origin: Option<CronOrigin>,
+    ) -> Result<bool, DispatchError> {
+        let spec = self
+            .workflow(workflow)
+            .ok_or_else(|| DispatchError::UnknownWorkflow(workflow.to_string()))?;
+        let (execution, ready) =
+            WorkflowExecution::start(id, spec, context, origin, &self.inner.router, now_ms());
+        if self
+            .inner
+            .store
+            .create_workflow_execution(&execution)
+            .await?
+        {
+            metrics::counter!(crate::metrics::WORKFLOWS_STARTED_TOTAL, "workflow" => spec.name.clone())
+                .increment(1);
+            debug!(execution = %id, workflow, "workflow execution started");
+            self.publish_ready(&execution, spec, &ready).await?;
+            return Ok(true);
+        }
+        let existing = self
+            .inner
+            .store
+            .get_workflow_execution(id)
+            .await?
+            .ok_or_else(|| DispatchError::UnknownExecution(id.to_string()))?;
+        let unreported = existing.unreported_ready(spec, None);
+        self.publish_unpublished(&existing, spec, unreported)
+            .await?;
+        Ok(false)
+    }
+
+    pub async fn execution(&self, id: &str) -> Result<Option<WorkflowExecution>, DispatchError> {
+        Ok(self.inner.store.get_workflow_execution(id).await?)
+    }
+
+    /// Applies a worker's result and publishes what became ready.
+    pub async fn apply_result(&self, result: &ExecutionResult) -> Result<(), DispatchError> {
+        let task = result
+            .namespace
+            .rsplit("::")
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let reported = match result.status.as_str() {
+            "completed" => Reported::Completed(
+                result
+                    .output
+                    .as_deref()
+                    .map(serde_json::from_str)
+                    .transpose()
+                    .map_err(CodecError::Json)?,
+            ),
+            "skipped" => Reported::Skipped,
+            "retry" => Reported::Retry(result.error.clone().unwrap_or_default()),
+            _ => Reported::Failed(result.error.clone().unwrap_or_else(|| "failed".into())),
+        };
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let Some(mut execution) = self
+                .inner
+                .store
+                .get_workflow_execution(&result.execution_id)
+                .await?
+            else {
+                warn!(execution = %result.execution_id, "result for an unknown workflow execution; dropped");
+                return Ok(());
+            };
+            let Some(spec) = self.workflow(&execution.workflow) else {
+                return Err(DispatchError::UnknownWorkflow(execution.workflow));
+            };
+            let applied = execution.apply(
+                spec,
+                &task,
+                result.attempt.max(1) as u32,
+                reported.clone(),
+                result.duration_ms,
+                now_ms(),
+            );
+            if !applied.changed {
+                // Already applied: publish what it made ready in case a crash came
+                // between storing and publishing.
+                let again = execution.unreported_ready(spec, Some(&task));
+                return self.publish_unpublished(&execution, spec, again).await;
+            }
+            if !self
+                .inner
+                .store
+                .update_workflow_execution(&execution)
+                .await?
+            {
+                continue;
+            }
+            self.publish_ready(&execution, spec, &applied.ready).await?;
+            if applied.finished {
+                self.finished(&execution).await?;
+            }
+            return Ok(());
+        }
+        Err(DispatchError::Contended(result.execution_id.clone()))
+    }
+
+    async fn publish_ready(
+        &self,
+        execution: &WorkflowExecution,
+        workflow: &Workflow,
+        tasks: &[String],
+    ) -> Result<(), DispatchError> {
+        let publishes = tasks.iter().filter_map(|task| {
+            let spec = workflow.task(task)?;
+            let executor = execution.tasks.get(task)?.executor.clone();
+            let event = TaskReadyEvent {
+                execution_id: execution.id.clone(),
+                task_execution_id: task_execution_id(&execution.id, task),
+                namespace: workflow.namespace(task),
+                attempt: 1,
+                max_attempts: spec.max_attempts as i32,
+                ready_at_ms: now_ms(),
+            };
+            Some(async move {
+                let bytes = encode(&event)?;
+                // Keyed by task, so one execution's parallel tasks spread over partitions.
+                let key = event.task_execution_id.clone().into_bytes();
+                self.inner
+                    .sink
+                    .publish(Outbound::new(executor_topic(&executor), bytes).key(key))
+                    .await?;
+                metrics::counter!(crate::metrics::TASKS_DISPATCHED_TOTAL, "executor" => executor)
+                    .increment(1);
+                Ok::<(), DispatchError>(())
+            })
+        });
+        futures::future::try_join_all(publishes).await?;
+        if let Err(e) = self
+            .inner
+            .store
+            .mark_tasks_published(&execution.id, tasks)
+            .await
+        {
+            // The events are out; without the mark a repeated start may dispatch them
+            // again, which workers tolerate.
+            warn!(execution = %execution.id, error = %e, "could not record published tasks");
+        }
+        Ok(())
+    }
+
+    /// Publishes those of `tasks` whose events no earlier publish recorded: what a
+    /// crash between storing and publishing left behind, and nothing that is running.
+    async fn publish_unpublished(
+        &self,
+        execution: &WorkflowExecution,
+        workflow: &Workflow,
+        mut tasks: Vec<String>,
+    ) -> Result<(), DispatchError> {
+        if tasks.is_empty() {
+            return Ok(());
+        }
+        let published = self.inner.store.published_tasks(&execution.id).await?;
+        tasks.retain(|task| !published.contains(task));
+        self.publish_ready(execution, workflow, &tasks).await
+    }
+
+    /// An execution ended: count it, and settle the cron execution that started it.
+    async fn finished(&self, execution: &WorkflowExecution) -> Result<(), DispatchError> {
+        info!(execution = %execution.id, workflow = %execution.workflow, status = execution.status.as_str(), "workflow execution finished");
+        metrics::counter!(
+            crate::metrics::WORKFLOWS_FINISHED_TOTAL,
+            "workflow" => execution.workflow.clone(),
+            "status" => execution.status.as_str()
+        )
+        .increment(1);
+        let Some(origin) = &execution.origin else {
+            return Ok(());
+        };
+        let store = &self.inner.store;
+        if let Some(mut cron) = store
+            .get_execution(&origin.schedule_id, origin.scheduled_ms)
+            .await?
+        {
+            cron.status = match execution.status {
+                RunStatus::Completed => ExecutionStatus::Completed,
+                _ => ExecutionStatus::Failed,
+            };
+            if execution.status == RunStatus::Failed {
+                cron.error = Some(format!("workflow execution {} failed", execution.id));
+            }
+            cron.updated_ms = now_ms();
+            store.put_execution(&cron).await?;
+        }
+        Ok(())
+    }
+
+    /// The state manager: consumes results, and the start topics of every declared
+    /// workflow (cron ticks), until cancelled.
+    pub async fn run(
+        self,
+        broker: Arc<dyn Broker>,
+        cancel: CancellationToken,
+    ) -> Result<(), DispatchError> {
+        let mut loops = tokio::task::JoinSet::new();
+        let results_topic = &self.inner.settings.results_topic;
+        let results = broker
+            .subscribe(&Subscription::work_queue(
+                results_topic,
+                state_manager_group(results_topic),
+                RESULTS_IN_FLIGHT,
+            ))
+            .await?;
+        let me = self.clone();
+        let sink = broker.sink();
+        let stop = cancel.clone();
+        loops.spawn(consume_concurrently(
+            results,
+            RESULTS_IN_FLIGHT,
+            cancel.clone(),
+            move |message| {
+                let (me, sink, stop) = (me.clone(), sink.clone(), stop.clone());
+                async move {
+                    let applied = match decode::<ExecutionResult>(&message.payload) {
+                        Ok(result) => {
+                            retrying(&stop, "apply result", || me.apply_result(&result)).await
+                        }
+                        Err(e) => Err(DispatchError::from(e)),
+                    };
+                    settle(applied, &message, sink.as_ref(), &stop).await
+                }
+            },
+        ));
+        for workflow in self.workflows() {
+            let topic = workflow_start_topic(&workflow.name);
+            let starts = broker
+                .subscribe(&Subscription::work_queue(
+                    &topic,
+                    state_manager_group(&topic),
+                    RESULTS_IN_FLIGHT,
+                ))
+                .await?;
+            let me = self.clone();
+            let sink = broker.sink();
+            let stop = cancel.clone();
+            let name = workflow.name.clone();
+            loops.spawn(consume_concurrently(
+                starts,
+                RESULTS_IN_FLIGHT,
+                cancel.clone(),
+                move |message| {
+                    let (me, sink, stop, name) =
+                        (me.clone(), sink.clone(), stop.clone(), name.clone());
+                    async move {
+                        let started = match decode::<CronTick>(&message.payload) {
+                            Ok(tick) => {
+                                retrying(&stop, "start workflow", || {
+                                    me.start_from_tick(&name, &tick)
+                                })
+                                .await
+                            }
+                            Err(e) => Err(DispatchError::from(e)),
+                        };
+                        settle(started, &message, sink.as_ref(), &stop).await
+                    }
+                },
+            ));
+        }
+        let mut outcome = Ok(());
+        while let Some(joined) = loops.join_next().await {
+            if let Ok(Err(e)) = joined {
+                warn!(error = %e, "state manager consumer stopped");
+                cancel.cancel();
+                outcome = Err(e.into());
+            }
+        }
+        outcome
+    }
+
+    /// One execution per tick: the tick id is the execution id.
+    async fn start_from_tick(&self, workflow: &str, tick: &CronTick) -> Result<(), DispatchError> {
+        let context = serde_json::from_str(&tick.payload).map_err(CodecError::Json)?;
+        let origin = CronOrigin {
+            schedule_id: tick.schedule_id.clone(),
+            scheduled_ms: tick.scheduled_time_ms,
+        };
+        self.start_with_id(workflow, &tick.tick_id, context, Some(origin))
+            .await
+            .map(|_| ())
+    }
+}
+
+/// Retries retryable failures with a growing pause until they succeed, fail for good,
+/// or shutdown begins.
+async fn retrying<F, Fut>(
+    cancel: &CancellationToken,
+    what: &str,
+    mut attempt: F,
+) -> Result<(), DispatchError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), DispatchError>>,
+{
+    let mut pause = Duration::from_millis(50);
+    loop {
+        match attempt().await {
+            Err(e) if e.is_retryable() && !cancel.is_cancelled() => {
+                warn!(error = %e, "{what} failed; retrying");
+                tokio::select! {
+                    _ = cancel.cancelled() => return Err(e),
+                    _ = tokio::time::sleep(pause) => {}
+                }
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Whether a message is finished: done, or poison (sent to `<topic>.dlq`). A failure
+/// still retryable at shutdown leaves it for redelivery.
+async fn settle(
+    outcome: Result<(), DispatchError>,
+    message: &Message,
+    sink: &dyn Sink,
+    cancel: &CancellationToken,
+) -> bool {
+    match outcome {
+        Ok(()) => true,
+        Err(e) if e.is_retryable() => {
+            debug!(error = %e, "left for redelivery");
+            false
+        }
+        Err(e) => {
+            warn!(topic = %message.topic, error = %e, "message cannot be applied; dead-lettered");
+            dead_letter(sink, message, &e.to_string(), cancel).await
+        }
+    }
+}
+
+/// Publishes a message to `<topic>.dlq` with its error; true once the broker has it.
+pub(crate) async fn dead_letter(
+    sink: &dyn Sink,
+    message: &Message,
+    error: &str,
+    cancel: &CancellationToken,
+) -> bool {
+    let mut outbound = Outbound::new(format!("{}.dlq", message.topic), message.payload.clone())
+        .header("weir-error", error.to_string());
+    outbound.key = message.key.clone();
+    let mut pause = Duration::from_millis(50);
+    loop {
+        match sink.publish(outbound.clone()).await {
+            Ok(_) => return true,
+            Err(e) if e.is_retryable() && !cancel.is_cancelled() => {
+                warn!(error = %e, "dead-letter publish failed; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => {
+                warn!(error = %e, "dead-letter publish failed");
+                return false;
+            }
+        }
+    }
+}

@@ -1,0 +1,346 @@
+//! A worker: a consumer-group member on its executor's topic (`weir.tasks.<key>`). It
+//! runs at most `concurrency` tasks at once and stops fetching while full. For each
+//! TaskReadyEvent it loads the execution's context from the store, runs the task's
+//! handler with the task's timeout, and reports every attempt to the results topic.
+//! A failed attempt with attempts left is retried here after the task's backoff
+//! (doubling each time); the last failure goes to `<topic>.dlq`. The event is
+//! acknowledged only after its final result is published, so a worker killed mid-task
+//! has its task delivered again.
+
+use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use metrics::{counter, gauge, histogram};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn, Instrument};
+
+use super::handlers::{HandlerRegistry, TaskContext, TaskOutcome};
+use crate::codec::avro::{decode, encode};
+use crate::codec::{ExecutionResult, TaskReadyEvent};
+use crate::dispatch::manager::dead_letter;
+use crate::dispatch::{executor_topic, Reported, RunStatus, TaskStatus, Workflow};
+use crate::metrics as names;
+use crate::store::Store;
+use crate::transport::concurrent::consume_concurrently;
+use crate::transport::{now_ms, Broker, Message, Outbound, Sink, Subscription, TransportError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("worker for executor {executor}: {source}")]
+    Transport {
+        executor: String,
+        source: TransportError,
+    },
+}
+
+impl WorkerError {
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Transport { source, .. } => source.is_retryable(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct WorkerSettings {
+    pub executor: String,
+    /// Tasks run at once, at most.
+    pub concurrency: usize,
+    /// Names this worker in results.
+    pub worker_id: String,
+    pub results_topic: String,
+}
+
+pub struct Worker {
+    broker: Arc<dyn Broker>,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    store: Arc<dyn Store>,
+    sink: Arc<dyn Sink>,
+    handlers: HandlerRegistry,
+    workflows: BTreeMap<String, Workflow>,
+    settings: WorkerSettings,
+}
+
+/// Consumer group of an executor's workers.
+pub fn worker_group(executor: &str) -> String {
+    format!("weir-worker-{executor}")
+}
+
+impl Worker {
+    pub fn new(
+        broker: Arc<dyn Broker>,
+        store: Arc<dyn Store>,
+        handlers: HandlerRegistry,
+        workflows: Vec<Workflow>,
+        settings: WorkerSettings,
+    ) -> Self {
+        let shared = Shared {
+            store,
+            sink: broker.sink(),
+            handlers,
+            workflows: workflows.into_iter().map(|w| (w.name.clone(), w)).collect(),
+            settings,
+        };
+        Self {
+            broker,
+            shared: Arc::new(shared),
+        }
+    }
+
+    /// Runs until cancelled; running tasks get a bounded time to finish.
+    pub async fn run(self, cancel: CancellationToken) -> Result<(), WorkerError> {
+        let settings = &self.shared.settings;
+        let executor = settings.executor.clone();
+        let error = |source| WorkerError::Transport {
+            executor: executor.clone(),
+            source,
+        };
+        let subscription = Subscription::work_queue(
+            executor_topic(&executor),
+            worker_group(&executor),
+            settings.concurrency,
+        );
+        let source = self.broker.subscribe(&subscription).await.map_err(&error)?;
+        gauge!(names::WORKER_CAPACITY, "executor" => executor.clone())
+            .set(settings.concurrency as f64);
+        let shared = self.shared.clone();
+        let stop = cancel.clone();
+        consume_concurrently(source, settings.concurrency, cancel, move |message| {
+            let (shared, stop) = (shared.clone(), stop.clone());
+            let span = tracing::info_span!("task", executor = %shared.settings.executor);
+            async move { shared.execute(message, &stop).await }.instrument(span)
+        })
+        .await
+        .map_err(error)
+    }
+}
+
+impl Shared {
+    /// Handles one TaskReadyEvent; true once it is finished with (result published, or
+    /// dead-lettered, or a duplicate).
+    async fn execute(&self, message: Message, cancel: &CancellationToken) -> bool {
+        let event = match decode::<TaskReadyEvent>(&message.payload) {
+            Ok(e) => e,
+            Err(e) => {
+                warn!(error = %e, "undecodable task event; dead-lettered");
+                return self.dead_letter(&message, &e.to_string(), cancel).await;
+            }
+        };
+        let Some((workflow_name, task_id)) = split_namespace(&event.namespace) else {
+            let why = format!(
+                "namespace {:?} is not tenant::package::workflow::task",
+                event.namespace
+            );
+            return self.dead_letter(&message, &why, cancel).await;
+        };
+        let execution = loop {
+            match self.store.get_workflow_execution(&event.execution_id).await {
+                Ok(found) => break found,
+                Err(e) if e.is_retryable() => {
+                    warn!(error = %e, "cannot load the execution's context; retrying");
+                    tokio::select! {
+                        _ = cancel.cancelled() => return false,
+                        _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                    }
+                }
+                Err(e) => return self.dead_letter(&message, &e.to_string(), cancel).await,
+            }
+        };
+        let Some(execution) = execution else {
+            let why = format!("no workflow execution {}", event.execution_id);
+            return self.dead_letter(&message, &why, cancel).await;
+        };
+        let Some(record) = execution.tasks.get(task_id) else {
+            let why = format!("execution {} has no task {task_id}", execution.id);
+            return self.dead_letter(&message, &why, cancel).await;
+        };
+        if execution.status != RunStatus::Running
+            || matches!(
+                record.status,
+                TaskStatus::Completed | TaskStatus::Failed | TaskStatus::Skipped
+            )
+        {
+            debug!(task = %event.task_execution_id, "already done; dropped");
+            return true;
+        }
+        let spec = self
+            .workflows
+            .get(workflow_name)
+            .and_then(|w| w.task(task_id));
+        let handler = spec.and_then(|s| self.handlers.get(&s.handler));
+        let (Some(spec), Some(handler)) = (spec, handler) else {
+            let why = match spec {
+                None => format!("this worker does not know task {}", event.namespace),
+                Some(s) => format!("no handler registered as {:?}", s.handler),
+            };
+            let finished = self
+                .report(
+                    &event,
+                    event.attempt.max(1) as u32,
+                    Reported::Failed(why.clone()),
+                    0,
+                    cancel,
+                )
+                .await;
+            return finished && self.dead_letter(&message, &why, cancel).await;
+        };
+        let executor = self.settings.executor.as_str();
+        histogram!(names::TASK_WAIT_SECONDS, "executor" => executor.to_string())
+            .record((now_ms() - event.ready_at_ms).max(0) as f64 / 1000.0);
+        // A redelivered task continues from the attempts already reported.
+        let mut attempt = (event.attempt.max(1) as u32).max(record.attempts + 1);
+        let max_attempts = spec.max_attempts.max(1);
+        loop {
+            counter!(names::TASKS_STARTED_TOTAL, "executor" => executor.to_string()).increment(1);
+            let in_use = gauge!(names::WORKER_CAPACITY_IN_USE, "executor" => executor.to_string());
+            in_use.increment(1.0);
+            let began = Instant::now();
+            let task = TaskContext {
+                execution_id: execution.id.clone(),
+                namespace: event.namespace.clone(),
+                attempt,
+                context: execution.context.clone(),
+            };
+            let run = AssertUnwindSafe(handler.run(task)).catch_unwind();
+            let outcome = match tokio::time::timeout(spec.timeout, run).await {
+                Ok(Ok(outcome)) => outcome,
+                Ok(Err(_)) => TaskOutcome::Failed("the handler panicked".into()),
+                Err(_) => {
+                    TaskOutcome::Failed(format!("timed out after {} ms", spec.timeout.as_millis()))
+                }
+            };
+            in_use.decrement(1.0);
+            let took = began.elapsed();
+            histogram!(names::TASK_DURATION_SECONDS, "executor" => executor.to_string())
+                .record(took.as_secs_f64());
+            let reported = match outcome {
+                TaskOutcome::Completed(v) => Reported::Completed(Some(v)),
+                TaskOutcome::Skipped => Reported::Skipped,
+                TaskOutcome::Failed(e) if attempt < max_attempts => Reported::Retry(e),
+                TaskOutcome::Failed(e) => Reported::Failed(e),
+            };
+            let duration_ms = took.as_millis() as i64;
+            if !self
+                .report(&event, attempt, reported.clone(), duration_ms, cancel)
+                .await
+            {
+                return false;
+            }
+            match reported {
+                Reported::Retry(error) => {
+                    counter!(names::TASKS_RETRIED_TOTAL, "executor" => executor.to_string())
+                        .increment(1);
+                    let delay = spec.retry_delay(attempt + 1);
+                    debug!(task = %event.task_execution_id, attempt, %error, ?delay, "retrying");
+                    tokio::select! {
+                        _ = cancel.cancelled() => return false,
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                    attempt += 1;
+                }
+                Reported::Failed(error) => {
+                    counter!(names::TASKS_FAILED_TOTAL, "executor" => executor.to_string())
+                        .increment(1);
+                    counter!(names::DEAD_LETTERS_TOTAL, "executor" => executor.to_string())
+                        .increment(1);
+                    let why = format!("failed after {attempt} attempts: {error}");
+                    return self.dead_letter(&message, &why, cancel).await;
+                }
+                Reported::Completed(_) | Reported::Skipped => {
+                    counter!(names::TASKS_COMPLETED_TOTAL, "executor" => executor.to_string())
+                        .increment(1);
+                    return true;
+                }
+            }
+        }
+    }
+
+    /// Publishes one attempt's result, retrying while the broker is away; false if
+    /// shutdown came first.
+    async fn report(
+        &self,
+        event: &TaskReadyEvent,
+        attempt: u32,
+        reported: Reported,
+        duration_ms: i64,
+        cancel: &CancellationToken,
+    ) -> bool {
+        let (error, output) = match &reported {
+            Reported::Completed(v) => (None, v.as_ref().map(|v| v.to_string())),
+            Reported::Retry(e) | Reported::Failed(e) => (Some(e.clone()), None),
+            Reported::Skipped => (None, None),
+        };
+        let result = ExecutionResult {
+            execution_id: event.execution_id.clone(),
+            task_execution_id: event.task_execution_id.clone(),
+            namespace: event.namespace.clone(),
+            attempt: attempt as i32,
+            status: reported.status().to_string(),
+            error,
+            duration_ms,
+            worker_id: self.settings.worker_id.clone(),
+            finished_at_ms: now_ms(),
+            output,
+        };
+        let bytes = match encode(&result) {
+            Ok(b) => b,
+            Err(e) => {
+                warn!(error = %e, "cannot encode a result");
+                return false;
+            }
+        };
+        let message = Outbound::new(&self.settings.results_topic, bytes)
+            .key(event.execution_id.clone().into_bytes());
+        let mut pause = Duration::from_millis(50);
+        loop {
+            match self.sink.publish(message.clone()).await {
+                Ok(_) => return true,
+                Err(e) if e.is_retryable() && !cancel.is_cancelled() => {
+                    warn!(error = %e, "cannot publish a result; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(5));
+                }
+                Err(e) => {
+                    warn!(error = %e, "result not published; the task will be delivered again");
+                    return false;
+                }
+            }
+        }
+    }
+
+    async fn dead_letter(&self, message: &Message, why: &str, cancel: &CancellationToken) -> bool {
+        dead_letter(self.sink.as_ref(), message, why, cancel).await
+    }
+}
+
+/// `tenant::package::workflow::task` → (workflow, task).
+fn split_namespace(namespace: &str) -> Option<(&str, &str)> {
+    let parts: Vec<&str> = namespace.split("::").collect();
+    match parts.as_slice() {
+        [_, _, workflow, task] if !workflow.is_empty() && !task.is_empty() => {
+            Some((workflow, task))
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_namespace;
+
+    #[test]
+    fn namespaces_name_workflow_and_task() {
+        assert_eq!(
+            split_namespace("public::default::etl::load"),
+            Some(("etl", "load"))
+        );
+        assert_eq!(split_namespace("etl::load"), None);
+        assert_eq!(split_namespace("a::b::::t"), None);
+    }
+}

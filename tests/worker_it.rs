@@ -1,0 +1,171 @@
+//! `weir run` (state manager) with two `weir worker` processes on real services: a
+//! worker killed with SIGKILL mid-task loses no task, over Kafka and NATS JetStream.
+//! Also drives `weir workflow run --wait` and `weir workflow status`.
+#![cfg(feature = "it")]
+
+mod common;
+
+use std::io::Write;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::services;
+use serde_json::Value;
+use weir::transport::{Broker, Subscription};
+
+const TASKS: usize = 6;
+
+struct Processes(Vec<Child>);
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn config(kafka: bool, prefix: &str) -> tempfile::NamedTempFile {
+    let broker = if kafka {
+        format!(
+            "kind = \"kafka\"\nbrokers = \"{}\"\npartitions = 2\noptions = {{ \"session.timeout.ms\" = \"6000\", \"max.poll.interval.ms\" = \"7000\", \"heartbeat.interval.ms\" = \"1000\" }}",
+            services::kafka_brokers()
+        )
+    } else {
+        format!(
+            "kind = \"nats\"\nurl = \"{}\"\nack_wait_ms = 3000",
+            services::nats_url()
+        )
+    };
+    let tasks: String = (0..TASKS)
+        .map(|i| {
+            format!(
+                "[[workflow.task]]\nid = \"t{i}\"\nhandler = \"builtin::sleep\"\nmax_attempts = 3\ntimeout_ms = 20000\n"
+            )
+        })
+        .collect();
+    let text = format!(
+        r#"
+[broker]
+{broker}
+[store]
+kind = "redis"
+url = "{redis}"
+prefix = "{prefix}"
+[dispatch]
+default_executor = "{prefix}x"
+results_topic = "{prefix}.results"
+[[workflow]]
+name = "{prefix}w"
+{tasks}"#,
+        redis = services::redis_url(),
+    );
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    file.write_all(text.as_bytes()).unwrap();
+    file
+}
+
+fn weir(config: &tempfile::NamedTempFile, prefix: &str, name: &str, args: &[&str]) -> Child {
+    let log =
+        std::fs::File::create(std::env::temp_dir().join(format!("{prefix}-{name}.log"))).unwrap();
+    Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(args)
+        .arg("--config")
+        .arg(config.path())
+        .env("WEIR__NODE__ID", name)
+        .env("WEIR_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .expect("weir starts")
+}
+
+async fn killed_worker_loses_no_task(kafka: bool) {
+    let prefix = services::unique("wk");
+    let file = config(kafka, &prefix);
+    let executor = format!("{prefix}x");
+    let mut processes = Processes(Vec::new());
+    processes.0.push(weir(&file, &prefix, "run", &["run"]));
+    for name in ["a", "b"] {
+        processes.0.push(weir(
+            &file,
+            &prefix,
+            name,
+            &["worker", "--executor", &executor, "--concurrency", "2"],
+        ));
+    }
+    // Let the state manager and both workers join their groups.
+    tokio::time::sleep(Duration::from_secs(if kafka { 8 } else { 2 })).await;
+    let workflow = format!("{prefix}w");
+    let waiting = weir(
+        &file,
+        &prefix,
+        "client",
+        &[
+            "workflow",
+            "run",
+            &workflow,
+            "--context",
+            r#"{"sleep_ms": 1500}"#,
+            "--wait",
+        ],
+    );
+    // Once the first task has reported, the workers are mid-task: kill one of them.
+    let broker: std::sync::Arc<dyn Broker> = if kafka {
+        services::kafka()
+    } else {
+        services::nats(true).await
+    };
+    let mut results = broker
+        .subscribe(&Subscription::new(
+            format!("{prefix}.results"),
+            format!("{prefix}-reader"),
+        ))
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(60), results.next())
+        .await
+        .expect("a first result")
+        .unwrap();
+    let worker_a = &mut processes.0[1];
+    let status = Command::new("kill")
+        .args(["-KILL", &worker_a.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let _ = worker_a.wait();
+    let started = Instant::now();
+    let output = tokio::task::spawn_blocking(move || waiting.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(output.status.success());
+    assert!(started.elapsed() < Duration::from_secs(90));
+    let summary: Value = serde_json::from_slice(&output.stdout).expect("--wait prints JSON");
+    assert_eq!(summary["status"], "completed", "{summary}");
+    let tasks = summary["tasks"].as_object().unwrap();
+    assert_eq!(tasks.len(), TASKS);
+    for (id, t) in tasks {
+        assert_eq!(t["status"], "completed", "task {id}: {t}");
+        assert_eq!(t["executor"], Value::String(executor.clone()));
+    }
+    // `weir workflow status` prints the same JSON.
+    let id = summary["execution"].as_str().unwrap();
+    let status = weir(&file, &prefix, "status", &["workflow", "status", id])
+        .wait_with_output()
+        .unwrap();
+    assert!(status.status.success());
+    let again: Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(again, summary);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_worker_killed_mid_task_loses_no_task() {
+    killed_worker_loses_no_task(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_worker_killed_mid_task_loses_no_task() {
+    killed_worker_loses_no_task(false).await;
+}

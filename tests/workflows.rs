@@ -1,0 +1,566 @@
+//! Workflows end to end: state manager → TaskReadyEvents → workers → results, one suite
+//! run on the embedded backends and, with `--features it`, over Kafka and over NATS
+//! JetStream with state in Redis.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+use weir::codec::avro::{decode, encode};
+use weir::codec::{CronTick, TaskReadyEvent};
+use weir::cron::scheduler::{register, Scheduler, SchedulerConfig};
+use weir::cron::{Schedule, Target};
+use weir::dispatch::manager::workflow_start_topic;
+use weir::dispatch::{
+    DispatchSettings, Dispatcher, Route, Router, RunStatus, TaskSpec, Workflow, WorkflowExecution,
+};
+use weir::store::{ExecutionStatus, Store};
+use weir::transport::{Broker, Outbound, Subscription};
+use weir::worker::{
+    HandlerRegistry, TaskContext, TaskHandler, TaskOutcome, Worker, WorkerSettings,
+};
+
+/// One broker and store, and names no other test uses.
+struct Env {
+    broker: Arc<dyn Broker>,
+    store: Arc<dyn Store>,
+    prefix: String,
+    cancel: CancellationToken,
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+impl Env {
+    fn new(broker: Arc<dyn Broker>, store: Arc<dyn Store>) -> Self {
+        Self {
+            broker,
+            store,
+            prefix: format!("t{:08x}", rand::random::<u32>()),
+            cancel: CancellationToken::new(),
+        }
+    }
+
+    fn name(&self, what: &str) -> String {
+        format!("{}{what}", self.prefix)
+    }
+
+    fn results_topic(&self) -> String {
+        format!("weir.results.{}", self.prefix)
+    }
+
+    fn dispatcher(&self, workflows: &[Workflow], router: Router) -> Dispatcher {
+        Dispatcher::new(
+            self.store.clone(),
+            self.broker.sink(),
+            workflows.to_vec(),
+            router,
+            DispatchSettings {
+                results_topic: self.results_topic(),
+            },
+        )
+    }
+
+    /// Runs the state manager; returns a dispatcher to start executions with.
+    fn state_manager(&self, workflows: &[Workflow], router: Router) -> Dispatcher {
+        let dispatcher = self.dispatcher(workflows, router);
+        tokio::spawn(
+            dispatcher
+                .clone()
+                .run(self.broker.clone(), self.cancel.clone()),
+        );
+        dispatcher
+    }
+
+    fn worker(
+        &self,
+        executor: &str,
+        concurrency: usize,
+        handlers: HandlerRegistry,
+        workflows: &[Workflow],
+    ) {
+        let worker = Worker::new(
+            self.broker.clone(),
+            self.store.clone(),
+            handlers,
+            workflows.to_vec(),
+            WorkerSettings {
+                executor: executor.into(),
+                concurrency,
+                worker_id: format!("{executor}-worker"),
+                results_topic: self.results_topic(),
+            },
+        );
+        tokio::spawn(worker.run(self.cancel.clone()));
+    }
+
+    fn builtins(&self) -> HandlerRegistry {
+        HandlerRegistry::with_builtins(self.broker.sink())
+    }
+
+    async fn finished(&self, id: &str, within: Duration) -> WorkflowExecution {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(e) = self.store.get_workflow_execution(id).await.unwrap() {
+                if e.status != RunStatus::Running {
+                    return e;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "execution {id} did not finish within {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Reads `count` messages of a topic (from the start), failing after `within`.
+    async fn read(
+        &self,
+        topic: &str,
+        count: usize,
+        within: Duration,
+    ) -> Vec<weir::transport::Message> {
+        let mut source = self
+            .broker
+            .subscribe(&Subscription::new(topic, self.name("reader")))
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        let deadline = tokio::time::Instant::now() + within;
+        while out.len() < count {
+            match tokio::time::timeout_at(deadline, source.next()).await {
+                Ok(Ok(m)) => out.push(m),
+                Ok(Err(e)) => panic!("reading {topic}: {e}"),
+                Err(_) => panic!("read {} of {count} messages on {topic}", out.len()),
+            }
+        }
+        out
+    }
+}
+
+fn flow(name: &str, tasks: Vec<TaskSpec>) -> Workflow {
+    Workflow::new(name, tasks).expect("valid workflow")
+}
+
+fn task(id: &str, handler: &str) -> TaskSpec {
+    TaskSpec {
+        backoff: Duration::from_millis(50),
+        timeout: Duration::from_secs(10),
+        ..TaskSpec::new(id, handler)
+    }
+}
+
+/// Records when each task ran and how many ran at once.
+#[derive(Default)]
+struct Recorder {
+    spans: Mutex<Vec<(String, Instant, Instant)>>,
+    running: Mutex<(usize, usize)>,
+    sleep: Duration,
+    mark: String,
+}
+
+#[async_trait]
+impl TaskHandler for Recorder {
+    async fn run(&self, task: TaskContext) -> TaskOutcome {
+        {
+            let mut r = self.running.lock().unwrap();
+            r.0 += 1;
+            r.1 = r.1.max(r.0);
+        }
+        let began = Instant::now();
+        tokio::time::sleep(self.sleep).await;
+        self.running.lock().unwrap().0 -= 1;
+        let id = task.namespace.rsplit("::").next().unwrap().to_string();
+        self.spans
+            .lock()
+            .unwrap()
+            .push((id.clone(), began, Instant::now()));
+        TaskOutcome::Completed(json!({ format!("ran_{id}"): self.mark }))
+    }
+}
+
+fn with(handlers: HandlerRegistry, name: &str, handler: Arc<dyn TaskHandler>) -> HandlerRegistry {
+    let mut handlers = handlers;
+    handlers.register(name, handler);
+    handlers
+}
+
+const WAIT: Duration = Duration::from_secs(60);
+
+async fn routing_sends_each_namespace_to_its_executor(env: &Env) {
+    let (a, b) = (env.name("a"), env.name("b"));
+    let w = flow(
+        &env.name("route"),
+        vec![
+            task("billing", "mark"),
+            task("report", "mark"),
+            task("other", "mark"),
+        ],
+    );
+    let router = Router::new(
+        vec![
+            Route::new("**::billing", &a).unwrap(),
+            Route::new("*::*::*::report", &b).unwrap(),
+        ],
+        &a,
+    )
+    .unwrap();
+    let workflows = [w.clone()];
+    let dispatcher = env.state_manager(&workflows, router);
+    for (executor, mark) in [(&a, "a"), (&b, "b")] {
+        let recorder = Arc::new(Recorder {
+            mark: mark.into(),
+            ..Recorder::default()
+        });
+        env.worker(
+            executor,
+            4,
+            with(env.builtins(), "mark", recorder),
+            &workflows,
+        );
+    }
+    let id = dispatcher.start(&w.name, json!({})).await.unwrap();
+    let done = env.finished(&id, WAIT).await;
+    assert_eq!(done.status, RunStatus::Completed, "{}", done.summary());
+    assert_eq!(done.context["ran_billing"], "a");
+    assert_eq!(done.context["ran_report"], "b");
+    assert_eq!(done.context["ran_other"], "a", "the default executor");
+    let summary = done.summary();
+    assert_eq!(summary["tasks"]["report"]["executor"], json!(b));
+    assert_eq!(summary["tasks"]["billing"]["executor"], json!(a));
+    let events = env.read(&format!("weir.tasks.{b}"), 1, WAIT).await;
+    let event = decode::<TaskReadyEvent>(&events[0].payload).unwrap();
+    assert_eq!(event.namespace, w.namespace("report"));
+    assert_eq!(event.task_execution_id, format!("{id}/report"));
+}
+
+async fn concurrency_never_exceeds_the_limit(env: &Env) {
+    let executor = env.name("busy");
+    let tasks: Vec<TaskSpec> = (0..8).map(|i| task(&format!("t{i}"), "slow")).collect();
+    let w = flow(&env.name("wide"), tasks);
+    let workflows = [w.clone()];
+    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let recorder = Arc::new(Recorder {
+        sleep: Duration::from_millis(200),
+        ..Recorder::default()
+    });
+    env.worker(
+        &executor,
+        2,
+        with(env.builtins(), "slow", recorder.clone()),
+        &workflows,
+    );
+    let id = dispatcher.start(&w.name, json!({})).await.unwrap();
+    let done = env.finished(&id, WAIT).await;
+    assert_eq!(done.status, RunStatus::Completed);
+    let (_, most) = *recorder.running.lock().unwrap();
+    assert_eq!(most, 2, "eight ready tasks, two at a time");
+    assert_eq!(recorder.spans.lock().unwrap().len(), 8);
+}
+
+async fn a_task_failing_twice_completes_on_the_third_attempt(env: &Env) {
+    let executor = env.name("retry");
+    let w = flow(
+        &env.name("flaky"),
+        vec![TaskSpec {
+            max_attempts: 3,
+            backoff: Duration::from_millis(200),
+            ..task("flaky", "builtin::fail")
+        }],
+    );
+    let workflows = [w.clone()];
+    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    env.worker(&executor, 4, env.builtins(), &workflows);
+    let started = Instant::now();
+    let id = dispatcher
+        .start(&w.name, json!({"fail_times": 2}))
+        .await
+        .unwrap();
+    let done = env.finished(&id, WAIT).await;
+    assert_eq!(done.status, RunStatus::Completed, "{}", done.summary());
+    assert_eq!(done.tasks["flaky"].attempts, 3);
+    // Backoff 200 ms, then 400 ms.
+    assert!(started.elapsed() >= Duration::from_millis(600));
+    let results = env.read(&env.results_topic(), 3, WAIT).await;
+    let statuses: Vec<String> = results
+        .iter()
+        .map(|m| {
+            decode::<weir::codec::ExecutionResult>(&m.payload)
+                .unwrap()
+                .status
+        })
+        .collect();
+    assert_eq!(statuses, ["retry", "retry", "completed"]);
+}
+
+async fn a_task_failing_past_its_attempts_is_dead_lettered_and_fails_its_workflow(env: &Env) {
+    let executor = env.name("doomed");
+    let w = flow(
+        &env.name("doomed"),
+        vec![
+            TaskSpec {
+                max_attempts: 2,
+                ..task("first", "builtin::fail")
+            },
+            task("after", "builtin::echo").after(["first"]),
+        ],
+    );
+    let workflows = [w.clone()];
+    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    env.worker(&executor, 4, env.builtins(), &workflows);
+    let id = dispatcher
+        .start(&w.name, json!({"fail_times": 5}))
+        .await
+        .unwrap();
+    let done = env.finished(&id, WAIT).await;
+    assert_eq!(done.status, RunStatus::Failed);
+    let summary = done.summary();
+    assert_eq!(summary["status"], "failed");
+    assert_eq!(summary["tasks"]["first"]["status"], "failed");
+    assert_eq!(summary["tasks"]["first"]["attempts"], 2);
+    assert_eq!(summary["tasks"]["after"]["status"], "pending");
+    let dead = env
+        .read(&format!("weir.tasks.{executor}.dlq"), 1, WAIT)
+        .await;
+    let event = decode::<TaskReadyEvent>(&dead[0].payload).unwrap();
+    assert_eq!(event.execution_id, id);
+    assert!(dead[0]
+        .header("weir-error")
+        .is_some_and(|e| e.contains("after 2 attempts")));
+}
+
+async fn a_diamond_runs_in_dependency_order(env: &Env) {
+    let executor = env.name("dag");
+    let w = flow(
+        &env.name("diamond"),
+        vec![
+            task("join", "rec").after(["left", "right"]),
+            task("left", "rec").after(["start"]),
+            task("right", "rec").after(["start"]),
+            task("start", "rec"),
+        ],
+    );
+    let workflows = [w.clone()];
+    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let recorder = Arc::new(Recorder {
+        sleep: Duration::from_millis(100),
+        mark: "x".into(),
+        ..Recorder::default()
+    });
+    env.worker(
+        &executor,
+        4,
+        with(env.builtins(), "rec", recorder.clone()),
+        &workflows,
+    );
+    let id = dispatcher.start(&w.name, json!({"seed": 1})).await.unwrap();
+    let done = env.finished(&id, WAIT).await;
+    assert_eq!(done.status, RunStatus::Completed);
+    let spans: BTreeMap<String, (Instant, Instant)> = recorder
+        .spans
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(id, a, b)| (id.clone(), (*a, *b)))
+        .collect();
+    assert_eq!(spans.len(), 4);
+    for (task, before) in [
+        ("left", "start"),
+        ("right", "start"),
+        ("join", "left"),
+        ("join", "right"),
+    ] {
+        assert!(
+            spans[task].0 >= spans[before].1,
+            "{task} started before {before} ended"
+        );
+    }
+    // Left and right overlap: fan-out runs them at once.
+    assert!(spans["left"].0 < spans["right"].1 && spans["right"].0 < spans["left"].1);
+    assert_eq!(done.context["seed"], 1);
+    assert_eq!(done.context["ran_join"], "x");
+}
+
+/// Handler counting runs per execution.
+#[derive(Default)]
+struct Counter(Mutex<BTreeMap<String, u32>>);
+
+#[async_trait]
+impl TaskHandler for Counter {
+    async fn run(&self, task: TaskContext) -> TaskOutcome {
+        *self.0.lock().unwrap().entry(task.execution_id).or_default() += 1;
+        TaskOutcome::Completed(Value::Null)
+    }
+}
+
+async fn a_cron_triggered_workflow_runs_once_per_tick(env: &Env) {
+    let executor = env.name("cron");
+    let w = flow(&env.name("nightly"), vec![task("only", "count")]);
+    let workflows = [w.clone()];
+    env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let counter = Arc::new(Counter::default());
+    env.worker(
+        &executor,
+        4,
+        with(env.builtins(), "count", counter.clone()),
+        &workflows,
+    );
+    let mut schedule = Schedule::new(env.name("every-second"), "* * * * * *", "UTC");
+    schedule.target = Target::Workflow(w.name.clone());
+    schedule.overlap = weir::cron::Overlap::Allow;
+    schedule.payload = json!({"from": "cron"});
+    register(env.store.as_ref(), &schedule, 1).await.unwrap();
+    let scheduler_stop = CancellationToken::new();
+    let scheduler = tokio::spawn(
+        Scheduler::new(
+            env.store.clone(),
+            env.broker.sink(),
+            SchedulerConfig {
+                lease_ttl: Duration::from_millis(900),
+                ..SchedulerConfig::new(env.name("node"))
+            },
+        )
+        .run(scheduler_stop.clone()),
+    );
+    tokio::time::sleep(Duration::from_millis(3300)).await;
+    scheduler_stop.cancel();
+    scheduler.await.unwrap();
+    let ticks: Vec<CronTick> = env
+        .store
+        .executions(&schedule.id, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| CronTick {
+            schedule_id: e.schedule_id,
+            tick_id: e.tick_id,
+            scheduled_time_ms: e.scheduled_ms,
+            emitted_time_ms: e.updated_ms,
+            fencing_token: e.fencing_token as i64,
+            delivery: "at_most_once".into(),
+            attempt: 1,
+            payload: r#"{"from": "cron"}"#.into(),
+            node_id: e.node_id,
+            tenant: None,
+        })
+        .collect();
+    assert!(
+        ticks.len() >= 2,
+        "a schedule every second fired {} times",
+        ticks.len()
+    );
+    // A redelivered tick starts nothing new.
+    env.broker
+        .sink()
+        .publish(Outbound::new(
+            workflow_start_topic(&w.name),
+            encode(&ticks[0]).unwrap(),
+        ))
+        .await
+        .unwrap();
+    for tick in &ticks {
+        let done = env.finished(&tick.tick_id, WAIT).await;
+        assert_eq!(done.status, RunStatus::Completed);
+        assert_eq!(done.context["from"], "cron");
+    }
+    // The cron executions take their workflow's outcome.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let executions = env.store.executions(&schedule.id, 100).await.unwrap();
+        if executions
+            .iter()
+            .all(|e| e.status == ExecutionStatus::Completed)
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "cron executions: {executions:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let runs = counter.0.lock().unwrap().clone();
+    assert_eq!(runs.len(), ticks.len());
+    assert!(runs.values().all(|&n| n == 1), "runs per tick: {runs:?}");
+}
+
+macro_rules! suite {
+    ($env:expr) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn routing() {
+            routing_sends_each_namespace_to_its_executor(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn concurrency() {
+            concurrency_never_exceeds_the_limit(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn retries() {
+            a_task_failing_twice_completes_on_the_third_attempt(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn dead_letters() {
+            a_task_failing_past_its_attempts_is_dead_lettered_and_fails_its_workflow(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn diamond() {
+            a_diamond_runs_in_dependency_order(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn cron_ticks() {
+            a_cron_triggered_workflow_runs_once_per_tick(&$env).await;
+        }
+    };
+}
+
+mod memory {
+    use super::*;
+    use weir::store::memory::MemoryStore;
+    use weir::transport::memory::MemoryBroker;
+
+    fn env() -> Env {
+        Env::new(
+            Arc::new(MemoryBroker::default()),
+            Arc::new(MemoryStore::new()),
+        )
+    }
+
+    suite!(env());
+}
+
+#[cfg(feature = "it")]
+mod kafka {
+    use super::*;
+
+    async fn env() -> Env {
+        let prefix = common::services::unique("weir-wf-");
+        Env::new(
+            common::services::kafka(),
+            common::services::redis(&prefix).await,
+        )
+    }
+
+    suite!(env().await);
+}
+
+#[cfg(feature = "it")]
+mod nats {
+    use super::*;
+
+    async fn env() -> Env {
+        let prefix = common::services::unique("weir-wf-");
+        Env::new(
+            common::services::nats(true).await,
+            common::services::redis(&prefix).await,
+        )
+    }
+
+    suite!(env().await);
+}
