@@ -59,6 +59,25 @@ pub enum Health {
 }
 
 impl Health {
+    pub const ALL: [Self; 5] = [
+        Self::Starting,
+        Self::Connecting,
+        Self::Live,
+        Self::Disconnected,
+        Self::SocketOnly,
+    ];
+
+    /// The name used in JSON and as a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Starting => "starting",
+            Self::Connecting => "connecting",
+            Self::Live => "live",
+            Self::Disconnected => "disconnected",
+            Self::SocketOnly => "socket_only",
+        }
+    }
+
     pub fn is_healthy(self) -> bool {
         matches!(self, Self::Live | Self::SocketOnly)
     }

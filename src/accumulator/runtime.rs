@@ -141,6 +141,7 @@ impl AccumulatorTask {
 
     async fn set_health(&self, health: Health) {
         self.health.send_replace(health);
+        self.stats.health_changed(self.index, health);
         let _ = self
             .to_reactor
             .send(ReactorInput::Health {

@@ -55,6 +55,43 @@ pub enum ReactorState {
     Degraded,
 }
 
+impl ReactorState {
+    pub const ALL: [Self; 4] = [Self::Starting, Self::Warming, Self::Live, Self::Degraded];
+
+    /// The name used in JSON and as a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Starting => "starting",
+            Self::Warming => "warming",
+            Self::Live => "live",
+            Self::Degraded => "degraded",
+        }
+    }
+}
+
+/// Why a reactor fired, as the `reason` label of `weir_fires_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FireReason {
+    /// The criteria were met.
+    Criteria = 0,
+    /// A ForceFire command.
+    Force = 1,
+    /// A FireWith command.
+    FireWith = 2,
+}
+
+impl FireReason {
+    pub const ALL: [Self; 3] = [Self::Criteria, Self::Force, Self::FireWith];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Criteria => "criteria",
+            Self::Force => "force",
+            Self::FireWith => "fire_with",
+        }
+    }
+}
+
 /// Reactor settings of one graph. Defaults in [`ReactorConfig::default`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReactorConfig {

@@ -14,8 +14,8 @@ use tracing::{debug, warn};
 
 use super::cache::{Consumed, InputCache, Inserted};
 use super::{
-    Command, CommandError, FireReport, ReactorConfig, ReactorInput, ReactorState, ReactorStatus,
-    SourceStatus, Strategy,
+    Command, CommandError, FireReason, FireReport, ReactorConfig, ReactorInput, ReactorState,
+    ReactorStatus, SourceStatus, Strategy,
 };
 use crate::accumulator::{Boundary, Health};
 use crate::graph::{CompiledGraph, FireInput, GraphDeclaration};
@@ -99,6 +99,7 @@ impl Reactor {
         fencing: Option<u64>,
     ) -> Result<(Self, Wiring), ReactorError> {
         state_tx.send_replace(ReactorState::Starting);
+        stats.state_changed(ReactorState::Starting);
         let key = decl.key();
         let names: Arc<[Arc<str>]> = decl
             .accumulators
@@ -175,9 +176,10 @@ impl Reactor {
         loop {
             while self.should_fire() {
                 let (values, consumed) = self.cache.take();
-                self.fire(values, consumed).await?;
+                self.fire(values, consumed, FireReason::Criteria).await?;
             }
             self.publish_progress();
+            self.report_queues();
             if self.snapshot_pending && !timer_armed {
                 let due = self.last_snapshot + self.config.snapshot_interval;
                 if due <= Instant::now() {
@@ -235,6 +237,7 @@ impl Reactor {
             debug!(graph = %self.graph, from = ?self.state, to = ?state, "reactor state");
             self.state = state;
             self.state_tx.send_replace(state);
+            self.stats.state_changed(state);
         }
     }
 
@@ -281,6 +284,7 @@ impl Reactor {
         &mut self,
         values: Vec<Option<Arc<Boundary>>>,
         consumed: Consumed,
+        reason: FireReason,
     ) -> Result<FireReport, ReactorError> {
         if self.config.strategy == Strategy::Sequential {
             for (i, _) in &consumed {
@@ -300,7 +304,7 @@ impl Reactor {
         );
         let started = StdInstant::now();
         let result = self.compiled.run(Arc::new(input)).await;
-        self.stats.fired(started.elapsed());
+        self.stats.fired(started.elapsed(), reason);
         let messages: Vec<(Outbound, Arc<dyn Sink>)> = match result {
             Ok(values) => values
                 .iter()
@@ -388,6 +392,13 @@ impl Reactor {
         }
     }
 
+    /// Once per loop turn, not per boundary: a gauge needs only the current depth.
+    fn report_queues(&self) {
+        for i in 0..self.cache.names().len() {
+            self.stats.queue_depth(i, self.cache.queued(i));
+        }
+    }
+
     async fn snapshot(&mut self) {
         let snapshot = self.cache.snapshot(self.fires, self.unacknowledged.iter());
         self.last_snapshot = Instant::now();
@@ -409,7 +420,7 @@ impl Reactor {
         match command {
             Command::ForceFire(reply) => {
                 let (values, consumed) = self.cache.take();
-                let report = self.fire(values, consumed).await?;
+                let report = self.fire(values, consumed, FireReason::Force).await?;
                 let _ = reply.send(Ok(report));
             }
             Command::FireWith(values, reply) => {
@@ -440,7 +451,7 @@ impl Reactor {
                     self.cache.inject(i, boundary);
                 }
                 let values = self.cache.values();
-                let report = self.fire(values, Vec::new()).await?;
+                let report = self.fire(values, Vec::new(), FireReason::FireWith).await?;
                 let _ = reply.send(Ok(report));
             }
             Command::GetState(reply) => {

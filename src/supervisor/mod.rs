@@ -14,14 +14,14 @@ use tokio::task::{Id, JoinError, JoinHandle, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{error, info, warn};
+use tracing::{error, info, info_span, warn, Instrument};
 
 pub use backoff::SupervisionPolicy;
 
 use crate::accumulator::runtime::{AccumulatorTask, SocketReceiver};
 use crate::accumulator::{Health, SourceSpec};
 use crate::graph::GraphDeclaration;
-use crate::metrics::{GraphStats, StatsSnapshot};
+use crate::metrics::{GraphStats, LeaseRole, StatsSnapshot};
 use crate::reactor::run::{Reactor, Wiring};
 use crate::reactor::{Command, ReactorHandle, ReactorInput, ReactorState};
 use crate::store::{RecoveryAction, RecoveryEvent, Store};
@@ -198,7 +198,8 @@ impl Supervisor {
         if graphs.contains_key(&decl.key()) {
             return Err(SupervisorError::DuplicateGraph(decl.key()));
         }
-        let stats = Arc::new(GraphStats::new(&decl.key()));
+        let sources: Vec<&str> = decl.accumulators.iter().map(|a| a.name.as_str()).collect();
+        let stats = Arc::new(GraphStats::new(&decl.key(), &sources));
         let (commands_tx, commands_rx) = mpsc::channel(COMMAND_QUEUE);
         let (status_tx, status_rx) = watch::channel(GraphStatus::Running);
         let (state_tx, state_rx) = watch::channel(ReactorState::Starting);
@@ -239,7 +240,8 @@ impl Supervisor {
             status: status_tx,
             state: state_tx,
         };
-        self.tasks.spawn(graph.supervise());
+        let span = info_span!("graph", graph = %handle.name);
+        self.tasks.spawn(graph.supervise().instrument(span));
         graphs.insert(handle.name.clone(), handle.clone());
         Ok(handle)
     }
@@ -393,6 +395,10 @@ impl SupervisedGraph {
             });
             let fencing = lease.as_ref().map(|(lease, _)| lease.token);
             let outcome = self.run_while_leased(&mut failures, &lost, fencing).await;
+            if lease.is_some() {
+                // Released below, or lost: either way no longer held.
+                crate::metrics::lease_dropped(LeaseRole::Graph);
+            }
             if let Some(renewer) = renewer {
                 renewer.abort();
             }
@@ -427,6 +433,7 @@ impl SupervisedGraph {
             {
                 Ok(Some(lease)) => {
                     info!(graph = %self.decl.key(), token = lease.token, "graph lease acquired");
+                    crate::metrics::lease_acquired(LeaseRole::Graph);
                     return Some(lease);
                 }
                 Ok(None) => {}
@@ -523,6 +530,11 @@ impl SupervisedGraph {
         Some(delay)
     }
 
+    /// Nested in the graph's span, so an accumulator's logs carry `graph` and `source`.
+    fn source_span(&self, index: usize) -> tracing::Span {
+        info_span!("accumulator", source = %self.decl.accumulators[index].name)
+    }
+
     fn accumulator_task(
         &self,
         index: usize,
@@ -570,18 +582,21 @@ impl SupervisedGraph {
         };
         let commands = self.commands.clone();
         let reactor_cancel = cancel.clone();
-        let mut reactor_task: JoinHandle<Result<(), String>> = tokio::spawn(async move {
-            let mut commands = commands.lock_owned().await;
-            reactor
-                .run(&mut commands, reactor_cancel)
-                .await
-                .map_err(|e| e.to_string())
-        });
+        let mut reactor_task: JoinHandle<Result<(), String>> = tokio::spawn(
+            async move {
+                let mut commands = commands.lock_owned().await;
+                reactor
+                    .run(&mut commands, reactor_cancel)
+                    .await
+                    .map_err(|e| e.to_string())
+            }
+            .instrument(info_span!("reactor")),
+        );
         let mut accumulators = JoinSet::new();
         let mut ids: HashMap<Id, usize> = HashMap::new();
         for index in 0..self.decl.accumulators.len() {
             let task = self.accumulator_task(index, &wiring, &cancel);
-            let handle = accumulators.spawn(task.run());
+            let handle = accumulators.spawn(task.run().instrument(self.source_span(index)));
             ids.insert(handle.id(), index);
         }
         self.status.send_replace(GraphStatus::Running);
@@ -614,6 +629,7 @@ impl SupervisedGraph {
                     let Some(index) = ids.remove(&id) else { continue };
                     let name = self.decl.accumulators[index].name.clone();
                     self.health[index].send_replace(Health::Disconnected);
+                    self.stats.health_changed(index, Health::Disconnected);
                     let _ = wiring.inputs.send(ReactorInput::Health { source: index, health: Health::Disconnected }).await;
                     let Some(delay) = self
                         .failure(failures, &name, RecoveryAction::AccumulatorRestarted, &error)
@@ -628,7 +644,7 @@ impl SupervisedGraph {
                             _ = restart_cancel.cancelled() => Ok(()),
                             _ = tokio::time::sleep(delay) => task.run().await,
                         }
-                    });
+                    }.instrument(self.source_span(index)));
                     ids.insert(handle.id(), index);
                 }
             }

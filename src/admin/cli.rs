@@ -1,0 +1,157 @@
+//! `weir graph …` (through a running weir's admin API), `weir tail` and `weir produce`
+//! (straight to the configured broker).
+
+use std::io::Write;
+
+use serde_json::Value;
+use tokio::io::AsyncBufRead;
+use tokio::io::AsyncBufReadExt;
+use tokio_util::sync::CancellationToken;
+
+use super::client::{segment, AdminClient};
+use crate::cli::{GraphCommand, ProduceArgs, TailArgs};
+use crate::codec::records::decode_known;
+use crate::config::{BrokerKind, Config};
+use crate::error::Error;
+use crate::transport::{Assignment, Broker, Outbound, StartFrom, Subscription};
+
+/// Runs one graph command and prints the API's JSON answer.
+pub async fn graph(
+    command: GraphCommand,
+    admin: &str,
+    token: Option<String>,
+    out: &mut impl Write,
+) -> Result<(), Error> {
+    let client = AdminClient::new(admin, token)?;
+    let path = |name: &str, action: &str| format!("/graphs/{}{action}", segment(name));
+    let answer = match command {
+        GraphCommand::List => client.get("/graphs").await?,
+        GraphCommand::State { name } => client.get(&path(&name, "")).await?,
+        GraphCommand::Fire { name } => client.post(&path(&name, "/fire"), None).await?,
+        GraphCommand::Pause { name } => client.post(&path(&name, "/pause"), None).await?,
+        GraphCommand::Resume { name } => client.post(&path(&name, "/resume"), None).await?,
+    };
+    writeln!(
+        out,
+        "{}",
+        serde_json::to_string_pretty(&answer).unwrap_or_default()
+    )?;
+    Ok(())
+}
+
+/// The broker of a config file; the in-process broker is refused, since another
+/// process's memory broker cannot be reached.
+async fn broker(
+    config: &std::path::Path,
+    command: &str,
+) -> Result<std::sync::Arc<dyn Broker>, Error> {
+    let config = Config::load(config)?;
+    if config.broker.kind == BrokerKind::Memory {
+        return Err(Error::Usage(format!(
+            "weir {command} needs [broker] kind = \"kafka\" or \"nats\": the memory broker lives inside one process"
+        )));
+    }
+    Ok(config.connect_broker().await?)
+}
+
+/// Prints each message of a topic on one line until cancelled (or `--count` messages).
+/// Reads with a consumer name of its own and never commits.
+pub async fn tail(
+    args: &TailArgs,
+    cancel: CancellationToken,
+    out: &mut impl Write,
+) -> Result<(), Error> {
+    let broker = broker(&args.config, "tail").await?;
+    let mut subscription = Subscription::new(
+        args.topic.clone(),
+        format!("weir.tail.{}", std::process::id()),
+    );
+    subscription.assignment = Assignment::All;
+    subscription.start = if args.from_beginning {
+        StartFrom::Earliest
+    } else {
+        StartFrom::Latest
+    };
+    let mut source = broker.subscribe(&subscription).await?;
+    let mut printed = 0;
+    while args.count.is_none_or(|n| printed < n) {
+        let message = tokio::select! {
+            _ = cancel.cancelled() => break,
+            message = source.next() => message?,
+        };
+        writeln!(out, "{}", render(&message.payload))?;
+        out.flush()?;
+        printed += 1;
+    }
+    Ok(())
+}
+
+/// One line for a payload: weir's Avro records and JSON as compact JSON, anything else
+/// as text with its line breaks escaped.
+pub fn render(payload: &[u8]) -> String {
+    match decode_known(payload) {
+        Some(Ok((_, value))) => value.to_string(),
+        Some(Err(e)) => format!("(undecodable weir record: {e})"),
+        None => match serde_json::from_slice::<Value>(payload) {
+            Ok(value) => value.to_string(),
+            Err(_) => String::from_utf8_lossy(payload)
+                .replace('\r', "\\r")
+                .replace('\n', "\\n"),
+        },
+    }
+}
+
+/// Publishes each non-blank line of `input` as one message, each acknowledged before
+/// the next is sent (so they keep their order), then reports the count on `report`.
+pub async fn produce(
+    args: &ProduceArgs,
+    input: impl AsyncBufRead + Unpin,
+    report: &mut impl Write,
+) -> Result<(), Error> {
+    let broker = broker(&args.config, "produce").await?;
+    let sink = broker.sink();
+    let mut lines = input.lines();
+    let mut count: u64 = 0;
+    while let Some(line) = lines.next_line().await? {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let mut message = Outbound::new(args.topic.clone(), line.into_bytes());
+        if let Some(key) = &args.key {
+            message = message.key(key.clone().into_bytes());
+        }
+        sink.publish(message).await?;
+        count += 1;
+    }
+    writeln!(report, "{count} messages published to {}", args.topic)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::render;
+    use crate::codec::avro::encode;
+    use crate::codec::CronTick;
+
+    #[test]
+    fn payloads_render_as_one_line_each() {
+        assert_eq!(render(br#"{ "a": [1, 2] }"#), r#"{"a":[1,2]}"#);
+        assert_eq!(render(b"plain\ntext"), "plain\\ntext");
+        let tick = CronTick {
+            schedule_id: "nightly".into(),
+            tick_id: "nightly@1".into(),
+            scheduled_time_ms: 1,
+            emitted_time_ms: 2,
+            fencing_token: 3,
+            delivery: "at_most_once".into(),
+            attempt: 1,
+            payload: "{}".into(),
+            node_id: "n1".into(),
+            tenant: None,
+        };
+        let line = render(&encode(&tick).unwrap());
+        let value: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(value["tick_id"], "nightly@1");
+        assert_eq!(value["tenant"], serde_json::Value::Null);
+    }
+}

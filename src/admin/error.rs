@@ -1,0 +1,83 @@
+//! What a route answers when it cannot do what was asked: a status code and
+//! `{"error": "...", "retryable": bool}`.
+
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+use crate::reactor::CommandError;
+use crate::store::StoreError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("missing or wrong bearer token")]
+    Unauthorized,
+    #[error("no {kind} named {name:?}")]
+    NotFound { kind: &'static str, name: String },
+    #[error("no such route")]
+    NoRoute,
+    #[error("{0}")]
+    BadRequest(String),
+    /// The route needs something this process does not run (a worker has no graphs).
+    #[error("this process has no {0}")]
+    NotServed(&'static str),
+    #[error("graph {graph} is {status}, not running on this node")]
+    GraphNotRunning { graph: String, status: String },
+    #[error("graph {graph} did not answer in time")]
+    Timeout { graph: String },
+    #[error(transparent)]
+    Command(#[from] CommandError),
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+}
+
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::NotFound { .. } | Self::NoRoute => StatusCode::NOT_FOUND,
+            Self::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Self::NotServed(_) => StatusCode::NOT_IMPLEMENTED,
+            Self::GraphNotRunning { .. } | Self::Timeout { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Command(CommandError::NotRunning { .. }) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Command(CommandError::UnknownSource { .. }) => StatusCode::BAD_REQUEST,
+            Self::Command(CommandError::Fire { .. }) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Store(e) if e.is_retryable() => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// Whether the same request may succeed later: a graph restarting or taking over, a
+    /// store coming back.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::GraphNotRunning { .. } | Self::Timeout { .. } => true,
+            Self::Command(e) => e.is_retryable(),
+            Self::Store(e) => e.is_retryable(),
+            Self::Unauthorized
+            | Self::NotFound { .. }
+            | Self::NoRoute
+            | Self::BadRequest(_)
+            | Self::NotServed(_) => false,
+        }
+    }
+
+    /// The JSON body every error carries.
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": self.to_string(), "retryable": self.is_retryable()})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status(), Json(self.body())).into_response();
+        if matches!(self, Self::Unauthorized) {
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
+        }
+        response
+    }
+}

@@ -1,0 +1,226 @@
+//! Graph routes, and the commands behind them that the WebSocket shares.
+//!
+//! - `GET /graphs`: `[{"name", "state", "status", ...}]`, `status` as in
+//!   [`GraphStatus`] (`failed` adds `error`, `restarting` adds `failures`).
+//! - `GET /graphs/{name}`: the reactor's [`ReactorStatus`] (per source: value, dirty flag,
+//!   health, queued, last sequence; `state`, `paused`, `fires`) plus `status`.
+//! - `POST /graphs/{name}/fire`: fire now; answers [`FireReport`] `{"fire", "outputs"}`.
+//! - `POST /graphs/{name}/fire-with`, body `{"source": value, ...}`: replace those cached
+//!   values and fire; answers [`FireReport`].
+//! - `POST /graphs/{name}/pause`, `/resume`: `{"graph", "paused"}`.
+//!
+//! A graph this node does not run (standby, restarting, failed) answers 503; an unknown
+//! graph 404.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use super::health::describe;
+use super::{AdminState, ApiError};
+use crate::reactor::{FireReport, ReactorState, ReactorStatus};
+use crate::supervisor::{GraphHandle, GraphStatus};
+
+/// Longest a command waits for the reactor's answer.
+pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A graph command, as the routes and the WebSocket (tagged by `command`) express it.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "command", rename_all = "snake_case")]
+pub enum GraphRequest {
+    List,
+    State {
+        graph: String,
+    },
+    Fire {
+        graph: String,
+    },
+    FireWith {
+        graph: String,
+        cache: BTreeMap<String, Value>,
+    },
+    Pause {
+        graph: String,
+    },
+    Resume {
+        graph: String,
+    },
+}
+
+/// One entry of `GET /graphs`.
+#[derive(Debug, Clone, Serialize)]
+pub struct GraphSummary {
+    pub name: String,
+    pub state: ReactorState,
+    #[serde(flatten)]
+    pub status: GraphStatus,
+}
+
+/// `GET /graphs/{name}`.
+#[derive(Debug, Clone, Serialize)]
+pub struct GraphDetail {
+    #[serde(flatten)]
+    pub status: GraphStatus,
+    #[serde(flatten)]
+    pub reactor: ReactorStatus,
+}
+
+pub(super) fn routes() -> Router<AdminState> {
+    Router::new()
+        .route("/graphs", get(list))
+        .route("/graphs/{name}", get(state))
+        .route("/graphs/{name}/fire", post(fire))
+        .route("/graphs/{name}/fire-with", post(fire_with))
+        .route("/graphs/{name}/pause", post(pause))
+        .route("/graphs/{name}/resume", post(resume))
+}
+
+/// Runs one command; the answer is the JSON the matching route returns.
+pub async fn execute(state: &AdminState, request: GraphRequest) -> Result<Value, ApiError> {
+    match request {
+        GraphRequest::List => {
+            let graphs: Vec<GraphSummary> = state
+                .supervisor
+                .iter()
+                .flat_map(|s| s.graphs())
+                .map(|g| GraphSummary {
+                    name: g.name().to_string(),
+                    state: g.state(),
+                    status: g.status(),
+                })
+                .collect();
+            Ok(to_json(&graphs))
+        }
+        GraphRequest::State { graph } => {
+            let handle = running(state, &graph)?;
+            let reactor = answer(&graph, handle.reactor().get_state()).await?;
+            Ok(to_json(&GraphDetail {
+                status: handle.status(),
+                reactor,
+            }))
+        }
+        GraphRequest::Fire { graph } => {
+            let handle = running(state, &graph)?;
+            let report: FireReport = answer(&graph, handle.reactor().force_fire()).await?;
+            Ok(to_json(&report))
+        }
+        GraphRequest::FireWith { graph, cache } => {
+            let handle = running(state, &graph)?;
+            let report = answer(&graph, handle.reactor().fire_with(cache)).await?;
+            Ok(to_json(&report))
+        }
+        GraphRequest::Pause { graph } => {
+            let handle = running(state, &graph)?;
+            answer(&graph, handle.reactor().pause()).await?;
+            Ok(json!({"graph": graph, "paused": true}))
+        }
+        GraphRequest::Resume { graph } => {
+            let handle = running(state, &graph)?;
+            answer(&graph, handle.reactor().resume()).await?;
+            Ok(json!({"graph": graph, "paused": false}))
+        }
+    }
+}
+
+/// weir's response types have string keys and JSON values only, so this cannot fail.
+pub(super) fn to_json<T: Serialize>(value: &T) -> Value {
+    serde_json::to_value(value).unwrap_or(Value::Null)
+}
+
+fn lookup(state: &AdminState, name: &str) -> Result<GraphHandle, ApiError> {
+    state
+        .supervisor
+        .as_ref()
+        .and_then(|s| s.graph(name))
+        .ok_or_else(|| ApiError::NotFound {
+            kind: "graph",
+            name: name.to_string(),
+        })
+}
+
+/// The graph's handle if its reactor runs on this node. Commands to a graph that is not
+/// running would wait in its queue until it runs again, perhaps never.
+fn running(state: &AdminState, name: &str) -> Result<GraphHandle, ApiError> {
+    let handle = lookup(state, name)?;
+    match handle.status() {
+        GraphStatus::Running => Ok(handle),
+        status => Err(ApiError::GraphNotRunning {
+            graph: name.to_string(),
+            status: describe(&status),
+        }),
+    }
+}
+
+async fn answer<T>(
+    graph: &str,
+    reply: impl std::future::Future<Output = Result<T, crate::reactor::CommandError>>,
+) -> Result<T, ApiError> {
+    match tokio::time::timeout(COMMAND_TIMEOUT, reply).await {
+        Ok(result) => Ok(result?),
+        Err(_) => Err(ApiError::Timeout {
+            graph: graph.to_string(),
+        }),
+    }
+}
+
+async fn list(State(state): State<AdminState>) -> Result<Json<Value>, ApiError> {
+    execute(&state, GraphRequest::List).await.map(Json)
+}
+
+async fn state(
+    State(state): State<AdminState>,
+    Path(graph): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    execute(&state, GraphRequest::State { graph })
+        .await
+        .map(Json)
+}
+
+async fn fire(
+    State(state): State<AdminState>,
+    Path(graph): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    execute(&state, GraphRequest::Fire { graph })
+        .await
+        .map(Json)
+}
+
+/// The body is read as JSON whatever its content type, so `curl -d '{...}'` works.
+async fn fire_with(
+    State(state): State<AdminState>,
+    Path(graph): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let cache: BTreeMap<String, Value> = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::BadRequest(format!(
+            "the body must be a JSON object of source name to value: {e}"
+        ))
+    })?;
+    execute(&state, GraphRequest::FireWith { graph, cache })
+        .await
+        .map(Json)
+}
+
+async fn pause(
+    State(state): State<AdminState>,
+    Path(graph): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    execute(&state, GraphRequest::Pause { graph })
+        .await
+        .map(Json)
+}
+
+async fn resume(
+    State(state): State<AdminState>,
+    Path(graph): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    execute(&state, GraphRequest::Resume { graph })
+        .await
+        .map(Json)
+}

@@ -1,0 +1,302 @@
+//! The admin API and the metrics endpoint, over HTTP (axum), and the commands that talk
+//! to them (`weir graph`) or to topics directly (`weir tail`, `weir produce`).
+//!
+//! [`serve`] starts the listeners a [`Listen`] names. The metrics listener serves only
+//! `GET /metrics`; the admin listener serves every route:
+//!
+//! | route | auth | what |
+//! | --- | --- | --- |
+//! | `GET /healthz` | open | 200 `ok` while the process runs |
+//! | `GET /readyz` | open | 200 when the store and broker answer and every graph is Live, else 503 naming why ([`health`]) |
+//! | `GET /metrics` | open | Prometheus text format |
+//! | `GET /graphs`, `GET /graphs/{name}`, `POST /graphs/{name}/fire`, `/fire-with`, `/pause`, `/resume` | token | [`graphs`] |
+//! | `GET /ws` | token | the graph commands over a WebSocket ([`ws`]) |
+//! | `GET /schedules`, `GET /schedules/{id}`, `POST /schedules/{id}/pause`, `/resume` | token | [`schedules`] |
+//! | `GET /recovery-events?graph=&limit=` | token | [`recovery`] |
+//!
+//! With a token configured, "token" routes need `Authorization: Bearer <token>` ([`auth`]).
+//! `/metrics` stays open on both listeners: scrapers rarely carry credentials, and it
+//! shows counts, never data, and controls nothing.
+//!
+//! Every error is JSON `{"error": "...", "retryable": bool}` ([`error`]).
+//!
+//! [`AdminState`] holds what this process has: a supervisor (graphs), a store
+//! (schedules, recovery events), a broker (readiness). A process with none of them still
+//! serves health and metrics. A new concern's routes go in their own file, merged in
+//! [`router`]; its handlers read the state through the accessors.
+
+mod auth;
+pub mod cli;
+pub mod client;
+pub mod error;
+pub mod graphs;
+pub mod health;
+pub mod recovery;
+pub mod schedules;
+pub mod workflows;
+pub mod ws;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::metrics::MetricsError;
+use crate::store::Store;
+use crate::supervisor::{Runtime, Supervisor};
+use crate::transport::Broker;
+
+pub use error::ApiError;
+
+/// How often histograms are rotated when nobody scrapes.
+const UPKEEP_PERIOD: Duration = Duration::from_secs(5);
+/// Longest [`Servers::stopped`] lets requests in progress finish.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Where the HTTP listeners run; `None` runs none.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Listen {
+    /// `GET /metrics` only.
+    pub metrics: Option<SocketAddr>,
+    /// Every admin route, `/metrics` included.
+    pub admin: Option<SocketAddr>,
+}
+
+/// What the admin routes can reach in this process.
+#[derive(Clone)]
+pub struct AdminState {
+    supervisor: Option<Arc<Supervisor>>,
+    store: Option<Arc<dyn Store>>,
+    broker: Option<Arc<dyn Broker>>,
+    token: Option<Arc<str>>,
+    cron_shards: u32,
+    metrics: Option<PrometheusHandle>,
+    shutdown: CancellationToken,
+}
+
+impl Default for AdminState {
+    fn default() -> Self {
+        Self {
+            supervisor: None,
+            store: None,
+            broker: None,
+            token: None,
+            cron_shards: crate::config::defaults::CRON_SHARDS,
+            metrics: None,
+            shutdown: CancellationToken::new(),
+        }
+    }
+}
+
+impl AdminState {
+    /// Health and metrics only; add what the process has with the `with_` methods.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn with_supervisor(mut self, supervisor: Arc<Supervisor>) -> Self {
+        self.supervisor = Some(supervisor);
+        self
+    }
+
+    /// The runtime's store and broker.
+    pub fn with_runtime(self, runtime: &Runtime) -> Self {
+        self.with_store(runtime.store.clone())
+            .with_broker(runtime.broker.clone())
+    }
+
+    pub fn with_store(mut self, store: Arc<dyn Store>) -> Self {
+        self.store = Some(store);
+        self
+    }
+
+    pub fn with_broker(mut self, broker: Arc<dyn Broker>) -> Self {
+        self.broker = Some(broker);
+        self
+    }
+
+    /// The bearer token protected routes require; `None` leaves them open.
+    pub fn with_token(mut self, token: Option<String>) -> Self {
+        self.token = token.map(Arc::from);
+        self
+    }
+
+    /// Shards of the cron scheduler, so resuming a schedule files it in the right one.
+    pub fn with_cron_shards(mut self, shards: u32) -> Self {
+        self.cron_shards = shards;
+        self
+    }
+
+    pub fn supervisor(&self) -> Option<&Arc<Supervisor>> {
+        self.supervisor.as_ref()
+    }
+
+    pub fn store(&self) -> Option<&Arc<dyn Store>> {
+        self.store.as_ref()
+    }
+
+    /// The store, or the error a route that needs one answers with.
+    pub fn require_store(&self) -> Result<&Arc<dyn Store>, ApiError> {
+        self.store.as_ref().ok_or(ApiError::NotServed("store"))
+    }
+
+    pub fn broker(&self) -> Option<&Arc<dyn Broker>> {
+        self.broker.as_ref()
+    }
+
+    pub fn cron_shards(&self) -> u32 {
+        self.cron_shards
+    }
+
+    /// Cancelled when the listeners stop; long-lived handlers (WebSockets) end on it.
+    pub fn shutdown(&self) -> &CancellationToken {
+        &self.shutdown
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Metrics(#[from] MetricsError),
+    #[error("admin URL {url:?}: {reason}")]
+    Url { url: String, reason: String },
+    #[error("cannot reach the admin API at {url}: {reason}")]
+    Connect { url: String, reason: String },
+    /// The admin API answered with an error status; `message` is its error text.
+    #[error("admin API answered {status}: {message}")]
+    Status { status: u16, message: String },
+    #[error("admin API answer is not JSON: {0}")]
+    Response(String),
+}
+
+impl AdminError {
+    /// A busy port may free up, an unreachable server come back, a 503 clear; a wrong
+    /// URL or a refused request stays so.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Bind { source, .. } => source.kind() == std::io::ErrorKind::AddrInUse,
+            Self::Connect { .. } => true,
+            Self::Status { status, .. } => *status == 503,
+            Self::Metrics(_) | Self::Url { .. } | Self::Response(_) => false,
+        }
+    }
+}
+
+/// The running listeners.
+pub struct Servers {
+    /// The admin listener's bound address (useful with port 0).
+    pub admin: Option<SocketAddr>,
+    pub metrics: Option<SocketAddr>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Servers {
+    /// Waits for the listeners to stop once the token given to [`serve`] is cancelled;
+    /// requests still running after a grace period are dropped.
+    pub async fn stopped(self) {
+        let aborts: Vec<_> = self.tasks.iter().map(|t| t.abort_handle()).collect();
+        let all = futures::future::join_all(self.tasks);
+        if tokio::time::timeout(SHUTDOWN_GRACE, all).await.is_err() {
+            warn!("admin requests still running at shutdown; dropping them");
+            aborts.iter().for_each(|a| a.abort());
+        }
+    }
+}
+
+/// Every route, on `state`.
+pub fn router(state: AdminState) -> Router {
+    let protected = Router::new()
+        .merge(graphs::routes())
+        .merge(ws::routes())
+        .merge(schedules::routes())
+        .merge(recovery::routes())
+        .merge(workflows::routes())
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_token,
+        ));
+    Router::new()
+        .merge(health::routes())
+        .merge(protected)
+        .fallback(|| async { ApiError::NoRoute })
+        .with_state(state)
+}
+
+/// Starts the listeners `listen` names, serving `state` until `cancel` fires.
+///
+/// Installs the process's Prometheus recorder (once). Metric handles bind to the
+/// recorder present when they are created, so call this before spawning graphs. Both
+/// addresses are bound before anything is served: a bind error starts nothing.
+pub async fn serve(
+    mut state: AdminState,
+    listen: &Listen,
+    cancel: CancellationToken,
+) -> Result<Servers, AdminError> {
+    let mut servers = Servers {
+        admin: None,
+        metrics: None,
+        tasks: Vec::new(),
+    };
+    if listen.admin.is_none() && listen.metrics.is_none() {
+        return Ok(servers);
+    }
+    let handle = crate::metrics::prometheus()?;
+    state.metrics = Some(handle.clone());
+    state.shutdown = cancel.clone();
+    let admin = bind(listen.admin).await?;
+    let metrics = bind(listen.metrics).await?;
+    if let Some(listener) = admin {
+        servers.admin = listener.local_addr().ok();
+        info!(addr = ?servers.admin, "admin API listening");
+        let app = router(state.clone());
+        servers
+            .tasks
+            .push(tokio::spawn(run(listener, app, cancel.clone())));
+    }
+    if let Some(listener) = metrics {
+        servers.metrics = listener.local_addr().ok();
+        info!(addr = ?servers.metrics, "metrics listening");
+        let app = health::metrics_routes().with_state(state);
+        servers
+            .tasks
+            .push(tokio::spawn(run(listener, app, cancel.clone())));
+    }
+    servers.tasks.push(tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(UPKEEP_PERIOD) => handle.run_upkeep(),
+            }
+        }
+    }));
+    Ok(servers)
+}
+
+async fn bind(addr: Option<SocketAddr>) -> Result<Option<TcpListener>, AdminError> {
+    let Some(addr) = addr else { return Ok(None) };
+    TcpListener::bind(addr)
+        .await
+        .map(Some)
+        .map_err(|source| AdminError::Bind { addr, source })
+}
+
+async fn run(listener: TcpListener, app: Router, cancel: CancellationToken) {
+    let addr = listener.local_addr().ok();
+    if let Err(e) = axum::serve(listener, app)
+        .with_graceful_shutdown(cancel.cancelled_owned())
+        .await
+    {
+        warn!(?addr, error = %e, "HTTP listener stopped");
+    }
+}

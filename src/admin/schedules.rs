@@ -1,0 +1,115 @@
+//! Schedule routes, over the store.
+//!
+//! - `GET /schedules`: every schedule as stored, plus `next_fire` (RFC 3339 or null).
+//! - `GET /schedules/{id}`: the same for one, plus its newest `executions`.
+//! - `POST /schedules/{id}/pause`, `/resume`: `{"id", "enabled"}`; resuming fires from the
+//!   next time after now.
+
+use std::collections::HashMap;
+
+use axum::extract::{Path, State};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use chrono::{TimeZone, Utc};
+use serde_json::{json, Value};
+
+use super::graphs::to_json;
+use super::{AdminState, ApiError};
+use crate::cron::cli::format_instant;
+use crate::cron::scheduler::{set_enabled, shard_of, RegisterError};
+use crate::cron::Schedule;
+use crate::store::Store;
+
+/// Executions shown with one schedule.
+const EXECUTIONS_SHOWN: usize = 20;
+
+pub(super) fn routes() -> Router<AdminState> {
+    Router::new()
+        .route("/schedules", get(list))
+        .route("/schedules/{id}", get(show))
+        .route("/schedules/{id}/pause", post(pause))
+        .route("/schedules/{id}/resume", post(resume))
+}
+
+/// Next fire times of the shards' schedules, by id.
+async fn next_fires(
+    store: &dyn Store,
+    shards: impl IntoIterator<Item = u32>,
+) -> Result<HashMap<String, i64>, ApiError> {
+    let mut next = HashMap::new();
+    for shard in shards {
+        next.extend(store.due_schedules(shard, i64::MAX, usize::MAX).await?);
+    }
+    Ok(next)
+}
+
+fn entry(schedule: &Schedule, next: &HashMap<String, i64>) -> Value {
+    let mut value = to_json(schedule);
+    value["next_fire"] = next
+        .get(&schedule.id)
+        .and_then(|ms| Utc.timestamp_millis_opt(*ms).single())
+        .map(format_instant)
+        .into();
+    value
+}
+
+async fn list(State(state): State<AdminState>) -> Result<Json<Value>, ApiError> {
+    let store = state.require_store()?;
+    let schedules = store.list_schedules().await?;
+    let next = next_fires(store.as_ref(), 0..state.cron_shards().max(1)).await?;
+    Ok(Json(Value::Array(
+        schedules.iter().map(|s| entry(s, &next)).collect(),
+    )))
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::NotFound {
+        kind: "schedule",
+        name: id.to_string(),
+    }
+}
+
+async fn show(
+    State(state): State<AdminState>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let store = state.require_store()?;
+    let schedule = store
+        .get_schedule(&id)
+        .await?
+        .ok_or_else(|| not_found(&id))?;
+    let next = next_fires(store.as_ref(), [shard_of(&id, state.cron_shards())]).await?;
+    let mut value = entry(&schedule, &next);
+    value["executions"] = to_json(&store.executions(&id, EXECUTIONS_SHOWN).await?);
+    Ok(Json(value))
+}
+
+async fn toggle(state: &AdminState, id: &str, enabled: bool) -> Result<Json<Value>, ApiError> {
+    let store = state.require_store()?;
+    let found = set_enabled(store.as_ref(), id, enabled, state.cron_shards())
+        .await
+        .map_err(|e| match e {
+            RegisterError::Store(e) => ApiError::Store(e),
+            RegisterError::Invalid(e) => {
+                ApiError::BadRequest(format!("stored schedule {id:?} is invalid: {e}"))
+            }
+        })?;
+    if !found {
+        return Err(not_found(id));
+    }
+    Ok(Json(json!({"id": id, "enabled": enabled})))
+}
+
+async fn pause(
+    State(state): State<AdminState>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    toggle(&state, &id, false).await
+}
+
+async fn resume(
+    State(state): State<AdminState>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    toggle(&state, &id, true).await
+}

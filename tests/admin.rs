@@ -1,0 +1,821 @@
+//! The admin API and `/metrics`: counters scraped while a pipeline runs, every route
+//! with and without the token, the WebSocket commands, `weir graph`; and, on real
+//! services, readiness following Redis, `weir tail` and `weir produce`.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::eventually;
+use futures::{SinkExt, StreamExt};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_util::sync::CancellationToken;
+use weir::admin::{AdminState, Listen};
+use weir::graph::FunctionRegistry;
+use weir::store::memory::MemoryStore;
+use weir::store::{RecoveryAction, RecoveryEvent, Store};
+use weir::transport::memory::MemoryBroker;
+use weir::{
+    AccumulatorSpec, Criteria, GraphBuilder, GraphHandle, ReactorConfig, ReactorState, Runtime,
+    Strategy, SupervisionPolicy, Supervisor,
+};
+
+const TOKEN: &str = "s3cret";
+
+/// A supervisor on the embedded backends with both listeners on free ports.
+struct Admin {
+    supervisor: Arc<Supervisor>,
+    store: Arc<MemoryStore>,
+    admin: SocketAddr,
+    metrics: SocketAddr,
+    cancel: CancellationToken,
+}
+
+impl Admin {
+    async fn start(token: Option<&str>) -> Self {
+        let broker = MemoryBroker::default();
+        let store = Arc::new(MemoryStore::new());
+        let runtime = Runtime {
+            broker: Arc::new(broker),
+            store: store.clone(),
+            node_id: "admin-test".into(),
+        };
+        let cancel = CancellationToken::new();
+        let policy = SupervisionPolicy {
+            graph_lease_ttl: Some(Duration::from_secs(10)),
+            ..SupervisionPolicy::default()
+        };
+        let supervisor = Arc::new(Supervisor::new(runtime.clone(), policy, cancel.clone()));
+        let state = AdminState::new()
+            .with_supervisor(supervisor.clone())
+            .with_runtime(&runtime)
+            .with_token(token.map(String::from));
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let listen = Listen {
+            metrics: Some(any),
+            admin: Some(any),
+        };
+        let servers = weir::admin::serve(state, &listen, cancel.clone())
+            .await
+            .unwrap();
+        Self {
+            supervisor,
+            store,
+            admin: servers.admin.unwrap(),
+            metrics: servers.metrics.unwrap(),
+            cancel,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.admin)
+    }
+
+    /// A sequential, when_any graph of one push-only source `a`: one fire per event.
+    async fn graph(&self, name: &str) -> GraphHandle {
+        let decl = GraphBuilder::new(name)
+            .reactor(ReactorConfig {
+                criteria: Criteria::WhenAny,
+                strategy: Strategy::Sequential,
+                ..ReactorConfig::default()
+            })
+            .accumulator(AccumulatorSpec::passthrough("a"))
+            .function("snapshot", &FunctionRegistry::default(), "snapshot")
+            .output("snapshot", format!("{name}.out"))
+            .build()
+            .unwrap();
+        let handle = self.supervisor.spawn(decl).unwrap();
+        handle.wait_for_state(ReactorState::Live).await;
+        handle
+    }
+}
+
+impl Drop for Admin {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+/// One HTTP exchange: status and body text.
+async fn http(method: &str, url: &str, token: Option<&str>, body: Option<&str>) -> (u16, String) {
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let mut request = hyper::Request::builder().method(method).uri(url);
+    if let Some(token) = token {
+        request = request.header("authorization", format!("Bearer {token}"));
+    }
+    let request = request
+        .body(Full::new(Bytes::from(body.unwrap_or_default().to_string())))
+        .unwrap();
+    let response = client.request(request).await.unwrap();
+    let status = response.status().as_u16();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+async fn json_of(method: &str, url: &str, token: Option<&str>, body: Option<&str>) -> (u16, Value) {
+    let (status, text) = http(method, url, token, body).await;
+    let value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{url}: {e}: {text}"));
+    (status, value)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A Prometheus text-format sample: name, labels, value.
+type Sample = (String, BTreeMap<String, String>, f64);
+
+fn parse_samples(text: &str) -> Vec<Sample> {
+    let mut samples = Vec::new();
+    for line in text.lines() {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').expect("sample has a value");
+        let value: f64 = value.parse().expect("numeric value");
+        let (name, labels) = match series.split_once('{') {
+            Some((name, rest)) => {
+                let body = rest.strip_suffix('}').expect("closing brace");
+                let mut labels = BTreeMap::new();
+                // Label values here are graph, source and state names: no quotes or commas.
+                for pair in body.split(',').filter(|p| !p.is_empty()) {
+                    let (k, v) = pair.split_once('=').expect("label=value");
+                    labels.insert(k.to_string(), v.trim_matches('"').to_string());
+                }
+                (name.to_string(), labels)
+            }
+            None => (series.to_string(), BTreeMap::new()),
+        };
+        samples.push((name, labels, value));
+    }
+    samples
+}
+
+/// The value of the one series of `name` whose labels include `labels`.
+fn metric(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let matching: Vec<f64> = samples
+        .iter()
+        .filter(|(n, l, _)| {
+            n == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|(_, _, v)| *v)
+        .collect();
+    assert!(
+        matching.len() <= 1,
+        "{name} {labels:?} matches several series"
+    );
+    matching.first().copied()
+}
+
+async fn scrape(addr: SocketAddr) -> Vec<Sample> {
+    let (status, text) = http("GET", &format!("http://{addr}/metrics"), None, None).await;
+    assert_eq!(status, 200);
+    parse_samples(&text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_what_the_pipeline_did() {
+    const N: u64 = 500;
+    let admin = Admin::start(None).await;
+    let graph = admin.graph("metered").await;
+    for i in 0..N {
+        graph.push("a", json!(i)).await.unwrap();
+    }
+    eventually("every event published", || async {
+        graph.stats().outputs == N
+    })
+    .await;
+
+    let g = ("graph", "metered");
+    let samples = scrape(admin.metrics).await;
+    for name in [
+        weir::metrics::EVENTS_TOTAL,
+        weir::metrics::BOUNDARIES_TOTAL,
+        weir::metrics::OUTPUTS_TOTAL,
+    ] {
+        assert_eq!(metric(&samples, name, &[g]), Some(N as f64), "{name}");
+    }
+    let fires = |samples: &[Sample], reason| {
+        metric(
+            samples,
+            weir::metrics::FIRES_TOTAL,
+            &[g, ("reason", reason)],
+        )
+    };
+    assert_eq!(fires(&samples, "criteria"), Some(N as f64));
+    assert_eq!(fires(&samples, "force"), Some(0.0));
+    let state = |state| {
+        metric(
+            &samples,
+            weir::metrics::REACTOR_STATE,
+            &[g, ("state", state)],
+        )
+    };
+    assert_eq!(state("live"), Some(1.0));
+    assert_eq!(state("warming"), Some(0.0));
+    assert_eq!(state("starting"), Some(0.0));
+    let health = |health| {
+        metric(
+            &samples,
+            weir::metrics::ACCUMULATOR_HEALTH,
+            &[g, ("source", "a"), ("health", health)],
+        )
+    };
+    assert_eq!(health("socket_only"), Some(1.0));
+    assert_eq!(health("starting"), Some(0.0));
+    assert_eq!(
+        metric(&samples, weir::metrics::QUEUE_DEPTH, &[g, ("source", "a")]),
+        Some(0.0)
+    );
+    let role = ("role", "graph");
+    assert!(metric(&samples, weir::metrics::LEASE_HELD, &[role]).unwrap() >= 1.0);
+    assert!(metric(&samples, weir::metrics::LEASE_ACQUISITIONS_TOTAL, &[role]).unwrap() >= 1.0);
+
+    // Commands count under their own reason; the admin listener serves /metrics too.
+    let (status, _) = http("POST", &admin.url("/graphs/metered/fire"), None, None).await;
+    assert_eq!(status, 200);
+    let body = r#"{"a": 42}"#;
+    let (status, _) = http(
+        "POST",
+        &admin.url("/graphs/metered/fire-with"),
+        None,
+        Some(body),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let samples = scrape(admin.admin).await;
+    assert_eq!(fires(&samples, "force"), Some(1.0));
+    assert_eq!(fires(&samples, "fire_with"), Some(1.0));
+    assert_eq!(fires(&samples, "criteria"), Some(N as f64));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_route_answers_and_protected_ones_need_the_token() {
+    let admin = Admin::start(Some(TOKEN)).await;
+    let graph = admin.graph("routed").await;
+    graph.push("a", json!({"px": 1})).await.unwrap();
+    eventually("the event fired", || async { graph.stats().outputs == 1 }).await;
+    let store: &dyn Store = admin.store.as_ref();
+    weir::cron::scheduler::register(
+        store,
+        &weir::cron::Schedule::new("nightly", "0 3 * * *", "UTC"),
+        1,
+    )
+    .await
+    .unwrap();
+    store
+        .record_recovery(&RecoveryEvent {
+            graph: "routed".into(),
+            component: "a".into(),
+            action: RecoveryAction::AccumulatorRestarted,
+            attempt: 1,
+            error: "boom".into(),
+            at_ms: 1,
+            node_id: "admin-test".into(),
+        })
+        .await
+        .unwrap();
+
+    // Open routes.
+    assert_eq!(
+        http("GET", &admin.url("/healthz"), None, None).await,
+        (200, "ok".into())
+    );
+    let (status, ready) = json_of("GET", &admin.url("/readyz"), None, None).await;
+    assert_eq!((status, &ready), (200, &json!({"ready": true})));
+    let (status, text) = http("GET", &admin.url("/metrics"), None, None).await;
+    assert_eq!(status, 200);
+    assert!(text.contains("weir_events_total"), "{text}");
+
+    let protected = [
+        ("GET", "/graphs", None),
+        ("GET", "/graphs/routed", None),
+        ("POST", "/graphs/routed/fire", None),
+        ("POST", "/graphs/routed/fire-with", Some(r#"{"a": 2}"#)),
+        ("POST", "/graphs/routed/pause", None),
+        ("POST", "/graphs/routed/resume", None),
+        ("GET", "/schedules", None),
+        ("GET", "/schedules/nightly", None),
+        ("POST", "/schedules/nightly/pause", None),
+        ("POST", "/schedules/nightly/resume", None),
+        ("GET", "/recovery-events", None),
+        ("GET", "/ws", None),
+    ];
+    for (method, path, body) in protected {
+        for token in [None, Some("wrong")] {
+            let (status, error) = json_of(method, &admin.url(path), token, body).await;
+            assert_eq!(status, 401, "{method} {path} with {token:?}");
+            assert_eq!(error["retryable"], false);
+            assert!(
+                error["error"].as_str().unwrap().contains("token"),
+                "{error}"
+            );
+        }
+        if path != "/ws" {
+            let (status, answer) = json_of(method, &admin.url(path), Some(TOKEN), body).await;
+            assert_eq!(status, 200, "{method} {path}: {answer}");
+        }
+    }
+
+    let t = Some(TOKEN);
+    let (_, list) = json_of("GET", &admin.url("/graphs"), t, None).await;
+    assert_eq!(
+        list,
+        json!([{"name": "routed", "state": "live", "status": "running"}])
+    );
+    let (_, state) = json_of("GET", &admin.url("/graphs/routed"), t, None).await;
+    assert_eq!(state["graph"], "routed");
+    assert_eq!(state["state"], "live");
+    assert_eq!(state["status"], "running");
+    assert_eq!(state["paused"], false);
+    assert_eq!(state["sources"]["a"]["health"], "socket_only");
+    assert_eq!(state["sources"]["a"]["dirty"], false);
+    // fire-with replaced the cached value.
+    assert_eq!(state["sources"]["a"]["value"], 2);
+    let (_, fired) = json_of("POST", &admin.url("/graphs/routed/fire"), t, None).await;
+    assert_eq!(fired["outputs"], 1);
+    assert!(fired["fire"].as_u64().unwrap() >= 3, "{fired}");
+
+    let (_, paused) = json_of("POST", &admin.url("/graphs/routed/pause"), t, None).await;
+    assert_eq!(paused, json!({"graph": "routed", "paused": true}));
+    let (_, state) = json_of("GET", &admin.url("/graphs/routed"), t, None).await;
+    assert_eq!(state["paused"], true);
+    json_of("POST", &admin.url("/graphs/routed/resume"), t, None).await;
+
+    // Bad input and unknown names.
+    for (method, path) in [
+        ("GET", "/graphs/nope"),
+        ("POST", "/graphs/nope/fire"),
+        ("POST", "/graphs/nope/pause"),
+        ("GET", "/schedules/nope"),
+        ("POST", "/schedules/nope/resume"),
+    ] {
+        let (status, error) = json_of(method, &admin.url(path), t, Some("{}")).await;
+        assert_eq!(status, 404, "{method} {path}");
+        assert!(
+            error["error"].as_str().unwrap().contains("\"nope\""),
+            "{error}"
+        );
+    }
+    let url = admin.url("/graphs/routed/fire-with");
+    let (status, error) = json_of("POST", &url, t, Some("[1]")).await;
+    assert_eq!(status, 400, "{error}");
+    let (status, error) = json_of("POST", &url, t, Some(r#"{"zz": 1}"#)).await;
+    assert_eq!(status, 400, "{error}");
+    assert!(error["error"].as_str().unwrap().contains("zz"), "{error}");
+    let (status, _) = json_of("GET", &admin.url("/no/such/route"), t, None).await;
+    assert_eq!(status, 404);
+
+    // Schedules.
+    let (_, schedules) = json_of("GET", &admin.url("/schedules"), t, None).await;
+    assert_eq!(schedules[0]["id"], "nightly");
+    assert!(schedules[0]["next_fire"]
+        .as_str()
+        .unwrap()
+        .ends_with("T03:00:00Z"));
+    let (_, paused) = json_of("POST", &admin.url("/schedules/nightly/pause"), t, None).await;
+    assert_eq!(paused, json!({"id": "nightly", "enabled": false}));
+    let (_, shown) = json_of("GET", &admin.url("/schedules/nightly"), t, None).await;
+    assert_eq!(shown["enabled"], false);
+    assert_eq!(shown["next_fire"], Value::Null);
+    assert_eq!(shown["executions"], json!([]));
+    json_of("POST", &admin.url("/schedules/nightly/resume"), t, None).await;
+    let (_, shown) = json_of("GET", &admin.url("/schedules/nightly"), t, None).await;
+    assert_eq!(shown["enabled"], true);
+    assert!(shown["next_fire"].is_string());
+
+    // Recovery events.
+    let url = admin.url("/recovery-events?graph=routed&limit=5");
+    let (_, events) = json_of("GET", &url, t, None).await;
+    assert_eq!(events[0]["component"], "a");
+    assert_eq!(events[0]["action"], "accumulator_restarted");
+    let (_, events) = json_of("GET", &admin.url("/recovery-events?graph=other"), t, None).await;
+    assert_eq!(events, json!([]));
+    let (status, _) = json_of("GET", &admin.url("/recovery-events?limit=x"), t, None).await;
+    assert_eq!(status, 400);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_commands_answer_in_order() {
+    let admin = Admin::start(Some(TOKEN)).await;
+    let graph = admin.graph("socketed").await;
+    graph.push("a", json!(1)).await.unwrap();
+    eventually("the event fired", || async { graph.stats().outputs == 1 }).await;
+
+    let url = format!("ws://{}/ws", admin.admin);
+    let refused = tokio_tungstenite::connect_async(url.as_str()).await;
+    assert!(refused.is_err(), "the upgrade needs the token");
+
+    let mut request = url.as_str().into_client_request().unwrap();
+    request
+        .headers_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    let (mut socket, _) = tokio_tungstenite::connect_async(request).await.unwrap();
+    let mut ask = async |request: Value| -> Value {
+        socket
+            .send(Message::text(request.to_string()))
+            .await
+            .unwrap();
+        loop {
+            match socket.next().await.unwrap().unwrap() {
+                Message::Text(text) => return serde_json::from_str(text.as_str()).unwrap(),
+                Message::Ping(_) | Message::Pong(_) => continue,
+                other => panic!("unexpected frame {other:?}"),
+            }
+        }
+    };
+
+    let list = ask(json!({"id": 1, "command": "list"})).await;
+    assert_eq!(list["id"], 1);
+    assert_eq!(list["ok"], true);
+    assert_eq!(list["result"][0]["name"], "socketed");
+    let fired = ask(json!({"id": 2, "command": "fire", "graph": "socketed"})).await;
+    assert_eq!(fired["result"]["outputs"], 1, "{fired}");
+    let injected =
+        ask(json!({"id": 3, "command": "fire_with", "graph": "socketed", "cache": {"a": 7}})).await;
+    assert_eq!(injected["ok"], true, "{injected}");
+    let paused = ask(json!({"id": "p", "command": "pause", "graph": "socketed"})).await;
+    assert_eq!(
+        paused["result"],
+        json!({"graph": "socketed", "paused": true})
+    );
+    let state = ask(json!({"command": "state", "graph": "socketed"})).await;
+    assert_eq!(state["id"], Value::Null);
+    assert_eq!(state["result"]["paused"], true);
+    assert_eq!(state["result"]["sources"]["a"]["value"], 7);
+    let resumed = ask(json!({"command": "resume", "graph": "socketed"})).await;
+    assert_eq!(resumed["result"]["paused"], false);
+
+    let unknown = ask(json!({"id": 9, "command": "fire", "graph": "nope"})).await;
+    assert_eq!(unknown["ok"], false);
+    assert_eq!(unknown["status"], 404);
+    assert_eq!(unknown["id"], 9);
+    let bad = ask(json!({"id": 10, "command": "explode"})).await;
+    assert_eq!(
+        (bad["ok"].clone(), bad["status"].clone(), bad["id"].clone()),
+        (json!(false), json!(400), json!(10))
+    );
+    let garbage = ask(Value::String("not an object".into())).await;
+    assert_eq!(garbage["status"], 400);
+
+    // Shutting the server down closes the socket.
+    admin.cancel.cancel();
+    let closed = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Some(Ok(frame)) = socket.next().await {
+            if frame.is_close() {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the server closes sockets on shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weir_graph_talks_to_the_admin_api() {
+    let admin = Admin::start(Some(TOKEN)).await;
+    admin.graph("commanded").await;
+    let base = format!("http://{}", admin.admin);
+    let weir = move |args: &[&str], token: Option<&str>| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_weir"));
+        command.arg("graph").args(args).arg("--admin").arg(&base);
+        command.env_remove("WEIR_ADMIN_TOKEN");
+        if let Some(token) = token {
+            command.env("WEIR_ADMIN_TOKEN", token);
+        }
+        command.output().unwrap()
+    };
+    let (list, fire, pause, state, resume, missing, refused) =
+        tokio::task::spawn_blocking(move || {
+            (
+                weir(&["list"], Some(TOKEN)),
+                weir(&["fire", "commanded"], Some(TOKEN)),
+                weir(&["pause", "commanded"], Some(TOKEN)),
+                weir(&["state", "commanded"], Some(TOKEN)),
+                weir(&["resume", "commanded"], Some(TOKEN)),
+                weir(&["fire", "nope"], Some(TOKEN)),
+                weir(&["list"], None),
+            )
+        })
+        .await
+        .unwrap();
+    let stdout = |o: &std::process::Output| -> Value {
+        assert!(o.status.success(), "{o:?}");
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    assert_eq!(stdout(&list)[0]["name"], "commanded");
+    assert_eq!(stdout(&fire)["fire"], 1);
+    assert_eq!(stdout(&pause)["paused"], true);
+    assert_eq!(stdout(&state)["paused"], true);
+    assert_eq!(stdout(&resume)["paused"], false);
+    assert_eq!(missing.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&missing.stderr);
+    assert!(
+        stderr.contains("404") && stderr.contains("no graph named \"nope\""),
+        "{stderr}"
+    );
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("401"));
+}
+
+/// A source whose connection never completes: its accumulator stays Connecting.
+struct NeverOpens;
+
+#[async_trait::async_trait]
+impl weir::transport::SourceFactory for NeverOpens {
+    fn describe(&self) -> String {
+        "never".into()
+    }
+
+    async fn open(
+        &self,
+        _: &[weir::transport::Position],
+    ) -> Result<Box<dyn weir::transport::Source>, weir::transport::TransportError> {
+        std::future::pending().await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warming_graph_makes_the_node_unready() {
+    let admin = Admin::start(None).await;
+    let decl = GraphBuilder::new("cold")
+        .accumulator(AccumulatorSpec::passthrough("slow").source(Arc::new(NeverOpens)))
+        .function("snapshot", &FunctionRegistry::default(), "snapshot")
+        .output("snapshot", "cold.out")
+        .build()
+        .unwrap();
+    let graph = admin.supervisor.spawn(decl).unwrap();
+    graph.wait_for_state(ReactorState::Warming).await;
+
+    let (status, ready) = json_of("GET", &admin.url("/readyz"), None, None).await;
+    assert_eq!(status, 503);
+    assert_eq!(
+        ready,
+        json!({"ready": false, "reasons": ["graph cold: warming"]})
+    );
+    let samples = scrape(admin.metrics).await;
+    let g = ("graph", "cold");
+    let state = |s| metric(&samples, weir::metrics::REACTOR_STATE, &[g, ("state", s)]);
+    assert_eq!((state("warming"), state("live")), (Some(1.0), Some(0.0)));
+    let health = |h| {
+        metric(
+            &samples,
+            weir::metrics::ACCUMULATOR_HEALTH,
+            &[g, ("source", "slow"), ("health", h)],
+        )
+    };
+    assert_eq!(
+        (health("connecting"), health("live")),
+        (Some(1.0), Some(0.0))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_serves_metrics_where_the_environment_says() {
+    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let mut demo = tokio::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(["demo", "--seconds", "5", "--rate", "200"])
+        .env("WEIR__METRICS__LISTEN", addr.to_string())
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut events = None;
+    for _ in 0..100 {
+        if tokio::net::TcpStream::connect(addr).await.is_ok() {
+            let samples = scrape(addr).await;
+            events = metric(
+                &samples,
+                weir::metrics::EVENTS_TOTAL,
+                &[("graph", "market")],
+            );
+            if events.is_some_and(|e| e > 0.0) {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(events.is_some_and(|e| e > 0.0), "{events:?}");
+    demo.kill().await.unwrap();
+}
+
+#[test]
+fn json_logs_carry_the_graph_and_source_spans() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args([
+            "--log-format",
+            "json",
+            "--log",
+            "debug",
+            "demo",
+            "--seconds",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let line = stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["span"]["name"] == "accumulator")
+        .unwrap_or_else(|| panic!("no accumulator log line in {stderr}"));
+    assert_eq!(line["spans"][0]["graph"], "market", "{line}");
+    assert!(
+        ["quotes", "trades"].contains(&line["span"]["source"].as_str().unwrap_or_default()),
+        "{line}"
+    );
+}
+
+#[cfg(feature = "it")]
+mod services {
+    use std::io::Write;
+    use std::process::{Child, Command, Stdio};
+
+    use super::*;
+    use common::services::{nats_url, unique};
+    use weir::store::redis::RedisStore;
+    use weir::transport::Outbound;
+
+    /// A Redis of this test's own, so stopping it disturbs no other test.
+    fn redis(port: u16) -> Child {
+        Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server on PATH")
+    }
+
+    async fn wait_for_port(port: u16) {
+        for _ in 0..200 {
+            if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("redis on {port} did not start");
+    }
+
+    async fn ready(url: &str) -> (u16, Value) {
+        json_of("GET", url, None, None).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn readyz_follows_the_store() {
+        let port = free_port();
+        let mut server = redis(port);
+        wait_for_port(port).await;
+        let store = RedisStore::connect(&format!("redis://127.0.0.1:{port}"), &unique("ready"))
+            .await
+            .unwrap();
+        let cancel = CancellationToken::new();
+        let state = AdminState::new().with_store(Arc::new(store));
+        let listen = Listen {
+            admin: Some("127.0.0.1:0".parse().unwrap()),
+            metrics: None,
+        };
+        let servers = weir::admin::serve(state, &listen, cancel.clone())
+            .await
+            .unwrap();
+        let url = format!("http://{}/readyz", servers.admin.unwrap());
+        assert_eq!(ready(&url).await, (200, json!({"ready": true})));
+
+        server.kill().unwrap();
+        server.wait().unwrap();
+        let mut last = (0, Value::Null);
+        for _ in 0..100 {
+            last = ready(&url).await;
+            if last.0 == 503 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(last.0, 503, "{last:?}");
+        assert_eq!(last.1["ready"], false);
+        let reason = last.1["reasons"][0].as_str().unwrap();
+        assert!(reason.starts_with("store: "), "{reason}");
+
+        let mut server = redis(port);
+        wait_for_port(port).await;
+        let mut recovered = false;
+        for _ in 0..100 {
+            if ready(&url).await.0 == 200 {
+                recovered = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        server.kill().unwrap();
+        server.wait().unwrap();
+        cancel.cancel();
+        assert!(recovered, "ready again once Redis is back");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn produce_then_tail_prints_each_message_on_a_line() {
+        let subject = unique("tail");
+        let mut config = tempfile::NamedTempFile::new().unwrap();
+        write!(
+            config,
+            "[broker]\nkind = \"nats\"\nurl = \"{}\"\n",
+            nats_url()
+        )
+        .unwrap();
+        let path = config.path().to_path_buf();
+
+        let mut produce = Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(["produce", &subject, "--config"])
+            .arg(&path)
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        produce
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(b"plain text\n\n{ \"x\": [1, 2] }\n")
+            .unwrap();
+        let produced = produce.wait_with_output().unwrap();
+        assert!(produced.status.success(), "{produced:?}");
+        assert!(String::from_utf8_lossy(&produced.stderr).contains("2 messages published"));
+
+        let broker = weir::config::Config::load(&path)
+            .unwrap()
+            .connect_broker()
+            .await
+            .unwrap();
+        let tick = weir::codec::CronTick {
+            schedule_id: "nightly".into(),
+            tick_id: "nightly@1".into(),
+            scheduled_time_ms: 1,
+            emitted_time_ms: 2,
+            fencing_token: 3,
+            delivery: "at_least_once".into(),
+            attempt: 1,
+            payload: "{}".into(),
+            node_id: "n1".into(),
+            tenant: None,
+        };
+        let bytes = weir::codec::avro::encode(&tick).unwrap();
+        broker
+            .sink()
+            .publish(Outbound::new(subject.clone(), bytes))
+            .await
+            .unwrap();
+
+        let tail = tokio::task::spawn_blocking(move || {
+            Command::new(env!("CARGO_BIN_EXE_weir"))
+                .args([
+                    "tail",
+                    &subject,
+                    "--from-beginning",
+                    "--count",
+                    "3",
+                    "--config",
+                ])
+                .arg(&path)
+                .output()
+                .unwrap()
+        });
+        let tailed = tokio::time::timeout(Duration::from_secs(30), tail)
+            .await
+            .expect("tail stops after --count messages")
+            .unwrap();
+        assert!(tailed.status.success(), "{tailed:?}");
+        let stdout = String::from_utf8(tailed.stdout).unwrap();
+        let lines: Vec<&str> = stdout.lines().collect();
+        assert_eq!(lines[0], "plain text");
+        assert_eq!(lines[1], r#"{"x":[1,2]}"#);
+        let tick: Value = serde_json::from_str(lines[2]).unwrap();
+        assert_eq!(tick["tick_id"], "nightly@1");
+        assert_eq!(tick["fencing_token"], 3);
+        drop(config);
+    }
+}
