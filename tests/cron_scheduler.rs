@@ -222,8 +222,13 @@ mod failover {
         sub.assignment = Assignment::All;
         let mut source = broker.subscribe(&sub).await.unwrap();
         let mut out = Vec::new();
+        // This reader never acknowledges: a message JetStream hands out again after its
+        // ack wait has a position already read, and is not a second tick.
+        let mut positions = std::collections::HashSet::new();
         while let Ok(Ok(m)) = tokio::time::timeout(Duration::from_secs(2), source.next()).await {
-            out.push(decode::<CronTick>(&m.payload).unwrap());
+            if positions.insert(m.position.offset) {
+                out.push(decode::<CronTick>(&m.payload).unwrap());
+            }
         }
         out
     }
@@ -436,6 +441,26 @@ async fn missed_times_after_downtime_follow_the_catch_up_policy() {
     }
 }
 
+/// Records the workflow executions of a schedule's ticks as running, as a state manager
+/// would once it started them, so the scheduler sees them in progress.
+async fn workflows_running(store: &MemoryStore, schedule: &str, minutes: &[i64]) {
+    for m in minutes {
+        let scheduled = at("2026-01-01T00:00:00Z").timestamp_millis() + m * 60_000;
+        let execution = weir::dispatch::WorkflowExecution {
+            id: format!("{schedule}@{scheduled}"),
+            workflow: "report".into(),
+            status: weir::dispatch::RunStatus::Running,
+            context: serde_json::json!({}),
+            tasks: Default::default(),
+            origin: None,
+            created_ms: scheduled,
+            updated_ms: scheduled,
+            version: 1,
+        };
+        assert!(store.create_workflow_execution(&execution).await.unwrap());
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn overlap_skip_drops_firings_while_the_previous_one_runs() {
     use weir::cron::scheduler::{register_at, Clock, TokioClock};
@@ -451,6 +476,7 @@ async fn overlap_skip_drops_firings_while_the_previous_one_runs() {
         register_at(store.as_ref(), &schedule, 1, clock.now())
             .await
             .unwrap();
+        workflows_running(&store, "wf", &[1, 2, 3]).await;
         run_on_paused_clock(store.clone(), &broker, clock, Duration::from_secs(3 * 60)).await;
         assert_eq!(
             ticks(&broker, "weir.workflows.report.start").len(),
@@ -479,6 +505,7 @@ async fn overlap_buffer_one_holds_one_firing_until_the_running_one_ends() {
     register_at(store.as_ref(), &schedule, 1, clock.now())
         .await
         .unwrap();
+    workflows_running(&store, "buf", &[1, 2]).await;
     let cfg = SchedulerConfig {
         clock: clock.clone(),
         orphan_after: Duration::from_secs(2),
@@ -523,4 +550,42 @@ async fn overlap_buffer_one_holds_one_firing_until_the_running_one_ends() {
         .map(|t| t.scheduled_time_ms)
         .collect();
     assert_eq!(sent, vec![minute(1), minute(2)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_workflow_tick_whose_execution_never_started_is_emitted_again() {
+    use weir::cron::scheduler::{register_at, Clock, TokioClock};
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
+    let mut schedule = Schedule::new("lost", "0 * * * *", "UTC");
+    schedule.target = Target::Workflow("report".into());
+    register_at(store.as_ref(), &schedule, 1, clock.now())
+        .await
+        .unwrap();
+    let cfg = SchedulerConfig {
+        clock: clock.clone(),
+        orphan_after: Duration::from_secs(10),
+        max_attempts: 2,
+        ..config("a", 0)
+    };
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+    );
+    // 01:00 fires; nothing starts its workflow, so it is emitted again, then failed.
+    tokio::time::sleep(Duration::from_secs(60 * 60 + 60)).await;
+    cancel.cancel();
+    let _ = task.await;
+    let sent = ticks(&broker, "weir.workflows.report.start");
+    assert_eq!(sent.len(), 2, "first emission and one re-emission");
+    assert_eq!(sent[0].tick_id, sent[1].tick_id);
+    assert_eq!(sent[1].attempt, 2);
+    let scheduled = at("2026-01-01T01:00:00Z").timestamp_millis();
+    let record = store
+        .get_execution("lost", scheduled)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.status, ExecutionStatus::Failed);
 }
