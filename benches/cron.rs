@@ -70,6 +70,7 @@ async fn main() {
                 url: std::env::var("WEIR_TEST_NATS")
                     .unwrap_or_else(|_| "nats://127.0.0.1:4222".into()),
                 jetstream: other != "nats-core",
+                ..Default::default()
             })
             .await
             .expect("nats"),

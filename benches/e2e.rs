@@ -60,6 +60,7 @@ async fn broker(kind: &str) -> Arc<dyn Broker> {
                 url: std::env::var("WEIR_TEST_NATS")
                     .unwrap_or_else(|_| "nats://127.0.0.1:4222".into()),
                 jetstream: true,
+                ..Default::default()
             })
             .await
             .expect("nats"),

@@ -1,5 +1,6 @@
 //! Command line: `weir demo` on the embedded default, `weir run` on real services.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -38,6 +39,12 @@ pub enum Command {
         /// Quotes generated per second.
         #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
         rate: u32,
+        /// Serve GET /metrics on this IP:port.
+        #[arg(long, env = "WEIR__METRICS__LISTEN")]
+        metrics_listen: Option<SocketAddr>,
+        /// Serve the admin API (and /metrics) on this IP:port.
+        #[arg(long, env = "WEIR__ADMIN__LISTEN")]
+        admin_listen: Option<SocketAddr>,
     },
     /// Cron schedules: preview fire times, manage schedules in the store.
     Cron {
@@ -50,6 +57,117 @@ pub enum Command {
         #[arg(long, short)]
         config: PathBuf,
     },
+    /// Run workflow tasks: join the consumer group of one executor's topic.
+    Worker {
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Executor key: consumes weir.tasks.<KEY>.
+        #[arg(long)]
+        executor: String,
+        /// Tasks run at once, at most; when full the worker stops fetching.
+        #[arg(long, default_value_t = crate::config::defaults::WORKER_CONCURRENCY, value_parser = parse_concurrency)]
+        concurrency: usize,
+    },
+    /// Workflow executions: start one, show one.
+    Workflow {
+        #[command(subcommand)]
+        command: WorkflowCommand,
+    },
+    /// Graphs of a running weir, through its admin API; prints JSON.
+    Graph {
+        #[command(subcommand)]
+        command: GraphCommand,
+        /// Base URL of the admin API.
+        #[arg(long, global = true, env = "WEIR_ADMIN", default_value = crate::config::defaults::ADMIN_URL)]
+        admin: String,
+        /// Bearer token, if the admin API requires one.
+        #[arg(long, global = true, env = "WEIR_ADMIN_TOKEN", hide_env_values = true)]
+        token: Option<String>,
+    },
+    /// Print each message of a topic on one line: weir's Avro records and JSON payloads
+    /// as compact JSON, anything else as text.
+    Tail(TailArgs),
+    /// Publish each line of standard input to a topic as one message, waiting for every
+    /// acknowledgement; blank lines are skipped.
+    Produce(ProduceArgs),
+}
+
+fn parse_concurrency(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{text:?} is not a whole number of at least 1")),
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum WorkflowCommand {
+    /// Start an execution of a declared workflow; prints its id.
+    Run {
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Workflow name, as declared in [[workflow]].
+        name: String,
+        /// Initial context (a JSON object).
+        #[arg(long)]
+        context: Option<String>,
+        /// Wait until it ends and print its final status as JSON (the id goes to stderr).
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Print an execution's status as JSON.
+    Status {
+        #[arg(long, short)]
+        config: PathBuf,
+        id: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum GraphCommand {
+    /// Every graph with its reactor state and status.
+    List,
+    /// One graph's reactor: cached values, dirty flags, source health, paused.
+    State {
+        name: String,
+    },
+    /// Fire now with the current cache, whatever the criteria say.
+    Fire {
+        name: String,
+    },
+    /// Stop firing; boundaries keep accumulating.
+    Pause {
+        name: String,
+    },
+    Resume {
+        name: String,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct TailArgs {
+    /// Topic or subject.
+    pub topic: String,
+    /// The configuration file naming the broker.
+    #[arg(long, short)]
+    pub config: PathBuf,
+    /// Start at the oldest retained message instead of the next new one.
+    #[arg(long)]
+    pub from_beginning: bool,
+    /// Stop after this many messages.
+    #[arg(long)]
+    pub count: Option<usize>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ProduceArgs {
+    /// Topic or subject.
+    pub topic: String,
+    /// The configuration file naming the broker.
+    #[arg(long, short)]
+    pub config: PathBuf,
+    /// Message key of every message.
+    #[arg(long)]
+    pub key: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -23,6 +23,11 @@ pub mod defaults {
     pub const NATS_URL: &str = "nats://127.0.0.1:4222";
     pub const REDIS_URL: &str = "redis://127.0.0.1:6379";
     pub const KEY_PREFIX: &str = "weir";
+    /// Where `weir graph` finds the admin API unless told otherwise; the documented
+    /// `[admin] listen` address. Neither listener runs unless configured.
+    pub const ADMIN_URL: &str = "http://127.0.0.1:9899";
+    /// Recovery events returned by `GET /recovery-events` without `limit`.
+    pub const RECOVERY_EVENTS_LIMIT: usize = 100;
     pub const PARTITIONS: i32 = 1;
     pub const REPLICATION: i32 = 1;
     pub const FUNCTION: &str = "snapshot";
@@ -48,6 +53,9 @@ pub mod defaults {
     pub const TASK_MAX_ATTEMPTS: u32 = 3;
     pub const TASK_TIMEOUT_MS: u64 = 30_000;
     pub const TASK_BACKOFF_MS: u64 = 1000;
+    pub const NATS_ACK_WAIT_MS: u64 = 30_000;
+    pub const RESULTS_TOPIC: &str = "weir.results";
+    pub const WORKER_CONCURRENCY: usize = 16;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +99,8 @@ pub struct Config {
     pub store: StoreConfig,
     pub supervision: SupervisionConfig,
     pub cron: CronConfig,
+    pub metrics: MetricsConfig,
+    pub admin: AdminConfig,
     #[serde(rename = "graph")]
     pub graphs: Vec<GraphConfig>,
     #[serde(rename = "schedule")]
@@ -100,6 +110,25 @@ pub struct Config {
     #[serde(rename = "workflow")]
     pub workflows: Vec<WorkflowConfig>,
     pub dispatch: DispatchConfig,
+}
+
+/// `[metrics]`: a listener serving only `GET /metrics`.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// `IP:port`, e.g. `127.0.0.1:9898`; absent means no metrics listener.
+    pub listen: Option<std::net::SocketAddr>,
+}
+
+/// `[admin]`: the admin API (health, graphs, schedules, recovery events, `/metrics`).
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// `IP:port`, e.g. `127.0.0.1:9899`; absent means no admin listener.
+    pub listen: Option<std::net::SocketAddr>,
+    /// When set, every route but `/healthz`, `/readyz` and `/metrics` needs
+    /// `Authorization: Bearer <token>`.
+    pub token: Option<String>,
 }
 
 /// `[[workflow]]` with its `[[workflow.task]]` entries.
@@ -174,12 +203,15 @@ pub struct RouteConfig {
 pub struct DispatchConfig {
     /// Executor for namespaces no route matches.
     pub default_executor: String,
+    /// Where workers report results and the state manager reads them.
+    pub results_topic: String,
 }
 
 impl Default for DispatchConfig {
     fn default() -> Self {
         Self {
             default_executor: defaults::EXECUTOR.into(),
+            results_topic: defaults::RESULTS_TOPIC.into(),
         }
     }
 }
@@ -363,6 +395,9 @@ pub struct BrokerConfig {
     pub replication: i32,
     /// Kafka: librdkafka properties passed through, e.g. `"session.timeout.ms" = "6000"`.
     pub options: BTreeMap<String, String>,
+    /// JetStream: a delivered message unacknowledged this long (a crashed worker's) is
+    /// delivered again.
+    pub ack_wait_ms: u64,
 }
 
 impl Default for BrokerConfig {
@@ -375,6 +410,7 @@ impl Default for BrokerConfig {
             partitions: defaults::PARTITIONS,
             replication: defaults::REPLICATION,
             options: BTreeMap::new(),
+            ack_wait_ms: defaults::NATS_ACK_WAIT_MS,
         }
     }
 }
@@ -626,6 +662,21 @@ impl Config {
                 errors.push(e);
             }
         }
+        let mut workflow_names = std::collections::HashSet::new();
+        for (i, w) in self.workflows.iter().enumerate() {
+            if !workflow_names.insert(w.name.as_str()) {
+                errors.push(invalid(
+                    format!("workflow[{i}].name"),
+                    format!("workflow {} is declared twice", w.name),
+                ));
+            }
+        }
+        if self.dispatch.results_topic.trim().is_empty() {
+            errors.push(invalid(
+                "dispatch.results_topic",
+                "must name a topic or subject",
+            ));
+        }
         if let Err(e) = crate::dispatch::Router::new(Vec::new(), &self.dispatch.default_executor) {
             errors.push(invalid("dispatch.default_executor", e.to_string()));
         }
@@ -634,6 +685,23 @@ impl Config {
         }
         if self.broker.partitions < 1 {
             errors.push(invalid("broker.partitions", "must be at least 1"));
+        }
+        if self
+            .admin
+            .token
+            .as_deref()
+            .is_some_and(|t| t.trim().is_empty())
+        {
+            errors.push(invalid(
+                "admin.token",
+                "must not be empty (omit it for no auth)",
+            ));
+        }
+        if self.admin.listen.is_some() && self.admin.listen == self.metrics.listen {
+            errors.push(invalid(
+                "metrics.listen",
+                "the admin listener already serves /metrics; use another address or omit it",
+            ));
         }
         if self.supervision.max_failures == 0 {
             errors.push(invalid("supervision.max_failures", "must be at least 1"));
@@ -677,6 +745,31 @@ impl Config {
             .map_err(|e| invalid("dispatch.default_executor", e.to_string()))
     }
 
+    /// The declared workflows, validated.
+    pub fn workflows(&self) -> Result<Vec<crate::dispatch::Workflow>, ConfigError> {
+        self.workflows
+            .iter()
+            .enumerate()
+            .map(|(i, w)| w.workflow(i))
+            .collect()
+    }
+
+    /// The workflow state manager over the runtime's store and broker.
+    pub fn dispatcher(
+        &self,
+        runtime: &Runtime,
+    ) -> Result<crate::dispatch::Dispatcher, ConfigError> {
+        Ok(crate::dispatch::Dispatcher::new(
+            runtime.store.clone(),
+            runtime.broker.sink(),
+            self.workflows()?,
+            self.router()?,
+            crate::dispatch::DispatchSettings {
+                results_topic: self.dispatch.results_topic.clone(),
+            },
+        ))
+    }
+
     /// Whether `weir run` runs the cron scheduler.
     pub fn cron_enabled(&self) -> bool {
         self.cron.enabled.unwrap_or(!self.schedules.is_empty())
@@ -706,8 +799,27 @@ impl Config {
 
     /// Connects to the configured broker and store.
     pub async fn runtime(&self) -> Result<Runtime, ConfigError> {
+        let broker = self.connect_broker().await?;
+        let store = self.store().await?;
+        Ok(Runtime {
+            broker,
+            store,
+            node_id: self.node_id(),
+        })
+    }
+
+    /// Where the metrics and admin listeners run, if anywhere.
+    pub fn listen(&self) -> crate::admin::Listen {
+        crate::admin::Listen {
+            metrics: self.metrics.listen,
+            admin: self.admin.listen,
+        }
+    }
+
+    /// Connects to the configured broker only (for commands that need no store).
+    pub async fn connect_broker(&self) -> Result<Arc<dyn Broker>, ConfigError> {
         let connect = |e: &dyn std::fmt::Display| ConfigError::Connect(e.to_string());
-        let broker: Arc<dyn Broker> = match self.broker.kind {
+        Ok(match self.broker.kind {
             BrokerKind::Memory => Arc::new(crate::transport::memory::MemoryBroker::new(
                 self.broker.partitions as usize,
             )),
@@ -728,16 +840,11 @@ impl Config {
                 crate::transport::nats::NatsBroker::connect(crate::transport::nats::NatsSettings {
                     url: self.broker.url.clone(),
                     jetstream: self.broker.jetstream,
+                    ack_wait: Duration::from_millis(self.broker.ack_wait_ms),
                 })
                 .await
                 .map_err(|e| connect(&e))?,
             ),
-        };
-        let store = self.store().await?;
-        Ok(Runtime {
-            broker,
-            store,
-            node_id: self.node_id(),
         })
     }
 
@@ -1048,6 +1155,35 @@ backoff_ms = 10
             err.to_string().contains("workflow[0]") && err.to_string().contains("nope"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn metrics_and_admin_listeners_are_optional_and_overridable() {
+        assert_eq!(parse(SAMPLE, &[]).unwrap().listen(), Default::default());
+        let c = parse(
+            SAMPLE,
+            &[
+                ("WEIR__METRICS__LISTEN", "127.0.0.1:9898"),
+                ("WEIR__ADMIN__LISTEN", "127.0.0.1:9899"),
+                ("WEIR__ADMIN__TOKEN", "s3cret"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            c.listen(),
+            crate::admin::Listen {
+                metrics: Some("127.0.0.1:9898".parse().unwrap()),
+                admin: Some("127.0.0.1:9899".parse().unwrap()),
+            }
+        );
+        assert_eq!(c.admin.token.as_deref(), Some("s3cret"));
+        let err = parse(SAMPLE, &[("WEIR__ADMIN__LISTEN", "localhost")]).unwrap_err();
+        assert!(err.to_string().contains("admin.listen"), "{err}");
+        let err = parse("[admin]\ntoken = \"\"", &[]).unwrap_err();
+        assert!(err.to_string().contains("admin.token"), "{err}");
+        let same = "[admin]\nlisten = \"127.0.0.1:9\"\n[metrics]\nlisten = \"127.0.0.1:9\"";
+        let err = parse(same, &[]).unwrap_err();
+        assert!(err.to_string().contains("metrics.listen"), "{err}");
     }
 
     #[test]

@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
 use crate::accumulator::AccumulatorSpec;
+use crate::admin::{AdminState, Listen};
 use crate::error::Error;
 use crate::graph::{GraphBuilder, GraphDeclaration, NodeContext, NodeError, NodeResult};
 use crate::metrics::StatsSnapshot;
@@ -32,6 +33,8 @@ pub struct DemoOptions {
     pub duration: Option<Duration>,
     /// Quotes per second (trades come at a third of that).
     pub rate: u32,
+    /// Metrics and admin listeners, if any.
+    pub listen: Listen,
 }
 
 #[derive(Debug, Deserialize)]
@@ -183,7 +186,17 @@ pub async fn run(
         broker: Arc::new(broker.clone()),
         ..Runtime::embedded()
     };
-    let supervisor = Supervisor::new(runtime, SupervisionPolicy::default(), cancel.child_token());
+    let supervisor = Arc::new(Supervisor::new(
+        runtime.clone(),
+        SupervisionPolicy::default(),
+        cancel.child_token(),
+    ));
+    // Before the graph: its metric handles bind to the recorder present when created.
+    let admin_stop = CancellationToken::new();
+    let admin = AdminState::new()
+        .with_supervisor(supervisor.clone())
+        .with_runtime(&runtime);
+    let servers = crate::admin::serve(admin, &options.listen, admin_stop.clone()).await?;
     let graph = supervisor.spawn(market_graph()?)?;
     let mut signals = broker
         .subscribe(&Subscription::new(SIGNALS_TOPIC, "weir.demo.printer"))
@@ -217,6 +230,8 @@ pub async fn run(
     generator_stop.cancel();
     let _ = generator.await;
     supervisor.shutdown().await;
+    admin_stop.cancel();
+    servers.stopped().await;
     // Print what the graph published after the loop stopped reading, so the printed
     // lines match the outputs counted.
     while let Ok(Ok(message)) =

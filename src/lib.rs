@@ -16,16 +16,22 @@
 //!   [`transport::Broker`]) and its backends; [`store`]: the state seam
 //!   ([`store::Store`]) and its backends. Memory backends are the embedded default.
 //! - [`cron`]: schedules as data, next fire times with Vixie-cron DST rules.
-//! - [`dispatch`]: routing task namespaces to executor topics by ordered glob rules.
-//! - [`worker`]: task handlers by name, with the built-ins.
+//! - [`dispatch`]: workflows (DAGs of tasks), routing task namespaces to executor topics
+//!   by ordered glob rules, executions in the store, and the state manager publishing
+//!   TaskReadyEvents and applying results.
+//! - [`worker`]: task handlers by name, with the built-ins, and the worker runtime
+//!   (bounded concurrency, timeouts, retries, dead letters).
 //! - [`codec`]: Avro single-object encoding for weir's records (`schemas/`), JSON for
 //!   user events.
 //! - [`demo`]: the market-data example behind `weir demo`.
 //! - [`config`], [`run`]: the TOML file behind `weir run` (with `WEIR__…` overrides) and
 //!   the command itself.
+//! - [`admin`]: the admin API (health, readiness, graphs, schedules, recovery events,
+//!   WebSocket commands) and `/metrics` over HTTP; `weir graph`, `tail`, `produce`.
 //! - [`cli`], [`shutdown`], [`metrics`], [`error`]: the binary's plumbing.
 
 pub mod accumulator;
+pub mod admin;
 pub mod cli;
 pub mod codec;
 pub mod config;

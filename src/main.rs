@@ -3,6 +3,7 @@ use clap::Parser;
 use weir::cli::{self, Cli, Command};
 use weir::config::Config;
 use weir::graph::FunctionRegistry;
+use weir::worker::HandlerRegistry;
 use weir::{demo, run, shutdown};
 
 #[tokio::main]
@@ -11,20 +12,56 @@ async fn main() {
     cli::init_tracing(cli.log_format, &cli.log);
     let cancel = shutdown::on_signal();
     let result = match cli.command {
-        Command::Demo { seconds, rate } => {
+        Command::Demo {
+            seconds,
+            rate,
+            metrics_listen,
+            admin_listen,
+        } => {
             let options = demo::DemoOptions {
                 duration: Command::demo_duration(seconds),
                 rate,
+                listen: weir::admin::Listen {
+                    metrics: metrics_listen,
+                    admin: admin_listen,
+                },
             };
             demo::run(options, cancel, &mut std::io::stdout())
                 .await
                 .map(|_| ())
         }
         Command::Cron { command } => weir::cron::cli::run(command, &mut std::io::stdout()).await,
+        Command::Worker {
+            config,
+            executor,
+            concurrency,
+        } => {
+            weir::dispatch::cli::worker(
+                &config,
+                executor,
+                concurrency,
+                |runtime| HandlerRegistry::with_builtins(runtime.broker.sink()),
+                cancel,
+            )
+            .await
+        }
+        Command::Workflow { command } => {
+            weir::dispatch::cli::run(command, cancel, &mut std::io::stdout()).await
+        }
         Command::Run { config } => match Config::load(&config) {
             Ok(config) => run::run(config, &FunctionRegistry::default(), cancel).await,
             Err(e) => Err(e.into()),
         },
+        Command::Graph {
+            command,
+            admin,
+            token,
+        } => weir::admin::cli::graph(command, &admin, token, &mut std::io::stdout()).await,
+        Command::Tail(args) => weir::admin::cli::tail(&args, cancel, &mut std::io::stdout()).await,
+        Command::Produce(args) => {
+            let stdin = tokio::io::BufReader::new(tokio::io::stdin());
+            weir::admin::cli::produce(&args, stdin, &mut std::io::stderr()).await
+        }
     };
     if let Err(e) = result {
         eprintln!("weir: {e}");

@@ -1,8 +1,13 @@
-//! `weir run`: the graphs of a config file, supervised until Ctrl-C or SIGTERM.
+//! `weir run`: the graphs of a config file, supervised until Ctrl-C or SIGTERM, with the
+//! cron scheduler when schedules are declared and the workflow state manager when
+//! workflows are.
+
+use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
+use crate::admin::AdminState;
 use crate::config::Config;
 use crate::error::Error;
 use crate::graph::FunctionRegistry;
@@ -23,6 +28,18 @@ pub async fn run(
         graphs = graphs.len(),
         "weir running"
     );
+    // Before anything creates metric handles: they bind to the recorder present then.
+    let supervisor = Arc::new(Supervisor::new(
+        runtime.clone(),
+        config.supervision_policy(),
+        cancel.clone(),
+    ));
+    let admin = AdminState::new()
+        .with_supervisor(supervisor.clone())
+        .with_runtime(&runtime)
+        .with_token(config.admin.token.clone())
+        .with_cron_shards(config.cron.shards);
+    let servers = crate::admin::serve(admin, &config.listen(), cancel.clone()).await?;
     let schedules = config.declared_schedules()?;
     let scheduler = if config.cron_enabled() {
         let settings = config.scheduler_config();
@@ -44,16 +61,32 @@ pub async fn run(
     } else {
         None
     };
-    let supervisor = Supervisor::new(runtime, config.supervision_policy(), cancel.clone());
+    let state_manager = if config.workflows.is_empty() {
+        None
+    } else {
+        let dispatcher = config.dispatcher(&runtime)?;
+        let broker = runtime.broker.clone();
+        let cancel = cancel.clone();
+        Some(tokio::spawn(async move {
+            if let Err(e) = dispatcher.run(broker, cancel.clone()).await {
+                tracing::error!(error = %e, "workflow state manager stopped");
+                cancel.cancel();
+            }
+        }))
+    };
     for graph in graphs {
         supervisor.spawn(graph)?;
     }
     cancel.cancelled().await;
+    if let Some(state_manager) = state_manager {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(10), state_manager).await;
+    }
     if let Some(scheduler) = scheduler {
         let _ = tokio::time::timeout(std::time::Duration::from_secs(5), scheduler).await;
     }
     if !supervisor.shutdown().await {
         tracing::warn!("some graph tasks did not stop in time");
     }
+    servers.stopped().await;
     Ok(())
 }

@@ -23,6 +23,7 @@ async fn demo_prints_outputs_then_a_consistent_summary() {
     let options = weir::demo::DemoOptions {
         duration: Some(Duration::from_millis(800)),
         rate: 200,
+        listen: Default::default(),
     };
     let stats = weir::demo::run(options, CancellationToken::new(), &mut out)
         .await

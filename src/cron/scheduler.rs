@@ -19,12 +19,12 @@ use chrono_tz::Tz;
 use futures::StreamExt;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, info, info_span, warn, Instrument};
 
 use super::expr::CronExpr;
 use super::schedule::{Delivery, Overlap, Schedule, ScheduleError, Target};
-use crate::codec::avro::encode;
-use crate::codec::CronTick;
+use crate::codec::{CronTick, PreparedTick};
+use crate::metrics::LeaseRole;
 use crate::store::{Execution, ExecutionStatus, Lease, Store, StoreError};
 use crate::transport::{Outbound, Sink};
 
@@ -81,8 +81,9 @@ pub struct SchedulerConfig {
     pub shards: u32,
     /// Shard lease TTL; renewed every third of it. Also the node registration TTL.
     pub lease_ttl: Duration,
-    /// An execution still `scheduled` this long after its claim was never emitted: it is
-    /// emitted again, up to `max_attempts`, then marked failed.
+    /// An execution still `scheduled` this long after its claim was never emitted (or a
+    /// workflow tick `running` this long whose execution never started): it is emitted
+    /// again, up to `max_attempts`, then marked failed.
     pub orphan_after: Duration,
     pub max_attempts: u32,
     pub tenant: Option<String>,
@@ -289,6 +290,7 @@ impl Scheduler {
         for shard in &mut self.shards {
             if let Some(lease) = shard.lease.take() {
                 let _ = self.store.release_lease(&lease).await;
+                crate::metrics::lease_dropped(LeaseRole::Cron);
             }
         }
         changes.take();
@@ -334,6 +336,7 @@ impl Scheduler {
                         "yielding the schedule master to a higher-priority node"
                     );
                     let _ = self.store.release_lease(&lease).await;
+                    crate::metrics::lease_dropped(LeaseRole::Cron);
                     self.shards[i] = Shard {
                         lease: None,
                         valid_until: None,
@@ -344,6 +347,7 @@ impl Scheduler {
                     Ok(true) => self.shards[i].valid_until = Some(Instant::now() + ttl),
                     Ok(false) => {
                         warn!(shard = i, "schedule master lease lost");
+                        crate::metrics::lease_dropped(LeaseRole::Cron);
                         self.shards[i] = Shard {
                             lease: None,
                             valid_until: None,
@@ -361,6 +365,7 @@ impl Scheduler {
                 {
                     Ok(Some(lease)) => {
                         info!(shard = i, token = lease.token, "schedule master for shard");
+                        crate::metrics::lease_acquired(LeaseRole::Cron);
                         self.shards[i] = Shard {
                             lease: Some(lease),
                             valid_until: Some(Instant::now() + ttl),
@@ -533,11 +538,21 @@ impl Scheduler {
             if pending.peek().is_some_and(|(_, e)| e.scheduled_ms == at) {
                 continue;
             }
+            // Encode now, so at the instant only the emission time is written.
+            let prepared: Vec<_> = batch
+                .drain(..)
+                .map(|(id, execution)| {
+                    let tick = self.cache.get(&id).and_then(|(c, _)| {
+                        PreparedTick::new(&self.tick(&c.schedule, &execution)).ok()
+                    });
+                    (id, execution, tick)
+                })
+                .collect();
             let wait = at - self.config.clock.now().timestamp_millis();
             if wait > 0 {
                 tokio::time::sleep(Duration::from_millis(wait as u64)).await;
             }
-            fired.extend(self.publish_batch(std::mem::take(&mut batch), shard).await);
+            fired.extend(self.publish_batch(prepared, shard).await);
         }
         self.store.record_fires(shard, &fired, &next_fires).await?;
         for (id, next) in next_fires {
@@ -585,10 +600,14 @@ impl Scheduler {
     /// Publishes the ticks of one scheduled instant concurrently; returns their records
     /// with the new status. An `at_most_once` tick whose lease lapsed meanwhile stays
     /// `scheduled` for the next master's orphan recovery.
-    async fn publish_batch(&self, batch: Vec<(String, Execution)>, shard: u32) -> Vec<Execution> {
+    async fn publish_batch(
+        &self,
+        batch: Vec<(String, Execution, Option<PreparedTick>)>,
+        shard: u32,
+    ) -> Vec<Execution> {
         let holds = self.holds(shard as usize);
         futures::stream::iter(batch)
-            .map(|(id, mut execution)| async move {
+            .map(|(id, mut execution, prepared)| async move {
                 let Some((cached, _)) = self.cache.get(&id) else {
                     return execution;
                 };
@@ -596,7 +615,11 @@ impl Scheduler {
                     execution.error = Some("lease lapsed before the tick was due".into());
                     return execution;
                 }
-                match self.publish(&cached.schedule, &execution).await {
+                let sent = match &prepared {
+                    Some(p) => self.send(&cached.schedule, &execution, p).await,
+                    None => self.publish(&cached.schedule, &execution).await,
+                };
+                match sent {
                     Ok(()) => {
                         execution.status = emitted_status(&cached.schedule);
                     }
@@ -644,9 +667,11 @@ impl Scheduler {
     }
 
     /// Executions claimed but never emitted (their master died between the claim and
-    /// the publish) are emitted again once they are older than `orphan_after`, until
-    /// their stored attempt cap; then they are marked failed. A `buffer_one` execution
-    /// goes out once nothing of its schedule is running.
+    /// the publish), and workflow ticks still `running` whose workflow execution never
+    /// started, are emitted again once they are older than `orphan_after`, until their
+    /// stored attempt cap; then they are marked failed. A `running` one whose workflow
+    /// ended takes its outcome. A `buffer_one` execution goes out once nothing of its
+    /// schedule is running.
     async fn recover_orphans(&mut self) -> Result<(), StoreError> {
         let led: Vec<usize> = (0..self.shards.len()).filter(|&i| self.holds(i)).collect();
         if led.is_empty() {
@@ -675,9 +700,19 @@ impl Scheduler {
                     self.store.put_execution(&execution).await?;
                     continue;
                 }
-                if execution.status != ExecutionStatus::Scheduled
-                    || execution.updated_ms > threshold
-                {
+                if execution.updated_ms > threshold {
+                    continue;
+                }
+                if execution.status == ExecutionStatus::Running {
+                    if !self.settle_running(&schedule, &mut execution).await? {
+                        continue;
+                    }
+                    if execution.status != ExecutionStatus::Scheduled {
+                        self.store.put_execution(&execution).await?;
+                        continue;
+                    }
+                }
+                if execution.status != ExecutionStatus::Scheduled {
                     continue;
                 }
                 if execution.attempt >= execution.max_attempts {
@@ -705,37 +740,85 @@ impl Scheduler {
         Ok(())
     }
 
-    async fn publish(&self, schedule: &Schedule, execution: &Execution) -> Result<(), String> {
-        let topic = match &schedule.target {
-            Target::Topic(t) => t.clone(),
-            Target::Workflow(w) => format!("weir.workflows.{w}.start"),
+    /// A workflow tick `running` past the orphan threshold: its workflow execution
+    /// (whose id is the tick id) tells what happened. Ended: the record takes its
+    /// outcome. Never started (the tick was lost): the record goes back to `scheduled`
+    /// for re-emission. Still running: nothing to do. Returns whether it changed.
+    async fn settle_running(
+        &self,
+        schedule: &Schedule,
+        execution: &mut Execution,
+    ) -> Result<bool, StoreError> {
+        if !matches!(schedule.target, Target::Workflow(_)) {
+            return Ok(false);
+        }
+        let run = self
+            .store
+            .get_workflow_execution(&execution.tick_id)
+            .await?;
+        execution.status = match run.map(|r| r.status) {
+            Some(crate::dispatch::RunStatus::Running) => return Ok(false),
+            Some(crate::dispatch::RunStatus::Completed) => ExecutionStatus::Completed,
+            Some(crate::dispatch::RunStatus::Failed) => ExecutionStatus::Failed,
+            None => {
+                info!(schedule = %schedule.id, tick = %execution.tick_id, "workflow tick never started its execution");
+                ExecutionStatus::Scheduled
+            }
         };
-        let topic = match &schedule.tenant {
-            Some(tenant) => format!("{tenant}.{topic}"),
-            None => topic,
-        };
-        let tick = CronTick {
+        execution.updated_ms = self.config.clock.now().timestamp_millis();
+        Ok(true)
+    }
+
+    /// The tick of an execution, its emission time left to [`PreparedTick::finish`].
+    fn tick(&self, schedule: &Schedule, execution: &Execution) -> CronTick {
+        CronTick {
             schedule_id: schedule.id.clone(),
             tick_id: execution.tick_id.clone(),
             scheduled_time_ms: execution.scheduled_ms,
-            emitted_time_ms: self.config.clock.now().timestamp_millis(),
+            emitted_time_ms: 0,
             fencing_token: execution.fencing_token as i64,
             delivery: schedule.delivery.as_str().to_string(),
             attempt: execution.attempt as i32,
             payload: schedule.payload.to_string(),
             node_id: self.config.node_id.clone(),
             tenant: schedule.tenant.clone(),
+        }
+    }
+
+    async fn publish(&self, schedule: &Schedule, execution: &Execution) -> Result<(), String> {
+        let prepared =
+            PreparedTick::new(&self.tick(schedule, execution)).map_err(|e| e.to_string())?;
+        self.send(schedule, execution, &prepared).await
+    }
+
+    async fn send(
+        &self,
+        schedule: &Schedule,
+        execution: &Execution,
+        prepared: &PreparedTick,
+    ) -> Result<(), String> {
+        let topic = match &schedule.target {
+            Target::Topic(t) => t.clone(),
+            Target::Workflow(w) => crate::dispatch::manager::workflow_start_topic(w),
         };
-        let bytes = encode(&tick).map_err(|e| e.to_string())?;
-        let lateness = (tick.emitted_time_ms - tick.scheduled_time_ms).max(0) as f64 / 1000.0;
+        let topic = match &schedule.tenant {
+            Some(tenant) => format!("{tenant}.{topic}"),
+            None => topic,
+        };
+        let emitted_ms = self.config.clock.now().timestamp_millis();
+        let bytes = prepared.finish(emitted_ms);
+        let lateness = (emitted_ms - execution.scheduled_ms).max(0) as f64 / 1000.0;
         metrics::histogram!(crate::metrics::TICK_LATENESS_SECONDS).record(lateness);
         metrics::counter!(crate::metrics::CRON_TICKS_TOTAL, "delivery" => schedule.delivery.as_str()).increment(1);
+        // Logs of the broker client while it sends this tick name the schedule.
+        let span = info_span!("cron_fire", schedule = %schedule.id);
         self.sink
             .publish(
                 Outbound::new(topic, bytes)
                     .key(schedule.id.clone().into_bytes())
                     .header("weir-tick-id", execution.tick_id.clone()),
             )
+            .instrument(span)
             .await
             .map(|_| ())
             .map_err(|e| e.to_string())

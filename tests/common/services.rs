@@ -51,6 +51,7 @@ pub async fn nats(jetstream: bool) -> Arc<NatsBroker> {
         NatsBroker::connect(NatsSettings {
             url: nats_url(),
             jetstream,
+            ack_wait: std::time::Duration::from_secs(5),
         })
         .await
         .expect("nats reachable (run scripts/services)"),
