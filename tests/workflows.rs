@@ -491,6 +491,60 @@ async fn a_cron_triggered_workflow_runs_once_per_tick(env: &Env) {
     assert!(runs.values().all(|&n| n == 1), "runs per tick: {runs:?}");
 }
 
+/// A state manager that stored an execution and stopped before publishing its ready
+/// tasks: a repeated start publishes them, once, after the publish grace; within the
+/// grace it asks to be retried, so a task still being published is not sent twice.
+async fn a_start_stored_but_never_published_is_published_once(env: &Env) {
+    let executor = env.name("stalled");
+    let w = flow(&env.name("stalled"), vec![task("first", "builtin::echo")]);
+    let router = Router::new(Vec::new(), &executor).unwrap();
+    let dispatcher = env.dispatcher(std::slice::from_ref(&w), router.clone());
+    let long_ago = weir::transport::now_ms() - 60_000;
+    let id = env.name("stalled-run");
+    let (stalled, _) = WorkflowExecution::start(&id, &w, json!({}), None, &router, long_ago);
+    assert!(env.store.create_workflow_execution(&stalled).await.unwrap());
+    assert!(!dispatcher
+        .start_with_id(&w.name, &id, json!({}), None)
+        .await
+        .unwrap());
+    let events = env
+        .read(&weir::dispatch::executor_topic(&executor), 1, WAIT)
+        .await;
+    let event: TaskReadyEvent = decode(&events[0].payload).unwrap();
+    assert_eq!(event.execution_id, id);
+    assert!(env
+        .store
+        .published_tasks(&id)
+        .await
+        .unwrap()
+        .contains("first"));
+    // Recorded now: a further repeat publishes nothing.
+    dispatcher
+        .start_with_id(&w.name, &id, json!({}), None)
+        .await
+        .unwrap();
+
+    let fresh = env.name("fresh-run");
+    let (just_stored, _) = WorkflowExecution::start(
+        &fresh,
+        &w,
+        json!({}),
+        None,
+        &router,
+        weir::transport::now_ms(),
+    );
+    assert!(env
+        .store
+        .create_workflow_execution(&just_stored)
+        .await
+        .unwrap());
+    let pending = dispatcher
+        .start_with_id(&w.name, &fresh, json!({}), None)
+        .await
+        .expect_err("its first publish may still be under way");
+    assert!(pending.is_retryable(), "{pending}");
+}
+
 macro_rules! suite {
     ($env:expr) => {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -512,6 +566,10 @@ macro_rules! suite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn diamond() {
             a_diamond_runs_in_dependency_order(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn stalled_start() {
+            a_start_stored_but_never_published_is_published_once(&$env).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn cron_ticks() {

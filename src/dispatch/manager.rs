@@ -26,12 +26,21 @@ use crate::codec::avro::{decode, encode};
 use crate::codec::{CodecError, CronTick, ExecutionResult, TaskReadyEvent};
 use crate::store::{ExecutionStatus, Store, StoreError};
 use crate::transport::concurrent::consume_concurrently;
-use crate::transport::{now_ms, Broker, Message, Outbound, Sink, Subscription, TransportError};
+use crate::transport::{
+    now_ms, publish_persistently, Broker, Message, Outbound, Sink, Subscription, TransportError,
+};
 
 /// Compare-and-set attempts before an update gives up (and the result is redelivered).
 const MAX_CAS_ATTEMPTS: u32 = 64;
 /// Results applied at once by one state manager.
 const RESULTS_IN_FLIGHT: usize = 512;
+/// How long after a change its ready tasks may still be on their way to the broker. A
+/// repeated start or result within it waits for their publish to be recorded rather
+/// than dispatching them a second time; after it, what is unrecorded is published.
+const PUBLISH_GRACE_MS: i64 = 10_000;
+/// Executions remembered by a state manager at most; beyond it they are read from the
+/// store, so a large backlog costs reads rather than memory.
+const RECENT_EXECUTIONS: usize = 20_000;
 /// Consumer group (durable) of the state managers on one topic: a group per topic, so
 /// joining one never rebalances another.
 fn state_manager_group(topic: &str) -> String {
@@ -46,6 +55,8 @@ pub enum DispatchError {
     UnknownExecution(String),
     #[error("workflow execution {0} changed under too many concurrent updates")]
     Contended(String),
+    #[error("ready tasks of workflow execution {0} are still being published")]
+    PublishPending(String),
     #[error("workflow store: {0}")]
     Store(#[from] StoreError),
     #[error(transparent)]
@@ -58,7 +69,7 @@ impl DispatchError {
     pub fn is_retryable(&self) -> bool {
         match self {
             Self::UnknownWorkflow(_) | Self::UnknownExecution(_) | Self::Codec(_) => false,
-            Self::Contended(_) => true,
+            Self::Contended(_) | Self::PublishPending(_) => true,
             Self::Store(e) => e.is_retryable(),
             Self::Transport(e) => e.is_retryable(),
         }
@@ -100,6 +111,10 @@ struct Inner {
     workflows: BTreeMap<String, Workflow>,
     router: Router,
     settings: DispatchSettings,
+    /// Running executions as this state manager last stored them, saving a store read
+    /// per result. Only a hint: every write is still compare-and-set, and a stale entry
+    /// (another state manager wrote since) is dropped and read afresh.
+    recent: std::sync::Mutex<std::collections::HashMap<String, WorkflowExecution>>,
 }
 
 impl Dispatcher {
@@ -118,6 +133,7 @@ impl Dispatcher {
                 workflows,
                 router,
                 settings,
+                recent: Default::default(),
             }),
         }
     }
@@ -159,6 +175,7 @@ impl Dispatcher {
         {
             metrics::counter!(crate::metrics::WORKFLOWS_STARTED_TOTAL, "workflow" => spec.name.clone())
                 .increment(1);
+            self.remember(&execution);
             debug!(execution = %id, workflow, "workflow execution started");
             self.publish_ready(&execution, spec, &ready).await?;
             return Ok(true);
@@ -170,7 +187,7 @@ impl Dispatcher {
             .await?
             .ok_or_else(|| DispatchError::UnknownExecution(id.to_string()))?;
         let unreported = existing.unreported_ready(spec, None);
-        self.publish_unpublished(&existing, spec, unreported)
+        self.publish_unpublished(&existing, spec, unreported, existing.created_ms)
             .await?;
         Ok(false)
     }
@@ -200,13 +217,19 @@ impl Dispatcher {
             "retry" => Reported::Retry(result.error.clone().unwrap_or_default()),
             _ => Reported::Failed(result.error.clone().unwrap_or_else(|| "failed".into())),
         };
+        let mut remembered = self.recalled(&result.execution_id);
         for _ in 0..MAX_CAS_ATTEMPTS {
-            let Some(mut execution) = self
-                .inner
-                .store
-                .get_workflow_execution(&result.execution_id)
-                .await?
-            else {
+            let from_memory = remembered.is_some();
+            let stored = match remembered.take() {
+                Some(execution) => Some(execution),
+                None => {
+                    self.inner
+                        .store
+                        .get_workflow_execution(&result.execution_id)
+                        .await?
+                }
+            };
+            let Some(mut execution) = stored else {
                 warn!(execution = %result.execution_id, "result for an unknown workflow execution; dropped");
                 return Ok(());
             };
@@ -221,11 +244,18 @@ impl Dispatcher {
                 result.duration_ms,
                 now_ms(),
             );
+            if !applied.changed && from_memory {
+                // Perhaps applied by another state manager: decide on the stored state.
+                self.forget(&execution.id);
+                continue;
+            }
             if !applied.changed {
                 // Already applied: publish what it made ready in case a crash came
                 // between storing and publishing.
                 let again = execution.unreported_ready(spec, Some(&task));
-                return self.publish_unpublished(&execution, spec, again).await;
+                return self
+                    .publish_unpublished(&execution, spec, again, execution.updated_ms)
+                    .await;
             }
             if !self
                 .inner
@@ -233,7 +263,13 @@ impl Dispatcher {
                 .update_workflow_execution(&execution)
                 .await?
             {
+                self.forget(&execution.id);
                 continue;
+            }
+            if applied.finished {
+                self.forget(&execution.id);
+            } else {
+                self.remember(&execution);
             }
             self.publish_ready(&execution, spec, &applied.ready).await?;
             if applied.finished {
@@ -242,6 +278,27 @@ impl Dispatcher {
             return Ok(());
         }
         Err(DispatchError::Contended(result.execution_id.clone()))
+    }
+
+    fn recent(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, WorkflowExecution>> {
+        self.inner.recent.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn recalled(&self, id: &str) -> Option<WorkflowExecution> {
+        self.recent().get(id).cloned()
+    }
+
+    fn remember(&self, execution: &WorkflowExecution) {
+        let mut recent = self.recent();
+        if recent.len() < RECENT_EXECUTIONS || recent.contains_key(&execution.id) {
+            recent.insert(execution.id.clone(), execution.clone());
+        }
+    }
+
+    fn forget(&self, id: &str) {
+        self.recent().remove(id);
     }
 
     async fn publish_ready(
@@ -288,19 +345,28 @@ impl Dispatcher {
         Ok(())
     }
 
-    /// Publishes those of `tasks` whose events no earlier publish recorded: what a
-    /// crash between storing and publishing left behind, and nothing that is running.
+    /// Publishes those of `tasks` (made ready by the change stored at `changed_ms`)
+    /// whose events no earlier publish recorded: what a crash between storing and
+    /// publishing left behind, and nothing that is running. Within the grace after the
+    /// change their first publish may still be under way: a retryable error then.
     async fn publish_unpublished(
         &self,
         execution: &WorkflowExecution,
         workflow: &Workflow,
         mut tasks: Vec<String>,
+        changed_ms: i64,
     ) -> Result<(), DispatchError> {
         if tasks.is_empty() {
             return Ok(());
         }
         let published = self.inner.store.published_tasks(&execution.id).await?;
         tasks.retain(|task| !published.contains(task));
+        if tasks.is_empty() {
+            return Ok(());
+        }
+        if now_ms() - changed_ms < PUBLISH_GRACE_MS {
+            return Err(DispatchError::PublishPending(execution.id.clone()));
+        }
         self.publish_ready(execution, workflow, &tasks).await
     }
 
@@ -487,19 +553,11 @@ pub(crate) async fn dead_letter(
     let mut outbound = Outbound::new(format!("{}.dlq", message.topic), message.payload.clone())
         .header("weir-error", error.to_string());
     outbound.key = message.key.clone();
-    let mut pause = Duration::from_millis(50);
-    loop {
-        match sink.publish(outbound.clone()).await {
-            Ok(_) => return true,
-            Err(e) if e.is_retryable() && !cancel.is_cancelled() => {
-                warn!(error = %e, "dead-letter publish failed; retrying");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(5));
-            }
-            Err(e) => {
-                warn!(error = %e, "dead-letter publish failed");
-                return false;
-            }
+    match publish_persistently(sink, outbound, cancel).await {
+        Ok(_) => true,
+        Err(e) => {
+            warn!(error = %e, "dead-letter publish failed; the message stays for redelivery");
+            false
         }
     }
 }

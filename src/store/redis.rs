@@ -3,6 +3,7 @@
 //! Keys start with the configured prefix (`weir` by default).
 
 use std::collections::BTreeSet;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -31,7 +32,10 @@ pub struct RedisStore {
     url: String,
 }
 
-const ACQUIRE: &str = r#"
+// Lua scripts are built once: building one computes the SHA-1 it is invoked by.
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
 local current = redis.call('GET', KEYS[1])
 if current then
   local sep = string.find(current, '|', 1, true)
@@ -45,34 +49,50 @@ end
 local token = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[1], ARGV[1] .. '|' .. token, 'PX', ARGV[2])
 return token
-"#;
+"#,
+    )
+});
 
-const RENEW: &str = r#"
+static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
-"#;
+"#,
+    )
+});
 
-const RELEASE: &str = r#"
+static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
-"#;
+"#,
+    )
+});
 
 /// Finished workflow executions are kept this long, then expire.
 const FINISHED_WORKFLOW_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
 
-const CREATE_WORKFLOW: &str = r#"
+static CREATE_WORKFLOW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
 end
 redis.call('HSET', KEYS[1], 'v', ARGV[1], 'data', ARGV[2])
 return 1
-"#;
+"#,
+    )
+});
 
-const UPDATE_WORKFLOW: &str = r#"
+static UPDATE_WORKFLOW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
 if redis.call('HGET', KEYS[1], 'v') ~= ARGV[1] then
   return 0
 end
@@ -81,7 +101,9 @@ if tonumber(ARGV[4]) > 0 then
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
 end
 return 1
-"#;
+"#,
+    )
+});
 
 fn store_error(operation: &'static str, e: redis::RedisError) -> StoreError {
     if e.is_io_error() || e.is_connection_refusal() || e.is_timeout() || e.is_connection_dropped() {
@@ -267,7 +289,7 @@ impl Store for RedisStore {
         ttl: Duration,
     ) -> Result<Option<Lease>, StoreError> {
         let mut c = self.connection.clone();
-        let token: Option<u64> = Script::new(ACQUIRE)
+        let token: Option<u64> = ACQUIRE
             .key(self.key(&["lease", name]))
             .key(self.key(&["fence", name]))
             .arg(holder)
@@ -284,7 +306,7 @@ impl Store for RedisStore {
 
     async fn renew_lease(&self, lease: &Lease, ttl: Duration) -> Result<bool, StoreError> {
         let mut c = self.connection.clone();
-        let renewed: i64 = Script::new(RENEW)
+        let renewed: i64 = RENEW
             .key(self.key(&["lease", &lease.name]))
             .arg(Self::lease_value(lease))
             .arg(ttl.as_millis().max(1) as u64)
@@ -296,7 +318,7 @@ impl Store for RedisStore {
 
     async fn release_lease(&self, lease: &Lease) -> Result<bool, StoreError> {
         let mut c = self.connection.clone();
-        let released: i64 = Script::new(RELEASE)
+        let released: i64 = RELEASE
             .key(self.key(&["lease", &lease.name]))
             .arg(Self::lease_value(lease))
             .invoke_async(&mut c)
@@ -630,7 +652,7 @@ impl Store for RedisStore {
         execution: &WorkflowExecution,
     ) -> Result<bool, StoreError> {
         let mut c = self.connection.clone();
-        let created: i64 = Script::new(CREATE_WORKFLOW)
+        let created: i64 = CREATE_WORKFLOW
             .key(self.key(&["wf", &execution.id]))
             .arg(execution.version)
             .arg(Self::encode(execution)?)
@@ -669,7 +691,7 @@ impl Store for RedisStore {
             FINISHED_WORKFLOW_TTL_MS
         };
         let mut c = self.connection.clone();
-        let updated: i64 = Script::new(UPDATE_WORKFLOW)
+        let updated: i64 = UPDATE_WORKFLOW
             .key(self.key(&["wf", &execution.id]))
             .arg(execution.version.saturating_sub(1))
             .arg(execution.version)

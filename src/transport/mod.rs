@@ -313,6 +313,30 @@ impl FinishedPrefix {
     }
 }
 
+/// Publishes `message`, retrying retryable failures (broker away, leader moving) with
+/// pauses doubling from 50 ms to 5 s, until the broker has it, the failure is final, or
+/// `cancel` fires. For messages that must not be dropped: results and dead letters.
+pub async fn publish_persistently(
+    sink: &dyn Sink,
+    message: Outbound,
+    cancel: &tokio_util::sync::CancellationToken,
+) -> Result<Position, TransportError> {
+    let mut pause = std::time::Duration::from_millis(50);
+    loop {
+        match sink.publish(message.clone()).await {
+            Err(e) if e.is_retryable() && !cancel.is_cancelled() => {
+                tracing::warn!(topic = %message.topic, error = %e, "publish failed; retrying");
+                tokio::select! {
+                    _ = cancel.cancelled() => return Err(e),
+                    _ = tokio::time::sleep(pause) => {}
+                }
+                pause = (pause * 2).min(std::time::Duration::from_secs(5));
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Milliseconds since the Unix epoch, for message and boundary timestamps.
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()

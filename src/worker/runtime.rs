@@ -25,7 +25,9 @@ use crate::dispatch::{executor_topic, Reported, RunStatus, TaskStatus, Workflow}
 use crate::metrics as names;
 use crate::store::Store;
 use crate::transport::concurrent::consume_concurrently;
-use crate::transport::{now_ms, Broker, Message, Outbound, Sink, Subscription, TransportError};
+use crate::transport::{
+    now_ms, publish_persistently, Broker, Message, Outbound, Sink, Subscription, TransportError,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -297,19 +299,11 @@ impl Shared {
         };
         let message = Outbound::new(&self.settings.results_topic, bytes)
             .key(event.execution_id.clone().into_bytes());
-        let mut pause = Duration::from_millis(50);
-        loop {
-            match self.sink.publish(message.clone()).await {
-                Ok(_) => return true,
-                Err(e) if e.is_retryable() && !cancel.is_cancelled() => {
-                    warn!(error = %e, "cannot publish a result; retrying");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(5));
-                }
-                Err(e) => {
-                    warn!(error = %e, "result not published; the task will be delivered again");
-                    return false;
-                }
+        match publish_persistently(self.sink.as_ref(), message, cancel).await {
+            Ok(_) => true,
+            Err(e) => {
+                warn!(error = %e, "result not published; the task will be delivered again");
+                false
             }
         }
     }
