@@ -289,6 +289,31 @@ mod services {
         .await;
     }
 
+    /// A sole reader's durable (a `weir tail`, a graph's accumulator) is removed by the
+    /// server once idle; a group member's is kept.
+    #[tokio::test]
+    async fn nats_sole_readers_do_not_leave_durables_behind() {
+        use weir::transport::nats::{stream_name, SOLE_READER_IDLE_LIMIT};
+        let broker = services::nats(true).await;
+        let subject = services::unique("conf.idle.");
+        let client = async_nats::connect(services::nats_url()).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        for (assignment, expected) in [
+            (Assignment::All, SOLE_READER_IDLE_LIMIT),
+            (Assignment::Group, Duration::ZERO),
+        ] {
+            let group = services::unique("idle");
+            let mut subscription = Subscription::new(&subject, &group);
+            subscription.assignment = assignment.clone();
+            let _source = broker.subscribe(&subscription).await.unwrap();
+            let stream = js.get_stream(stream_name(&subject)).await.unwrap();
+            let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+                stream.get_consumer(&stream_name(&group)).await.unwrap();
+            let info = consumer.info().await.unwrap();
+            assert_eq!(info.config.inactive_threshold, expected, "{assignment:?}");
+        }
+    }
+
     #[tokio::test]
     async fn nats_core_delivers_while_subscribed() {
         // Core NATS is at-most-once: only what is published while subscribed arrives.

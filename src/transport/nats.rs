@@ -19,6 +19,10 @@ use super::{
     TransportError,
 };
 
+/// How long a sole reader's durable consumer may go without pulling before the server
+/// removes it.
+pub const SOLE_READER_IDLE_LIMIT: Duration = Duration::from_secs(3600);
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NatsSettings {
     pub url: String,
@@ -195,12 +199,20 @@ impl Broker for NatsBroker {
             Acks::Cumulative => (consumer::AckPolicy::All, None),
             Acks::Each { prefetch } => (consumer::AckPolicy::Explicit, Some(prefetch)),
         };
+        // A sole reader's durable is made afresh at every subscribe, so nothing relies on
+        // it outliving its reader: the server removes it once idle, rather than keeping
+        // one per `weir tail` or per graph renamed away.
+        let inactive_threshold = match subscription.assignment {
+            Assignment::All => SOLE_READER_IDLE_LIMIT,
+            _ => Duration::ZERO,
+        };
         let config = consumer::pull::Config {
             durable_name: Some(durable.clone()),
             ack_policy,
             deliver_policy,
             ack_wait: self.inner.ack_wait,
             max_ack_pending: 100_000,
+            inactive_threshold,
             ..Default::default()
         };
         let consumer: consumer::PullConsumer = stream
