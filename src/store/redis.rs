@@ -75,6 +75,9 @@ return 0
     )
 });
 
+/// Prefix of the execution hash fields recording a task's ready event as published.
+const PUBLISHED_FIELD: &str = "published:";
+
 /// Finished workflow executions are kept this long, then expire.
 const FINISHED_WORKFLOW_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
 
@@ -711,23 +714,27 @@ impl Store for RedisStore {
         if tasks.is_empty() {
             return Ok(());
         }
-        let key = self.key(&["wf", execution, "published"]);
+        // Fields of the execution's own hash: they expire with it, in one command.
+        let fields: Vec<(String, u8)> = tasks
+            .iter()
+            .map(|task| (format!("{PUBLISHED_FIELD}{task}"), 1))
+            .collect();
         let mut c = self.connection.clone();
-        // Outlives any running execution's interest in it; renewed with every publish.
-        redis::pipe()
-            .sadd(&key, tasks)
-            .ignore()
-            .pexpire(&key, FINISHED_WORKFLOW_TTL_MS)
-            .ignore()
-            .query_async::<()>(&mut c)
+        c.hset_multiple(self.key(&["wf", execution]), &fields)
             .await
-            .map_err(|e| store_error("SADD", e))
+            .map_err(|e| store_error("HSET", e))
     }
 
     async fn published_tasks(&self, execution: &str) -> Result<BTreeSet<String>, StoreError> {
         let mut c = self.connection.clone();
-        c.smembers(self.key(&["wf", execution, "published"]))
+        let fields: Vec<String> = c
+            .hkeys(self.key(&["wf", execution]))
             .await
-            .map_err(|e| store_error("SMEMBERS", e))
+            .map_err(|e| store_error("HKEYS", e))?;
+        Ok(fields
+            .iter()
+            .filter_map(|f| f.strip_prefix(PUBLISHED_FIELD))
+            .map(str::to_string)
+            .collect())
     }
 }
