@@ -326,6 +326,43 @@ fn percentile(sorted: &[i64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q) as usize] as f64
 }
 
+/// The connections of one setup, with the state manager running in this process.
+struct StateManager {
+    runtime: weir::supervisor::Runtime,
+    dispatcher: Dispatcher,
+    cancel: CancellationToken,
+    task: tokio::task::JoinHandle<Result<(), weir::dispatch::DispatchError>>,
+    /// A panicking run still stops its state manager.
+    _stop: tokio_util::sync::DropGuard,
+}
+
+impl StateManager {
+    async fn start(setup: &Setup) -> Self {
+        let runtime = setup.config.runtime().await.expect("connect");
+        let dispatcher = setup.config.dispatcher(&runtime).expect("dispatcher");
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(
+            dispatcher
+                .clone()
+                .run(runtime.broker.clone(), cancel.clone()),
+        );
+        Self {
+            runtime,
+            dispatcher,
+            _stop: cancel.clone().drop_guard(),
+            cancel,
+            task,
+        }
+    }
+
+    /// Stops the state manager and removes what the setup left in the services.
+    async fn stop(self, setup: &Setup) {
+        self.cancel.cancel();
+        let _ = self.task.await;
+        cleanup(setup, self.runtime.broker.clone()).await;
+    }
+}
+
 /// Throughput and latency with `count` workers.
 async fn scenario(
     kind: &str,
@@ -335,15 +372,8 @@ async fn scenario(
     finished: &Arc<AtomicU64>,
 ) -> Run {
     let setup = Setup::new(kind, dir);
-    let runtime = setup.config.runtime().await.expect("connect");
-    let dispatcher = setup.config.dispatcher(&runtime).expect("dispatcher");
-    let cancel = CancellationToken::new();
-    let _stop = cancel.clone().drop_guard();
-    let manager = tokio::spawn(
-        dispatcher
-            .clone()
-            .run(runtime.broker.clone(), cancel.clone()),
-    );
+    let manager = StateManager::start(&setup).await;
+    let (runtime, dispatcher, cancel) = (&manager.runtime, &manager.dispatcher, &manager.cancel);
     let mut workers = Workers::spawn(bin, &setup.path, &setup.executor, count, dir);
 
     // Ready: every worker process has reported a result.
@@ -359,7 +389,7 @@ async fn scenario(
     while seen.workers.lock().unwrap().len() < count {
         workers.check();
         assert!(Instant::now() < deadline, "workers not ready after 120 s");
-        start_many(&dispatcher, &setup.name, 16).await;
+        start_many(dispatcher, &setup.name, 16).await;
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     results_reader.abort();
@@ -380,7 +410,7 @@ async fn scenario(
     let tasks: usize = env("WEIR_BENCH_TASKS", 20_000);
     let before = finished.load(Ordering::Relaxed);
     let began = Instant::now();
-    start_many(&dispatcher, &setup.name, tasks).await;
+    start_many(dispatcher, &setup.name, tasks).await;
     let target = before + tasks as u64;
     wait_until("throughput phase", &mut workers, || {
         finished.load(Ordering::Relaxed) >= target
@@ -460,9 +490,7 @@ async fn scenario(
     }
     let worker_rss = workers.peak_rss();
     drop(workers);
-    cancel.cancel();
-    let _ = manager.await;
-    cleanup(&setup, runtime.broker.clone()).await;
+    manager.stop(&setup).await;
     Run {
         workers: count,
         tasks_per_second,
@@ -482,20 +510,13 @@ async fn backlog(
     finished: &Arc<AtomicU64>,
 ) -> Backlog {
     let setup = Setup::new(kind, dir);
-    let runtime = setup.config.runtime().await.expect("connect");
-    let dispatcher = setup.config.dispatcher(&runtime).expect("dispatcher");
-    let cancel = CancellationToken::new();
-    let _stop = cancel.clone().drop_guard();
-    let manager = tokio::spawn(
-        dispatcher
-            .clone()
-            .run(runtime.broker.clone(), cancel.clone()),
-    );
+    let manager = StateManager::start(&setup).await;
+    let dispatcher = &manager.dispatcher;
     let began = Instant::now();
     let mut queued = 0;
     while queued < size {
         let chunk = (size - queued).min(50_000);
-        start_many(&dispatcher, &setup.name, chunk).await;
+        start_many(dispatcher, &setup.name, chunk).await;
         queued += chunk;
         eprintln!(
             "{kind} backlog: {queued} queued, {:.0}/s",
@@ -525,9 +546,7 @@ async fn backlog(
     let drain = first.elapsed();
     let worker_rss = workers.peak_rss();
     drop(workers);
-    cancel.cancel();
-    let _ = manager.await;
-    cleanup(&setup, runtime.broker.clone()).await;
+    manager.stop(&setup).await;
     Backlog {
         size,
         enqueue_per_second,
