@@ -7,7 +7,9 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use weir::store::{Checkpoint, Lease, RecoveryAction, RecoveryEvent, Store};
+use weir::store::{
+    Checkpoint, Execution, ExecutionStatus, Lease, RecoveryAction, RecoveryEvent, Store,
+};
 use weir::transport::memory::MemoryBroker;
 use weir::transport::{Assignment, Broker, Message, Outbound, Position, Source, Subscription};
 
@@ -221,6 +223,62 @@ async fn store_conformance(store: Arc<dyn Store>, graph: &str) {
         .await
         .unwrap()
         .is_empty());
+
+    // Schedule executions: claimed once; the index of unfinished ones follows their
+    // status (buffered ones always listed); history beyond its cap is dropped.
+    let schedule = format!("{graph}-schedule");
+    let execution = |scheduled_ms: i64, status: ExecutionStatus| Execution {
+        schedule_id: schedule.clone(),
+        scheduled_ms,
+        tick_id: format!("{schedule}@{scheduled_ms}"),
+        status,
+        attempt: 1,
+        max_attempts: 3,
+        node_id: "n1".into(),
+        fencing_token: 1,
+        updated_ms: scheduled_ms + 100,
+        error: None,
+    };
+    let claims = store
+        .claim_executions(&[
+            execution(1000, ExecutionStatus::Scheduled),
+            execution(2000, ExecutionStatus::Buffered),
+            execution(3000, ExecutionStatus::Skipped),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(claims, [true, true, true]);
+    assert!(!store
+        .claim_execution(&execution(1000, ExecutionStatus::Scheduled))
+        .await
+        .unwrap());
+    let open = |by: i64| {
+        let store = store.clone();
+        async move { store.open_executions(by, 100).await.unwrap() }
+    };
+    assert_eq!(
+        open(1100).await,
+        [(schedule.clone(), 2000), (schedule.clone(), 1000)]
+    );
+    assert_eq!(open(1099).await, [(schedule.clone(), 2000)]);
+    assert_eq!(store.open_executions(i64::MAX, 1).await.unwrap().len(), 1);
+    store
+        .put_execution(&execution(1000, ExecutionStatus::Completed))
+        .await
+        .unwrap();
+    let mut running = execution(2000, ExecutionStatus::Running);
+    running.updated_ms = 5000;
+    store.record_fires(0, &[running], &[]).await.unwrap();
+    assert!(open(4999).await.is_empty());
+    assert_eq!(open(5000).await, [(schedule.clone(), 2000)]);
+    let later: Vec<Execution> = (0..1000)
+        .map(|i| execution(10_000 + i, ExecutionStatus::Skipped))
+        .collect();
+    store.claim_executions(&later).await.unwrap();
+    assert_eq!(store.executions(&schedule, 2000).await.unwrap().len(), 1000);
+    assert_eq!(store.get_execution(&schedule, 1000).await.unwrap(), None);
+    assert_eq!(store.get_execution(&schedule, 2000).await.unwrap(), None);
+    assert!(open(i64::MAX).await.is_empty());
 
     store.ping().await.unwrap();
 }

@@ -342,6 +342,13 @@ async fn orphaned_executions_are_re_emitted_or_failed_at_the_stored_cap() {
     };
     store.claim_execution(&orphan(1_000, 1)).await.unwrap();
     store.claim_execution(&orphan(2_000, 3)).await.unwrap();
+    // One of a schedule removed since: never emitted, and failed.
+    let removed = Execution {
+        schedule_id: "gone".into(),
+        tick_id: "gone@1000".into(),
+        ..orphan(1_000, 1)
+    };
+    store.claim_execution(&removed).await.unwrap();
     let cancel = CancellationToken::new();
     let cfg = SchedulerConfig {
         orphan_after: Duration::from_millis(200),
@@ -361,6 +368,14 @@ async fn orphaned_executions_are_re_emitted_or_failed_at_the_stored_cap() {
     assert_eq!(retried.status, ExecutionStatus::Completed);
     let given_up = store.get_execution("orph", 2_000).await.unwrap().unwrap();
     assert_eq!(given_up.status, ExecutionStatus::Failed);
+    let removed = store.get_execution("gone", 1_000).await.unwrap().unwrap();
+    assert_eq!(removed.status, ExecutionStatus::Failed);
+    // Nothing is left for the next sweep to look at.
+    assert!(store
+        .open_executions(i64::MAX, 10)
+        .await
+        .unwrap()
+        .is_empty());
 }
 
 fn at(s: &str) -> chrono::DateTime<chrono::Utc> {

@@ -10,10 +10,11 @@
 //! state when the store is unreachable, with the same tick id so consumers can drop
 //! duplicates.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use chrono::{DateTime, TimeZone, Utc};
 use chrono_tz::Tz;
 use futures::StreamExt;
@@ -23,7 +24,7 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 use super::expr::CronExpr;
 use super::schedule::{Delivery, Overlap, Schedule, ScheduleError, Target};
-use crate::codec::{CronTick, PreparedTick};
+use crate::codec::{CodecError, CronTick, PreparedTick};
 use crate::metrics::LeaseRole;
 use crate::store::{Execution, ExecutionStatus, Lease, Store, StoreError};
 use crate::transport::{Outbound, Sink};
@@ -32,6 +33,8 @@ use crate::transport::{Outbound, Sink};
 const DUE_BATCH: usize = 10_000;
 /// How far ahead of their time due ticks are planned and claimed.
 const LOOKAHEAD: Duration = Duration::from_millis(250);
+/// Unfinished executions looked at per orphan sweep.
+const SWEEP_BATCH: usize = 10_000;
 /// Schedule loads in flight at once.
 const CONCURRENCY: usize = 1024;
 
@@ -538,21 +541,27 @@ impl Scheduler {
             if pending.peek().is_some_and(|(_, e)| e.scheduled_ms == at) {
                 continue;
             }
-            // Encode now, so at the instant only the emission time is written.
-            let prepared: Vec<_> = batch
-                .drain(..)
-                .map(|(id, execution)| {
-                    let tick = self.cache.get(&id).and_then(|(c, _)| {
-                        PreparedTick::new(&self.tick(&c.schedule, &execution)).ok()
-                    });
-                    (id, execution, tick)
-                })
-                .collect();
+            // Build every message now, so at the instant only the emission time is
+            // written before each is handed to the broker client.
+            let mut ready = Vec::with_capacity(batch.len());
+            for (id, mut execution) in batch.drain(..) {
+                let Some((cached, _)) = self.cache.get(&id) else {
+                    continue;
+                };
+                match self.ready_tick(&cached.schedule, &execution) {
+                    Ok(tick) => ready.push((execution, tick)),
+                    Err(e) => {
+                        warn!(schedule = %id, error = %e, "tick cannot be encoded");
+                        execution.error = Some(e.to_string());
+                        fired.push(execution);
+                    }
+                }
+            }
             let wait = at - self.config.clock.now().timestamp_millis();
             if wait > 0 {
                 tokio::time::sleep(Duration::from_millis(wait as u64)).await;
             }
-            fired.extend(self.publish_batch(prepared, shard).await);
+            fired.extend(self.emit(ready, shard).await);
         }
         self.store.record_fires(shard, &fired, &next_fires).await?;
         for (id, next) in next_fires {
@@ -597,44 +606,65 @@ impl Scheduler {
         earliest
     }
 
-    /// Publishes the ticks of one scheduled instant concurrently; returns their records
-    /// with the new status. An `at_most_once` tick whose lease lapsed meanwhile stays
-    /// `scheduled` for the next master's orphan recovery.
-    async fn publish_batch(
-        &self,
-        batch: Vec<(String, Execution, Option<PreparedTick>)>,
-        shard: u32,
-    ) -> Vec<Execution> {
+    /// Emits the ticks of one scheduled instant: each is stamped and handed to the
+    /// broker client in turn, then all acknowledgements are awaited together. Returns
+    /// their records with the new status. An `at_most_once` tick whose lease lapsed
+    /// meanwhile stays `scheduled` for the next master's orphan recovery; so does a tick
+    /// the broker did not take.
+    async fn emit(&self, ticks: Vec<(Execution, ReadyTick)>, shard: u32) -> Vec<Execution> {
         let holds = self.holds(shard as usize);
-        futures::stream::iter(batch)
-            .map(|(id, mut execution, prepared)| async move {
-                let Some((cached, _)) = self.cache.get(&id) else {
-                    return execution;
-                };
-                if cached.schedule.delivery == Delivery::AtMostOnce && !holds {
+        let span = info_span!("cron_fire", shard, ticks = ticks.len());
+        async move {
+            let mut done = Vec::with_capacity(ticks.len());
+            let mut handed = Vec::with_capacity(ticks.len());
+            for (mut execution, tick) in ticks {
+                if tick.delivery == Delivery::AtMostOnce && !holds {
                     execution.error = Some("lease lapsed before the tick was due".into());
-                    return execution;
+                    done.push(execution);
+                    continue;
                 }
-                let sent = match &prepared {
-                    Some(p) => self.send(&cached.schedule, &execution, p).await,
-                    None => self.publish(&cached.schedule, &execution).await,
-                };
-                match sent {
-                    Ok(()) => {
-                        execution.status = emitted_status(&cached.schedule);
-                    }
-                    // Stays `scheduled`: orphan recovery emits it again.
-                    Err(reason) => {
-                        warn!(schedule = %id, %reason, "tick not published");
-                        execution.error = Some(reason);
+                let (delivery, emitted) = (tick.delivery, tick.emitted);
+                let emitted_ms = self.config.clock.now().timestamp_millis();
+                // Exempt from tokio's cooperative budget: otherwise the task yields every
+                // so many sends, and the rest of the burst waits its turn for a core.
+                let handing = self.sink.enqueue(tick.stamped(emitted_ms));
+                match tokio::task::unconstrained(handing).await {
+                    Ok(ack) => handed.push((execution, delivery, emitted, emitted_ms, ack)),
+                    Err(e) => {
+                        warn!(schedule = %execution.schedule_id, error = %e, "tick not published");
+                        execution.error = Some(e.to_string());
+                        done.push(execution);
                     }
                 }
-                execution.updated_ms = self.config.clock.now().timestamp_millis();
-                execution
-            })
-            .buffer_unordered(DUE_BATCH)
-            .collect()
-            .await
+            }
+            let (records, acks): (Vec<_>, Vec<_>) = handed
+                .into_iter()
+                .map(|(execution, delivery, emitted, emitted_ms, ack)| {
+                    ((execution, delivery, emitted, emitted_ms), ack)
+                })
+                .unzip();
+            let acks = futures::future::join_all(acks).await;
+            let now = self.config.clock.now().timestamp_millis();
+            for ((mut execution, delivery, emitted, emitted_ms), acked) in
+                records.into_iter().zip(acks)
+            {
+                match acked {
+                    Ok(_) => {
+                        record_emission(delivery, emitted_ms - execution.scheduled_ms);
+                        execution.status = emitted;
+                    }
+                    Err(e) => {
+                        warn!(schedule = %execution.schedule_id, error = %e, "tick not published");
+                        execution.error = Some(e.to_string());
+                    }
+                }
+                execution.updated_ms = now;
+                done.push(execution);
+            }
+            done
+        }
+        .instrument(span)
+        .await
     }
 
     fn execution(&self, schedule: &Schedule, scheduled: DateTime<Utc>, lease: &Lease) -> Execution {
@@ -679,22 +709,43 @@ impl Scheduler {
         }
         let threshold = self.config.clock.now().timestamp_millis()
             - self.config.orphan_after.as_millis() as i64;
-        for schedule in self.store.list_schedules().await? {
-            let shard = shard_of(&schedule.id, self.config.shards) as usize;
+        // Only unfinished executions are looked at, found through the store's index, so
+        // a sweep costs nothing per schedule that is firing normally.
+        let mut open: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+        for (id, scheduled_ms) in self.store.open_executions(threshold, SWEEP_BATCH).await? {
+            open.entry(id).or_default().push(scheduled_ms);
+        }
+        for (id, times) in open {
+            let shard = shard_of(&id, self.config.shards) as usize;
             if !led.contains(&shard) {
                 continue;
             }
             let Some(lease) = self.shards[shard].lease.clone() else {
                 continue;
             };
-            let recent = self.store.executions(&schedule.id, 10).await?;
-            let running = recent.iter().any(|e| e.status == ExecutionStatus::Running);
-            for mut execution in recent {
-                if execution.status == ExecutionStatus::Buffered && !running {
+            let schedule = self.store.get_schedule(&id).await?;
+            let recent = self.store.executions(&id, 10).await?;
+            let mut running = recent.iter().any(|e| e.status == ExecutionStatus::Running);
+            for scheduled_ms in times {
+                let Some(mut execution) = self.store.get_execution(&id, scheduled_ms).await? else {
+                    continue;
+                };
+                let Some(schedule) = &schedule else {
+                    execution.status = ExecutionStatus::Failed;
+                    execution.error = Some("schedule removed before the tick was emitted".into());
+                    execution.updated_ms = self.config.clock.now().timestamp_millis();
+                    self.store.put_execution(&execution).await?;
+                    continue;
+                };
+                if execution.status == ExecutionStatus::Buffered {
+                    if running {
+                        continue;
+                    }
                     // The running execution ended: the buffered one goes now.
                     execution.fencing_token = lease.token;
-                    if self.publish(&schedule, &execution).await.is_ok() {
+                    if self.publish(schedule, &execution).await.is_ok() {
                         execution.status = ExecutionStatus::Running;
+                        running = true;
                     }
                     execution.updated_ms = self.config.clock.now().timestamp_millis();
                     self.store.put_execution(&execution).await?;
@@ -704,7 +755,7 @@ impl Scheduler {
                     continue;
                 }
                 if execution.status == ExecutionStatus::Running {
-                    if !self.settle_running(&schedule, &mut execution).await? {
+                    if !self.settle_running(schedule, &mut execution).await? {
                         continue;
                     }
                     if execution.status != ExecutionStatus::Scheduled {
@@ -716,7 +767,7 @@ impl Scheduler {
                     continue;
                 }
                 if execution.attempt >= execution.max_attempts {
-                    warn!(schedule = %schedule.id, tick = %execution.tick_id, attempts = execution.attempt, "execution failed: never emitted");
+                    warn!(schedule = %id, tick = %execution.tick_id, attempts = execution.attempt, "execution failed: never emitted");
                     execution.status = ExecutionStatus::Failed;
                     execution.error =
                         Some(format!("not emitted after {} attempts", execution.attempt));
@@ -724,10 +775,10 @@ impl Scheduler {
                     execution.attempt += 1;
                     execution.fencing_token = lease.token;
                     execution.node_id = self.config.node_id.clone();
-                    info!(schedule = %schedule.id, tick = %execution.tick_id, attempt = execution.attempt, "re-emitting orphaned execution");
-                    match self.publish(&schedule, &execution).await {
+                    info!(schedule = %id, tick = %execution.tick_id, attempt = execution.attempt, "re-emitting orphaned execution");
+                    match self.publish(schedule, &execution).await {
                         Ok(()) => {
-                            execution.status = emitted_status(&schedule);
+                            execution.status = emitted_status(schedule);
                             execution.error = None;
                         }
                         Err(reason) => execution.error = Some(reason),
@@ -769,9 +820,13 @@ impl Scheduler {
         Ok(true)
     }
 
-    /// The tick of an execution, its emission time left to [`PreparedTick::finish`].
-    fn tick(&self, schedule: &Schedule, execution: &Execution) -> CronTick {
-        CronTick {
+    /// The tick of an execution as a message, all but its emission time.
+    fn ready_tick(
+        &self,
+        schedule: &Schedule,
+        execution: &Execution,
+    ) -> Result<ReadyTick, CodecError> {
+        let tick = CronTick {
             schedule_id: schedule.id.clone(),
             tick_id: execution.tick_id.clone(),
             scheduled_time_ms: execution.scheduled_ms,
@@ -782,21 +837,7 @@ impl Scheduler {
             payload: schedule.payload.to_string(),
             node_id: self.config.node_id.clone(),
             tenant: schedule.tenant.clone(),
-        }
-    }
-
-    async fn publish(&self, schedule: &Schedule, execution: &Execution) -> Result<(), String> {
-        let prepared =
-            PreparedTick::new(&self.tick(schedule, execution)).map_err(|e| e.to_string())?;
-        self.send(schedule, execution, &prepared).await
-    }
-
-    async fn send(
-        &self,
-        schedule: &Schedule,
-        execution: &Execution,
-        prepared: &PreparedTick,
-    ) -> Result<(), String> {
+        };
         let topic = match &schedule.target {
             Target::Topic(t) => t.clone(),
             Target::Workflow(w) => crate::dispatch::manager::workflow_start_topic(w),
@@ -805,24 +846,60 @@ impl Scheduler {
             Some(tenant) => format!("{tenant}.{topic}"),
             None => topic,
         };
+        Ok(ReadyTick {
+            encoded: PreparedTick::new(&tick)?,
+            message: Outbound::new(topic, Bytes::new())
+                .key(schedule.id.clone().into_bytes())
+                .header(TICK_ID_HEADER, execution.tick_id.clone()),
+            delivery: schedule.delivery,
+            emitted: emitted_status(schedule),
+        })
+    }
+
+    /// Publishes one tick now and waits for the broker's acknowledgement.
+    async fn publish(&self, schedule: &Schedule, execution: &Execution) -> Result<(), String> {
+        let tick = self
+            .ready_tick(schedule, execution)
+            .map_err(|e| e.to_string())?;
+        let delivery = tick.delivery;
         let emitted_ms = self.config.clock.now().timestamp_millis();
-        let bytes = prepared.finish(emitted_ms);
-        let lateness = (emitted_ms - execution.scheduled_ms).max(0) as f64 / 1000.0;
-        metrics::histogram!(crate::metrics::TICK_LATENESS_SECONDS).record(lateness);
-        metrics::counter!(crate::metrics::CRON_TICKS_TOTAL, "delivery" => schedule.delivery.as_str()).increment(1);
-        // Logs of the broker client while it sends this tick name the schedule.
         let span = info_span!("cron_fire", schedule = %schedule.id);
         self.sink
-            .publish(
-                Outbound::new(topic, bytes)
-                    .key(schedule.id.clone().into_bytes())
-                    .header("weir-tick-id", execution.tick_id.clone()),
-            )
+            .publish(tick.stamped(emitted_ms))
             .instrument(span)
             .await
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        record_emission(delivery, emitted_ms - execution.scheduled_ms);
+        Ok(())
     }
+}
+
+/// The header carrying a tick's id, so consumers can deduplicate without decoding.
+const TICK_ID_HEADER: &str = "weir-tick-id";
+
+/// A claimed tick made ready ahead of its instant.
+struct ReadyTick {
+    encoded: PreparedTick,
+    /// Topic, key and headers; the payload is written at emission.
+    message: Outbound,
+    delivery: Delivery,
+    /// The execution's status once the broker has the tick.
+    emitted: ExecutionStatus,
+}
+
+impl ReadyTick {
+    fn stamped(self, emitted_ms: i64) -> Outbound {
+        let mut message = self.message;
+        message.payload = self.encoded.finish(emitted_ms).into();
+        message
+    }
+}
+
+fn record_emission(delivery: Delivery, lateness_ms: i64) {
+    let lateness = lateness_ms.max(0) as f64 / 1000.0;
+    metrics::histogram!(crate::metrics::TICK_LATENESS_SECONDS).record(lateness);
+    metrics::counter!(crate::metrics::CRON_TICKS_TOTAL, "delivery" => delivery.as_str())
+        .increment(1);
 }
 
 /// For tick consumers: drops duplicates (same tick id) and ticks from a deposed master

@@ -35,9 +35,21 @@ struct State {
     /// Per shard: (next fire ms, schedule id).
     due: HashMap<u32, std::collections::BTreeSet<(i64, String)>>,
     executions: HashMap<String, VecDeque<Execution>>,
+    /// Unfinished executions: (schedule id, scheduled ms) → [`Execution::open_since`].
+    open: HashMap<(String, i64), i64>,
     nodes: HashMap<String, (i64, Instant)>,
     workflows: HashMap<String, WorkflowExecution>,
     published: HashMap<String, std::collections::BTreeSet<String>>,
+}
+
+impl State {
+    fn track_open(open: &mut HashMap<(String, i64), i64>, execution: &Execution) {
+        let key = (execution.schedule_id.clone(), execution.scheduled_ms);
+        match execution.open_since() {
+            Some(since) => open.insert(key, since),
+            None => open.remove(&key),
+        };
+    }
 }
 
 struct HeldLease {
@@ -285,10 +297,16 @@ impl Store for MemoryStore {
         {
             return Ok(false);
         }
-        if list.len() == EXECUTIONS_KEPT {
-            list.pop_front();
-        }
+        let dropped = if list.len() == EXECUTIONS_KEPT {
+            list.pop_front()
+        } else {
+            None
+        };
         list.push_back(execution.clone());
+        if let Some(old) = dropped {
+            state.open.remove(&(old.schedule_id, old.scheduled_ms));
+        }
+        State::track_open(&mut state.open, execution);
         Ok(true)
     }
 
@@ -328,7 +346,28 @@ impl Store for MemoryStore {
             Some(e) => *e = execution.clone(),
             None => list.push_back(execution.clone()),
         }
+        State::track_open(&mut state.open, execution);
         Ok(())
+    }
+
+    async fn open_executions(
+        &self,
+        changed_by_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(String, i64)>, StoreError> {
+        let state = self.state();
+        let mut open: Vec<(i64, &(String, i64))> = state
+            .open
+            .iter()
+            .filter(|(_, since)| **since <= changed_by_ms)
+            .map(|(key, since)| (*since, key))
+            .collect();
+        open.sort();
+        Ok(open
+            .into_iter()
+            .take(limit)
+            .map(|(_, key)| key.clone())
+            .collect())
     }
 
     async fn get_execution(

@@ -82,6 +82,19 @@ pub struct Execution {
     pub error: Option<String>,
 }
 
+impl Execution {
+    /// The execution's place in the index of unfinished executions: when it last
+    /// changed, or 0 for a buffered one (due a look at every sweep); `None` once it is
+    /// finished.
+    pub fn open_since(&self) -> Option<i64> {
+        match self.status {
+            ExecutionStatus::Scheduled | ExecutionStatus::Running => Some(self.updated_ms),
+            ExecutionStatus::Buffered => Some(0),
+            ExecutionStatus::Completed | ExecutionStatus::Failed | ExecutionStatus::Skipped => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ExecutionStatus {
@@ -230,6 +243,16 @@ pub trait Store: Send + Sync {
         schedule_id: &str,
         scheduled_ms: i64,
     ) -> Result<Option<Execution>, StoreError>;
+
+    /// Unfinished executions (scheduled or running) last changed at or before
+    /// `changed_by_ms`, and every buffered one, oldest change first, at most `limit`, as
+    /// (schedule id, scheduled time): what orphan recovery looks at, without reading
+    /// every schedule.
+    async fn open_executions(
+        &self,
+        changed_by_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(String, i64)>, StoreError>;
 
     /// Newest first.
     async fn executions(

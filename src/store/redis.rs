@@ -20,6 +20,12 @@ use crate::reactor::CacheSnapshot;
 /// Execution records kept per schedule.
 const EXECUTIONS_KEPT: isize = 1000;
 
+/// An open-index member is `schedule@scheduled_ms`; the schedule id may itself hold
+/// an `@`, the time never does.
+fn open_member_prefix(schedule_id: &str) -> String {
+    format!("{schedule_id}@")
+}
+
 /// Recovery events kept per graph and in the global list.
 const RECOVERY_EVENTS_KEPT: isize = 10_000;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -80,6 +86,34 @@ const PUBLISHED_FIELD: &str = "published:";
 
 /// Finished workflow executions are kept this long, then expire.
 const FINISHED_WORKFLOW_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
+
+/// Claims an execution (SET NX), adds it to its schedule's history and, while
+/// unfinished, to the open index; an execution that falls out of the history is deleted
+/// with its index entry, so records do not outlive the history that lists them.
+/// KEYS: record, history, open index. ARGV: record JSON, scheduled ms, executions kept,
+/// record key prefix, index member prefix, index score ('' when finished).
+static CLAIM_EXECUTION: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX') then
+  return 0
+end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[2])
+if ARGV[6] ~= '' then
+  redis.call('ZADD', KEYS[3], ARGV[6], ARGV[5] .. ARGV[2])
+end
+local excess = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[3])
+if excess > 0 then
+  local dropped = redis.call('ZPOPMIN', KEYS[2], excess)
+  for i = 1, #dropped, 2 do
+    redis.call('DEL', ARGV[4] .. dropped[i])
+    redis.call('ZREM', KEYS[3], ARGV[5] .. dropped[i])
+  end
+end
+return 1
+"#,
+    )
+});
 
 static CREATE_WORKFLOW: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
@@ -157,6 +191,38 @@ impl RedisStore {
 
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    fn execution_key(&self, schedule_id: &str, scheduled_ms: i64) -> String {
+        self.key(&["exec", schedule_id, &scheduled_ms.to_string()])
+    }
+
+    /// Sorted set of unfinished executions, scored by [`Execution::open_since`].
+    fn open_index(&self) -> String {
+        self.key(&["exec", "open"])
+    }
+
+    /// Writes an execution record and keeps the open index in step with its status.
+    fn queue_execution_write(
+        &self,
+        pipe: &mut redis::Pipeline,
+        execution: &Execution,
+    ) -> Result<(), StoreError> {
+        let member = format!(
+            "{}{}",
+            open_member_prefix(&execution.schedule_id),
+            execution.scheduled_ms
+        );
+        pipe.set(
+            self.execution_key(&execution.schedule_id, execution.scheduled_ms),
+            Self::encode(execution)?,
+        )
+        .ignore();
+        match execution.open_since() {
+            Some(since) => pipe.zadd(self.open_index(), member, since).ignore(),
+            None => pipe.zrem(self.open_index(), member).ignore(),
+        };
+        Ok(())
     }
 
     fn key(&self, parts: &[&str]) -> String {
@@ -445,53 +511,40 @@ impl Store for RedisStore {
     }
 
     async fn claim_execution(&self, execution: &Execution) -> Result<bool, StoreError> {
-        let text = Self::encode(execution)?;
-        let key = self.key(&[
-            "exec",
-            &execution.schedule_id,
-            &execution.scheduled_ms.to_string(),
-        ]);
-        let history = self.key(&["exec", "hist", &execution.schedule_id]);
-        let mut c = self.connection.clone();
-        let claimed: Option<String> = redis::cmd("SET")
-            .arg(&key)
-            .arg(text)
-            .arg("NX")
-            .query_async(&mut c)
-            .await
-            .map_err(|e| store_error("SET NX", e))?;
-        if claimed.is_none() {
-            return Ok(false);
-        }
-        redis::pipe()
-            .zadd(&history, execution.scheduled_ms, execution.scheduled_ms)
-            .zremrangebyrank(&history, 0, -(EXECUTIONS_KEPT + 1))
-            .query_async::<()>(&mut c)
-            .await
-            .map_err(|e| store_error("ZADD", e))?;
-        Ok(true)
+        let claims = self
+            .claim_executions(std::slice::from_ref(execution))
+            .await?;
+        Ok(claims.first().copied().unwrap_or(false))
     }
 
     async fn claim_executions(&self, executions: &[Execution]) -> Result<Vec<bool>, StoreError> {
         if executions.is_empty() {
             return Ok(Vec::new());
         }
+        let open = self.open_index();
         let mut pipe = redis::pipe();
+        // Loading the script first lets the pipeline invoke it by hash on any server.
+        pipe.load_script(&CLAIM_EXECUTION).ignore();
         for e in executions {
-            let key = self.key(&["exec", &e.schedule_id, &e.scheduled_ms.to_string()]);
-            let history = self.key(&["exec", "hist", &e.schedule_id]);
-            pipe.cmd("SET").arg(key).arg(Self::encode(e)?).arg("NX");
-            // The history member is the scheduled time: adding it again changes nothing.
-            pipe.zadd(&history, e.scheduled_ms, e.scheduled_ms).ignore();
-            pipe.zremrangebyrank(&history, 0, -(EXECUTIONS_KEPT + 1))
-                .ignore();
+            let ms = e.scheduled_ms.to_string();
+            let mut claim = CLAIM_EXECUTION.key(self.execution_key(&e.schedule_id, e.scheduled_ms));
+            claim
+                .key(self.key(&["exec", "hist", &e.schedule_id]))
+                .key(&open)
+                .arg(Self::encode(e)?)
+                .arg(&ms)
+                .arg(EXECUTIONS_KEPT)
+                .arg(format!("{}:", self.key(&["exec", &e.schedule_id])))
+                .arg(open_member_prefix(&e.schedule_id))
+                .arg(e.open_since().map(|s| s.to_string()).unwrap_or_default());
+            pipe.invoke_script(&claim);
         }
         let mut c = self.connection.clone();
-        let replies: Vec<Option<String>> = pipe
+        let replies: Vec<i64> = pipe
             .query_async(&mut c)
             .await
-            .map_err(|e| store_error("SET NX", e))?;
-        Ok(replies.into_iter().map(|r| r.is_some()).collect())
+            .map_err(|e| store_error("claim executions", e))?;
+        Ok(replies.into_iter().map(|r| r == 1).collect())
     }
 
     async fn record_fires(
@@ -506,8 +559,7 @@ impl Store for RedisStore {
         let due = self.key(&["sched", "due", &shard.to_string()]);
         let mut pipe = redis::pipe();
         for e in executions {
-            let key = self.key(&["exec", &e.schedule_id, &e.scheduled_ms.to_string()]);
-            pipe.set(key, Self::encode(e)?).ignore();
+            self.queue_execution_write(&mut pipe, e)?;
         }
         for (id, at) in next_fires {
             match at {
@@ -522,12 +574,31 @@ impl Store for RedisStore {
     }
 
     async fn put_execution(&self, execution: &Execution) -> Result<(), StoreError> {
-        let key = self.key(&[
-            "exec",
-            &execution.schedule_id,
-            &execution.scheduled_ms.to_string(),
-        ]);
-        self.set_json(key, execution).await
+        let mut pipe = redis::pipe();
+        self.queue_execution_write(&mut pipe, execution)?;
+        let mut c = self.connection.clone();
+        pipe.query_async::<()>(&mut c)
+            .await
+            .map_err(|e| store_error("put execution", e))
+    }
+
+    async fn open_executions(
+        &self,
+        changed_by_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(String, i64)>, StoreError> {
+        let mut c = self.connection.clone();
+        let members: Vec<String> = c
+            .zrangebyscore_limit(self.open_index(), "-inf", changed_by_ms, 0, limit as isize)
+            .await
+            .map_err(|e| store_error("ZRANGEBYSCORE", e))?;
+        Ok(members
+            .iter()
+            .filter_map(|m| {
+                let (schedule, ms) = m.rsplit_once('@')?;
+                Some((schedule.to_string(), ms.parse().ok()?))
+            })
+            .collect())
     }
 
     async fn get_execution(
@@ -535,7 +606,7 @@ impl Store for RedisStore {
         schedule_id: &str,
         scheduled_ms: i64,
     ) -> Result<Option<Execution>, StoreError> {
-        self.get_json(self.key(&["exec", schedule_id, &scheduled_ms.to_string()]))
+        self.get_json(self.execution_key(schedule_id, scheduled_ms))
             .await
     }
 
@@ -561,7 +632,7 @@ impl Store for RedisStore {
         }
         let keys: Vec<String> = times
             .iter()
-            .map(|t| self.key(&["exec", schedule_id, &t.to_string()]))
+            .map(|t| self.execution_key(schedule_id, *t))
             .collect();
         let raw: Vec<Option<String>> = redis::cmd("MGET")
             .arg(&keys)

@@ -19,9 +19,14 @@ use rdkafka::util::Timeout;
 use rdkafka::{Offset, TopicPartitionList};
 
 use super::{
-    Acks, Assignment, Broker, FinishedPrefix, Message, Outbound, Position, Sink, Source, StartFrom,
-    Subscription, TransportError,
+    Acks, Assignment, Broker, FinishedPrefix, Message, Outbound, PendingAck, Position, Sink,
+    Source, StartFrom, Subscription, TransportError,
 };
+
+/// How long a publish may wait for room in the producer's queue.
+const PRODUCE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long to wait before trying a full producer queue again.
+const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(10);
 
 /// Connection settings. `options` pass through to librdkafka (e.g.
 /// `session.timeout.ms`), overriding weir's defaults.
@@ -299,36 +304,58 @@ impl Broker for KafkaBroker {
 #[async_trait]
 impl Sink for KafkaBroker {
     async fn publish(&self, message: Outbound) -> Result<Position, TransportError> {
+        self.enqueue(message).await?.await
+    }
+
+    async fn enqueue(&self, message: Outbound) -> Result<PendingAck, TransportError> {
         self.ensure_topic(&message.topic).await?;
-        let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
-        for (name, value) in &message.headers {
-            headers = headers.insert(Header {
-                key: name,
-                value: Some(value.as_bytes()),
-            });
-        }
-        let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&message.topic)
-            .payload(&message.payload[..])
-            .headers(headers);
-        if let Some(key) = &message.key {
-            record = record.key(&key[..]);
-        }
-        match self
-            .inner
-            .producer
-            .send(record, Timeout::After(Duration::from_secs(30)))
-            .await
-        {
-            Ok(delivery) => Ok(Position {
-                partition: delivery.partition,
-                offset: delivery.offset,
-            }),
-            Err((e, _)) => Err(TransportError::Publish {
-                topic: message.topic,
-                retryable: is_retryable(&e),
-                reason: e.to_string(),
-            }),
-        }
+        let publish_error = |topic: &str, e: &KafkaError| TransportError::Publish {
+            topic: topic.to_string(),
+            retryable: is_retryable(e),
+            reason: e.to_string(),
+        };
+        // The client's queue is bounded: while it is full, wait for room, as long as a
+        // publish may take.
+        let deadline = tokio::time::Instant::now() + PRODUCE_TIMEOUT;
+        let delivery = loop {
+            let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
+            for (name, value) in &message.headers {
+                headers = headers.insert(Header {
+                    key: name,
+                    value: Some(value.as_bytes()),
+                });
+            }
+            let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&message.topic)
+                .payload(&message.payload[..])
+                .headers(headers);
+            if let Some(key) = &message.key {
+                record = record.key(&key[..]);
+            }
+            match self.inner.producer.send_result(record) {
+                Ok(delivery) => break delivery,
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _))
+                    if tokio::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(QUEUE_FULL_PAUSE).await;
+                }
+                Err((e, _)) => return Err(publish_error(&message.topic, &e)),
+            }
+        };
+        let topic = message.topic;
+        Ok(Box::pin(async move {
+            match delivery.await {
+                Ok(Ok(delivery)) => Ok(Position {
+                    partition: delivery.partition,
+                    offset: delivery.offset,
+                }),
+                Ok(Err((e, _))) => Err(publish_error(&topic, &e)),
+                Err(_) => Err(TransportError::Publish {
+                    topic,
+                    reason: "the producer was dropped before the broker acknowledged".into(),
+                    retryable: true,
+                }),
+            }
+        }))
     }
 }
 

@@ -209,10 +209,22 @@ pub trait Source: Send {
     }
 }
 
+/// The acknowledgement of a message already handed to the broker client.
+pub type PendingAck = futures::future::BoxFuture<'static, Result<Position, TransportError>>;
+
 /// A producer. `publish` returns once the broker has acknowledged the message.
 #[async_trait]
 pub trait Sink: Send + Sync {
     async fn publish(&self, message: Outbound) -> Result<Position, TransportError>;
+
+    /// Hands the message to the broker client and returns once it is queued for
+    /// sending, leaving the acknowledgement to await. A burst sent this way leaves in
+    /// order, with no round trip between its messages. Backends whose client has no
+    /// such split publish the whole message here.
+    async fn enqueue(&self, message: Outbound) -> Result<PendingAck, TransportError> {
+        let acknowledged = self.publish(message).await;
+        Ok(Box::pin(futures::future::ready(acknowledged)))
+    }
 }
 
 /// A connection to one broker, handing out sources and sinks.

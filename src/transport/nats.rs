@@ -15,8 +15,8 @@ use async_trait::async_trait;
 use futures::StreamExt;
 
 use super::{
-    Acks, Assignment, Broker, Message, Outbound, Position, Sink, Source, StartFrom, Subscription,
-    TransportError,
+    Acks, Assignment, Broker, Message, Outbound, PendingAck, Position, Sink, Source, StartFrom,
+    Subscription, TransportError,
 };
 
 /// How long a sole reader's durable consumer may go without pulling before the server
@@ -254,15 +254,20 @@ impl Broker for NatsBroker {
 #[async_trait]
 impl Sink for NatsBroker {
     async fn publish(&self, message: Outbound) -> Result<Position, TransportError> {
+        self.enqueue(message).await?.await
+    }
+
+    async fn enqueue(&self, message: Outbound) -> Result<PendingAck, TransportError> {
         validate_subject(&message.topic)?;
         let mut headers = async_nats::HeaderMap::new();
         for (name, value) in &message.headers {
             headers.insert(name.as_ref(), value.as_str());
         }
-        let publish_error = |e: &dyn std::fmt::Display, retryable| TransportError::Publish {
-            topic: message.topic.clone(),
+        let Outbound { topic, payload, .. } = message;
+        let publish_error = |topic: &str, e: &dyn std::fmt::Display| TransportError::Publish {
+            topic: topic.to_string(),
             reason: e.to_string(),
-            retryable,
+            retryable: true,
         };
         match &self.inner.jetstream {
             Some(js) => {
@@ -271,31 +276,32 @@ impl Sink for NatsBroker {
                     .ensured
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .contains(&message.topic);
+                    .contains(&topic);
                 if !known {
-                    self.ensure_stream(js, &message.topic).await?;
+                    self.ensure_stream(js, &topic).await?;
                 }
                 let ack = js
-                    .publish_with_headers(message.topic.clone(), headers, message.payload.clone())
+                    .publish_with_headers(topic.clone(), headers, payload)
                     .await
-                    .map_err(|e| publish_error(&e, true))?
-                    .await
-                    .map_err(|e| publish_error(&e, true))?;
-                Ok(Position {
-                    partition: 0,
-                    offset: ack.sequence as i64,
-                })
+                    .map_err(|e| publish_error(&topic, &e))?;
+                Ok(Box::pin(async move {
+                    let ack = ack.await.map_err(|e| publish_error(&topic, &e))?;
+                    Ok(Position {
+                        partition: 0,
+                        offset: ack.sequence as i64,
+                    })
+                }))
             }
             None => {
                 self.inner
                     .client
-                    .publish_with_headers(message.topic.clone(), headers, message.payload.clone())
+                    .publish_with_headers(topic.clone(), headers, payload)
                     .await
-                    .map_err(|e| publish_error(&e, true))?;
-                Ok(Position {
+                    .map_err(|e| publish_error(&topic, &e))?;
+                Ok(Box::pin(futures::future::ready(Ok(Position {
                     partition: 0,
                     offset: -1,
-                })
+                }))))
             }
         }
     }
