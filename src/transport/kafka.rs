@@ -9,9 +9,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::ClientContext;
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, Headers, Message as _, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
@@ -229,8 +232,10 @@ impl Broker for KafkaBroker {
                 config.set(k, v);
             }
         }
-        let consumer: StreamConsumer = config
-            .create()
+        let context = GroupContext::default();
+        let revoked = context.revoked.clone();
+        let consumer: StreamConsumer<GroupContext> = config
+            .create_with_context(context)
             .map_err(|e| unreachable(&settings.brokers, e))?;
         let direct = match &subscription.assignment {
             Assignment::Group => None,
@@ -279,6 +284,7 @@ impl Broker for KafkaBroker {
             topic: Arc::from(subscription.topic.as_str()),
             consumer: Some(consumer),
             prefix: matches!(subscription.acks, Acks::Each { .. }).then(FinishedPrefix::default),
+            revoked,
         }))
     }
 
@@ -368,13 +374,34 @@ fn is_retryable(e: &KafkaError) -> bool {
     )
 }
 
+/// Hears of rebalances, which happen inside the client's poll.
+#[derive(Default)]
+struct GroupContext {
+    /// Partitions revoked since the source last looked.
+    revoked: Arc<Mutex<Vec<i32>>>,
+}
+
+impl ClientContext for GroupContext {}
+
+impl ConsumerContext for GroupContext {
+    fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(partitions) = rebalance {
+            self.revoked
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(partitions.elements().iter().map(|e| e.partition()));
+        }
+    }
+}
+
 struct KafkaSource {
     topic: Arc<str>,
     /// Always `Some` until dropped.
-    consumer: Option<StreamConsumer>,
+    consumer: Option<StreamConsumer<GroupContext>>,
     /// With [`Acks::Each`]: what is delivered and not finished, so commits stop short
     /// of it.
     prefix: Option<FinishedPrefix>,
+    revoked: Arc<Mutex<Vec<i32>>>,
 }
 
 impl Drop for KafkaSource {
@@ -393,7 +420,17 @@ impl Drop for KafkaSource {
 }
 
 impl KafkaSource {
-    fn consumer(&self) -> Result<&StreamConsumer, TransportError> {
+    /// Lets the finished-prefix bookkeeping drop partitions lost in a rebalance.
+    fn forget_revoked(&mut self) {
+        let revoked = std::mem::take(&mut *self.revoked.lock().unwrap_or_else(|p| p.into_inner()));
+        if let Some(prefix) = &mut self.prefix {
+            for partition in revoked {
+                prefix.revoke(partition);
+            }
+        }
+    }
+
+    fn consumer(&self) -> Result<&StreamConsumer<GroupContext>, TransportError> {
         self.consumer
             .as_ref()
             .ok_or_else(|| TransportError::Closed {
@@ -437,6 +474,7 @@ impl Source for KafkaSource {
             headers,
             timestamp_ms: message.timestamp().to_millis().unwrap_or_default(),
         };
+        self.forget_revoked();
         if let Some(prefix) = &mut self.prefix {
             prefix.delivered(position);
         }
@@ -444,6 +482,7 @@ impl Source for KafkaSource {
     }
 
     async fn commit(&mut self, through: &[Position]) -> Result<(), TransportError> {
+        self.forget_revoked();
         let prefix;
         let through = match &mut self.prefix {
             Some(open) => {

@@ -284,20 +284,37 @@ pub(crate) struct FinishedPrefix {
     finished: std::collections::BTreeMap<i32, i64>,
     /// Highest offset already handed out for commit, per partition.
     committed: std::collections::BTreeMap<i32, i64>,
+    /// Partitions taken away in a rebalance and not delivered from since: what is
+    /// finished there is no longer this consumer's to commit.
+    revoked: std::collections::BTreeSet<i32>,
 }
 
 impl FinishedPrefix {
     pub(crate) fn delivered(&mut self, position: Position) {
+        self.revoked.remove(&position.partition);
         self.open
             .entry(position.partition)
             .or_default()
             .insert(position.offset);
     }
 
+    /// A partition was taken away: its open offsets will be delivered again (here or
+    /// elsewhere), so they must not hold back commits, and commits of work finished
+    /// there from now on could move the new owner's position back.
+    pub(crate) fn revoke(&mut self, partition: i32) {
+        self.open.remove(&partition);
+        self.finished.remove(&partition);
+        self.committed.remove(&partition);
+        self.revoked.insert(partition);
+    }
+
     /// Marks messages finished; returns the positions that may now be committed.
     pub(crate) fn finished(&mut self, positions: &[Position]) -> Vec<Position> {
         let mut touched = std::collections::BTreeSet::new();
         for p in positions {
+            if self.revoked.contains(&p.partition) {
+                continue;
+            }
             if let Some(open) = self.open.get_mut(&p.partition) {
                 open.remove(&p.offset);
             }
@@ -377,5 +394,23 @@ mod tests {
         assert_eq!(prefix.finished(&[at(0, 3)]), vec![], "offset 2 still open");
         assert_eq!(prefix.finished(&[at(1, 7)]), vec![at(1, 7)]);
         assert_eq!(prefix.finished(&[at(0, 2)]), vec![at(0, 3)]);
+    }
+
+    #[test]
+    fn a_revoked_partition_neither_holds_back_nor_commits() {
+        let mut prefix = FinishedPrefix::default();
+        for o in 10..13 {
+            prefix.delivered(at(0, o));
+        }
+        prefix.delivered(at(1, 5));
+        assert_eq!(prefix.finished(&[at(0, 10)]), vec![at(0, 10)]);
+        prefix.revoke(0);
+        // Work finished after the loss is the new owner's to commit.
+        assert_eq!(prefix.finished(&[at(0, 12)]), vec![]);
+        assert_eq!(prefix.finished(&[at(1, 5)]), vec![at(1, 5)]);
+        // Assigned again and redelivered from the group's position: offset 11, open
+        // before the loss, no longer holds back what follows.
+        prefix.delivered(at(0, 13));
+        assert_eq!(prefix.finished(&[at(0, 13)]), vec![at(0, 13)]);
     }
 }
