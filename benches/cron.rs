@@ -4,6 +4,8 @@
 //! and reports the registration rate, the scheduler's resident memory, and tick
 //! lateness (emitted − scheduled) p50/p99 over every tick it fired.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -46,13 +48,12 @@ async fn main() {
     let seconds: u64 = env("WEIR_BENCH_SECONDS", 30);
     let prefix = format!("weirbench{:08x}", rand::random::<u32>());
     let topic = format!("{prefix}.ticks");
+    let redis_url =
+        std::env::var("WEIR_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     let store: Arc<dyn Store> = Arc::new(
-        RedisStore::connect(
-            &std::env::var("WEIR_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into()),
-            &prefix,
-        )
-        .await
-        .expect("redis"),
+        RedisStore::connect(&redis_url, &prefix)
+            .await
+            .expect("redis"),
     );
     // `WEIR_BENCH_BROKER`: nats (JetStream, default), nats-core or kafka.
     let kind: String = env("WEIR_BENCH_BROKER", "nats".to_string());
@@ -160,4 +161,7 @@ async fn main() {
         received.last().copied().unwrap_or(0)
     );
     println!("process memory: {before:.1} MiB before the scheduler, {after:.1} MiB after {seconds} s of firing");
+    drop(reader);
+    common::remove_prefix(&redis_url, &prefix).await;
+    common::delete_topics(&broker, &[topic]).await;
 }

@@ -3,9 +3,9 @@
 //! the state manager, over Kafka and over NATS JetStream, with state in Redis. In the
 //! same run, a bare publish → consume loop over the same broker gives the baseline.
 //!
-//! Run `scripts/services` first, then `cargo bench --bench dispatch`. It builds the
-//! `weir` binary itself (bench profile) unless `WEIR_BENCH_WEIR` names one. Environment:
-//! `WEIR_BENCH_TASKS` (throughput phase, default 20000), `WEIR_BENCH_RATE` and
+//! Run `scripts/services` first, then `cargo bench --bench dispatch`. Workers run the
+//! `weir` binary cargo builds with the bench, unless `WEIR_BENCH_WEIR` names another.
+//! Environment: `WEIR_BENCH_TASKS` (throughput phase, default 20000), `WEIR_BENCH_RATE` and
 //! `WEIR_BENCH_SECONDS` (latency phase, default 2000 tasks/s for 5 s),
 //! `WEIR_BENCH_BACKLOG` (ready tasks queued before the workers start, default 1000000;
 //! 0 skips the phase), `WEIR_BENCH_BROKERS` (default `kafka,nats`).
@@ -15,6 +15,8 @@
 //! Ready→started is computed from the messages: `ready_at_ms` of the TaskReadyEvent (read
 //! from the executor topic by a separate consumer group) and `finished_at_ms −
 //! duration_ms` of the result.
+
+mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -86,26 +88,14 @@ fn peak_rss_mib(pid: &str) -> f64 {
         / 1024.0
 }
 
-/// The `weir` binary, built with the bench profile (so it shares this build's compiled
-/// dependencies) and copied aside, so a concurrent build cannot replace it mid-run.
+/// The `weir` binary cargo built along with this bench (same profile and features),
+/// copied aside so a concurrent build cannot replace it mid-run.
 fn weir_binary(dir: &Path) -> PathBuf {
     if let Ok(path) = std::env::var("WEIR_BENCH_WEIR") {
         return PathBuf::from(path);
     }
-    let manifest = env!("CARGO_MANIFEST_DIR");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
-        .args(["build", "--profile", "bench", "--bin", "weir"])
-        .current_dir(manifest)
-        .status()
-        .expect("cargo runs");
-    assert!(status.success(), "building the weir binary failed");
-    let target = std::env::var("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| Path::new(manifest).join("target"));
-    let built = target.join("release").join("weir");
     let copy = dir.join("weir");
-    std::fs::copy(&built, &copy).expect("copy the weir binary");
+    std::fs::copy(env!("CARGO_BIN_EXE_weir"), &copy).expect("copy the weir binary");
     copy
 }
 
@@ -589,72 +579,15 @@ async fn bare_loop(broker: Arc<dyn Broker>, count: usize) -> f64 {
     let rate = count as f64 / began.elapsed().as_secs_f64();
     publisher.await.expect("bare publisher");
     drop(source);
-    delete_topics(&broker, &[topic]).await;
+    common::delete_topics(&broker, &[topic]).await;
     rate
 }
 
 /// Removes what a configuration left: its Redis keys (SCAN + UNLINK on its own prefix)
 /// and its topics or streams.
 async fn cleanup(setup: &Setup, broker: Arc<dyn Broker>) {
-    if let Ok(client) = redis::Client::open(setup.config.store.url.as_str()) {
-        if let Ok(mut c) = client.get_multiplexed_async_connection().await {
-            let pattern = format!("{}:*", setup.prefix);
-            let mut cursor: u64 = 0;
-            loop {
-                let Ok((next, keys)): Result<(u64, Vec<String>), _> = redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(&pattern)
-                    .arg("COUNT")
-                    .arg(10_000)
-                    .query_async(&mut c)
-                    .await
-                else {
-                    break;
-                };
-                if !keys.is_empty() {
-                    let _: Result<i64, _> =
-                        redis::cmd("UNLINK").arg(&keys).query_async(&mut c).await;
-                }
-                if next == 0 {
-                    break;
-                }
-                cursor = next;
-            }
-        }
-    }
-    delete_topics(&broker, &setup.topics()).await;
-}
-
-async fn delete_topics(broker: &Arc<dyn Broker>, topics: &[String]) {
-    match broker.kind() {
-        "nats" => {
-            let url =
-                std::env::var("WEIR_TEST_NATS").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
-            if let Ok(client) = async_nats::connect(url.as_str()).await {
-                let js = async_nats::jetstream::new(client);
-                for t in topics {
-                    let _ = js
-                        .delete_stream(weir::transport::nats::stream_name(t))
-                        .await;
-                }
-            }
-        }
-        "kafka" => {
-            use rdkafka::admin::{AdminClient, AdminOptions};
-            use rdkafka::client::DefaultClientContext;
-            let brokers =
-                std::env::var("WEIR_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into());
-            let admin: Result<AdminClient<DefaultClientContext>, _> = rdkafka::ClientConfig::new()
-                .set("bootstrap.servers", &brokers)
-                .create();
-            if let Ok(admin) = admin {
-                let names: Vec<&str> = topics.iter().map(String::as_str).collect();
-                let _ = admin.delete_topics(&names, &AdminOptions::new()).await;
-            }
-        }
-        _ => {}
-    }
+    common::remove_prefix(&setup.config.store.url, &setup.prefix).await;
+    common::delete_topics(&broker, &setup.topics()).await;
 }
 
 fn mib(values: &[f64]) -> String {
