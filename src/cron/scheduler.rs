@@ -616,7 +616,9 @@ impl Scheduler {
         let span = info_span!("cron_fire", shard, ticks = ticks.len());
         async move {
             let mut done = Vec::with_capacity(ticks.len());
+            // Handed to the broker client, and their acknowledgements, in step.
             let mut handed = Vec::with_capacity(ticks.len());
+            let mut acks = Vec::with_capacity(ticks.len());
             for (mut execution, tick) in ticks {
                 if tick.delivery == Delivery::AtMostOnce && !holds {
                     execution.error = Some("lease lapsed before the tick was due".into());
@@ -629,7 +631,10 @@ impl Scheduler {
                 // so many sends, and the rest of the burst waits its turn for a core.
                 let handing = self.sink.enqueue(tick.stamped(emitted_ms));
                 match tokio::task::unconstrained(handing).await {
-                    Ok(ack) => handed.push((execution, delivery, emitted, emitted_ms, ack)),
+                    Ok(ack) => {
+                        handed.push((execution, delivery, emitted, emitted_ms));
+                        acks.push(ack);
+                    }
                     Err(e) => {
                         warn!(schedule = %execution.schedule_id, error = %e, "tick not published");
                         execution.error = Some(e.to_string());
@@ -637,16 +642,10 @@ impl Scheduler {
                     }
                 }
             }
-            let (records, acks): (Vec<_>, Vec<_>) = handed
-                .into_iter()
-                .map(|(execution, delivery, emitted, emitted_ms, ack)| {
-                    ((execution, delivery, emitted, emitted_ms), ack)
-                })
-                .unzip();
             let acks = futures::future::join_all(acks).await;
             let now = self.config.clock.now().timestamp_millis();
             for ((mut execution, delivery, emitted, emitted_ms), acked) in
-                records.into_iter().zip(acks)
+                handed.into_iter().zip(acks)
             {
                 match acked {
                     Ok(_) => {
