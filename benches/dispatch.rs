@@ -8,7 +8,8 @@
 //! Environment: `WEIR_BENCH_TASKS` (throughput phase, default 20000), `WEIR_BENCH_RATE` and
 //! `WEIR_BENCH_SECONDS` (latency phase, default 2000 tasks/s for 5 s),
 //! `WEIR_BENCH_BACKLOG` (ready tasks queued before the workers start, default 1000000;
-//! 0 skips the phase), `WEIR_BENCH_BROKERS` (default `kafka,nats`).
+//! 0 skips the phase), `WEIR_BENCH_BROKERS` (default `kafka,nats`), `WEIR_BENCH_WORKERS`
+//! (worker processes per scenario, default `1,2`).
 //!
 //! Throughput counts an execution done when the state manager has applied its result
 //! (the execution is completed in Redis), through a metrics recorder installed here.
@@ -37,7 +38,7 @@ use weir::transport::{Assignment, Broker, Outbound, Subscription};
 
 /// Starts (and bare-loop publishes) awaiting acknowledgement at once.
 const WINDOW: usize = 256;
-const WORKER_CONCURRENCY: usize = 64;
+const WORKER_CONCURRENCY: usize = 256;
 /// How long any one wait may take before the run is declared stuck. Draining the
 /// backlog is the longest: 1,000,000 tasks at a slow 1,000/s is nearly 17 minutes.
 const STUCK: Duration = Duration::from_secs(1800);
@@ -244,8 +245,20 @@ fn reader(
         loop {
             let message = tokio::select! {
                 _ = cancel.cancelled() => return,
-                m = source.next() => m.expect("side read"),
+                m = source.next() => match m {
+                    Ok(m) => m,
+                    // A busy machine can miss the broker's idle heartbeat; the source
+                    // carries on after reporting it.
+                    Err(e) if e.is_retryable() => continue,
+                    Err(e) => panic!("side read: {e}"),
+                },
             };
+            // Acknowledged as read: the broker stops delivering to a reader holding too
+            // many unacknowledged messages, and the topic holds every earlier phase's.
+            source
+                .commit(&[message.position])
+                .await
+                .expect("side commit");
             if ready {
                 if let Ok(event) = decode::<TaskReadyEvent>(&message.payload) {
                     seen.ready
@@ -570,11 +583,19 @@ async fn bare_loop(broker: Arc<dyn Broker>, count: usize) -> f64 {
                 .await;
         })
     };
-    for _ in 0..count {
-        tokio::time::timeout(Duration::from_secs(60), source.next())
+    for read in 1..=count {
+        let message = tokio::time::timeout(Duration::from_secs(60), source.next())
             .await
             .expect("bare messages keep coming")
             .expect("bare read");
+        // Committed now and then: a reader holding too many unacknowledged messages is
+        // sent no more.
+        if read % 100 == 0 || read == count {
+            source
+                .commit(&[message.position])
+                .await
+                .expect("bare commit");
+        }
     }
     let rate = count as f64 / began.elapsed().as_secs_f64();
     publisher.await.expect("bare publisher");
@@ -608,7 +629,11 @@ async fn run(kind: &str, bin: &Path, dir: &Path, finished: &Arc<AtomicU64>) {
     };
     eprintln!("{kind} bare loop: {bare:.0} msg/s");
     let mut runs = Vec::new();
-    for count in [1, 2] {
+    let worker_counts: String = env("WEIR_BENCH_WORKERS", "1,2".to_string());
+    for count in worker_counts
+        .split(',')
+        .filter_map(|n| n.trim().parse().ok())
+    {
         runs.push(scenario(kind, count, bin, dir, finished).await);
     }
     let backlog = if size > 0 {
@@ -658,6 +683,10 @@ async fn run(kind: &str, bin: &Path, dir: &Path, finished: &Arc<AtomicU64>) {
     println!("bench process peak RSS: {:.0} MiB", peak_rss_mib("self"));
 }
 
+/// The allocator the `weir` binary uses, for the state manager hosted here.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() {
     // `cargo bench` passes `--bench`; `cargo test --benches` does not run this harness.
@@ -670,7 +699,12 @@ async fn main() {
     let dir = tempfile::tempdir().expect("temp dir");
     let bin = weir_binary(dir.path());
     let brokers = std::env::var("WEIR_BENCH_BROKERS").unwrap_or_else(|_| "kafka,nats".into());
-    for kind in brokers.split(',') {
-        run(kind.trim(), &bin, dir.path(), &finished).await;
-    }
+    // On a runtime worker, as `weir` runs its commands, not on the main thread.
+    tokio::spawn(async move {
+        for kind in brokers.split(',') {
+            run(kind.trim(), &bin, dir.path(), &finished).await;
+        }
+    })
+    .await
+    .expect("bench run");
 }

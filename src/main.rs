@@ -6,12 +6,29 @@ use weir::graph::FunctionRegistry;
 use weir::worker::HandlerRegistry;
 use weir::{demo, run, shutdown};
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
     cli::init_tracing(cli.log_format, &cli.log);
+    // On a runtime worker rather than the main thread, so the loops it drives wake the
+    // tasks they spawn without a hop between threads for every message.
+    let outcome = tokio::spawn(execute(cli)).await;
+    let result = match outcome {
+        Ok(result) => result,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    };
+    if let Err(e) = result {
+        eprintln!("weir: {e}");
+        std::process::exit(e.exit_code());
+    }
+}
+
+async fn execute(cli: Cli) -> Result<(), weir::error::Error> {
     let cancel = shutdown::on_signal();
-    let result = match cli.command {
+    match cli.command {
         Command::Demo {
             seconds,
             rate,
@@ -62,9 +79,5 @@ async fn main() {
             let stdin = tokio::io::BufReader::new(tokio::io::stdin());
             weir::admin::cli::produce(&args, stdin, &mut std::io::stderr()).await
         }
-    };
-    if let Err(e) = result {
-        eprintln!("weir: {e}");
-        std::process::exit(e.exit_code());
     }
 }

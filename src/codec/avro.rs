@@ -25,6 +25,9 @@ pub struct AvroCodec {
     name: &'static str,
     schema: Schema,
     fingerprint: u64,
+    /// No named type is referred to by name, so decoding needs no table of names (which
+    /// the decoder would otherwise build again for every message).
+    self_contained: bool,
 }
 
 impl AvroCodec {
@@ -38,6 +41,7 @@ impl AvroCodec {
         bytes.copy_from_slice(&fp.bytes[..8]);
         Ok(Self {
             name,
+            self_contained: !refers_by_name(&schema),
             schema,
             fingerprint: u64::from_le_bytes(bytes),
         })
@@ -92,7 +96,12 @@ impl AvroCodec {
     fn decode_value(&self, bytes: &[u8]) -> Result<apache_avro::types::Value, CodecError> {
         self.check_header(bytes)?;
         let mut body = &bytes[HEADER_LEN..];
-        apache_avro::from_avro_datum(&self.schema, &mut body, None).map_err(|e| CodecError::Avro {
+        let decoded = if self.self_contained {
+            apache_avro::from_avro_datum_schemata(&self.schema, Vec::new(), &mut body, None)
+        } else {
+            apache_avro::from_avro_datum(&self.schema, &mut body, None)
+        };
+        decoded.map_err(|e| CodecError::Avro {
             record: self.name,
             reason: e.to_string(),
         })
@@ -114,6 +123,18 @@ impl AvroCodec {
             });
         }
         Ok(())
+    }
+}
+
+/// Whether a schema names an earlier-defined type instead of defining it in place.
+fn refers_by_name(schema: &Schema) -> bool {
+    match schema {
+        Schema::Ref { .. } => true,
+        Schema::Record(record) => record.fields.iter().any(|f| refers_by_name(&f.schema)),
+        Schema::Array(array) => refers_by_name(&array.items),
+        Schema::Map(map) => refers_by_name(&map.types),
+        Schema::Union(union) => union.variants().iter().any(refers_by_name),
+        _ => false,
     }
 }
 
@@ -155,3 +176,57 @@ macro_rules! avro_record {
     };
 }
 pub(crate) use avro_record;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Point {
+        x: i64,
+    }
+
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Pair {
+        first: Point,
+        second: Point,
+    }
+
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Flat {
+        x: i64,
+        tags: Vec<String>,
+    }
+
+    #[test]
+    fn schemas_that_refer_to_named_types_decode_as_well_as_self_contained_ones() {
+        let nested = r#"{"type": "record", "name": "Pair", "fields": [
+            {"name": "first", "type": {"type": "record", "name": "Point", "fields": [
+                {"name": "x", "type": "long"}]}},
+            {"name": "second", "type": "Point"}]}"#;
+        let flat = r#"{"type": "record", "name": "Flat", "fields": [
+            {"name": "x", "type": "long"},
+            {"name": "tags", "type": {"type": "array", "items": "string"}}]}"#;
+        let nested = AvroCodec::new("Pair", nested).unwrap();
+        let flat = AvroCodec::new("Flat", flat).unwrap();
+        assert!(!nested.self_contained);
+        assert!(flat.self_contained);
+
+        let pair = Pair {
+            first: Point { x: 1 },
+            second: Point { x: 2 },
+        };
+        // Written through a `Value`, as the direct writer does not follow references.
+        let mut bytes = MARKER.to_vec();
+        bytes.extend_from_slice(&nested.fingerprint().to_le_bytes());
+        let value = apache_avro::to_value(&pair).unwrap();
+        bytes.extend(apache_avro::to_avro_datum(nested.schema(), value).unwrap());
+        assert_eq!(nested.decode::<Pair>(&bytes).unwrap(), pair);
+        let record = Flat {
+            x: 7,
+            tags: vec!["a".into(), "b".into()],
+        };
+        let bytes = flat.encode(&record).unwrap();
+        assert_eq!(flat.decode::<Flat>(&bytes).unwrap(), record);
+    }
+}

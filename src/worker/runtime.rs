@@ -13,9 +13,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use metrics::{counter, gauge, histogram};
+use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn, Instrument};
+use tracing::{debug, warn};
 
 use super::handlers::{HandlerRegistry, TaskContext, TaskOutcome};
 use crate::codec::avro::{decode, encode};
@@ -69,6 +69,36 @@ struct Shared {
     settings: WorkerSettings,
 }
 
+/// The worker's metric handles, labelled with its executor once rather than looked up
+/// for every task.
+struct TaskMetrics {
+    wait: Histogram,
+    started: Counter,
+    in_use: Gauge,
+    duration: Histogram,
+    completed: Counter,
+    retried: Counter,
+    failed: Counter,
+    dead_letters: Counter,
+}
+
+impl TaskMetrics {
+    /// Handles of the recorder installed now: call once it is.
+    fn new(executor: &str) -> Self {
+        let label = || ("executor", executor.to_string());
+        Self {
+            wait: histogram!(names::TASK_WAIT_SECONDS, &[label()]),
+            started: counter!(names::TASKS_STARTED_TOTAL, &[label()]),
+            in_use: gauge!(names::WORKER_CAPACITY_IN_USE, &[label()]),
+            duration: histogram!(names::TASK_DURATION_SECONDS, &[label()]),
+            completed: counter!(names::TASKS_COMPLETED_TOTAL, &[label()]),
+            retried: counter!(names::TASKS_RETRIED_TOTAL, &[label()]),
+            failed: counter!(names::TASKS_FAILED_TOTAL, &[label()]),
+            dead_letters: counter!(names::DEAD_LETTERS_TOTAL, &[label()]),
+        }
+    }
+}
+
 /// Consumer group of an executor's workers.
 pub fn worker_group(executor: &str) -> String {
     format!("weir-worker-{executor}")
@@ -112,11 +142,11 @@ impl Worker {
         gauge!(names::WORKER_CAPACITY, "executor" => executor.clone())
             .set(settings.concurrency as f64);
         let shared = self.shared.clone();
+        let metrics = Arc::new(TaskMetrics::new(&executor));
         let stop = cancel.clone();
         consume_concurrently(source, settings.concurrency, cancel, move |message| {
-            let (shared, stop) = (shared.clone(), stop.clone());
-            let span = tracing::info_span!("task", executor = %shared.settings.executor);
-            async move { shared.execute(message, &stop).await }.instrument(span)
+            let (shared, metrics, stop) = (shared.clone(), metrics.clone(), stop.clone());
+            async move { shared.execute(message, &metrics, &stop).await }
         })
         .await
         .map_err(error)
@@ -126,11 +156,16 @@ impl Worker {
 impl Shared {
     /// Handles one TaskReadyEvent; true once it is finished with (result published, or
     /// dead-lettered, or a duplicate).
-    async fn execute(&self, message: Message, cancel: &CancellationToken) -> bool {
+    async fn execute(
+        &self,
+        message: Message,
+        metrics: &TaskMetrics,
+        cancel: &CancellationToken,
+    ) -> bool {
         let event = match decode::<TaskReadyEvent>(&message.payload) {
             Ok(e) => e,
             Err(e) => {
-                warn!(error = %e, "undecodable task event; dead-lettered");
+                warn!(executor = %self.settings.executor, error = %e, "undecodable task event; dead-lettered");
                 return self.dead_letter(&message, &e.to_string(), cancel).await;
             }
         };
@@ -145,7 +180,7 @@ impl Shared {
             match self.store.get_workflow_execution(&event.execution_id).await {
                 Ok(found) => break found,
                 Err(e) if e.is_retryable() => {
-                    warn!(error = %e, "cannot load the execution's context; retrying");
+                    warn!(executor = %self.settings.executor, error = %e, "cannot load the execution's context; retrying");
                     tokio::select! {
                         _ = cancel.cancelled() => return false,
                         _ = tokio::time::sleep(Duration::from_millis(200)) => {}
@@ -192,16 +227,15 @@ impl Shared {
                 .await;
             return finished && self.dead_letter(&message, &why, cancel).await;
         };
-        let executor = self.settings.executor.as_str();
-        histogram!(names::TASK_WAIT_SECONDS, "executor" => executor.to_string())
+        metrics
+            .wait
             .record((now_ms() - event.ready_at_ms).max(0) as f64 / 1000.0);
         // A redelivered task continues from the attempts already reported.
         let mut attempt = (event.attempt.max(1) as u32).max(record.attempts + 1);
         let max_attempts = spec.max_attempts.max(1);
         loop {
-            counter!(names::TASKS_STARTED_TOTAL, "executor" => executor.to_string()).increment(1);
-            let in_use = gauge!(names::WORKER_CAPACITY_IN_USE, "executor" => executor.to_string());
-            in_use.increment(1.0);
+            metrics.started.increment(1);
+            metrics.in_use.increment(1.0);
             let began = Instant::now();
             let task = TaskContext {
                 execution_id: execution.id.clone(),
@@ -217,10 +251,9 @@ impl Shared {
                     TaskOutcome::Failed(format!("timed out after {} ms", spec.timeout.as_millis()))
                 }
             };
-            in_use.decrement(1.0);
+            metrics.in_use.decrement(1.0);
             let took = began.elapsed();
-            histogram!(names::TASK_DURATION_SECONDS, "executor" => executor.to_string())
-                .record(took.as_secs_f64());
+            metrics.duration.record(took.as_secs_f64());
             let reported = match outcome {
                 TaskOutcome::Completed(v) => Reported::Completed(Some(v)),
                 TaskOutcome::Skipped => Reported::Skipped,
@@ -236,8 +269,7 @@ impl Shared {
             }
             match reported {
                 Reported::Retry(error) => {
-                    counter!(names::TASKS_RETRIED_TOTAL, "executor" => executor.to_string())
-                        .increment(1);
+                    metrics.retried.increment(1);
                     let delay = spec.retry_delay(attempt + 1);
                     debug!(task = %event.task_execution_id, attempt, %error, ?delay, "retrying");
                     tokio::select! {
@@ -247,16 +279,13 @@ impl Shared {
                     attempt += 1;
                 }
                 Reported::Failed(error) => {
-                    counter!(names::TASKS_FAILED_TOTAL, "executor" => executor.to_string())
-                        .increment(1);
-                    counter!(names::DEAD_LETTERS_TOTAL, "executor" => executor.to_string())
-                        .increment(1);
+                    metrics.failed.increment(1);
+                    metrics.dead_letters.increment(1);
                     let why = format!("failed after {attempt} attempts: {error}");
                     return self.dead_letter(&message, &why, cancel).await;
                 }
                 Reported::Completed(_) | Reported::Skipped => {
-                    counter!(names::TASKS_COMPLETED_TOTAL, "executor" => executor.to_string())
-                        .increment(1);
+                    metrics.completed.increment(1);
                     return true;
                 }
             }
@@ -293,7 +322,7 @@ impl Shared {
         let bytes = match encode(&result) {
             Ok(b) => b,
             Err(e) => {
-                warn!(error = %e, "cannot encode a result");
+                warn!(executor = %self.settings.executor, error = %e, "cannot encode a result");
                 return false;
             }
         };
@@ -302,7 +331,7 @@ impl Shared {
         match publish_persistently(self.sink.as_ref(), message, cancel).await {
             Ok(_) => true,
             Err(e) => {
-                warn!(error = %e, "result not published; the task will be delivered again");
+                warn!(executor = %self.settings.executor, error = %e, "result not published; the task will be delivered again");
                 false
             }
         }
