@@ -284,14 +284,10 @@ pub(crate) struct FinishedPrefix {
     finished: std::collections::BTreeMap<i32, i64>,
     /// Highest offset already handed out for commit, per partition.
     committed: std::collections::BTreeMap<i32, i64>,
-    /// Partitions taken away in a rebalance and not delivered from since: what is
-    /// finished there is no longer this consumer's to commit.
-    revoked: std::collections::BTreeSet<i32>,
 }
 
 impl FinishedPrefix {
     pub(crate) fn delivered(&mut self, position: Position) {
-        self.revoked.remove(&position.partition);
         self.open
             .entry(position.partition)
             .or_default()
@@ -299,24 +295,28 @@ impl FinishedPrefix {
     }
 
     /// A partition was taken away: its open offsets will be delivered again (here or
-    /// elsewhere), so they must not hold back commits, and commits of work finished
-    /// there from now on could move the new owner's position back.
+    /// elsewhere), so they must not hold back commits, and work delivered before the
+    /// loss no longer counts when it finishes.
     pub(crate) fn revoke(&mut self, partition: i32) {
         self.open.remove(&partition);
         self.finished.remove(&partition);
         self.committed.remove(&partition);
-        self.revoked.insert(partition);
     }
 
     /// Marks messages finished; returns the positions that may now be committed.
     pub(crate) fn finished(&mut self, positions: &[Position]) -> Vec<Position> {
         let mut touched = std::collections::BTreeSet::new();
         for p in positions {
-            if self.revoked.contains(&p.partition) {
+            // Only what is delivered and open since the partition was (last) assigned
+            // counts. A finish from before a rebalance may be far ahead of what the
+            // partition, assigned again, has redelivered so far; counting it would
+            // commit past messages not yet handled, lost if the partition moves again.
+            let was_open = self
+                .open
+                .get_mut(&p.partition)
+                .is_some_and(|open| open.remove(&p.offset));
+            if !was_open {
                 continue;
-            }
-            if let Some(open) = self.open.get_mut(&p.partition) {
-                open.remove(&p.offset);
             }
             let highest = self.finished.entry(p.partition).or_insert(i64::MIN);
             *highest = (*highest).max(p.offset);
@@ -412,5 +412,24 @@ mod tests {
         // before the loss, no longer holds back what follows.
         prefix.delivered(at(0, 13));
         assert_eq!(prefix.finished(&[at(0, 13)]), vec![at(0, 13)]);
+    }
+
+    #[test]
+    fn work_from_before_a_rebalance_does_not_commit_past_the_redelivery() {
+        let mut prefix = FinishedPrefix::default();
+        for o in 100..110 {
+            prefix.delivered(at(0, o));
+        }
+        prefix.revoke(0);
+        // The same consumer gets the partition back and it is redelivered from 100.
+        prefix.delivered(at(0, 100));
+        // A handler from before the rebalance finishes 108: not delivered again yet,
+        // so 101..107 have not been handled since and must stay uncommitted.
+        assert_eq!(prefix.finished(&[at(0, 108)]), vec![]);
+        assert_eq!(prefix.finished(&[at(0, 100)]), vec![at(0, 100)]);
+        prefix.delivered(at(0, 101));
+        prefix.delivered(at(0, 102));
+        assert_eq!(prefix.finished(&[at(0, 102)]), vec![]);
+        assert_eq!(prefix.finished(&[at(0, 101)]), vec![at(0, 102)]);
     }
 }
