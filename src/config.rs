@@ -54,6 +54,9 @@ pub mod defaults {
     pub const TASK_TIMEOUT_MS: u64 = 30_000;
     pub const TASK_BACKOFF_MS: u64 = 1000;
     pub const NATS_ACK_WAIT_MS: u64 = 30_000;
+    /// Seven days, Kafka's usual topic retention: weir's task and result streams would
+    /// otherwise grow without end on JetStream.
+    pub const RETENTION_MS: u64 = 7 * 24 * 60 * 60 * 1000;
     pub const RESULTS_TOPIC: &str = "weir.results";
     pub const WORKER_CONCURRENCY: usize = 16;
 }
@@ -398,6 +401,10 @@ pub struct BrokerConfig {
     /// JetStream: a delivered message unacknowledged this long (a crashed worker's) is
     /// delivered again.
     pub ack_wait_ms: u64,
+    /// How long topics and streams weir creates keep a message (Kafka `retention.ms`,
+    /// JetStream `max_age`); 0 leaves it to the broker (Kafka: its default; JetStream:
+    /// forever). Existing topics and streams keep their own setting.
+    pub retention_ms: u64,
 }
 
 impl Default for BrokerConfig {
@@ -411,7 +418,15 @@ impl Default for BrokerConfig {
             replication: defaults::REPLICATION,
             options: BTreeMap::new(),
             ack_wait_ms: defaults::NATS_ACK_WAIT_MS,
+            retention_ms: defaults::RETENTION_MS,
         }
+    }
+}
+
+impl BrokerConfig {
+    /// Retention of topics and streams weir creates; `None` leaves it to the broker.
+    pub fn retention(&self) -> Option<Duration> {
+        (self.retention_ms > 0).then(|| Duration::from_millis(self.retention_ms))
     }
 }
 
@@ -830,6 +845,7 @@ impl Config {
                         partitions: self.broker.partitions,
                         replication: self.broker.replication,
                         options: self.broker.options.clone(),
+                        retention: self.broker.retention(),
                     },
                 )
                 .map_err(|e| connect(&e))?;
@@ -841,6 +857,7 @@ impl Config {
                     url: self.broker.url.clone(),
                     jetstream: self.broker.jetstream,
                     ack_wait: Duration::from_millis(self.broker.ack_wait_ms),
+                    retention: self.broker.retention(),
                 })
                 .await
                 .map_err(|e| connect(&e))?,
@@ -1085,6 +1102,19 @@ format = "json"
             err.to_string().contains("broker") && err.to_string().contains("nope"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn retention_defaults_to_a_week_and_zero_leaves_it_to_the_broker() {
+        let config = parse(SAMPLE, &[]).unwrap();
+        assert_eq!(
+            config.broker.retention(),
+            Some(Duration::from_secs(7 * 24 * 3600))
+        );
+        let config = parse(SAMPLE, &[("WEIR__BROKER__RETENTION_MS", "60000")]).unwrap();
+        assert_eq!(config.broker.retention(), Some(Duration::from_secs(60)));
+        let config = parse(SAMPLE, &[("WEIR__BROKER__RETENTION_MS", "0")]).unwrap();
+        assert_eq!(config.broker.retention(), None);
     }
 
     #[test]

@@ -372,6 +372,63 @@ mod services {
         }
     }
 
+    /// Streams weir creates age their messages out after the configured retention;
+    /// without one they keep them.
+    #[tokio::test]
+    async fn nats_streams_weir_creates_have_the_configured_retention() {
+        use weir::transport::nats::{stream_name, NatsBroker, NatsSettings};
+        let client = async_nats::connect(services::nats_url()).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        for retention in [Some(Duration::from_secs(90)), None] {
+            let broker = NatsBroker::connect(NatsSettings {
+                url: services::nats_url(),
+                retention,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            let subject = services::unique("conf.retention.");
+            broker
+                .sink()
+                .publish(Outbound::new(&subject, "1"))
+                .await
+                .unwrap();
+            let mut stream = js.get_stream(stream_name(&subject)).await.unwrap();
+            let info = stream.info().await.unwrap();
+            assert_eq!(info.config.max_age, retention.unwrap_or_default());
+            assert_eq!(info.state.messages, 1);
+        }
+    }
+
+    /// Topics weir creates carry the configured `retention.ms`.
+    #[tokio::test]
+    async fn kafka_topics_weir_creates_have_the_configured_retention() {
+        use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+        use rdkafka::client::DefaultClientContext;
+        use rdkafka::ClientConfig;
+        let broker = services::kafka();
+        let topic = services::unique("conf.retention.");
+        broker
+            .sink()
+            .publish(Outbound::new(&topic, "1"))
+            .await
+            .unwrap();
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", services::kafka_brokers())
+            .create()
+            .unwrap();
+        let described = admin
+            .describe_configs([&ResourceSpecifier::Topic(&topic)], &AdminOptions::new())
+            .await
+            .unwrap();
+        let resource = described.into_iter().next().unwrap().unwrap();
+        let retention = resource.get("retention.ms").and_then(|e| e.value.clone());
+        assert_eq!(
+            retention,
+            Some(services::TEST_RETENTION.as_millis().to_string())
+        );
+    }
+
     #[tokio::test]
     async fn nats_core_delivers_while_subscribed() {
         // Core NATS is at-most-once: only what is published while subscribed arrives.

@@ -40,6 +40,8 @@ pub struct KafkaSettings {
     pub partitions: i32,
     pub replication: i32,
     pub options: BTreeMap<String, String>,
+    /// `retention.ms` of topics weir creates; `None`: the broker's default.
+    pub retention: Option<Duration>,
 }
 
 impl Default for KafkaSettings {
@@ -49,6 +51,7 @@ impl Default for KafkaSettings {
             partitions: 1,
             replication: 1,
             options: BTreeMap::new(),
+            retention: None,
         }
     }
 }
@@ -143,11 +146,15 @@ impl KafkaBroker {
             return Ok(());
         }
         let settings = &self.inner.settings;
-        let new_topic = NewTopic::new(
+        let retention_ms = settings.retention.map(|r| r.as_millis().to_string());
+        let mut new_topic = NewTopic::new(
             topic,
             settings.partitions,
             TopicReplication::Fixed(settings.replication),
         );
+        if let Some(retention_ms) = &retention_ms {
+            new_topic = new_topic.set("retention.ms", retention_ms);
+        }
         let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
         let results = self
             .inner

@@ -30,6 +30,8 @@ pub struct NatsSettings {
     /// JetStream: how long a delivered message may stay unacknowledged (without a
     /// keep-alive) before it is delivered again.
     pub ack_wait: Duration,
+    /// `max_age` of the streams weir creates; `None`: kept forever.
+    pub retention: Option<Duration>,
 }
 
 impl Default for NatsSettings {
@@ -38,6 +40,7 @@ impl Default for NatsSettings {
             url: "nats://127.0.0.1:4222".into(),
             jetstream: true,
             ack_wait: Duration::from_secs(30),
+            retention: None,
         }
     }
 }
@@ -52,6 +55,7 @@ struct Inner {
     client: async_nats::Client,
     jetstream: Option<jetstream::Context>,
     ack_wait: Duration,
+    retention: Option<Duration>,
     /// Subjects whose stream is known to exist.
     ensured: Mutex<HashSet<String>>,
 }
@@ -85,6 +89,7 @@ impl NatsBroker {
                 client,
                 jetstream,
                 ack_wait: settings.ack_wait,
+                retention: settings.retention,
                 ensured: Mutex::new(HashSet::new()),
             }),
         })
@@ -105,6 +110,7 @@ impl NatsBroker {
         let config = stream::Config {
             name: stream_name(subject),
             subjects: vec![subject.to_string()],
+            max_age: self.inner.retention.unwrap_or_default(),
             ..Default::default()
         };
         let stream =

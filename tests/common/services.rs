@@ -21,6 +21,9 @@ pub fn redis_url() -> String {
     std::env::var("WEIR_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
 
+/// Retention of the topics and streams tests create, so what they leave behind ages out.
+pub const TEST_RETENTION: std::time::Duration = std::time::Duration::from_secs(3600);
+
 /// A prefix no other test (or earlier run) uses.
 pub fn unique(prefix: &str) -> String {
     format!("{prefix}{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
@@ -40,6 +43,7 @@ pub fn kafka() -> Arc<KafkaBroker> {
         KafkaBroker::connect(KafkaSettings {
             brokers: kafka_brokers(),
             options: fast_group_options(),
+            retention: Some(TEST_RETENTION),
             ..KafkaSettings::default()
         })
         .expect("kafka client"),
@@ -52,6 +56,7 @@ pub async fn nats(jetstream: bool) -> Arc<NatsBroker> {
             url: nats_url(),
             jetstream,
             ack_wait: std::time::Duration::from_secs(5),
+            retention: Some(TEST_RETENTION),
         })
         .await
         .expect("nats reachable (run scripts/services)"),
