@@ -792,14 +792,12 @@ impl Config {
 
     pub fn scheduler_config(&self) -> crate::cron::scheduler::SchedulerConfig {
         crate::cron::scheduler::SchedulerConfig {
-            node_id: self.node_id(),
             priority: self.node.priority,
             shards: self.cron.shards,
             lease_ttl: Duration::from_millis(self.cron.lease_ttl_ms),
             orphan_after: Duration::from_millis(self.cron.orphan_after_ms),
             max_attempts: self.cron.max_attempts,
-            tenant: None,
-            clock: std::sync::Arc::new(crate::cron::scheduler::SystemClock),
+            ..crate::cron::scheduler::SchedulerConfig::new(self.node_id())
         }
     }
 

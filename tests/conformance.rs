@@ -254,14 +254,26 @@ async fn store_conformance(store: Arc<dyn Store>, graph: &str) {
         .unwrap());
     let open = |by: i64| {
         let store = store.clone();
-        async move { store.open_executions(by, 100).await.unwrap() }
+        async move { store.open_executions(by, 0, 100).await.unwrap() }
     };
     assert_eq!(
         open(1100).await,
         [(schedule.clone(), 2000), (schedule.clone(), 1000)]
     );
     assert_eq!(open(1099).await, [(schedule.clone(), 2000)]);
-    assert_eq!(store.open_executions(i64::MAX, 1).await.unwrap().len(), 1);
+    assert_eq!(
+        store.open_executions(i64::MAX, 0, 1).await.unwrap().len(),
+        1
+    );
+    assert_eq!(
+        store.open_executions(i64::MAX, 1, 5).await.unwrap(),
+        [(schedule.clone(), 1000)]
+    );
+    assert!(store
+        .open_executions(i64::MAX, 2, 5)
+        .await
+        .unwrap()
+        .is_empty());
     store
         .put_execution(&execution(1000, ExecutionStatus::Completed))
         .await

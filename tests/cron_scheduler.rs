@@ -319,6 +319,62 @@ catchup = "all"
     }
 }
 
+/// Executions that rightly stay open (here ticks buffered behind a running one) fill a
+/// whole sweep batch; an orphan behind them is still found by a later sweep.
+#[tokio::test]
+async fn orphans_behind_a_full_sweep_batch_are_found() {
+    use weir::store::Execution;
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    for id in ["busy", "orph"] {
+        let mut schedule = every_second(id, "bticks");
+        schedule.cron = "0 0 1 1 *".into();
+        register(store.as_ref(), &schedule, 1).await.unwrap();
+    }
+    let execution = |id: &str, at: i64, status: ExecutionStatus, updated_ms: i64| Execution {
+        schedule_id: id.into(),
+        scheduled_ms: at,
+        tick_id: format!("{id}@{at}"),
+        status,
+        attempt: 1,
+        max_attempts: 3,
+        node_id: "dead".into(),
+        fencing_token: 1,
+        updated_ms,
+        error: None,
+    };
+    let tomorrow = chrono::Utc::now().timestamp_millis() + 86_400_000;
+    let running = execution("busy", 5_000, ExecutionStatus::Running, tomorrow);
+    store.claim_execution(&running).await.unwrap();
+    for at in [6_000, 7_000, 8_000] {
+        let buffered = execution("busy", at, ExecutionStatus::Buffered, 0);
+        store.claim_execution(&buffered).await.unwrap();
+    }
+    // Changed after the buffered ones' place in the index (0), so it comes last.
+    let orphan = execution("orph", 1_000, ExecutionStatus::Scheduled, 1);
+    store.claim_execution(&orphan).await.unwrap();
+    let cancel = CancellationToken::new();
+    let cfg = SchedulerConfig {
+        orphan_after: Duration::from_millis(200),
+        sweep_batch: 2,
+        ..config("a", 0)
+    };
+    let task = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+    );
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    cancel.cancel();
+    let _ = task.await;
+    let ticks = ticks(&broker, "bticks");
+    assert_eq!(ticks.len(), 1, "{ticks:?}");
+    assert_eq!(ticks[0].tick_id, "orph@1000");
+    assert_eq!(ticks[0].attempt, 2);
+    for at in [6_000, 7_000, 8_000] {
+        let waiting = store.get_execution("busy", at).await.unwrap().unwrap();
+        assert_eq!(waiting.status, ExecutionStatus::Buffered);
+    }
+}
+
 #[tokio::test]
 async fn orphaned_executions_are_re_emitted_or_failed_at_the_stored_cap() {
     use weir::store::Execution;
@@ -372,7 +428,7 @@ async fn orphaned_executions_are_re_emitted_or_failed_at_the_stored_cap() {
     assert_eq!(removed.status, ExecutionStatus::Failed);
     // Nothing is left for the next sweep to look at.
     assert!(store
-        .open_executions(i64::MAX, 10)
+        .open_executions(i64::MAX, 0, 10)
         .await
         .unwrap()
         .is_empty());

@@ -33,8 +33,6 @@ use crate::transport::{Outbound, Sink};
 const DUE_BATCH: usize = 10_000;
 /// How far ahead of their time due ticks are planned and claimed.
 const LOOKAHEAD: Duration = Duration::from_millis(250);
-/// Unfinished executions looked at per orphan sweep.
-const SWEEP_BATCH: usize = 10_000;
 /// Schedule loads in flight at once.
 const CONCURRENCY: usize = 1024;
 
@@ -91,6 +89,9 @@ pub struct SchedulerConfig {
     pub max_attempts: u32,
     pub tenant: Option<String>,
     pub clock: Arc<dyn Clock>,
+    /// Unfinished executions looked at per orphan sweep; successive sweeps carry on
+    /// where the last stopped, so a long index is walked a batch at a time.
+    pub sweep_batch: usize,
 }
 
 impl PartialEq for SchedulerConfig {
@@ -102,6 +103,7 @@ impl PartialEq for SchedulerConfig {
             && self.orphan_after == other.orphan_after
             && self.max_attempts == other.max_attempts
             && self.tenant == other.tenant
+            && self.sweep_batch == other.sweep_batch
     }
 }
 
@@ -116,6 +118,7 @@ impl SchedulerConfig {
             max_attempts: 3,
             tenant: None,
             clock: Arc::new(SystemClock),
+            sweep_batch: 10_000,
         }
     }
 }
@@ -219,6 +222,8 @@ pub struct Scheduler {
     /// Schedules seen while the store was reachable, with their next fire time: what
     /// `at_least_once` keeps firing from when it is not.
     cache: HashMap<String, (Cached, Option<DateTime<Utc>>)>,
+    /// Where in the index of unfinished executions the next orphan sweep starts.
+    sweep_from: usize,
 }
 
 impl Scheduler {
@@ -235,6 +240,7 @@ impl Scheduler {
             config,
             shards,
             cache: HashMap::new(),
+            sweep_from: 0,
         }
     }
 
@@ -710,8 +716,22 @@ impl Scheduler {
             - self.config.orphan_after.as_millis() as i64;
         // Only unfinished executions are looked at, found through the store's index, so
         // a sweep costs nothing per schedule that is firing normally.
+        let batch = self.config.sweep_batch.max(1);
+        let found = self
+            .store
+            .open_executions(threshold, self.sweep_from, batch)
+            .await?;
+        // Executions that rightly stay open (running workflows, buffered ticks, other
+        // shards') would otherwise fill every batch and hide the rest: the next sweep
+        // starts after this one, and from the front once the end is reached. What
+        // leaves the index meanwhile only shifts the rest forward, to be met next pass.
+        self.sweep_from = if found.len() < batch {
+            0
+        } else {
+            self.sweep_from + found.len()
+        };
         let mut open: BTreeMap<String, Vec<i64>> = BTreeMap::new();
-        for (id, scheduled_ms) in self.store.open_executions(threshold, SWEEP_BATCH).await? {
+        for (id, scheduled_ms) in found {
             open.entry(id).or_default().push(scheduled_ms);
         }
         for (id, times) in open {

@@ -353,6 +353,7 @@ impl Store for MemoryStore {
     async fn open_executions(
         &self,
         changed_by_ms: i64,
+        skip: usize,
         limit: usize,
     ) -> Result<Vec<(String, i64)>, StoreError> {
         let state = self.state();
@@ -365,6 +366,7 @@ impl Store for MemoryStore {
         open.sort();
         Ok(open
             .into_iter()
+            .skip(skip)
             .take(limit)
             .map(|(_, key)| key.clone())
             .collect())

@@ -245,12 +245,13 @@ pub trait Store: Send + Sync {
     ) -> Result<Option<Execution>, StoreError>;
 
     /// Unfinished executions (scheduled or running) last changed at or before
-    /// `changed_by_ms`, and every buffered one, oldest change first, at most `limit`, as
-    /// (schedule id, scheduled time): what orphan recovery looks at, without reading
-    /// every schedule.
+    /// `changed_by_ms`, and every buffered one, oldest change first, the first `skip`
+    /// passed over, at most `limit`, as (schedule id, scheduled time): what orphan
+    /// recovery looks at, without reading every schedule.
     async fn open_executions(
         &self,
         changed_by_ms: i64,
+        skip: usize,
         limit: usize,
     ) -> Result<Vec<(String, i64)>, StoreError>;
 

@@ -585,11 +585,18 @@ impl Store for RedisStore {
     async fn open_executions(
         &self,
         changed_by_ms: i64,
+        skip: usize,
         limit: usize,
     ) -> Result<Vec<(String, i64)>, StoreError> {
         let mut c = self.connection.clone();
         let members: Vec<String> = c
-            .zrangebyscore_limit(self.open_index(), "-inf", changed_by_ms, 0, limit as isize)
+            .zrangebyscore_limit(
+                self.open_index(),
+                "-inf",
+                changed_by_ms,
+                skip as isize,
+                limit as isize,
+            )
             .await
             .map_err(|e| store_error("ZRANGEBYSCORE", e))?;
         Ok(members
