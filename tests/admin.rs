@@ -649,7 +649,7 @@ mod services {
     use std::process::{Child, Command, Stdio};
 
     use super::*;
-    use common::services::{nats_url, unique};
+    use common::services::{nats_table, unique};
     use weir::store::redis::RedisStore;
     use weir::transport::Outbound;
 
@@ -741,12 +741,7 @@ mod services {
     async fn produce_then_tail_prints_each_message_on_a_line() {
         let subject = unique("tail");
         let mut config = tempfile::NamedTempFile::new().unwrap();
-        write!(
-            config,
-            "[broker]\nkind = \"nats\"\nurl = \"{}\"\n",
-            nats_url()
-        )
-        .unwrap();
+        write!(config, "[broker]\n{}\n", nats_table()).unwrap();
         let path = config.path().to_path_buf();
 
         let mut produce = Command::new(env!("CARGO_BIN_EXE_weir"))

@@ -240,8 +240,7 @@ mod failover {
         let text = format!(
             r#"
 [broker]
-kind = "nats"
-url = "{nats}"
+{broker}
 [store]
 kind = "redis"
 url = "{redis}"
@@ -260,7 +259,7 @@ topic = "{alo}"
 delivery = "at_least_once"
 catchup = "all"
 "#,
-            nats = services::nats_url(),
+            broker = services::nats_table(),
             redis = services::redis_url(),
         );
         let mut file = tempfile::NamedTempFile::new().unwrap();

@@ -35,11 +35,8 @@ impl Setup {
         let input = format!("{prefix}.in");
         let output = format!("{prefix}.out");
         let broker = match kind {
-            Kind::Kafka => format!(
-                "kind = \"kafka\"\nbrokers = \"{}\"",
-                services::kafka_brokers()
-            ),
-            Kind::Nats => format!("kind = \"nats\"\nurl = \"{}\"", services::nats_url()),
+            Kind::Kafka => services::kafka_table(),
+            Kind::Nats => services::nats_table(),
         };
         let text = format!(
             r#"

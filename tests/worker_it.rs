@@ -29,14 +29,12 @@ impl Drop for Processes {
 fn config(kafka: bool, prefix: &str) -> tempfile::NamedTempFile {
     let broker = if kafka {
         format!(
-            "kind = \"kafka\"\nbrokers = \"{}\"\npartitions = 2\noptions = {{ \"session.timeout.ms\" = \"6000\", \"max.poll.interval.ms\" = \"7000\", \"heartbeat.interval.ms\" = \"1000\" }}",
-            services::kafka_brokers()
+            "{}\npartitions = 2\n{}",
+            services::kafka_table(),
+            services::fast_group_options_line()
         )
     } else {
-        format!(
-            "kind = \"nats\"\nurl = \"{}\"\nack_wait_ms = 3000",
-            services::nats_url()
-        )
+        format!("{}\nack_wait_ms = 3000", services::nats_table())
     };
     let tasks: String = (0..TASKS)
         .map(|i| {

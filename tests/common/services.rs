@@ -29,6 +29,34 @@ pub fn unique(prefix: &str) -> String {
     format!("{prefix}{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
 }
 
+/// The body of a config file's `[broker]` table for Kafka, with the tests' retention.
+pub fn kafka_table() -> String {
+    format!(
+        "kind = \"kafka\"\nbrokers = \"{}\"\nretention_ms = {}",
+        kafka_brokers(),
+        TEST_RETENTION.as_millis()
+    )
+}
+
+/// The body of a config file's `[broker]` table for NATS JetStream, with the tests'
+/// retention.
+pub fn nats_table() -> String {
+    format!(
+        "kind = \"nats\"\nurl = \"{}\"\nretention_ms = {}",
+        nats_url(),
+        TEST_RETENTION.as_millis()
+    )
+}
+
+/// [`fast_group_options`] as a `[broker]` line.
+pub fn fast_group_options_line() -> String {
+    let pairs: Vec<String> = fast_group_options()
+        .iter()
+        .map(|(k, v)| format!("{k:?} = {v:?}"))
+        .collect();
+    format!("options = {{ {} }}", pairs.join(", "))
+}
+
 /// Consumer settings that make a group join take seconds rather than tens of them.
 pub fn fast_group_options() -> BTreeMap<String, String> {
     BTreeMap::from([
