@@ -318,6 +318,38 @@ catchup = "all"
     }
 }
 
+/// A tick claimed by a node that died before emitting it.
+fn unemitted(schedule_id: &str, at: i64) -> weir::store::Execution {
+    weir::store::Execution {
+        schedule_id: schedule_id.into(),
+        scheduled_ms: at,
+        tick_id: format!("{schedule_id}@{at}"),
+        status: ExecutionStatus::Scheduled,
+        attempt: 1,
+        max_attempts: 3,
+        node_id: "dead".into(),
+        fencing_token: 1,
+        updated_ms: 0,
+        error: None,
+    }
+}
+
+/// Runs one scheduler node (orphans count after 200 ms) for long enough to sweep a few
+/// times.
+async fn sweep_a_while(store: &Arc<MemoryStore>, broker: &MemoryBroker, cfg: SchedulerConfig) {
+    let cfg = SchedulerConfig {
+        orphan_after: Duration::from_millis(200),
+        ..cfg
+    };
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+    );
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    cancel.cancel();
+    let _ = task.await;
+}
+
 /// Executions that rightly stay open (here ticks buffered behind a running one) fill a
 /// whole sweep batch; an orphan behind them is still found by a later sweep.
 #[tokio::test]
@@ -330,40 +362,31 @@ async fn orphans_behind_a_full_sweep_batch_are_found() {
         schedule.cron = "0 0 1 1 *".into();
         register(store.as_ref(), &schedule, 1).await.unwrap();
     }
-    let execution = |id: &str, at: i64, status: ExecutionStatus, updated_ms: i64| Execution {
-        schedule_id: id.into(),
-        scheduled_ms: at,
-        tick_id: format!("{id}@{at}"),
-        status,
-        attempt: 1,
-        max_attempts: 3,
-        node_id: "dead".into(),
-        fencing_token: 1,
-        updated_ms,
-        error: None,
-    };
     let tomorrow = chrono::Utc::now().timestamp_millis() + 86_400_000;
-    let running = execution("busy", 5_000, ExecutionStatus::Running, tomorrow);
+    let running = Execution {
+        status: ExecutionStatus::Running,
+        updated_ms: tomorrow,
+        ..unemitted("busy", 5_000)
+    };
     store.claim_execution(&running).await.unwrap();
     for at in [6_000, 7_000, 8_000] {
-        let buffered = execution("busy", at, ExecutionStatus::Buffered, 0);
+        let buffered = Execution {
+            status: ExecutionStatus::Buffered,
+            ..unemitted("busy", at)
+        };
         store.claim_execution(&buffered).await.unwrap();
     }
     // Changed after the buffered ones' place in the index (0), so it comes last.
-    let orphan = execution("orph", 1_000, ExecutionStatus::Scheduled, 1);
+    let orphan = Execution {
+        updated_ms: 1,
+        ..unemitted("orph", 1_000)
+    };
     store.claim_execution(&orphan).await.unwrap();
-    let cancel = CancellationToken::new();
     let cfg = SchedulerConfig {
-        orphan_after: Duration::from_millis(200),
         sweep_batch: 2,
         ..config("a", 0)
     };
-    let task = tokio::spawn(
-        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
-    );
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    cancel.cancel();
-    let _ = task.await;
+    sweep_a_while(&store, &broker, cfg).await;
     let ticks = ticks(&broker, "bticks");
     assert_eq!(ticks.len(), 1, "{ticks:?}");
     assert_eq!(ticks[0].tick_id, "orph@1000");
@@ -383,38 +406,21 @@ async fn orphaned_executions_are_re_emitted_or_failed_at_the_stored_cap() {
     // Far in the future: only the orphans fire during the test.
     schedule.cron = "0 0 1 1 *".into();
     register(store.as_ref(), &schedule, 1).await.unwrap();
-    let orphan = |at: i64, attempt: u32| Execution {
-        schedule_id: "orph".into(),
-        scheduled_ms: at,
-        tick_id: format!("orph@{at}"),
-        status: ExecutionStatus::Scheduled,
-        attempt,
-        max_attempts: 3,
-        node_id: "dead".into(),
-        fencing_token: 1,
-        updated_ms: 0,
-        error: None,
+    store
+        .claim_execution(&unemitted("orph", 1_000))
+        .await
+        .unwrap();
+    let last_attempt = Execution {
+        attempt: 3,
+        ..unemitted("orph", 2_000)
     };
-    store.claim_execution(&orphan(1_000, 1)).await.unwrap();
-    store.claim_execution(&orphan(2_000, 3)).await.unwrap();
+    store.claim_execution(&last_attempt).await.unwrap();
     // One of a schedule removed since: never emitted, and failed.
-    let removed = Execution {
-        schedule_id: "gone".into(),
-        tick_id: "gone@1000".into(),
-        ..orphan(1_000, 1)
-    };
-    store.claim_execution(&removed).await.unwrap();
-    let cancel = CancellationToken::new();
-    let cfg = SchedulerConfig {
-        orphan_after: Duration::from_millis(200),
-        ..config("a", 0)
-    };
-    let task = tokio::spawn(
-        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
-    );
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    cancel.cancel();
-    let _ = task.await;
+    store
+        .claim_execution(&unemitted("gone", 1_000))
+        .await
+        .unwrap();
+    sweep_a_while(&store, &broker, config("a", 0)).await;
     let ticks = ticks(&broker, "oticks");
     assert_eq!(ticks.len(), 1);
     assert_eq!(ticks[0].tick_id, "orph@1000");
