@@ -34,6 +34,16 @@ use crate::transport::{
 const MAX_CAS_ATTEMPTS: u32 = 64;
 /// Results applied at once by one state manager.
 const RESULTS_IN_FLIGHT: usize = 512;
+
+/// Whether a publish of ready tasks records them as published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Marks {
+    Record,
+    /// The marks are read only when the same execution is started again or a result is
+    /// applied again. The root tasks of an execution under a freshly drawn id are never
+    /// started again, and no result makes them ready: their marks would go unread.
+    NotNeeded,
+}
 /// How long after a change its ready tasks may still be on their way to the broker. A
 /// repeated start or result within it waits for their publish to be recorded rather
 /// than dispatching them a second time; after it, what is unrecorded is published.
@@ -149,7 +159,8 @@ impl Dispatcher {
     /// Starts an execution with a fresh id, returned.
     pub async fn start(&self, workflow: &str, context: Value) -> Result<String, DispatchError> {
         let id = format!("{:016x}", rand::random::<u64>());
-        self.start_with_id(workflow, &id, context, None).await?;
+        self.start_execution(workflow, &id, context, None, Marks::NotNeeded)
+            .await?;
         Ok(id)
     }
 
@@ -161,6 +172,18 @@ impl Dispatcher {
         id: &str,
         context: Value,
         origin: Option<CronOrigin>,
+    ) -> Result<bool, DispatchError> {
+        self.start_execution(workflow, id, context, origin, Marks::Record)
+            .await
+    }
+
+    async fn start_execution(
+        &self,
+        workflow: &str,
+        id: &str,
+        context: Value,
+        origin: Option<CronOrigin>,
+        root_marks: Marks,
     ) -> Result<bool, DispatchError> {
         let spec = self
             .workflow(workflow)
@@ -177,7 +200,8 @@ impl Dispatcher {
                 .increment(1);
             self.remember(&execution);
             debug!(execution = %id, workflow, "workflow execution started");
-            self.publish_ready(&execution, spec, &ready).await?;
+            self.publish_ready(&execution, spec, &ready, root_marks)
+                .await?;
             return Ok(true);
         }
         let existing = self
@@ -271,7 +295,8 @@ impl Dispatcher {
             } else {
                 self.remember(&execution);
             }
-            self.publish_ready(&execution, spec, &applied.ready).await?;
+            self.publish_ready(&execution, spec, &applied.ready, Marks::Record)
+                .await?;
             if applied.finished {
                 self.finished(&execution).await?;
             }
@@ -308,6 +333,7 @@ impl Dispatcher {
         execution: &WorkflowExecution,
         workflow: &Workflow,
         tasks: &[String],
+        marks: Marks,
     ) -> Result<(), DispatchError> {
         let publishes = tasks.iter().filter_map(|task| {
             let spec = workflow.task(task)?;
@@ -334,6 +360,9 @@ impl Dispatcher {
             })
         });
         futures::future::try_join_all(publishes).await?;
+        if marks == Marks::NotNeeded {
+            return Ok(());
+        }
         if let Err(e) = self
             .inner
             .store
@@ -369,7 +398,8 @@ impl Dispatcher {
         if now_ms() - changed_ms < PUBLISH_GRACE_MS {
             return Err(DispatchError::PublishPending(execution.id.clone()));
         }
-        self.publish_ready(execution, workflow, &tasks).await
+        self.publish_ready(execution, workflow, &tasks, Marks::Record)
+            .await
     }
 
     /// An execution ended: count it, and settle the cron execution that started it.
