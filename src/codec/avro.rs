@@ -28,6 +28,8 @@ pub struct AvroCodec {
     /// No named type is referred to by name, so decoding needs no table of names (which
     /// the decoder would otherwise build again for every message).
     self_contained: bool,
+    /// Every type in the schema is one records can be read as directly.
+    direct: bool,
 }
 
 impl AvroCodec {
@@ -42,6 +44,7 @@ impl AvroCodec {
         Ok(Self {
             name,
             self_contained: !refers_by_name(&schema),
+            direct: super::avro_reader::supports(&schema),
             schema,
             fingerprint: u64::from_le_bytes(bytes),
         })
@@ -75,6 +78,16 @@ impl AvroCodec {
     }
 
     pub fn decode<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, CodecError> {
+        if self.direct {
+            self.check_header(bytes)?;
+            let mut body = &bytes[HEADER_LEN..];
+            return super::avro_reader::read(&self.schema, &mut body).map_err(|e| {
+                CodecError::Avro {
+                    record: self.name,
+                    reason: e.to_string(),
+                }
+            });
+        }
         let value = self.decode_value(bytes)?;
         apache_avro::from_value(&value).map_err(|e| CodecError::Avro {
             record: self.name,
