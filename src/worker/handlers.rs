@@ -33,6 +33,9 @@ pub enum TaskOutcome {
     Skipped,
 }
 
+/// A task's code. A worker polls its running handlers together on one task, so a
+/// handler must not block the thread: CPU-heavy or blocking work belongs in
+/// `tokio::task::spawn_blocking`.
 #[async_trait]
 pub trait TaskHandler: Send + Sync {
     async fn run(&self, task: TaskContext) -> TaskOutcome;
