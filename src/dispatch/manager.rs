@@ -44,6 +44,7 @@ enum Marks {
     /// started again, and no result makes them ready: their marks would go unread.
     NotNeeded,
 }
+
 /// How long after a change its ready tasks may still be on their way to the broker. A
 /// repeated start or result within it waits for their publish to be recorded rather
 /// than dispatching them a second time; after it, what is unrecorded is published.
