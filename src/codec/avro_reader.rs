@@ -155,18 +155,8 @@ impl<'de> de::Deserializer<'de> for Datum<'_, 'de> {
                 next: 0,
                 input: self.input,
             }),
-            Schema::Array(array) => visitor.visit_seq(Items {
-                schema: &array.items,
-                left: 0,
-                done: false,
-                input: self.input,
-            }),
-            Schema::Map(map) => visitor.visit_map(Entries {
-                schema: &map.types,
-                left: 0,
-                done: false,
-                input: self.input,
-            }),
+            Schema::Array(array) => visitor.visit_seq(Blocks::new(&array.items, self.input)),
+            Schema::Map(map) => visitor.visit_map(Blocks::new(&map.types, self.input)),
             other => Err(ReadError(format!(
                 "schema type {other:?} is not read directly"
             ))),
@@ -232,46 +222,71 @@ impl<'de> MapAccess<'de> for Fields<'_, 'de> {
     }
 }
 
-struct Items<'a, 'de> {
+/// The items of an array, or the entries of a map, read block by block.
+struct Blocks<'a, 'de> {
+    /// Of the items, or of the map's values.
     schema: &'a Schema,
-    left: usize,
+    left_in_block: usize,
     done: bool,
     input: &'a mut &'de [u8],
 }
 
-impl<'de> SeqAccess<'de> for Items<'_, 'de> {
+impl<'a, 'de> Blocks<'a, 'de> {
+    fn new(schema: &'a Schema, input: &'a mut &'de [u8]) -> Self {
+        Self {
+            schema,
+            left_in_block: 0,
+            done: false,
+            input,
+        }
+    }
+
+    /// Steps to the next item, reading block headers as they come; false at the end.
+    fn advance(&mut self) -> Result<bool, ReadError> {
+        if self.done {
+            return Ok(false);
+        }
+        if self.left_in_block == 0 {
+            self.left_in_block = block_len(self.input)?;
+            if self.left_in_block == 0 {
+                self.done = true;
+                return Ok(false);
+            }
+        }
+        self.left_in_block -= 1;
+        Ok(true)
+    }
+
+    fn item(&mut self) -> Datum<'_, 'de> {
+        Datum {
+            schema: self.schema,
+            input: self.input,
+        }
+    }
+}
+
+impl<'de> SeqAccess<'de> for Blocks<'_, 'de> {
     type Error = ReadError;
 
     fn next_element_seed<T: DeserializeSeed<'de>>(
         &mut self,
         seed: T,
     ) -> Result<Option<T::Value>, ReadError> {
-        if !next_in_block(&mut self.left, &mut self.done, self.input)? {
+        if !self.advance()? {
             return Ok(None);
         }
-        seed.deserialize(Datum {
-            schema: self.schema,
-            input: self.input,
-        })
-        .map(Some)
+        seed.deserialize(self.item()).map(Some)
     }
 }
 
-struct Entries<'a, 'de> {
-    schema: &'a Schema,
-    left: usize,
-    done: bool,
-    input: &'a mut &'de [u8],
-}
-
-impl<'de> MapAccess<'de> for Entries<'_, 'de> {
+impl<'de> MapAccess<'de> for Blocks<'_, 'de> {
     type Error = ReadError;
 
     fn next_key_seed<K: DeserializeSeed<'de>>(
         &mut self,
         seed: K,
     ) -> Result<Option<K::Value>, ReadError> {
-        if !next_in_block(&mut self.left, &mut self.done, self.input)? {
+        if !self.advance()? {
             return Ok(None);
         }
         let key = read_str(self.input)?;
@@ -280,28 +295,8 @@ impl<'de> MapAccess<'de> for Entries<'_, 'de> {
     }
 
     fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value, ReadError> {
-        seed.deserialize(Datum {
-            schema: self.schema,
-            input: self.input,
-        })
+        seed.deserialize(self.item())
     }
-}
-
-/// Steps to the next item of an array or map, reading block headers as they come;
-/// false at the end.
-fn next_in_block(left: &mut usize, done: &mut bool, input: &mut &[u8]) -> Result<bool, ReadError> {
-    if *done {
-        return Ok(false);
-    }
-    if *left == 0 {
-        *left = block_len(input)?;
-        if *left == 0 {
-            *done = true;
-            return Ok(false);
-        }
-    }
-    *left -= 1;
-    Ok(true)
 }
 
 #[cfg(test)]
@@ -405,6 +400,22 @@ mod tests {
             input.is_empty(),
             "the field unknown to Rust is read past too"
         );
+    }
+
+    #[test]
+    fn unit_variants_are_read_from_their_names() {
+        #[derive(Debug, PartialEq, serde::Deserialize)]
+        #[serde(rename_all = "snake_case")]
+        enum Status {
+            Completed,
+            Failed,
+        }
+        let schema = Schema::parse_str(r#""string""#).unwrap();
+        let bytes = [12, b'f', b'a', b'i', b'l', b'e', b'd'];
+        let status: Status = read(&schema, &mut bytes.as_slice()).unwrap();
+        assert_eq!(status, Status::Failed);
+        let bytes = [6, b'n', b'o', b'p'];
+        assert!(read::<Status>(&schema, &mut bytes.as_slice()).is_err());
     }
 
     #[test]
