@@ -94,7 +94,6 @@ async fn store_conformance(store: Arc<dyn Store>, graph: &str) {
                 offset: 7,
             },
         ],
-        sequence: 42,
         state: Some(serde_json::json!({"sum": 3})),
     };
     store
@@ -116,15 +115,18 @@ async fn store_conformance(store: Arc<dyn Store>, graph: &str) {
     snapshot.sources.insert(
         "a".into(),
         weir::reactor::SourceSnapshot {
-            last_sequence: 5,
+            seen: vec![Position {
+                partition: 0,
+                offset: 3,
+            }],
             dirty: true,
             current: Some(weir::Boundary {
                 source: Arc::from("a"),
-                sequence: 5,
-                position: Some(Position {
+                sequence: 0,
+                positions: vec![Position {
                     partition: 0,
                     offset: 3,
-                }),
+                }],
                 event_time_ms: 1,
                 emit_time_ms: 2,
                 value: serde_json::json!([1, 2]),

@@ -23,6 +23,8 @@ enum Kind {
 
 struct Setup {
     kind: Kind,
+    /// Of the input topic, on Kafka.
+    partitions: i32,
     prefix: String,
     input: String,
     output: String,
@@ -31,11 +33,15 @@ struct Setup {
 
 impl Setup {
     fn new(kind: Kind, lease_ttl_ms: u64) -> Self {
+        Self::partitioned(kind, lease_ttl_ms, 1)
+    }
+
+    fn partitioned(kind: Kind, lease_ttl_ms: u64, partitions: i32) -> Self {
         let prefix = services::unique("it");
         let input = format!("{prefix}.in");
         let output = format!("{prefix}.out");
         let broker = match kind {
-            Kind::Kafka => services::kafka_table(),
+            Kind::Kafka => format!("{}\npartitions = {partitions}", services::kafka_table()),
             Kind::Nats => services::nats_table(),
         };
         let text = format!(
@@ -68,6 +74,7 @@ format = "json"
         config.write_all(text.as_bytes()).unwrap();
         Self {
             kind,
+            partitions,
             prefix,
             input,
             output,
@@ -77,7 +84,11 @@ format = "json"
 
     async fn broker(&self) -> Arc<dyn Broker> {
         match self.kind {
-            Kind::Kafka => services::kafka(),
+            Kind::Kafka => {
+                let kafka = services::kafka_partitioned(self.partitions);
+                kafka.ensure_topic(&self.input).await.unwrap();
+                kafka
+            }
             Kind::Nats => services::nats(true).await,
         }
     }
@@ -153,9 +164,8 @@ fn ids_in(outputs: &[Message]) -> Vec<u64> {
         .collect()
 }
 
-async fn crash_safety(kind: Kind) {
+async fn crash_safety(setup: Setup) {
     const EVENTS: u64 = 1500;
-    let setup = Setup::new(kind, 2000);
     let broker = setup.broker().await;
     let sink = broker.sink();
     let mut weir = setup.start("n1");
@@ -222,12 +232,19 @@ async fn crash_safety(kind: Kind) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_crash_loses_nothing() {
-    crash_safety(Kind::Kafka).await;
+    crash_safety(Setup::new(Kind::Kafka, 2000)).await;
+}
+
+/// The replay after the kill reads the three partitions in whatever order the broker
+/// hands them over, not the order they were first read in.
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_three_partition_crash_and_replay_loses_nothing() {
+    crash_safety(Setup::partitioned(Kind::Kafka, 2000, 3)).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn nats_jetstream_crash_loses_nothing() {
-    crash_safety(Kind::Nats).await;
+    crash_safety(Setup::new(Kind::Nats, 2000)).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -1,4 +1,4 @@
-//! Which source positions are safe to commit.
+//! Which source positions are safe to commit, and which positions a boundary covers.
 //!
 //! A position may be committed once every boundary built from events at or before it is
 //! durable (fired and acknowledged, or held in a stored cache snapshot). For a stateless
@@ -12,29 +12,39 @@ use crate::transport::Position;
 
 #[derive(Debug, Default)]
 pub struct CommitTracker {
-    /// Emitted boundaries not yet durable: sequence and source position.
+    /// Emitted boundaries not yet durable: sequence and the emitting event's position.
     pending: VecDeque<(u64, Option<Position>)>,
     /// Highest processed offset per partition.
     processed: BTreeMap<i32, i64>,
     /// Highest committed offset per partition.
     committed: BTreeMap<i32, i64>,
-    last_emitted: u64,
+    /// Highest offset per partition of the events taken in since the last emission:
+    /// what the next boundary covers.
+    uncovered: BTreeMap<i32, i64>,
 }
 
-/// Positions to commit now, with the sequence number they are consistent with.
+/// Positions to commit now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CommitPoint {
     pub positions: Vec<Position>,
-    pub sequence: u64,
 }
 
 impl CommitTracker {
-    pub fn new(sequence: u64, committed: &[Position]) -> Self {
+    /// Starts from the committed positions of a checkpoint. With `state_restored`, the
+    /// restored state stands for every event up to those positions, so the first
+    /// boundary built from it covers them too.
+    pub fn new(committed: &[Position], state_restored: bool) -> Self {
+        let offsets: BTreeMap<i32, i64> =
+            committed.iter().map(|p| (p.partition, p.offset)).collect();
         Self {
-            last_emitted: sequence,
-            committed: committed.iter().map(|p| (p.partition, p.offset)).collect(),
-            processed: committed.iter().map(|p| (p.partition, p.offset)).collect(),
-            ..Self::default()
+            uncovered: if state_restored {
+                offsets.clone()
+            } else {
+                BTreeMap::new()
+            },
+            committed: offsets.clone(),
+            processed: offsets,
+            pending: VecDeque::new(),
         }
     }
 
@@ -46,15 +56,21 @@ impl CommitTracker {
             .is_some_and(|&c| position.offset <= c)
     }
 
-    /// Records an event read from the source, whether or not it produced a boundary.
+    /// Records an event taken in, whether or not it produced a boundary.
     pub fn processed(&mut self, position: Position) {
-        let entry = self.processed.entry(position.partition).or_insert(i64::MIN);
-        *entry = (*entry).max(position.offset);
+        for map in [&mut self.processed, &mut self.uncovered] {
+            let entry = map.entry(position.partition).or_insert(i64::MIN);
+            *entry = (*entry).max(position.offset);
+        }
     }
 
-    pub fn emitted(&mut self, sequence: u64, position: Option<Position>) {
-        self.last_emitted = sequence;
+    /// Records an emitted boundary; returns the positions it covers.
+    pub fn emitted(&mut self, sequence: u64, position: Option<Position>) -> Vec<Position> {
         self.pending.push_back((sequence, position));
+        std::mem::take(&mut self.uncovered)
+            .into_iter()
+            .map(|(partition, offset)| Position { partition, offset })
+            .collect()
     }
 
     /// Every partition's committed offset.
@@ -104,14 +120,7 @@ impl CommitTracker {
         for p in &positions {
             self.committed.insert(p.partition, p.offset);
         }
-        let sequence = match self.pending.front() {
-            Some((first, _)) => first - 1,
-            None => self.last_emitted,
-        };
-        Some(CommitPoint {
-            positions,
-            sequence,
-        })
+        Some(CommitPoint { positions })
     }
 }
 
@@ -125,16 +134,15 @@ mod tests {
 
     #[test]
     fn commits_up_to_the_oldest_pending_boundary() {
-        let mut t = CommitTracker::new(0, &[]);
+        let mut t = CommitTracker::new(&[], false);
         for (seq, off) in [(1, 0), (2, 1), (3, 2)] {
             t.processed(pos(0, off));
-            t.emitted(seq, Some(pos(0, off)));
+            let _ = t.emitted(seq, Some(pos(0, off)));
         }
         assert_eq!(
             t.durable(1, false),
             Some(CommitPoint {
-                positions: vec![pos(0, 0)],
-                sequence: 1
+                positions: vec![pos(0, 0)]
             })
         );
         // Nothing new becomes safe.
@@ -142,60 +150,57 @@ mod tests {
         assert_eq!(
             t.durable(3, false),
             Some(CommitPoint {
-                positions: vec![pos(0, 2)],
-                sequence: 3
+                positions: vec![pos(0, 2)]
             })
         );
     }
 
     #[test]
     fn filtered_events_are_committed_with_their_neighbours() {
-        let mut t = CommitTracker::new(0, &[]);
+        let mut t = CommitTracker::new(&[], false);
         t.processed(pos(0, 0));
-        t.emitted(1, Some(pos(0, 0)));
+        let _ = t.emitted(1, Some(pos(0, 0)));
         t.processed(pos(0, 1)); // produced no boundary
         t.processed(pos(0, 2));
-        t.emitted(2, Some(pos(0, 2)));
+        let _ = t.emitted(2, Some(pos(0, 2)));
         let point = t.durable(1, false).unwrap();
         assert_eq!(point.positions, vec![pos(0, 1)]);
     }
 
     #[test]
     fn partitions_are_tracked_separately() {
-        let mut t = CommitTracker::new(0, &[]);
+        let mut t = CommitTracker::new(&[], false);
         t.processed(pos(0, 5));
-        t.emitted(1, Some(pos(0, 5)));
+        let _ = t.emitted(1, Some(pos(0, 5)));
         t.processed(pos(1, 9));
-        t.emitted(2, Some(pos(1, 9)));
+        let _ = t.emitted(2, Some(pos(1, 9)));
         t.processed(pos(0, 6));
-        t.emitted(3, Some(pos(0, 6)));
+        let _ = t.emitted(3, Some(pos(0, 6)));
         let point = t.durable(2, false).unwrap();
         // Partition 0 stops before offset 6 (pending); partition 1 is done.
         assert_eq!(point.positions, vec![pos(0, 5), pos(1, 9)]);
-        assert_eq!(point.sequence, 2);
     }
 
     #[test]
     fn stateful_commits_only_when_caught_up() {
-        let mut t = CommitTracker::new(10, &[pos(0, 99)]);
+        let mut t = CommitTracker::new(&[pos(0, 99)], true);
         t.processed(pos(0, 100));
-        t.emitted(11, Some(pos(0, 100)));
+        let _ = t.emitted(11, Some(pos(0, 100)));
         t.processed(pos(0, 101));
-        t.emitted(12, Some(pos(0, 101)));
+        let _ = t.emitted(12, Some(pos(0, 101)));
         t.processed(pos(0, 102)); // folded into state, nothing emitted
         assert_eq!(t.durable(11, true), None);
         assert_eq!(
             t.durable(12, true),
             Some(CommitPoint {
-                positions: vec![pos(0, 102)],
-                sequence: 12
+                positions: vec![pos(0, 102)]
             })
         );
     }
 
     #[test]
     fn redeliveries_of_checkpointed_positions_are_covered() {
-        let t = CommitTracker::new(4, &[pos(0, 7)]);
+        let t = CommitTracker::new(&[pos(0, 7)], false);
         assert!(t.covered(pos(0, 7)));
         assert!(t.covered(pos(0, 3)));
         assert!(!t.covered(pos(0, 8)));
@@ -204,9 +209,29 @@ mod tests {
 
     #[test]
     fn restored_positions_are_not_committed_again() {
-        let mut t = CommitTracker::new(4, &[pos(0, 7)]);
+        let mut t = CommitTracker::new(&[pos(0, 7)], false);
         assert_eq!(t.durable(4, false), None);
         t.processed(pos(0, 8));
         assert_eq!(t.durable(4, false).unwrap().positions, vec![pos(0, 8)]);
+    }
+
+    #[test]
+    fn a_boundary_covers_every_partition_taken_in_since_the_last() {
+        let mut t = CommitTracker::new(&[], false);
+        t.processed(pos(1, 4));
+        t.processed(pos(0, 8));
+        t.processed(pos(1, 5));
+        assert_eq!(t.emitted(1, Some(pos(1, 5))), vec![pos(0, 8), pos(1, 5)]);
+        t.processed(pos(0, 9));
+        assert_eq!(t.emitted(2, Some(pos(0, 9))), vec![pos(0, 9)]);
+        assert_eq!(t.emitted(3, None), vec![]);
+    }
+
+    #[test]
+    fn restored_state_covers_its_checkpoint() {
+        let mut t = CommitTracker::new(&[pos(0, 7), pos(-1, 30)], true);
+        assert_eq!(t.emitted(1, None), vec![pos(-1, 30), pos(0, 7)]);
+        let mut t = CommitTracker::new(&[pos(0, 7)], false);
+        assert_eq!(t.emitted(1, None), vec![]);
     }
 }

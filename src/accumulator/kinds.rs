@@ -155,14 +155,23 @@ impl SourceFactory for PollSource {
         format!("poll:{}", self.name)
     }
 
-    async fn open(&self, _resume_after: &[Position]) -> Result<Box<dyn Source>, TransportError> {
+    async fn open(&self, resume_after: &[Position]) -> Result<Box<dyn Source>, TransportError> {
         let mut ticker = tokio::time::interval(self.interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Values are numbered on from the checkpoint: a number at or below it would be
+        // taken for one already processed and skipped.
+        let count = resume_after
+            .iter()
+            .filter(|p| p.partition == 0)
+            .map(|p| p.offset)
+            .max()
+            .unwrap_or(0)
+            .max(0);
         Ok(Box::new(Polling {
             topic: Arc::from(self.describe()),
             ticker,
             poll: self.poll.clone(),
-            count: 0,
+            count,
         }))
     }
 }
@@ -275,5 +284,18 @@ mod tests {
         assert_eq!(first.position.offset, 1);
         assert_eq!(second.position.offset, 2);
         assert_eq!(&second.payload[..], br#"{"rate":1.1}"#);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn poll_source_numbers_on_from_its_checkpoint() {
+        let factory = PollSource::new("fx", Duration::from_millis(100), || async {
+            Some(json!(1))
+        });
+        let resume = [Position {
+            partition: 0,
+            offset: 41,
+        }];
+        let mut source = factory.open(&resume).await.unwrap();
+        assert_eq!(source.next().await.unwrap().position.offset, 42);
     }
 }

@@ -19,15 +19,23 @@ use crate::transport::{Position, SourceFactory, StartFrom};
 
 pub use kinds::{Batch, Passthrough, PollSource, Stateful};
 
+/// Events pushed through the socket path sit in this pseudo-partition of their
+/// accumulator, at offsets that are their push ids: increasing, never reused, never
+/// replayed. It is never committed to a broker.
+pub const PUSH_PARTITION: i32 = -1;
+
 /// A typed snapshot an accumulator emits: one source's new input for the reactor.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Boundary {
     pub source: Arc<str>,
-    /// Monotonic per accumulator and kept across restarts, so a replayed boundary is
-    /// recognised and dropped by the reactor.
+    /// Order of emission within one run of the graph. It ties a boundary to the commit
+    /// it allows and means nothing across restarts (restored boundaries carry 0).
     pub sequence: u64,
-    /// The source position of the last event this boundary covers.
-    pub position: Option<Position>,
+    /// Per partition, the highest position among the events this boundary covers
+    /// (pushes at [`PUSH_PARTITION`]). A replay is recognised by these: a boundary all of
+    /// whose positions the reactor has already taken is a repeat; any newer one is not.
+    #[serde(default)]
+    pub positions: Vec<Position>,
     pub event_time_ms: i64,
     pub emit_time_ms: i64,
     pub value: Value,
@@ -37,7 +45,7 @@ pub struct Boundary {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Event {
     pub value: Value,
-    /// Set for events from the source path; socket events have none.
+    /// Set for events from the source path; pushed events have none.
     pub position: Option<Position>,
     pub time_ms: i64,
 }

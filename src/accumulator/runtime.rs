@@ -2,6 +2,7 @@
 //! socket and source paths, emits boundaries, and commits positions once the reactor
 //! reports them durable.
 
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use serde_json::Value;
@@ -11,13 +12,62 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::commit::CommitTracker;
-use super::{Accumulator, AccumulatorError, AccumulatorSpec, Boundary, Event, Health};
+use super::{
+    Accumulator, AccumulatorError, AccumulatorSpec, Boundary, Event, Health, PUSH_PARTITION,
+};
 use crate::metrics::GraphStats;
 use crate::reactor::ReactorInput;
 use crate::store::{Checkpoint, Store};
-use crate::transport::{now_ms, Message, Outbound, Sink, Source, SourceFactory};
+use crate::transport::{now_ms, Message, Outbound, Position, Sink, Source, SourceFactory};
 
 pub(crate) type SocketReceiver = Arc<tokio::sync::Mutex<mpsc::Receiver<Value>>>;
+
+/// Pushes taken in one go before a stateful push path writes its checkpoint.
+const PUSH_BATCH: usize = 256;
+
+/// Numbers one source's accumulator incarnations share for the life of a reactor, so
+/// a restarted accumulator carries on where its predecessor stopped.
+#[derive(Debug, Default)]
+pub(crate) struct SourceCounters {
+    /// Last boundary sequence emitted.
+    sequence: AtomicU64,
+    /// Last push id given out.
+    push: AtomicI64,
+}
+
+impl SourceCounters {
+    /// Starts push ids after the highest one the reactor has taken.
+    pub(crate) fn after_push(push: i64) -> Self {
+        Self {
+            sequence: AtomicU64::new(0),
+            push: AtomicI64::new(push),
+        }
+    }
+
+    /// Raises the push floor to a restored checkpoint's.
+    fn push_at_least(&self, push: i64) {
+        self.push.fetch_max(push, Ordering::Relaxed);
+    }
+
+    /// The next push id: increasing and above every id given out before, also by an
+    /// earlier run whose reactor or checkpoint recorded it. Microseconds of the wall
+    /// clock where that is higher, so ids lost in a crash are not handed out again.
+    fn next_push(&self) -> i64 {
+        let now_us = chrono::Utc::now().timestamp_micros();
+        let mut id = now_us;
+        let _ = self
+            .push
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
+                id = (last + 1).max(now_us);
+                Some(id)
+            });
+        id
+    }
+
+    fn next_sequence(&self) -> u64 {
+        self.sequence.fetch_add(1, Ordering::Relaxed) + 1
+    }
+}
 
 /// Everything one incarnation of an accumulator is wired to.
 pub(crate) struct AccumulatorTask {
@@ -32,6 +82,7 @@ pub(crate) struct AccumulatorTask {
     pub socket: SocketReceiver,
     pub to_reactor: mpsc::Sender<ReactorInput>,
     pub permits: Option<Arc<Semaphore>>,
+    pub counters: Arc<SourceCounters>,
     pub durable: watch::Receiver<u64>,
     pub health: Arc<watch::Sender<Health>>,
     pub stats: Arc<GraphStats>,
@@ -42,7 +93,6 @@ struct Running {
     source_name: Arc<str>,
     accumulator: Box<dyn Accumulator>,
     stateful: bool,
-    sequence: u64,
     tracker: CommitTracker,
 }
 
@@ -55,14 +105,21 @@ impl AccumulatorTask {
             .await?
             .unwrap_or_default();
         let mut accumulator = (self.spec.factory)();
+        let state_restored = checkpoint.state.is_some();
         accumulator.init(checkpoint.state.clone())?;
         let stateful = accumulator.checkpoint().is_some();
+        let (pushes, source_positions): (Vec<Position>, Vec<Position>) = checkpoint
+            .positions
+            .iter()
+            .partition(|p| p.partition == PUSH_PARTITION);
+        if let Some(push) = pushes.first() {
+            self.counters.push_at_least(push.offset);
+        }
         let mut run = Running {
             source_name: Arc::from(self.spec.name.as_str()),
             accumulator,
             stateful,
-            sequence: checkpoint.sequence,
-            tracker: CommitTracker::new(checkpoint.sequence, &checkpoint.positions),
+            tracker: CommitTracker::new(&checkpoint.positions, state_restored),
         };
         // The previous incarnation's guard was dropped when it ended.
         let socket = self.socket.clone();
@@ -71,7 +128,7 @@ impl AccumulatorTask {
         let mut source: Option<Box<dyn Source>> = None;
         if let Some(factory) = self.source.clone() {
             self.set_health(Health::Connecting).await;
-            match factory.open(&checkpoint.positions).await {
+            match factory.open(&source_positions).await {
                 Ok(s) => source = Some(s),
                 Err(e) => {
                     self.set_health(Health::Disconnected).await;
@@ -97,7 +154,7 @@ impl AccumulatorTask {
             tokio::select! {
                 biased;
                 _ = self.cancel.cancelled() => return Ok(()),
-                changed = self.durable.changed(), if source.is_some() => {
+                changed = self.durable.changed() => {
                     if changed.is_err() {
                         return Ok(());
                     }
@@ -106,9 +163,20 @@ impl AccumulatorTask {
                 }
                 pushed = socket.recv() => match pushed {
                     Some(value) => {
-                        let event = Event { value, position: None, time_ms: now_ms() };
-                        if !self.handle(&mut run, event, None).await? {
+                        if !self.handle_push(&mut run, value).await? {
                             return Ok(());
+                        }
+                        for _ in 1..PUSH_BATCH {
+                            let Ok(value) = socket.try_recv() else { break };
+                            if !self.handle_push(&mut run, value).await? {
+                                return Ok(());
+                            }
+                        }
+                        if run.stateful {
+                            // Pushes are never replayed: what they left in the state is
+                            // stored now rather than at the next emission.
+                            let durable = *self.durable.borrow();
+                            self.commit(&mut run, source.as_deref_mut(), durable).await?;
                         }
                     }
                     // The supervisor keeps a sender for the graph's lifetime.
@@ -152,6 +220,20 @@ impl AccumulatorTask {
     }
 
     /// Returns false when the reactor is gone.
+    async fn handle_push(&self, run: &mut Running, value: Value) -> Result<bool, AccumulatorError> {
+        let push = Position {
+            partition: PUSH_PARTITION,
+            offset: self.counters.next_push(),
+        };
+        let event = Event {
+            value,
+            position: None,
+            time_ms: now_ms(),
+        };
+        self.handle(run, event, push, None).await
+    }
+
+    /// Returns false when the reactor is gone.
     async fn handle_message(
         &self,
         run: &mut Running,
@@ -176,24 +258,23 @@ impl AccumulatorTask {
             position: Some(position),
             time_ms: message.timestamp_ms,
         };
-        self.handle(run, event, Some(&message)).await
+        self.handle(run, event, position, Some(&message)).await
     }
 
+    /// Takes one event in; `position` is its source position or its push id.
     async fn handle(
         &self,
         run: &mut Running,
         event: Event,
+        position: Position,
         message: Option<&Message>,
     ) -> Result<bool, AccumulatorError> {
         self.stats.event_received();
-        let position = event.position;
         let time_ms = event.time_ms;
         let outcome = run.accumulator.process(event);
-        if let Some(p) = position {
-            run.tracker.processed(p);
-        }
+        run.tracker.processed(position);
         match outcome {
-            Ok(Some(value)) => Ok(self.emit(run, value, position, time_ms).await),
+            Ok(Some(value)) => Ok(self.emit(run, value, Some(position), time_ms).await),
             Ok(None) => Ok(true),
             Err(AccumulatorError::Rejected(reason)) => {
                 match message {
@@ -227,20 +308,17 @@ impl AccumulatorTask {
                 },
             }
         }
-        run.sequence += 1;
-        run.tracker.emitted(run.sequence, position);
+        let sequence = self.counters.next_sequence();
+        let positions = run.tracker.emitted(sequence, position);
+        let from_source = position.is_some_and(|p| p.partition != PUSH_PARTITION);
         let boundary = Boundary {
             source: run.source_name.clone(),
-            sequence: run.sequence,
-            position,
+            sequence,
+            positions,
             event_time_ms,
             // Pushed and flushed events were stamped a moment ago; reading the clock again
             // would cost more than the difference is worth.
-            emit_time_ms: if position.is_some() {
-                now_ms()
-            } else {
-                event_time_ms
-            },
+            emit_time_ms: if from_source { now_ms() } else { event_time_ms },
             value,
         };
         self.to_reactor
@@ -282,9 +360,13 @@ impl AccumulatorTask {
         let Some(point) = run.tracker.durable(durable, run.stateful) else {
             return Ok(());
         };
+        if source.is_none() && !run.stateful {
+            // Push-only and stateless: nothing to resume from, since pushes are never
+            // replayed and push ids are kept above the reactor's.
+            return Ok(());
+        }
         let checkpoint = Checkpoint {
             positions: run.tracker.committed(),
-            sequence: point.sequence,
             state: if run.stateful {
                 run.accumulator.checkpoint()
             } else {
@@ -297,13 +379,18 @@ impl AccumulatorTask {
             .save_checkpoint(&self.key, &self.spec.name, &checkpoint)
             .await?;
         self.stats.checkpoint_written();
-        if let Some(source) = source {
-            if let Err(e) = source.commit(&point.positions).await {
+        let broker_positions: Vec<Position> = point
+            .positions
+            .into_iter()
+            .filter(|p| p.partition != PUSH_PARTITION)
+            .collect();
+        if let (Some(source), false) = (source, broker_positions.is_empty()) {
+            if let Err(e) = source.commit(&broker_positions).await {
                 // A later commit covers these positions too.
                 warn!(graph = %self.graph, accumulator = %self.spec.name, error = %e, "commit failed");
             }
         }
-        debug!(graph = %self.graph, accumulator = %self.spec.name, sequence = point.sequence, "checkpoint");
+        debug!(graph = %self.graph, accumulator = %self.spec.name, positions = ?checkpoint.positions, "checkpoint");
         Ok(())
     }
 }

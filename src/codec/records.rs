@@ -8,8 +8,7 @@ use super::avro::avro_record;
 pub struct BoundaryRecord {
     pub source: String,
     pub sequence: i64,
-    pub partition: Option<i32>,
-    pub offset: Option<i64>,
+    pub positions: Vec<crate::transport::Position>,
     pub event_time_ms: i64,
     pub emit_time_ms: i64,
     pub payload: String,
@@ -215,8 +214,16 @@ mod tests {
         round_trip(BoundaryRecord {
             source: "orderbook".into(),
             sequence: 42,
-            partition: Some(3),
-            offset: Some(1001),
+            positions: vec![
+                crate::transport::Position {
+                    partition: -1,
+                    offset: 7,
+                },
+                crate::transport::Position {
+                    partition: 3,
+                    offset: 1001,
+                },
+            ],
             event_time_ms: 1,
             emit_time_ms: 2,
             payload: r#"{"bid":1.0}"#.into(),

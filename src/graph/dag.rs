@@ -327,7 +327,7 @@ mod tests {
         let boundary = crate::accumulator::Boundary {
             source: Arc::from("a"),
             sequence: 1,
-            position: None,
+            positions: Vec::new(),
             event_time_ms: 0,
             emit_time_ms: 0,
             value: json!(a),

@@ -70,7 +70,7 @@ mod tests {
         let a = crate::accumulator::Boundary {
             source: Arc::from("a"),
             sequence: 1,
-            position: None,
+            positions: Vec::new(),
             event_time_ms: 0,
             emit_time_ms: 0,
             value: json!({"px": 1}),

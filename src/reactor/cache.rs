@@ -1,5 +1,6 @@
 //! The input cache: per source the value a fire sees, the queue (sequential strategy),
-//! the dirty flag and the last sequence number seen (for dropping replayed boundaries).
+//! the dirty flag and the highest position taken per partition (for dropping replayed
+//! boundaries).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -8,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{Criteria, Strategy};
 use crate::accumulator::Boundary;
+use crate::transport::Position;
 
 /// What the store keeps of a cache, so a respawned reactor resumes where it was.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -18,7 +20,9 @@ pub struct CacheSnapshot {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct SourceSnapshot {
-    pub last_sequence: u64,
+    /// Highest position taken per partition: what a replay repeats.
+    #[serde(default)]
+    pub seen: Vec<Position>,
     pub dirty: bool,
     pub current: Option<Boundary>,
     pub queue: Vec<Boundary>,
@@ -32,7 +36,24 @@ struct Slot {
     current: Option<Arc<Boundary>>,
     queue: VecDeque<Arc<Boundary>>,
     dirty: bool,
-    last_sequence: u64,
+    /// Highest sequence received in this run, for telling accumulators what is durable.
+    received: u64,
+    /// Highest position taken per partition, kept across restarts.
+    seen: BTreeMap<i32, i64>,
+}
+
+impl Slot {
+    /// A boundary is a repeat when it covers positions and every one of them was taken
+    /// before. Within a partition a replay comes in the original order, so a new event
+    /// always lies beyond what was taken; a boundary without positions is never a repeat.
+    fn is_repeat(&self, boundary: &Boundary) -> bool {
+        !boundary.positions.is_empty()
+            && boundary.positions.iter().all(|p| {
+                self.seen
+                    .get(&p.partition)
+                    .is_some_and(|&seen| p.offset <= seen)
+            })
+    }
 }
 
 #[derive(Debug)]
@@ -45,7 +66,7 @@ pub struct InputCache {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Inserted {
     Accepted,
-    /// Same source and a sequence number already seen, as after a replay.
+    /// Every position it covers was taken before, as after a replay.
     Duplicate,
 }
 
@@ -72,12 +93,16 @@ impl InputCache {
                 continue;
             };
             let slot = &mut self.slots[i];
-            slot.last_sequence = stored.last_sequence;
-            slot.current = stored.current.clone().map(Arc::new);
+            slot.seen = stored
+                .seen
+                .iter()
+                .map(|p| (p.partition, p.offset))
+                .collect();
+            slot.current = stored.current.clone().map(restored);
             match self.strategy {
                 Strategy::Latest => slot.dirty = stored.dirty,
                 Strategy::Sequential => {
-                    slot.queue = stored.queue.iter().cloned().map(Arc::new).collect();
+                    slot.queue = stored.queue.iter().cloned().map(restored).collect();
                     slot.dirty = !slot.queue.is_empty();
                     queued[i] = slot.queue.len();
                 }
@@ -88,10 +113,14 @@ impl InputCache {
 
     pub fn insert(&mut self, source: usize, boundary: Boundary) -> Inserted {
         let slot = &mut self.slots[source];
-        if boundary.sequence <= slot.last_sequence {
+        slot.received = slot.received.max(boundary.sequence);
+        if slot.is_repeat(&boundary) {
             return Inserted::Duplicate;
         }
-        slot.last_sequence = boundary.sequence;
+        for p in &boundary.positions {
+            let seen = slot.seen.entry(p.partition).or_insert(p.offset);
+            *seen = (*seen).max(p.offset);
+        }
         let boundary = Arc::new(boundary);
         match self.strategy {
             Strategy::Latest => slot.current = Some(boundary),
@@ -140,8 +169,8 @@ impl InputCache {
         self.slots.iter().map(|s| s.current.clone()).collect()
     }
 
-    /// Replaces one source's current value (for `FireWith`), clearing its flag; the
-    /// sequence number is kept so replay detection is unaffected.
+    /// Replaces one source's current value (for `FireWith`), clearing its flag; replay
+    /// detection is unaffected.
     pub fn inject(&mut self, source: usize, boundary: Boundary) {
         let slot = &mut self.slots[source];
         slot.current = Some(Arc::new(boundary));
@@ -158,8 +187,18 @@ impl InputCache {
         self.slots[source].queue.len()
     }
 
-    pub fn last_sequence(&self, source: usize) -> u64 {
-        self.slots[source].last_sequence
+    /// Highest sequence received from the source in this run.
+    pub fn received(&self, source: usize) -> u64 {
+        self.slots[source].received
+    }
+
+    /// Highest position taken per partition.
+    pub fn seen(&self, source: usize) -> Vec<Position> {
+        self.slots[source]
+            .seen
+            .iter()
+            .map(|(&partition, &offset)| Position { partition, offset })
+            .collect()
     }
 
     /// A snapshot for the store. Boundaries taken by fires whose outputs are not yet
@@ -183,7 +222,11 @@ impl InputCache {
             .zip(requeue)
             .map(|((name, slot), requeue)| {
                 let mut stored = SourceSnapshot {
-                    last_sequence: slot.last_sequence,
+                    seen: slot
+                        .seen
+                        .iter()
+                        .map(|(&partition, &offset)| Position { partition, offset })
+                        .collect(),
                     dirty: slot.dirty,
                     current: slot.current.as_deref().cloned(),
                     queue: Vec::new(),
@@ -205,6 +248,13 @@ impl InputCache {
     }
 }
 
+/// A boundary from a snapshot: already durable, so its sequence of another run must not
+/// count as progress in this one.
+fn restored(mut boundary: Boundary) -> Arc<Boundary> {
+    boundary.sequence = 0;
+    Arc::new(boundary)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,11 +264,19 @@ mod tests {
         vec![Arc::from("a"), Arc::from("b")].into()
     }
 
+    /// A boundary covering offset `sequence` of partition 0.
     fn b(source: &str, sequence: u64, value: i64) -> Boundary {
+        at(source, sequence, &[(0, sequence as i64)], value)
+    }
+
+    fn at(source: &str, sequence: u64, positions: &[(i32, i64)], value: i64) -> Boundary {
         Boundary {
             source: Arc::from(source),
             sequence,
-            position: None,
+            positions: positions
+                .iter()
+                .map(|&(partition, offset)| Position { partition, offset })
+                .collect(),
             event_time_ms: 0,
             emit_time_ms: 0,
             value: json!(value),
@@ -287,7 +345,72 @@ mod tests {
         );
         let mut restored = InputCache::new(names(), Strategy::Sequential);
         assert_eq!(restored.restore(&snapshot), vec![2, 0]);
-        assert_eq!(restored.last_sequence(0), 2);
+        assert_eq!(
+            restored.seen(0),
+            vec![Position {
+                partition: 0,
+                offset: 2
+            }]
+        );
+        assert_eq!(
+            restored.received(0),
+            0,
+            "restored sequences are of another run"
+        );
         assert_eq!(restored.insert(0, b("a", 2, 20)), Inserted::Duplicate);
+    }
+
+    #[test]
+    fn a_new_event_of_another_partition_is_never_a_repeat() {
+        let mut cache = InputCache::new(names(), Strategy::Sequential);
+        assert_eq!(
+            cache.insert(0, at("a", 1, &[(0, 100)], 1)),
+            Inserted::Accepted
+        );
+        assert_eq!(
+            cache.insert(0, at("a", 2, &[(1, 3)], 2)),
+            Inserted::Accepted
+        );
+        // A replay in another order, with a lower sequence: the old ones are repeats,
+        // the new one of partition 2 is not.
+        assert_eq!(
+            cache.insert(0, at("a", 1, &[(1, 3)], 2)),
+            Inserted::Duplicate
+        );
+        assert_eq!(
+            cache.insert(0, at("a", 2, &[(2, 0)], 3)),
+            Inserted::Accepted
+        );
+        assert_eq!(
+            cache.insert(0, at("a", 3, &[(0, 100)], 1)),
+            Inserted::Duplicate
+        );
+        assert_eq!(
+            cache.insert(0, at("a", 4, &[(0, 101)], 4)),
+            Inserted::Accepted
+        );
+        assert_eq!(cache.queued(0), 4);
+    }
+
+    #[test]
+    fn a_boundary_with_one_new_position_is_taken() {
+        let mut cache = InputCache::new(names(), Strategy::Latest);
+        cache.insert(0, at("a", 1, &[(0, 5), (1, 5)], 1));
+        assert_eq!(
+            cache.insert(0, at("a", 2, &[(0, 5), (1, 6)], 2)),
+            Inserted::Accepted
+        );
+        assert_eq!(
+            cache.insert(0, at("a", 3, &[(0, 4), (1, 6)], 3)),
+            Inserted::Duplicate
+        );
+    }
+
+    #[test]
+    fn boundaries_without_positions_are_never_repeats() {
+        let mut cache = InputCache::new(names(), Strategy::Sequential);
+        assert_eq!(cache.insert(0, at("a", 1, &[], 1)), Inserted::Accepted);
+        assert_eq!(cache.insert(0, at("a", 1, &[], 1)), Inserted::Accepted);
+        assert_eq!(cache.queued(0), 2);
     }
 }

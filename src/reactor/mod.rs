@@ -136,7 +136,12 @@ pub struct FireReport {
 pub struct SourceStatus {
     pub dirty: bool,
     pub health: Health,
+    /// Highest boundary sequence received since the reactor started.
     pub last_sequence: u64,
+    /// Highest position taken per partition (pushes at partition -1): a replay of
+    /// anything at or below them is dropped.
+    #[serde(default)]
+    pub seen: Vec<crate::transport::Position>,
     pub queued: usize,
     /// The value a fire would see now.
     pub value: Option<Value>,

@@ -17,7 +17,8 @@ use super::{
     Command, CommandError, FireReason, FireReport, ReactorConfig, ReactorInput, ReactorState,
     ReactorStatus, SourceStatus, Strategy,
 };
-use crate::accumulator::{Boundary, Health};
+use crate::accumulator::runtime::SourceCounters;
+use crate::accumulator::{Boundary, Health, PUSH_PARTITION};
 use crate::graph::{CompiledGraph, FireInput, GraphDeclaration};
 use crate::metrics::GraphStats;
 use crate::store::{Store, StoreError};
@@ -51,6 +52,7 @@ pub(crate) struct Wiring {
     pub durable: Vec<watch::Receiver<u64>>,
     /// Queue slots per source (sequential strategy only).
     pub permits: Vec<Option<Arc<Semaphore>>>,
+    pub counters: Vec<Arc<SourceCounters>>,
 }
 
 pub(crate) struct Reactor {
@@ -118,8 +120,15 @@ impl Reactor {
         let mut durable = Vec::with_capacity(names.len());
         let mut durable_rx = Vec::with_capacity(names.len());
         let mut permits = Vec::with_capacity(names.len());
+        let mut counters = Vec::with_capacity(names.len());
         for (i, _) in names.iter().enumerate() {
-            let (tx, rx) = watch::channel(cache.last_sequence(i));
+            let (tx, rx) = watch::channel(0);
+            let last_push = cache
+                .seen(i)
+                .iter()
+                .find(|p| p.partition == PUSH_PARTITION)
+                .map_or(0, |p| p.offset);
+            counters.push(Arc::new(SourceCounters::after_push(last_push)));
             durable.push(tx);
             durable_rx.push(rx);
             permits.push(match decl.reactor.strategy {
@@ -159,6 +168,7 @@ impl Reactor {
             inputs: inputs_tx,
             durable: durable_rx,
             permits,
+            counters,
         };
         Ok((reactor, wiring))
     }
@@ -409,7 +419,7 @@ impl Reactor {
                 // Everything received is now either in the stored cache or re-queued
                 // there, so the accumulators may commit it.
                 for (i, d) in self.durable_pending.iter_mut().enumerate() {
-                    *d = (*d).max(self.cache.last_sequence(i));
+                    *d = (*d).max(self.cache.received(i));
                 }
             }
             Err(e) => warn!(graph = %self.graph, error = %e, "cache snapshot failed; will retry"),
@@ -442,8 +452,8 @@ impl Reactor {
                 for (i, value) in injected {
                     let boundary = Boundary {
                         source: names[i].clone(),
-                        sequence: self.cache.last_sequence(i),
-                        position: None,
+                        sequence: 0,
+                        positions: Vec::new(),
                         event_time_ms: now,
                         emit_time_ms: now,
                         value,
@@ -480,7 +490,8 @@ impl Reactor {
                 let status = SourceStatus {
                     dirty: self.cache.dirty(i),
                     health: self.health[i],
-                    last_sequence: self.cache.last_sequence(i),
+                    last_sequence: self.cache.received(i),
+                    seen: self.cache.seen(i),
                     queued: self.cache.queued(i),
                     value: values[i].as_ref().map(|b| b.value.clone()),
                 };

@@ -15,12 +15,11 @@ use crate::dispatch::WorkflowExecution;
 use crate::reactor::CacheSnapshot;
 use crate::transport::Position;
 
-/// What an accumulator resumes from: source positions, its own state and the last
-/// sequence number it emitted, all consistent with each other.
+/// What an accumulator resumes from: source positions (with the last push id at
+/// [`crate::accumulator::PUSH_PARTITION`]) and its own state, consistent with each other.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct Checkpoint {
     pub positions: Vec<Position>,
-    pub sequence: u64,
     pub state: Option<serde_json::Value>,
 }
 

@@ -553,6 +553,7 @@ impl SupervisedGraph {
             socket: self.sockets[index].clone(),
             to_reactor: wiring.inputs.clone(),
             permits: wiring.permits[index].clone(),
+            counters: wiring.counters[index].clone(),
             durable: wiring.durable[index].clone(),
             health: self.health[index].clone(),
             stats: self.stats.clone(),

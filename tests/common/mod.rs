@@ -27,8 +27,30 @@ impl Harness {
     }
 
     pub fn with_policy(policy: SupervisionPolicy) -> Self {
-        let broker = MemoryBroker::default();
-        let store = Arc::new(MemoryStore::new());
+        Self::over(
+            MemoryBroker::default(),
+            Arc::new(MemoryStore::new()),
+            policy,
+        )
+    }
+
+    /// A harness on a broker whose topics have `partitions` partitions.
+    pub fn partitioned(partitions: usize) -> Self {
+        Self::over(
+            MemoryBroker::new(partitions),
+            Arc::new(MemoryStore::new()),
+            SupervisionPolicy::default(),
+        )
+    }
+
+    /// Stops every graph, as a node going down does, and starts a new supervisor on the
+    /// same broker and store, as the node coming back does.
+    pub async fn restart(self) -> Self {
+        assert!(self.supervisor.shutdown().await, "graphs stopped in time");
+        Self::over(self.broker, self.store, SupervisionPolicy::default())
+    }
+
+    fn over(broker: MemoryBroker, store: Arc<MemoryStore>, policy: SupervisionPolicy) -> Self {
         let cancel = CancellationToken::new();
         let runtime = Runtime {
             broker: Arc::new(broker.clone()),

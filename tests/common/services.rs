@@ -67,9 +67,15 @@ pub fn fast_group_options() -> BTreeMap<String, String> {
 }
 
 pub fn kafka() -> Arc<KafkaBroker> {
+    kafka_partitioned(1)
+}
+
+/// A client that creates topics with this many partitions.
+pub fn kafka_partitioned(partitions: i32) -> Arc<KafkaBroker> {
     Arc::new(
         KafkaBroker::connect(KafkaSettings {
             brokers: kafka_brokers(),
+            partitions,
             options: fast_group_options(),
             retention: Some(TEST_RETENTION),
             ..KafkaSettings::default()

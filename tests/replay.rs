@@ -1,0 +1,329 @@
+//! Nothing new is taken for a replay: after restarts, source errors and replays in a
+//! different order, every input reaches the outputs. On the embedded backends.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use common::{eventually, settle, Harness};
+use serde_json::{json, Value};
+use tokio::sync::Notify;
+use weir::graph::FunctionRegistry;
+use weir::transport::{
+    Assignment, BrokerSource, Message, Position, Source, SourceFactory, Subscription,
+    TransportError,
+};
+use weir::{AccumulatorSpec, Criteria, GraphBuilder, ReactorConfig, ReactorState, Strategy};
+
+/// A graph whose every boundary fires once (sequential, when_any) into `<name>.out`;
+/// snapshots are rare, so only fires make anything durable.
+fn graph(name: &str, accumulator: AccumulatorSpec) -> weir::GraphDeclaration {
+    let registry = FunctionRegistry::default();
+    GraphBuilder::new(name)
+        .reactor(ReactorConfig {
+            criteria: Criteria::WhenAny,
+            strategy: Strategy::Sequential,
+            snapshot_interval: Duration::from_secs(3600),
+            ..ReactorConfig::default()
+        })
+        .accumulator(accumulator)
+        .function("snapshot", &registry, "snapshot")
+        .output("snapshot", format!("{name}.out"))
+        .build()
+        .expect("valid graph")
+}
+
+/// Every value the source `a` showed the outputs, arrays (batches) flattened.
+fn seen_inputs(h: &Harness, topic: &str) -> BTreeSet<String> {
+    let mut seen = BTreeSet::new();
+    for output in h.outputs(topic) {
+        match &output["inputs"]["a"] {
+            Value::Array(items) => seen.extend(items.iter().map(Value::to_string)),
+            other => {
+                seen.insert(other.to_string());
+            }
+        }
+    }
+    seen
+}
+
+fn expected(values: &[Value]) -> BTreeSet<String> {
+    values.iter().map(Value::to_string).collect()
+}
+
+/// A topic of the harness's broker whose reader fails once when told to, as a broker
+/// connection that drops does.
+struct Breakable {
+    inner: BrokerSource,
+    fail: Arc<Notify>,
+    opens: Arc<AtomicUsize>,
+}
+
+impl Breakable {
+    fn new(h: &Harness, topic: &str, group: &str) -> (Arc<Self>, Arc<Notify>) {
+        let mut subscription = Subscription::new(topic, group);
+        subscription.assignment = Assignment::All;
+        let fail = Arc::new(Notify::new());
+        let source = Self {
+            inner: BrokerSource {
+                broker: Arc::new(h.broker.clone()),
+                subscription,
+            },
+            fail: fail.clone(),
+            opens: Arc::new(AtomicUsize::new(0)),
+        };
+        (Arc::new(source), fail)
+    }
+}
+
+#[async_trait]
+impl SourceFactory for Breakable {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    async fn open(&self, resume_after: &[Position]) -> Result<Box<dyn Source>, TransportError> {
+        self.opens.fetch_add(1, Ordering::SeqCst);
+        Ok(Box::new(BreakableSource {
+            inner: self.inner.open(resume_after).await?,
+            fail: self.fail.clone(),
+        }))
+    }
+}
+
+struct BreakableSource {
+    inner: Box<dyn Source>,
+    fail: Arc<Notify>,
+}
+
+#[async_trait]
+impl Source for BreakableSource {
+    async fn next(&mut self) -> Result<Message, TransportError> {
+        tokio::select! {
+            biased;
+            _ = self.fail.notified() => Err(TransportError::Unreachable {
+                broker: "test".into(),
+                reason: "connection reset".into(),
+            }),
+            message = self.inner.next() => message,
+        }
+    }
+
+    async fn commit(&mut self, through: &[Position]) -> Result<(), TransportError> {
+        self.inner.commit(through).await
+    }
+}
+
+/// The state stored with accumulator `a`'s checkpoint.
+async fn stored_state(h: &Harness, graph: &str) -> Option<Value> {
+    use weir::store::Store;
+    h.store
+        .load_checkpoint(graph, "a")
+        .await
+        .unwrap()
+        .and_then(|c| c.state)
+}
+
+async fn publish_all(h: &Harness, topic: &str, values: &[Value]) {
+    for v in values {
+        h.publish(topic, v.to_string().as_bytes()).await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn pushes_mixed_with_topic_events_then_a_source_error_lose_nothing() {
+    let h = Harness::new();
+    let (source, fail) = Breakable::new(&h, "mix.in", "weir.mix");
+    let opens = source.opens.clone();
+    let g = h.spawn(graph(
+        "mix",
+        AccumulatorSpec::passthrough("a").source(source),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    publish_all(&h, "mix.in", &[json!("t0"), json!("t1")]).await;
+    eventually("topic fires", || async { h.outputs("mix.out").len() == 2 }).await;
+    for p in ["p0", "p1", "p2"] {
+        g.push("a", json!(p)).await.unwrap();
+    }
+    eventually("push fires", || async { h.outputs("mix.out").len() == 5 }).await;
+    fail.notify_one();
+    eventually("reopened", || async { opens.load(Ordering::SeqCst) == 2 }).await;
+    publish_all(&h, "mix.in", &[json!("t2"), json!("t3")]).await;
+    g.push("a", json!("p3")).await.unwrap();
+    let all = expected(&[
+        json!("t0"),
+        json!("t1"),
+        json!("t2"),
+        json!("t3"),
+        json!("p0"),
+        json!("p1"),
+        json!("p2"),
+        json!("p3"),
+    ]);
+    eventually("every input fired", || async {
+        seen_inputs(&h, "mix.out") == all
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_replay_of_three_partitions_in_another_order_loses_nothing() {
+    // Unkeyed messages go round-robin: partitions 1, 2, 0, 1, ...
+    let h = Harness::partitioned(3);
+    let (source, fail) = Breakable::new(&h, "multi.in", "weir.multi");
+    let opens = source.opens.clone();
+    let g = h.spawn(graph(
+        "multi",
+        AccumulatorSpec::passthrough("a").source(source),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    publish_all(&h, "multi.in", &[json!("m1")]).await; // partition 1, fired and committed
+    eventually("m1 fired", || async { h.outputs("multi.out").len() == 1 }).await;
+    eventually("m1 committed", || async {
+        h.broker.committed("multi.in", "weir.multi") == vec![0, 1, 0]
+    })
+    .await;
+    g.reactor().pause().await.unwrap();
+    publish_all(&h, "multi.in", &[json!("m2")]).await; // partition 2, taken, not durable
+    eventually("m2 cached", || async { g.stats().boundaries == 2 }).await;
+    fail.notify_one();
+    settle().await;
+    // Published while the accumulator is down: the replay reads partition 1 (m4) before
+    // partition 2 (m2, a repeat) and partition 0 (m3).
+    publish_all(&h, "multi.in", &[json!("m3"), json!("m4")]).await;
+    eventually("reopened", || async { opens.load(Ordering::SeqCst) == 2 }).await;
+    eventually("replay read", || async { g.stats().boundaries >= 4 }).await;
+    g.reactor().resume().await.unwrap();
+    let all = expected(&[json!("m1"), json!("m2"), json!("m3"), json!("m4")]);
+    eventually("every input fired", || async {
+        seen_inputs(&h, "multi.out") == all
+    })
+    .await;
+    assert_eq!(g.stats().duplicates, 1, "m2 is the one repeat");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_interval_batch_across_a_restart_loses_nothing() {
+    let h = Harness::new();
+    let (source, fail) = Breakable::new(&h, "batch.in", "weir.batch");
+    let opens = source.opens.clone();
+    let interval = Duration::from_millis(100);
+    let g = h.spawn(graph(
+        "batch",
+        AccumulatorSpec::batch("a", 100, interval).source(source),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    publish_all(&h, "batch.in", &[json!(1), json!(2)]).await;
+    eventually("first batch fired", || async {
+        h.outputs("batch.out").len() == 1
+    })
+    .await;
+    // Nothing fires from here on, so the checkpoint stays after event 2 while 3 and 4
+    // leave in two batches of their own.
+    g.reactor().pause().await.unwrap();
+    for v in [3, 4] {
+        publish_all(&h, "batch.in", &[json!(v)]).await;
+        tokio::time::sleep(interval * 2).await;
+    }
+    eventually("two more batches", || async { g.stats().boundaries == 3 }).await;
+    fail.notify_one();
+    eventually("reopened", || async { opens.load(Ordering::SeqCst) == 2 }).await;
+    // The replay takes 3 and 4 into one batch: a repeat. Event 5 is new.
+    tokio::time::sleep(interval * 2).await;
+    publish_all(&h, "batch.in", &[json!(5)]).await;
+    tokio::time::sleep(interval * 2).await;
+    g.reactor().resume().await.unwrap();
+    let all = expected(&[json!(1), json!(2), json!(3), json!(4), json!(5)]);
+    eventually("every input fired", || async {
+        seen_inputs(&h, "batch.out") == all
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_push_only_batch_keeps_what_it_holds_across_a_restart() {
+    let h = Harness::new();
+    let batch = || AccumulatorSpec::batch("a", 4, Duration::ZERO);
+    let g = h.spawn(graph("held", batch()));
+    g.wait_for_state(ReactorState::Live).await;
+    for v in [1, 2, 3] {
+        g.push("a", json!(v)).await.unwrap();
+    }
+    eventually("held events checkpointed", || async {
+        stored_state(&h, "held").await == Some(json!([1, 2, 3]))
+    })
+    .await;
+    assert!(h.outputs("held.out").is_empty(), "the batch is not full");
+    let h = h.restart().await;
+    let g = h.spawn(graph("held", batch()));
+    g.wait_for_state(ReactorState::Live).await;
+    g.push("a", json!(4)).await.unwrap();
+    eventually("full batch fired", || async {
+        h.outputs("held.out").len() == 1
+    })
+    .await;
+    assert_eq!(h.outputs("held.out")[0]["inputs"]["a"], json!([1, 2, 3, 4]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_push_only_stateful_accumulator_keeps_its_state_across_a_restart() {
+    let h = Harness::new();
+    let sum = || {
+        AccumulatorSpec::stateful("a", json!(0), |state, event| {
+            let total = state.as_i64().unwrap_or(0) + event.as_i64().unwrap_or(0);
+            *state = json!(total);
+            Some(json!(total))
+        })
+    };
+    let g = h.spawn(graph("total", sum()));
+    g.wait_for_state(ReactorState::Live).await;
+    for v in [1, 2, 3] {
+        g.push("a", json!(v)).await.unwrap();
+    }
+    eventually("three fires", || async {
+        h.outputs("total.out").len() == 3
+    })
+    .await;
+    eventually("state checkpointed", || async {
+        stored_state(&h, "total").await == Some(json!(6))
+    })
+    .await;
+    let h = h.restart().await;
+    let g = h.spawn(graph("total", sum()));
+    g.wait_for_state(ReactorState::Live).await;
+    g.push("a", json!(4)).await.unwrap();
+    eventually("fire after restart", || async {
+        h.outputs("total.out").len() == 4
+    })
+    .await;
+    assert_eq!(h.outputs("total.out")[3]["inputs"]["a"], json!(10));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_polling_source_resumes_from_its_position() {
+    let h = Harness::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let poll = |calls: Arc<AtomicUsize>| {
+        AccumulatorSpec::polling("a", Duration::from_secs(1), move || {
+            let n = calls.fetch_add(1, Ordering::SeqCst);
+            async move { Some(json!(n)) }
+        })
+    };
+    let g = h.spawn(graph("poll", poll(calls.clone())));
+    g.wait_for_state(ReactorState::Live).await;
+    eventually("five polls fired", || async {
+        h.outputs("poll.out").len() >= 5
+    })
+    .await;
+    let h = h.restart().await;
+    let fired = h.outputs("poll.out").len();
+    let g = h.spawn(graph("poll", poll(calls.clone())));
+    g.wait_for_state(ReactorState::Live).await;
+    // The first poll after the restart comes at once and is a new value: it fires.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(h.outputs("poll.out").len(), fired + 1);
+}
