@@ -34,6 +34,8 @@ pub mod defaults {
     pub const QUEUE_CAPACITY: usize = 1024;
     pub const MAX_IN_FLIGHT: usize = 64;
     pub const SNAPSHOT_INTERVAL_MS: u64 = 200;
+    pub const NODE_RETRIES: u32 = 3;
+    pub const NODE_RETRY_BACKOFF_MS: u64 = 100;
     pub const BATCH_SIZE: usize = 100;
     pub const BATCH_INTERVAL_MS: u64 = 1000;
     pub const BACKOFF_BASE_MS: u64 = 1000;
@@ -494,6 +496,9 @@ fn default_max_in_flight() -> usize {
 fn default_snapshot_interval_ms() -> u64 {
     defaults::SNAPSHOT_INTERVAL_MS
 }
+fn default_node_retries() -> u32 {
+    defaults::NODE_RETRIES
+}
 fn default_batch_size() -> usize {
     defaults::BATCH_SIZE
 }
@@ -521,6 +526,9 @@ pub struct GraphConfig {
     pub max_in_flight: usize,
     #[serde(default = "default_snapshot_interval_ms")]
     pub snapshot_interval_ms: u64,
+    /// Retries of a fire whose graph failed, before its inputs are dead-lettered.
+    #[serde(default = "default_node_retries")]
+    pub node_retries: u32,
     #[serde(rename = "accumulator", default)]
     pub accumulators: Vec<AccumulatorConfig>,
 }
@@ -900,6 +908,8 @@ impl GraphConfig {
             queue_capacity: self.queue_capacity,
             max_in_flight: self.max_in_flight,
             snapshot_interval: Duration::from_millis(self.snapshot_interval_ms),
+            node_retries: self.node_retries,
+            node_retry_backoff: Duration::from_millis(defaults::NODE_RETRY_BACKOFF_MS),
         });
         if let Some(t) = &self.tenant {
             builder = builder.tenant(t);

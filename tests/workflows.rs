@@ -338,6 +338,44 @@ async fn a_task_failing_past_its_attempts_is_dead_lettered_and_fails_its_workflo
         .is_some_and(|e| e.contains("after 2 attempts")));
 }
 
+/// Every backend refuses a message this large: Kafka's and NATS's default limits are
+/// 1 MB, and the memory broker of this suite is given the same.
+const TOO_LARGE: usize = 2 * 1024 * 1024;
+
+struct Huge;
+
+#[async_trait]
+impl TaskHandler for Huge {
+    async fn run(&self, _: TaskContext) -> TaskOutcome {
+        TaskOutcome::Completed(json!({ "blob": "x".repeat(TOO_LARGE) }))
+    }
+}
+
+async fn a_result_too_large_to_publish_fails_its_task_and_is_dead_lettered(env: &Env) {
+    let executor = env.name("huge");
+    let w = flow(&env.name("huge"), vec![task("big", "huge")]);
+    let workflows = [w.clone()];
+    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    env.worker(
+        &executor,
+        4,
+        with(env.builtins(), "huge", Arc::new(Huge)),
+        &workflows,
+    );
+    let id = dispatcher.start(&w.name, json!({})).await.unwrap();
+    let done = env.finished(&id, WAIT).await;
+    assert_eq!(done.status, RunStatus::Failed, "{}", done.summary());
+    assert_eq!(done.summary()["tasks"]["big"]["status"], "failed");
+    let dead = env
+        .read(&format!("weir.tasks.{executor}.dlq"), 1, WAIT)
+        .await;
+    let event = decode::<TaskReadyEvent>(&dead[0].payload).unwrap();
+    assert_eq!(event.execution_id, id);
+    assert!(dead[0]
+        .header("weir-error")
+        .is_some_and(|e| e.contains("result cannot be published")));
+}
+
 async fn a_diamond_runs_in_dependency_order(env: &Env) {
     let executor = env.name("dag");
     let w = flow(
@@ -564,6 +602,10 @@ macro_rules! suite {
             a_task_failing_past_its_attempts_is_dead_lettered_and_fails_its_workflow(&$env).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn unpublishable_results() {
+            a_result_too_large_to_publish_fails_its_task_and_is_dead_lettered(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn diamond() {
             a_diamond_runs_in_dependency_order(&$env).await;
         }
@@ -585,7 +627,7 @@ mod memory {
 
     fn env() -> Env {
         Env::new(
-            Arc::new(MemoryBroker::default()),
+            Arc::new(MemoryBroker::with_max_message_bytes(1, 1_000_000)),
             Arc::new(MemoryStore::new()),
         )
     }

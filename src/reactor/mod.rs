@@ -103,6 +103,10 @@ pub struct ReactorConfig {
     pub max_in_flight: usize,
     /// Least time between cache snapshots to the store; zero snapshots after every batch.
     pub snapshot_interval: Duration,
+    /// Times a fire whose graph failed is run again before its inputs are dead-lettered.
+    pub node_retries: u32,
+    /// Wait before the first retry of a failed fire; doubles with each retry.
+    pub node_retry_backoff: Duration,
 }
 
 impl Default for ReactorConfig {
@@ -113,6 +117,8 @@ impl Default for ReactorConfig {
             queue_capacity: 1024,
             max_in_flight: 64,
             snapshot_interval: Duration::from_millis(200),
+            node_retries: 3,
+            node_retry_backoff: Duration::from_millis(100),
         }
     }
 }

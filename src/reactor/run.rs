@@ -7,6 +7,7 @@ use std::time::Instant as StdInstant;
 
 use futures::future::BoxFuture;
 use futures::stream::{FuturesOrdered, StreamExt};
+use serde_json::Value;
 use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -85,6 +86,10 @@ pub(crate) struct Reactor {
     in_flight: FuturesOrdered<BoxFuture<'static, Result<(), TransportError>>>,
     /// Boundaries taken by each in-flight fire, oldest first.
     unacknowledged: VecDeque<Consumed>,
+    /// Boundaries of fires given up at shutdown while their graph was being retried: stored
+    /// as not yet consumed, so the next run fires them again.
+    abandoned: Vec<Consumed>,
+    cancel: CancellationToken,
     stats: Arc<GraphStats>,
     snapshot_pending: bool,
     last_snapshot: Instant,
@@ -160,6 +165,8 @@ impl Reactor {
             fires,
             in_flight: FuturesOrdered::new(),
             unacknowledged: VecDeque::new(),
+            abandoned: Vec::new(),
+            cancel: CancellationToken::new(),
             stats,
             snapshot_pending: false,
             last_snapshot: Instant::now(),
@@ -178,6 +185,7 @@ impl Reactor {
         commands: &mut mpsc::Receiver<Command>,
         cancel: CancellationToken,
     ) -> Result<(), ReactorError> {
+        self.cancel = cancel.clone();
         self.set_state(ReactorState::Warming);
         self.update_state();
         let snapshot_timer = tokio::time::sleep(self.config.snapshot_interval);
@@ -305,40 +313,62 @@ impl Reactor {
         self.snapshot_pending = true;
         let fire = self.fires;
         let degraded = self.state == ReactorState::Degraded;
-        let input = FireInput::new(
+        let input = Arc::new(FireInput::new(
             self.graph.clone(),
             fire,
             degraded,
             self.cache.names().clone(),
             values,
-        );
+        ));
         let started = StdInstant::now();
-        let result = self.compiled.run(Arc::new(input)).await;
+        let mut result = self.compiled.run(input.clone()).await;
         self.stats.fired(started.elapsed(), reason);
+        let mut retries = 0;
+        while let Err(e) = &result {
+            if retries == self.config.node_retries {
+                break;
+            }
+            let delay = self.config.node_retry_backoff * 2u32.saturating_pow(retries);
+            retries += 1;
+            warn!(graph = %self.graph, fire, error = %e, retry = retries, ?delay, "fire failed; retrying");
+            self.stats.fire_failed();
+            tokio::select! {
+                _ = self.cancel.cancelled() => {
+                    // Shutting down: the inputs go back to the stored cache unconsumed.
+                    self.abandoned.push(consumed);
+                    return Ok(FireReport { fire, outputs: 0 });
+                }
+                _ = tokio::time::sleep(delay) => {}
+            }
+            result = self.compiled.run(input.clone()).await;
+        }
         let messages: Vec<(Outbound, Arc<dyn Sink>)> = match result {
             Ok(values) => values
                 .iter()
                 .zip(self.outputs.iter())
                 .filter_map(|(value, (topic, sink))| {
                     let value = value.as_ref()?;
-                    let mut message =
-                        Outbound::new(topic.clone(), crate::codec::json::encode(value))
-                            .key(self.output_key.clone())
-                            .header("weir-graph", &*self.graph)
-                            .header("weir-fire", fire.to_string())
-                            .header("weir-degraded", degraded.to_string());
-                    if let Some(token) = &self.fencing {
-                        message = message.header("weir-fencing", token.clone());
-                    }
-                    Some((message, sink.clone()))
+                    let message = Outbound::new(topic.clone(), crate::codec::json::encode(value));
+                    Some((self.stamp(message, fire, degraded), sink.clone()))
                 })
                 .collect(),
             Err(e) => {
-                // A failing node is the graph's own error: counted and logged, and its
-                // inputs count as handled so one bad value cannot wedge the graph.
-                warn!(graph = %self.graph, fire, error = %e, "fire failed");
+                // Retries did not help: the fire and its inputs go to the dead-letter
+                // topic, and once that is acknowledged they count as handled, so one bad
+                // value cannot wedge the graph.
+                warn!(graph = %self.graph, fire, error = %e, "fire failed after its retries; dead-lettering its inputs");
                 self.stats.fire_failed();
-                Vec::new()
+                let (topic, sink) = &self.outputs[0];
+                let mut body = fire_identity(&input);
+                body.insert("error".into(), Value::String(e.to_string()));
+                body.insert("inputs".into(), input.inputs_json());
+                let letter = Outbound::new(
+                    dead_letter_topic(topic),
+                    crate::codec::json::encode(&Value::Object(body)),
+                )
+                .header("weir-error", e.to_string());
+                self.stats.dead_lettered();
+                vec![(self.stamp(letter, fire, degraded), sink.clone())]
             }
         };
         let report = FireReport {
@@ -349,7 +379,28 @@ impl Reactor {
         let mut publish: BoxFuture<'static, Result<(), TransportError>> = Box::pin(async move {
             let count = messages.len();
             for (message, sink) in messages {
-                sink.publish(message).await?;
+                let topic = message.topic.clone();
+                let headers = message.headers.clone();
+                match sink.publish(message).await {
+                    Ok(_) => {}
+                    // No retry can publish it (larger than the broker takes, say): what
+                    // identifies the fire goes to the dead-letter topic in its place.
+                    Err(e) if !e.is_retryable() => {
+                        warn!(%topic, fire, error = %e, "output cannot be published; dead-lettering it");
+                        let mut body = fire_identity(&input);
+                        body.insert("topic".into(), Value::String(topic.clone()));
+                        body.insert("error".into(), Value::String(e.to_string()));
+                        let mut letter = Outbound::new(
+                            dead_letter_topic(&topic),
+                            crate::codec::json::encode(&Value::Object(body)),
+                        );
+                        letter.headers = headers;
+                        letter = letter.header("weir-error", e.to_string());
+                        sink.publish(letter).await?;
+                        stats.dead_lettered();
+                    }
+                    Err(e) => return Err(e),
+                }
             }
             stats.published(count);
             Ok(())
@@ -365,6 +416,19 @@ impl Reactor {
         self.in_flight.push_back(publish);
         self.unacknowledged.push_back(consumed);
         Ok(report)
+    }
+
+    /// Adds the key and headers every message of a fire carries.
+    fn stamp(&self, message: Outbound, fire: u64, degraded: bool) -> Outbound {
+        let mut message = message
+            .key(self.output_key.clone())
+            .header("weir-graph", &*self.graph)
+            .header("weir-fire", fire.to_string())
+            .header("weir-degraded", degraded.to_string());
+        if let Some(token) = &self.fencing {
+            message = message.header("weir-fencing", token.clone());
+        }
+        message
     }
 
     fn acknowledged(&mut self) {
@@ -410,7 +474,10 @@ impl Reactor {
     }
 
     async fn snapshot(&mut self) {
-        let snapshot = self.cache.snapshot(self.fires, self.unacknowledged.iter());
+        let snapshot = self.cache.snapshot(
+            self.fires,
+            self.unacknowledged.iter().chain(self.abandoned.iter()),
+        );
         self.last_snapshot = Instant::now();
         match self.store.save_cache(&self.key, &snapshot).await {
             Ok(()) => {
@@ -506,4 +573,31 @@ impl Reactor {
             sources,
         }
     }
+}
+
+/// Where what a graph cannot publish to `topic` goes.
+fn dead_letter_topic(topic: &str) -> String {
+    format!("{topic}.dlq")
+}
+
+/// What identifies a fire in a dead letter: the graph, the fire number and, per source,
+/// the positions of the input the fire saw.
+fn fire_identity(input: &FireInput) -> serde_json::Map<String, Value> {
+    let positions: serde_json::Map<String, Value> = input
+        .names
+        .iter()
+        .zip(&input.values)
+        .map(|(name, boundary)| {
+            let positions = boundary
+                .as_ref()
+                .map(|b| serde_json::to_value(&b.positions).unwrap_or(Value::Null))
+                .unwrap_or(Value::Null);
+            (name.to_string(), positions)
+        })
+        .collect();
+    let mut identity = serde_json::Map::new();
+    identity.insert("graph".into(), Value::String(input.graph.to_string()));
+    identity.insert("fire".into(), Value::from(input.fire));
+    identity.insert("positions".into(), Value::Object(positions));
+    identity
 }

@@ -23,6 +23,8 @@ pub struct MemoryBroker {
 
 struct Inner {
     partitions: usize,
+    /// Largest payload taken, as a real broker has one; `None` takes any size.
+    max_message_bytes: Option<usize>,
     topics: Mutex<HashMap<String, Arc<Topic>>>,
 }
 
@@ -51,6 +53,19 @@ impl MemoryBroker {
         Self {
             inner: Arc::new(Inner {
                 partitions: partitions.max(1),
+                max_message_bytes: None,
+                topics: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// A broker that refuses payloads larger than `limit` bytes, for good, as Kafka and
+    /// NATS refuse messages over their size limits.
+    pub fn with_max_message_bytes(partitions: usize, limit: usize) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                partitions: partitions.max(1),
+                max_message_bytes: Some(limit),
                 topics: Mutex::new(HashMap::new()),
             }),
         }
@@ -93,6 +108,18 @@ impl MemoryBroker {
 
     fn append(&self, message: Outbound) -> Result<Position, TransportError> {
         validate_topic(&message.topic)?;
+        if let Some(limit) = self.inner.max_message_bytes {
+            if message.payload.len() > limit {
+                return Err(TransportError::Publish {
+                    reason: format!(
+                        "message of {} bytes is larger than the broker takes ({limit})",
+                        message.payload.len()
+                    ),
+                    topic: message.topic,
+                    retryable: false,
+                });
+            }
+        }
         let topic = self.topic(&message.topic);
         let position = {
             let mut log = lock(&topic.log);

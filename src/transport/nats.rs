@@ -270,11 +270,14 @@ impl Sink for NatsBroker {
             headers.insert(name.as_ref(), value.as_str());
         }
         let Outbound { topic, payload, .. } = message;
-        let publish_error = |topic: &str, e: &dyn std::fmt::Display| TransportError::Publish {
-            topic: topic.to_string(),
-            reason: e.to_string(),
-            retryable: true,
-        };
+        // A message larger than the server takes fails the same way however often it
+        // is sent.
+        let publish_error =
+            |topic: &str, e: &dyn std::fmt::Display, too_large: bool| TransportError::Publish {
+                topic: topic.to_string(),
+                reason: e.to_string(),
+                retryable: !too_large,
+            };
         match &self.inner.jetstream {
             Some(js) => {
                 let known = self
@@ -289,9 +292,11 @@ impl Sink for NatsBroker {
                 let ack = js
                     .publish_with_headers(topic.clone(), headers, payload)
                     .await
-                    .map_err(|e| publish_error(&topic, &e))?;
+                    .map_err(|e| publish_error(&topic, &e, jetstream_too_large(&e)))?;
                 Ok(Box::pin(async move {
-                    let ack = ack.await.map_err(|e| publish_error(&topic, &e))?;
+                    let ack = ack
+                        .await
+                        .map_err(|e| publish_error(&topic, &e, jetstream_too_large(&e)))?;
                     Ok(Position {
                         partition: 0,
                         offset: ack.sequence as i64,
@@ -303,7 +308,11 @@ impl Sink for NatsBroker {
                     .client
                     .publish_with_headers(topic.clone(), headers, payload)
                     .await
-                    .map_err(|e| publish_error(&topic, &e))?;
+                    .map_err(|e| {
+                        let too_large =
+                            e.kind() == async_nats::client::PublishErrorKind::MaxPayloadExceeded;
+                        publish_error(&topic, &e, too_large)
+                    })?;
                 Ok(Box::pin(futures::future::ready(Ok(Position {
                     partition: 0,
                     offset: -1,
@@ -439,4 +448,11 @@ impl Source for CoreSource {
         // Core NATS has no acknowledgements: delivery is at-most-once.
         Ok(())
     }
+}
+
+/// Whether JetStream refused a message for its size: over the server's `max_payload`,
+/// or over the stream's largest message.
+fn jetstream_too_large(e: &jetstream::context::PublishError) -> bool {
+    e.kind() == jetstream::context::PublishErrorKind::MaxPayloadExceeded
+        || e.to_string().contains("message size exceeds maximum")
 }

@@ -216,7 +216,7 @@ impl Shared {
                 None => format!("this worker does not know task {}", event.namespace),
                 Some(s) => format!("no handler registered as {:?}", s.handler),
             };
-            let finished = self
+            let report = self
                 .report(
                     &event,
                     event.attempt.max(1) as u32,
@@ -225,7 +225,7 @@ impl Shared {
                     cancel,
                 )
                 .await;
-            return finished && self.dead_letter(&message, &why, cancel).await;
+            return report != Report::Stopped && self.dead_letter(&message, &why, cancel).await;
         };
         metrics
             .wait
@@ -261,11 +261,29 @@ impl Shared {
                 TaskOutcome::Failed(e) => Reported::Failed(e),
             };
             let duration_ms = took.as_millis() as i64;
-            if !self
+            match self
                 .report(&event, attempt, reported.clone(), duration_ms, cancel)
                 .await
             {
-                return false;
+                Report::Sent => {}
+                Report::Stopped => return false,
+                Report::Refused(e) => {
+                    // The result itself can never be published (larger than the broker
+                    // takes): the task fails, with a result small enough to go, and is
+                    // dead-lettered rather than delivered again forever.
+                    metrics.failed.increment(1);
+                    metrics.dead_letters.increment(1);
+                    let why = format!("its result cannot be published: {e}");
+                    let failed = Reported::Failed(why.clone());
+                    if self
+                        .report(&event, attempt, failed, duration_ms, cancel)
+                        .await
+                        == Report::Stopped
+                    {
+                        return false;
+                    }
+                    return self.dead_letter(&message, &why, cancel).await;
+                }
             }
             match reported {
                 Reported::Retry(error) => {
@@ -292,8 +310,7 @@ impl Shared {
         }
     }
 
-    /// Publishes one attempt's result, retrying while the broker is away; false if
-    /// shutdown came first.
+    /// Publishes one attempt's result, retrying while the broker is away.
     async fn report(
         &self,
         event: &TaskReadyEvent,
@@ -301,7 +318,7 @@ impl Shared {
         reported: Reported,
         duration_ms: i64,
         cancel: &CancellationToken,
-    ) -> bool {
+    ) -> Report {
         let (error, output) = match &reported {
             Reported::Completed(v) => (None, v.as_ref().map(|v| v.to_string())),
             Reported::Retry(e) | Reported::Failed(e) => (Some(e.clone()), None),
@@ -323,16 +340,20 @@ impl Shared {
             Ok(b) => b,
             Err(e) => {
                 warn!(executor = %self.settings.executor, error = %e, "cannot encode a result");
-                return false;
+                return Report::Refused(e.to_string());
             }
         };
         let message = Outbound::new(&self.settings.results_topic, bytes)
             .key(event.execution_id.clone().into_bytes());
         match publish_persistently(self.sink.as_ref(), message, cancel).await {
-            Ok(_) => true,
+            Ok(_) => Report::Sent,
+            Err(e) if !e.is_retryable() => {
+                warn!(executor = %self.settings.executor, error = %e, "result refused by the broker");
+                Report::Refused(e.to_string())
+            }
             Err(e) => {
                 warn!(executor = %self.settings.executor, error = %e, "result not published; the task will be delivered again");
-                false
+                Report::Stopped
             }
         }
     }
@@ -340,6 +361,16 @@ impl Shared {
     async fn dead_letter(&self, message: &Message, why: &str, cancel: &CancellationToken) -> bool {
         dead_letter(self.sink.as_ref(), message, why, cancel).await
     }
+}
+
+/// How publishing a result ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Report {
+    Sent,
+    /// No retry can publish it; the reason.
+    Refused(String),
+    /// Shutdown came first: the task will be delivered again.
+    Stopped,
 }
 
 /// `tenant::package::workflow::task` → (workflow, task).

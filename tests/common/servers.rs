@@ -1,0 +1,178 @@
+//! Servers a fault test starts, stops and breaks itself, on spare loopback ports, so the
+//! shared ones of `scripts/services` keep running.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A port nothing listens on right now.
+pub fn spare_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a spare port")
+}
+
+fn answers(port: u16) -> bool {
+    std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+}
+
+/// One server process, restartable with the same command line and data directory.
+pub struct Server {
+    name: &'static str,
+    program: String,
+    args: Vec<String>,
+    pub port: u16,
+    /// Its data, kept across restarts; removed with the server.
+    pub dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl Server {
+    /// nats-server with JetStream on a file store; `extra` is added to its config file
+    /// (e.g. `max_payload: 65536`).
+    pub fn nats(extra: &str) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = spare_port();
+        let config = dir.path().join("nats.conf");
+        let store = dir.path().join("js");
+        std::fs::write(
+            &config,
+            format!(
+                "listen: 127.0.0.1:{port}\njetstream {{ store_dir: {:?} }}\n{extra}\n",
+                store.display().to_string()
+            ),
+        )
+        .expect("nats config written");
+        Self::start_new(
+            "nats-server",
+            "nats-server".into(),
+            vec!["-c".into(), config.display().to_string()],
+            port,
+            dir,
+        )
+    }
+
+    /// redis-server keeping its data in an append-only file, so a restart keeps it.
+    pub fn redis() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = spare_port();
+        let args = [
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            &dir.path().display().to_string(),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--save",
+            "",
+        ]
+        .map(String::from)
+        .to_vec();
+        Self::start_new("redis-server", "redis-server".into(), args, port, dir)
+    }
+
+    fn start_new(
+        name: &'static str,
+        program: String,
+        args: Vec<String>,
+        port: u16,
+        dir: tempfile::TempDir,
+    ) -> Self {
+        let mut server = Self {
+            name,
+            program,
+            args,
+            port,
+            dir,
+            child: None,
+        };
+        server.start();
+        server
+    }
+
+    pub fn nats_url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub fn redis_url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn log(&self) -> PathBuf {
+        self.dir.path().join(format!("{}.log", self.name))
+    }
+
+    /// Starts the server (again) and waits until it takes connections.
+    pub fn start(&mut self) {
+        assert!(self.child.is_none(), "{} is already running", self.name);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log())
+            .expect("server log");
+        let child = Command::new(&self.program)
+            .args(&self.args)
+            .stdout(log.try_clone().expect("server log"))
+            .stderr(log)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{} starts: {e}", self.name));
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !answers(self.port) {
+            assert!(
+                Instant::now() < deadline,
+                "{} did not listen on {} (log: {})",
+                self.name,
+                self.port,
+                std::fs::read_to_string(self.log()).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Stops the server as an operator would (SIGTERM), and waits for it to exit.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            signal(&child, "TERM");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while child.try_wait().ok().flatten().is_none() {
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.wait();
+        }
+    }
+
+    pub fn restart(&mut self) {
+        self.stop();
+        self.start();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Sends a signal (`TERM`, `STOP`, `CONT`, …) to a child process.
+pub fn signal(child: &Child, name: &str) {
+    let status = Command::new("kill")
+        .args([format!("-{name}"), child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success(), "kill -{name} {}", child.id());
+}

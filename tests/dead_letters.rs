@@ -1,0 +1,191 @@
+//! What a graph cannot turn into output is dead-lettered, never dropped: fires whose graph
+//! keeps failing, and outputs no retry can publish. On the embedded backends.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use common::{eventually, Harness};
+use serde_json::{json, Value};
+use weir::graph::{NodeContext, NodeError};
+use weir::transport::{Outbound, Position, Sink, TransportError};
+use weir::{AccumulatorSpec, Criteria, GraphBuilder, ReactorConfig, ReactorState, Strategy};
+
+fn reactor() -> ReactorConfig {
+    ReactorConfig {
+        criteria: Criteria::WhenAny,
+        strategy: Strategy::Sequential,
+        ..ReactorConfig::default()
+    }
+}
+
+/// A graph reading `<name>.in` whose node fails `failures` times for each input equal
+/// to "bad" (every time when `None`), and otherwise emits the input.
+fn failing_graph(
+    name: &str,
+    failures: Option<usize>,
+) -> (weir::GraphDeclaration, Arc<AtomicUsize>) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let decl = GraphBuilder::new(name)
+        .reactor(reactor())
+        .accumulator(AccumulatorSpec::passthrough("a").topic(format!("{name}.in")))
+        .node("n", ["a"], move |ctx: NodeContext| {
+            let counter = counter.clone();
+            async move {
+                let value = ctx.source("a").cloned().unwrap_or(Value::Null);
+                if value == json!("bad") {
+                    let run = counter.fetch_add(1, Ordering::SeqCst);
+                    if failures.is_none_or(|f| run < f) {
+                        return Err(NodeError::new("cannot price a bad quote"));
+                    }
+                }
+                Ok(Some(value))
+            }
+        })
+        .output("n", format!("{name}.out"))
+        .build()
+        .expect("valid graph");
+    (decl, runs)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failing_fire_is_retried_with_backoff() {
+    let h = Harness::new();
+    let (decl, runs) = failing_graph("retry", Some(2));
+    let g = h.spawn(decl);
+    g.wait_for_state(ReactorState::Live).await;
+    h.publish("retry.in", json!("bad").to_string().as_bytes())
+        .await;
+    eventually("fired on the third run", || async {
+        h.outputs("retry.out") == vec![json!("bad")]
+    })
+    .await;
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+    assert!(h.broker.messages("retry.out.dlq").is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fire_that_keeps_failing_is_dead_lettered_then_committed() {
+    let h = Harness::new();
+    let (decl, runs) = failing_graph("fails", None);
+    let g = h.spawn(decl);
+    g.wait_for_state(ReactorState::Live).await;
+    for v in ["good", "bad", "later"] {
+        h.publish("fails.in", json!(v).to_string().as_bytes()).await;
+    }
+    eventually("later events still fire", || async {
+        h.outputs("fails.out") == vec![json!("good"), json!("later")]
+    })
+    .await;
+    // The first run and the three retries of the default.
+    assert_eq!(runs.load(Ordering::SeqCst), 4);
+    let dead = h.broker.messages("fails.out.dlq");
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0].header("weir-error"),
+        Some("node n failed: cannot price a bad quote")
+    );
+    assert_eq!(dead[0].header("weir-graph"), Some("fails"));
+    let body: Value = serde_json::from_slice(&dead[0].payload).unwrap();
+    assert_eq!(body["graph"], json!("fails"));
+    assert_eq!(body["fire"], json!(2));
+    assert_eq!(body["inputs"]["a"], json!("bad"));
+    assert_eq!(
+        body["positions"]["a"],
+        json!([{"partition": 0, "offset": 1}])
+    );
+    eventually("every input committed", || async {
+        h.broker.committed("fails.in", "weir.fails") == vec![3]
+    })
+    .await;
+}
+
+/// Takes what the memory broker takes, except messages larger than `limit` bytes, which
+/// it refuses as a broker does: for good.
+struct SizeLimited {
+    inner: Arc<dyn Sink>,
+    limit: usize,
+}
+
+#[async_trait]
+impl Sink for SizeLimited {
+    async fn publish(&self, message: Outbound) -> Result<Position, TransportError> {
+        if message.payload.len() > self.limit {
+            return Err(TransportError::Publish {
+                topic: message.topic,
+                reason: "message too large".into(),
+                retryable: false,
+            });
+        }
+        self.inner.publish(message).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_output_too_large_to_publish_is_dead_lettered_and_the_graph_goes_on() {
+    let h = Harness::new();
+    let sink = Arc::new(SizeLimited {
+        inner: Arc::new(h.broker.clone()),
+        limit: 1024,
+    });
+    let decl = GraphBuilder::new("large")
+        .reactor(reactor())
+        .accumulator(AccumulatorSpec::passthrough("a").topic("large.in"))
+        .node("n", ["a"], |ctx: NodeContext| async move {
+            let n = ctx.source("a").and_then(Value::as_u64).unwrap_or(0) as usize;
+            Ok(Some(json!("x".repeat(n))))
+        })
+        .output_to("n", "large.out", sink)
+        .build()
+        .unwrap();
+    let g = h.spawn(decl);
+    g.wait_for_state(ReactorState::Live).await;
+    for n in [10, 5000, 20] {
+        h.publish("large.in", json!(n).to_string().as_bytes()).await;
+    }
+    eventually("the small ones fire", || async {
+        h.outputs("large.out").len() == 2
+    })
+    .await;
+    let dead = h.broker.messages("large.out.dlq");
+    assert_eq!(dead.len(), 1);
+    assert!(dead[0]
+        .header("weir-error")
+        .is_some_and(|e| e.contains("message too large")));
+    let body: Value = serde_json::from_slice(&dead[0].payload).unwrap();
+    assert_eq!(body["graph"], json!("large"));
+    assert_eq!(body["fire"], json!(2));
+    assert_eq!(body["topic"], json!("large.out"));
+    assert_eq!(
+        body["positions"]["a"],
+        json!([{"partition": 0, "offset": 1}])
+    );
+    assert!(
+        dead[0].payload.len() < 1024,
+        "the payload itself is not in it"
+    );
+    eventually("every input committed", || async {
+        h.broker.committed("large.in", "weir.large") == vec![3]
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        h.store_recoveries().await.is_empty(),
+        "no respawn for an unpublishable output"
+    );
+}
+
+trait Recoveries {
+    async fn store_recoveries(&self) -> Vec<weir::store::RecoveryEvent>;
+}
+
+impl Recoveries for Harness {
+    async fn store_recoveries(&self) -> Vec<weir::store::RecoveryEvent> {
+        use weir::store::Store;
+        self.store.recovery_events(None, 100).await.unwrap()
+    }
+}
