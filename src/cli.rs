@@ -141,6 +141,10 @@ pub enum GraphCommand {
     Resume {
         name: String,
     },
+    /// Start the graph afresh now; a Failed graph is tried again at once.
+    Restart {
+        name: String,
+    },
 }
 
 #[derive(Debug, clap::Args)]

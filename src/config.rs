@@ -44,6 +44,7 @@ pub mod defaults {
     pub const HEALTHY_RESET_MS: u64 = 60_000;
     pub const SHUTDOWN_TIMEOUT_MS: u64 = 5000;
     pub const GRAPH_LEASE_TTL_MS: u64 = 10_000;
+    pub const FAILED_RETRY_MS: u64 = 300_000;
     pub const CRON_SHARDS: u32 = 1;
     pub const CRON_LEASE_TTL_MS: u64 = 3000;
     pub const CRON_ORPHAN_AFTER_MS: u64 = 30_000;
@@ -469,6 +470,8 @@ pub struct SupervisionConfig {
     pub shutdown_timeout_ms: u64,
     /// A graph runs on the node holding its lease; others take over within this TTL.
     pub graph_lease_ttl_ms: u64,
+    /// How long a Failed graph stays down before it is tried again.
+    pub failed_retry_ms: u64,
 }
 
 impl Default for SupervisionConfig {
@@ -480,6 +483,7 @@ impl Default for SupervisionConfig {
             healthy_reset_ms: defaults::HEALTHY_RESET_MS,
             shutdown_timeout_ms: defaults::SHUTDOWN_TIMEOUT_MS,
             graph_lease_ttl_ms: defaults::GRAPH_LEASE_TTL_MS,
+            failed_retry_ms: defaults::FAILED_RETRY_MS,
         }
     }
 }
@@ -750,6 +754,7 @@ impl Config {
             shutdown_timeout: Duration::from_millis(s.shutdown_timeout_ms),
             graph_lease_ttl: (s.graph_lease_ttl_ms > 0)
                 .then(|| Duration::from_millis(s.graph_lease_ttl_ms)),
+            failed_retry: Duration::from_millis(s.failed_retry_ms),
         }
     }
 

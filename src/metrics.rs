@@ -111,7 +111,7 @@ pub struct GraphStats {
     snapshots_metric: Counter,
     fire_duration: Histogram,
     /// Indexed like [`ReactorState::ALL`].
-    state_metric: [Gauge; 4],
+    state_metric: [Gauge; 5],
     /// Per accumulator, in declaration order.
     sources: Vec<SourceMetrics>,
 }

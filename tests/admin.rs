@@ -42,6 +42,17 @@ struct Admin {
 
 impl Admin {
     async fn start(token: Option<&str>) -> Self {
+        Self::start_with(
+            token,
+            SupervisionPolicy {
+                graph_lease_ttl: Some(Duration::from_secs(10)),
+                ..SupervisionPolicy::default()
+            },
+        )
+        .await
+    }
+
+    async fn start_with(token: Option<&str>, policy: SupervisionPolicy) -> Self {
         let broker = MemoryBroker::default();
         let store = Arc::new(MemoryStore::new());
         let runtime = Runtime {
@@ -50,10 +61,6 @@ impl Admin {
             node_id: "admin-test".into(),
         };
         let cancel = CancellationToken::new();
-        let policy = SupervisionPolicy {
-            graph_lease_ttl: Some(Duration::from_secs(10)),
-            ..SupervisionPolicy::default()
-        };
         let supervisor = Arc::new(Supervisor::new(runtime.clone(), policy, cancel.clone()));
         let state = AdminState::new()
             .with_supervisor(supervisor.clone())
@@ -583,6 +590,83 @@ async fn a_warming_graph_makes_the_node_unready() {
     assert_eq!(
         (health("connecting"), health("live")),
         (Some(1.0), Some(0.0))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_graph_is_unready_and_flagged_until_restarted() {
+    let admin = Admin::start_with(
+        Some(TOKEN),
+        SupervisionPolicy {
+            max_failures: 1,
+            ..SupervisionPolicy::default()
+        },
+    )
+    .await;
+    let down = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let flag = down.clone();
+    let decl = GraphBuilder::new("fragile")
+        .accumulator(AccumulatorSpec::passthrough("a"))
+        .node("n", ["a"], move |ctx: weir::NodeContext| {
+            let down = flag.load(std::sync::atomic::Ordering::SeqCst);
+            async move {
+                assert!(!down, "dependency down");
+                Ok(ctx.source("a").cloned())
+            }
+        })
+        .output("n", "fragile.out")
+        .build()
+        .unwrap();
+    let graph = admin.supervisor.spawn(decl).unwrap();
+    graph.wait_for_state(ReactorState::Live).await;
+    graph.push("a", json!(1)).await.unwrap();
+    graph.wait_for_state(ReactorState::Failed).await;
+
+    let (status, ready) = json_of("GET", &admin.url("/readyz"), None, None).await;
+    assert_eq!(status, 503);
+    assert!(ready["reasons"][0]
+        .as_str()
+        .is_some_and(|r| r.starts_with("graph fragile: failed")));
+    let samples = scrape(admin.metrics).await;
+    let state = |s| {
+        metric(
+            &samples,
+            weir::metrics::REACTOR_STATE,
+            &[("graph", "fragile"), ("state", s)],
+        )
+    };
+    assert_eq!((state("failed"), state("live")), (Some(1.0), Some(0.0)));
+
+    // Still Failed a while later: the alert keeps firing.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let samples = scrape(admin.metrics).await;
+    assert_eq!(
+        metric(
+            &samples,
+            weir::metrics::REACTOR_STATE,
+            &[("graph", "fragile"), ("state", "failed")]
+        ),
+        Some(1.0)
+    );
+
+    down.store(false, std::sync::atomic::Ordering::SeqCst);
+    let restart = admin.url("/graphs/fragile/restart");
+    let (status, _) = http("POST", &restart, None, None).await;
+    assert_eq!(status, 401, "restart needs the token");
+    let (status, answer) = json_of("POST", &restart, Some(TOKEN), None).await;
+    assert_eq!(status, 200);
+    assert_eq!(answer, json!({"graph": "fragile", "restarting": true}));
+    graph.wait_for_state(ReactorState::Live).await;
+    let (status, _) = json_of("GET", &admin.url("/readyz"), None, None).await;
+    assert_eq!(status, 200);
+    let samples = scrape(admin.metrics).await;
+    assert_eq!(
+        metric(
+            &samples,
+            weir::metrics::REACTOR_STATE,
+            &[("graph", "fragile"), ("state", "failed")]
+        ),
+        Some(0.0)
     );
 }
 

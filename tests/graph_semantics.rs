@@ -695,6 +695,7 @@ async fn backoff_doubles_and_the_graph_fails_after_five_failures() {
     assert!(
         matches!(status, weir::supervisor::GraphStatus::Failed { ref error } if error.contains("always fails"))
     );
+    let opened_handle = opened.clone();
     let opened = opened.lock().unwrap().clone();
     assert_eq!(opened.len(), 5, "one start plus four restarts");
     let gaps: Vec<u64> = opened.windows(2).map(|w| (w[1] - w[0]).as_secs()).collect();
@@ -707,9 +708,146 @@ async fn backoff_doubles_and_the_graph_fails_after_five_failures() {
         .iter()
         .all(|e| e.action == weir::store::RecoveryAction::GraphRespawned));
     assert_eq!(events[4].action, weir::store::RecoveryAction::GraphFailed);
-    // Failed stays failed.
-    tokio::time::sleep(Duration::from_secs(300)).await;
-    assert_eq!(opened.len(), 5);
+    assert_eq!(g.state(), ReactorState::Failed);
+    // Failed stays failed until the retry interval (300 s by default) has passed.
+    tokio::time::sleep(Duration::from_secs(290)).await;
+    assert_eq!(opened_count(&opened_handle), 5);
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    assert_eq!(
+        opened_count(&opened_handle),
+        6,
+        "retried after failed_retry"
+    );
+}
+
+fn opened_count(opened: &std::sync::Mutex<Vec<tokio::time::Instant>>) -> usize {
+    opened.lock().unwrap().len()
+}
+
+/// Never opens: the broker it reads from is unreachable.
+struct Unreachable {
+    opens: Arc<AtomicUsize>,
+}
+
+#[async_trait]
+impl SourceFactory for Unreachable {
+    fn describe(&self) -> String {
+        "away".into()
+    }
+    async fn open(&self, _: &[Position]) -> Result<Box<dyn Source>, TransportError> {
+        self.opens.fetch_add(1, Ordering::SeqCst);
+        Err(TransportError::Unreachable {
+            broker: "away".into(),
+            reason: "connection refused".into(),
+        })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unreachable_broker_is_waited_out_and_never_fails_the_graph() {
+    let h = Harness::with_policy(weir::SupervisionPolicy {
+        backoff_base: Duration::from_millis(10),
+        backoff_max: Duration::from_millis(100),
+        ..weir::SupervisionPolicy::default()
+    });
+    let opens = Arc::new(AtomicUsize::new(0));
+    let g = h.spawn(snapshot_graph(
+        "away",
+        vec![
+            AccumulatorSpec::passthrough("a").source(Arc::new(Unreachable {
+                opens: opens.clone(),
+            })),
+        ],
+        config(Criteria::WhenAny, Strategy::Latest),
+    ));
+    eventually("ten attempts", || async {
+        opens.load(Ordering::SeqCst) >= 10
+    })
+    .await;
+    assert!(
+        !matches!(g.status(), weir::supervisor::GraphStatus::Failed { .. }),
+        "{:?}",
+        g.status()
+    );
+    assert_ne!(g.state(), ReactorState::Failed);
+    let events = h.store_recoveries().await;
+    assert!(events.len() >= 9);
+    assert!(
+        events.iter().all(
+            |e| e.attempt == 0 && e.action == weir::store::RecoveryAction::AccumulatorRestarted
+        ),
+        "waits are recorded, not counted: {events:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_graph_restarts_on_command() {
+    let h = Harness::with_policy(weir::SupervisionPolicy {
+        max_failures: 1,
+        ..weir::SupervisionPolicy::default()
+    });
+    // The node panics while its dependency is down.
+    let down = Arc::new(AtomicBool::new(true));
+    let flag = down.clone();
+    let decl = GraphBuilder::new("again")
+        .accumulator(AccumulatorSpec::passthrough("a"))
+        .reactor(ReactorConfig {
+            snapshot_interval: Duration::ZERO,
+            ..ReactorConfig::default()
+        })
+        .node("n", ["a"], move |ctx: NodeContext| {
+            let down = flag.load(Ordering::SeqCst);
+            async move {
+                assert!(!down, "dependency down");
+                Ok(ctx.source("a").cloned())
+            }
+        })
+        .output("n", "again.out")
+        .build()
+        .unwrap();
+    let g = h.spawn(decl);
+    g.wait_for_state(ReactorState::Live).await;
+    g.push("a", json!("lost")).await.unwrap();
+    g.wait_for_status(|s| matches!(s, weir::supervisor::GraphStatus::Failed { .. }))
+        .await;
+    assert_eq!(g.state(), ReactorState::Failed);
+    settle().await;
+    down.store(false, Ordering::SeqCst);
+    g.restart();
+    g.wait_for_state(ReactorState::Live).await;
+    assert_eq!(g.status(), weir::supervisor::GraphStatus::Running);
+    g.push("a", json!("fine")).await.unwrap();
+    eventually("fires again", || async {
+        h.outputs("again.out") == vec![json!("fine")]
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn pause_survives_a_respawn_and_a_new_node() {
+    let h = Harness::new();
+    let g = h.spawn(panicky_graph("paused"));
+    g.wait_for_state(ReactorState::Live).await;
+    g.reactor().pause().await.unwrap();
+    g.push("a", json!("boom")).await.unwrap();
+    g.push("b", json!(1)).await.unwrap();
+    eventually("cached", || async { g.stats().boundaries == 2 }).await;
+    // A forced fire runs even while paused; the node panics and the graph respawns.
+    let _ = g.reactor().force_fire().await;
+    g.wait_for_status(|s| matches!(s, weir::supervisor::GraphStatus::Restarting { .. }))
+        .await;
+    g.wait_for_state(ReactorState::Live).await;
+    assert!(
+        g.reactor().get_state().await.unwrap().paused,
+        "after a respawn"
+    );
+    let h = h.restart().await;
+    let g = h.spawn(panicky_graph("paused"));
+    g.wait_for_state(ReactorState::Live).await;
+    assert!(
+        g.reactor().get_state().await.unwrap().paused,
+        "on a new node"
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -30,6 +30,7 @@ pub async fn graph(
         GraphCommand::Fire { name } => client.post(&path(&name, "/fire"), None).await?,
         GraphCommand::Pause { name } => client.post(&path(&name, "/pause"), None).await?,
         GraphCommand::Resume { name } => client.post(&path(&name, "/resume"), None).await?,
+        GraphCommand::Restart { name } => client.post(&path(&name, "/restart"), None).await?,
     };
     writeln!(
         out,

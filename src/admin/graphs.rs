@@ -8,9 +8,11 @@
 //! - `POST /graphs/{name}/fire-with`, body `{"source": value, ...}`: replace those cached
 //!   values and fire; answers [`FireReport`].
 //! - `POST /graphs/{name}/pause`, `/resume`: `{"graph", "paused"}`.
+//! - `POST /graphs/{name}/restart`: start the graph afresh now, a Failed one included;
+//!   `{"graph", "restarting": true}`.
 //!
-//! A graph this node does not run (standby, restarting, failed) answers 503; an unknown
-//! graph 404.
+//! A graph this node does not run (standby, restarting, failed) answers 503 to the
+//! reactor commands, `restart` excepted; an unknown graph 404.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -51,6 +53,9 @@ pub enum GraphRequest {
     Resume {
         graph: String,
     },
+    Restart {
+        graph: String,
+    },
 }
 
 /// One entry of `GET /graphs`.
@@ -79,6 +84,7 @@ pub(super) fn routes() -> Router<AdminState> {
         .route("/graphs/{name}/fire-with", post(fire_with))
         .route("/graphs/{name}/pause", post(pause))
         .route("/graphs/{name}/resume", post(resume))
+        .route("/graphs/{name}/restart", post(restart))
 }
 
 /// Runs one command; the answer is the JSON the matching route returns.
@@ -124,6 +130,10 @@ pub async fn execute(state: &AdminState, request: GraphRequest) -> Result<Value,
             let handle = running(state, &graph)?;
             answer(&graph, handle.reactor().resume()).await?;
             Ok(json!({"graph": graph, "paused": false}))
+        }
+        GraphRequest::Restart { graph } => {
+            lookup(state, &graph)?.restart();
+            Ok(json!({"graph": graph, "restarting": true}))
         }
     }
 }
@@ -221,6 +231,15 @@ async fn resume(
     Path(graph): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     execute(&state, GraphRequest::Resume { graph })
+        .await
+        .map(Json)
+}
+
+async fn restart(
+    State(state): State<AdminState>,
+    Path(graph): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    execute(&state, GraphRequest::Restart { graph })
         .await
         .map(Json)
 }

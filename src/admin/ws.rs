@@ -2,7 +2,7 @@
 //! order.
 //!
 //! Request (a text frame):
-//! `{"id": <any, optional>, "command": "list" | "state" | "fire" | "fire_with" | "pause" | "resume", "graph": "<name>", "cache": {"<source>": <value>}}`
+//! `{"id": <any, optional>, "command": "list" | "state" | "fire" | "fire_with" | "pause" | "resume" | "restart", "graph": "<name>", "cache": {"<source>": <value>}}`
 //! (`graph` for all but `list`; `cache` for `fire_with` only).
 //!
 //! Reply: `{"id": <echoed>, "ok": true, "result": <what the matching HTTP route answers>}`

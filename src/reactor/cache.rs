@@ -16,6 +16,9 @@ use crate::transport::Position;
 pub struct CacheSnapshot {
     pub fires: u64,
     pub sources: BTreeMap<String, SourceSnapshot>,
+    /// Paused by a command: a respawned or failed-over reactor stays paused.
+    #[serde(default)]
+    pub paused: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -244,7 +247,11 @@ impl InputCache {
                 (name.to_string(), stored)
             })
             .collect();
-        CacheSnapshot { fires, sources }
+        CacheSnapshot {
+            fires,
+            sources,
+            paused: false,
+        }
     }
 }
 

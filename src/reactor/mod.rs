@@ -51,12 +51,22 @@ pub enum ReactorState {
     /// Some sources not yet healthy: receiving, not firing.
     Warming,
     Live,
-    /// A source disconnected after Live: firing, outputs flagged degraded.
+    /// A source disconnected after Live: firing, outputs flagged degraded. Also the
+    /// state while the graph waits out an unreachable store or broker.
     Degraded,
+    /// The supervisor gave up after repeated failures; the graph is down until it is
+    /// retried (after `failed_retry`, or on a restart command).
+    Failed,
 }
 
 impl ReactorState {
-    pub const ALL: [Self; 4] = [Self::Starting, Self::Warming, Self::Live, Self::Degraded];
+    pub const ALL: [Self; 5] = [
+        Self::Starting,
+        Self::Warming,
+        Self::Live,
+        Self::Degraded,
+        Self::Failed,
+    ];
 
     /// The name used in JSON and as a metric label.
     pub fn as_str(self) -> &'static str {
@@ -65,6 +75,7 @@ impl ReactorState {
             Self::Warming => "warming",
             Self::Live => "live",
             Self::Degraded => "degraded",
+            Self::Failed => "failed",
         }
     }
 }

@@ -115,10 +115,12 @@ impl Reactor {
             .collect();
         let mut cache = InputCache::new(names.clone(), decl.reactor.strategy);
         let mut fires = 0;
+        let mut paused = false;
         let mut queued = vec![0; names.len()];
         if let Some(snapshot) = store.load_cache(&key).await? {
             queued = cache.restore(&snapshot);
             fires = snapshot.fires;
+            paused = snapshot.paused;
             debug!(graph = %decl.name, fires, "input cache restored");
         }
         let (inputs_tx, inputs) = mpsc::channel(decl.reactor.queue_capacity.max(DRAIN_BATCH));
@@ -161,7 +163,7 @@ impl Reactor {
             inputs,
             state: ReactorState::Starting,
             state_tx,
-            paused: false,
+            paused,
             fires,
             in_flight: FuturesOrdered::new(),
             unacknowledged: VecDeque::new(),
@@ -474,10 +476,11 @@ impl Reactor {
     }
 
     async fn snapshot(&mut self) {
-        let snapshot = self.cache.snapshot(
+        let mut snapshot = self.cache.snapshot(
             self.fires,
             self.unacknowledged.iter().chain(self.abandoned.iter()),
         );
+        snapshot.paused = self.paused;
         self.last_snapshot = Instant::now();
         match self.store.save_cache(&self.key, &snapshot).await {
             Ok(()) => {
@@ -536,10 +539,13 @@ impl Reactor {
             }
             Command::Pause(reply) => {
                 self.paused = true;
+                // Stored with the cache, so a respawn or a failover keeps the graph paused.
+                self.snapshot().await;
                 let _ = reply.send(Ok(()));
             }
             Command::Resume(reply) => {
                 self.paused = false;
+                self.snapshot().await;
                 let _ = reply.send(Ok(()));
             }
         }

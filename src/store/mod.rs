@@ -30,7 +30,8 @@ pub struct RecoveryEvent {
     /// `reactor`, or the accumulator's name.
     pub component: String,
     pub action: RecoveryAction,
-    /// Consecutive failure count when this happened (1-based).
+    /// Consecutive failure count when this happened (1-based); 0 for a wait on an
+    /// unreachable store or broker, which never counts toward Failed.
     pub attempt: u32,
     pub error: String,
     pub at_ms: i64,

@@ -15,6 +15,9 @@ pub struct SupervisionPolicy {
     /// When set, a graph runs only on the node holding its lease in the store, renewed
     /// every third of this TTL; another node takes over within the TTL.
     pub graph_lease_ttl: Option<Duration>,
+    /// How long a Failed graph stays down before it is tried again (a restart command
+    /// tries it at once).
+    pub failed_retry: Duration,
 }
 
 impl Default for SupervisionPolicy {
@@ -26,6 +29,7 @@ impl Default for SupervisionPolicy {
             healthy_reset: Duration::from_secs(60),
             shutdown_timeout: Duration::from_secs(5),
             graph_lease_ttl: None,
+            failed_retry: Duration::from_secs(300),
         }
     }
 }

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, watch, Notify};
 use tokio::task::{Id, JoinError, JoinHandle, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -23,7 +23,7 @@ use crate::accumulator::{Health, SourceSpec};
 use crate::graph::GraphDeclaration;
 use crate::metrics::{GraphStats, LeaseRole, StatsSnapshot};
 use crate::reactor::run::{Reactor, Wiring};
-use crate::reactor::{Command, ReactorHandle, ReactorInput, ReactorState};
+use crate::reactor::{Command, ReactorError, ReactorHandle, ReactorInput, ReactorState};
 use crate::store::{RecoveryAction, RecoveryEvent, Store};
 use crate::transport::{
     now_ms, Assignment, Broker, BrokerSource, Sink, SourceFactory, Subscription,
@@ -72,7 +72,8 @@ pub enum GraphStatus {
     Restarting {
         failures: u32,
     },
-    /// The failure budget is spent; the graph stays down.
+    /// The failure budget is spent; the graph stays down until it is retried (after the
+    /// policy's `failed_retry`, or on [`GraphHandle::restart`]).
     Failed {
         error: String,
     },
@@ -105,9 +106,17 @@ pub struct GraphHandle {
     state: watch::Receiver<ReactorState>,
     health: Arc<BTreeMap<String, watch::Receiver<Health>>>,
     stats: Arc<GraphStats>,
+    restart: Arc<Notify>,
 }
 
 impl GraphHandle {
+    /// Starts the graph afresh now: a Failed graph is tried again at once, a graph waiting
+    /// out a backoff stops waiting, a running one is torn down and respawned with its
+    /// cache restored. None of it counts as a failure.
+    pub fn restart(&self) {
+        self.restart.notify_waiters();
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -226,6 +235,7 @@ impl Supervisor {
             state: state_rx,
             health: Arc::new(health),
             stats: stats.clone(),
+            restart: Arc::new(Notify::new()),
         };
         let graph = SupervisedGraph {
             wiring: GraphWiring::resolve(&decl, &self.runtime),
@@ -239,6 +249,7 @@ impl Supervisor {
             health: health_tx,
             status: status_tx,
             state: state_tx,
+            restart: handle.restart.clone(),
         };
         let span = info_span!("graph", graph = %handle.name);
         self.tasks.spawn(graph.supervise().instrument(span));
@@ -343,20 +354,31 @@ struct SupervisedGraph {
     health: Vec<Arc<watch::Sender<Health>>>,
     status: watch::Sender<GraphStatus>,
     state: watch::Sender<ReactorState>,
+    restart: Arc<Notify>,
 }
 
-/// Consecutive failures, with the healthy-time reset.
+/// Consecutive failures, with the healthy-time reset. Waits on unreachable
+/// infrastructure are counted apart: they set the backoff, never the failure budget.
+#[derive(Default)]
 struct FailureCount {
     count: u32,
     last: Option<Instant>,
+    outages: u32,
+    last_outage: Option<Instant>,
 }
 
 /// How one incarnation of the graph ended.
 enum Ended {
     Cancelled,
-    ReactorFailed(String),
+    /// The reactor stopped; `retryable` when waiting may help (store or broker away).
+    ReactorFailed {
+        error: String,
+        retryable: bool,
+    },
     Failed,
     LeaseLost,
+    /// A restart command.
+    Restart,
 }
 
 /// Why the graph stopped running on this node.
@@ -371,10 +393,7 @@ impl SupervisedGraph {
     async fn supervise(self) {
         let name = self.decl.key();
         info!(graph = %name, accumulators = self.decl.accumulators.len(), "graph starting");
-        let mut failures = FailureCount {
-            count: 0,
-            last: None,
-        };
+        let mut failures = FailureCount::default();
         loop {
             let lease = match self.policy.graph_lease_ttl {
                 Some(ttl) => match self.acquire_lease(ttl).await {
@@ -411,7 +430,20 @@ impl SupervisedGraph {
             }
             match outcome {
                 Outcome::Stop => break,
-                Outcome::Failed => return,
+                Outcome::Failed => {
+                    self.state.send_replace(ReactorState::Failed);
+                    self.stats.state_changed(ReactorState::Failed);
+                    tokio::select! {
+                        _ = self.cancel.cancelled() => break,
+                        _ = tokio::time::sleep(self.policy.failed_retry) => {
+                            info!(graph = %name, "retrying the failed graph");
+                        }
+                        _ = self.restart.notified() => {
+                            info!(graph = %name, "restarting the failed graph on request");
+                        }
+                    }
+                    failures = FailureCount::default();
+                }
                 Outcome::Standby => warn!(graph = %name, "graph lease lost; standing by"),
             }
         }
@@ -461,9 +493,16 @@ impl SupervisedGraph {
                 Ended::Cancelled => return Outcome::Stop,
                 Ended::Failed => return Outcome::Failed,
                 Ended::LeaseLost => return Outcome::Standby,
-                Ended::ReactorFailed(error) => {
+                Ended::Restart => info!(graph = %self.decl.key(), "restarting on request"),
+                Ended::ReactorFailed { error, retryable } => {
                     let Some(delay) = self
-                        .failure(failures, "reactor", RecoveryAction::GraphRespawned, &error)
+                        .failure(
+                            failures,
+                            "reactor",
+                            RecoveryAction::GraphRespawned,
+                            &error,
+                            retryable,
+                        )
                         .await
                     else {
                         return Outcome::Failed;
@@ -471,9 +510,14 @@ impl SupervisedGraph {
                     self.status.send_replace(GraphStatus::Restarting {
                         failures: failures.count,
                     });
+                    if retryable {
+                        self.state.send_replace(ReactorState::Degraded);
+                        self.stats.state_changed(ReactorState::Degraded);
+                    }
                     tokio::select! {
                         _ = self.cancel.cancelled() => return Outcome::Stop,
                         _ = lost.cancelled() => return Outcome::Standby,
+                        _ = self.restart.notified() => {}
                         _ = tokio::time::sleep(delay) => {}
                     }
                 }
@@ -482,24 +526,34 @@ impl SupervisedGraph {
     }
 
     /// Counts a failure and records it. Returns the backoff before the restart, or `None`
-    /// when the graph is now Failed.
+    /// when the graph is now Failed. A `retryable` failure (store or broker unreachable)
+    /// is waited out with backoff and never counts toward Failed.
     async fn failure(
         &self,
         failures: &mut FailureCount,
         component: &str,
         action: RecoveryAction,
         error: &str,
+        retryable: bool,
     ) -> Option<std::time::Duration> {
         let now = Instant::now();
-        if failures
-            .last
-            .is_some_and(|last| now.duration_since(last) >= self.policy.healthy_reset)
-        {
+        let reset = |last: Option<Instant>| {
+            last.is_some_and(|last| now.duration_since(last) >= self.policy.healthy_reset)
+        };
+        if reset(failures.last) {
             failures.count = 0;
         }
-        failures.count += 1;
-        failures.last = Some(now);
-        let failed = failures.count >= self.policy.max_failures;
+        if reset(failures.last_outage) {
+            failures.outages = 0;
+        }
+        if retryable {
+            failures.outages += 1;
+            failures.last_outage = Some(now);
+        } else {
+            failures.count += 1;
+            failures.last = Some(now);
+        }
+        let failed = !retryable && failures.count >= self.policy.max_failures;
         let action = if failed {
             RecoveryAction::GraphFailed
         } else {
@@ -525,8 +579,12 @@ impl SupervisedGraph {
             });
             return None;
         }
-        let delay = self.policy.backoff(failures.count);
-        warn!(graph = %event.graph, %component, failures = failures.count, ?delay, %error, "restarting after failure");
+        let delay = if retryable {
+            self.policy.backoff(failures.outages)
+        } else {
+            self.policy.backoff(failures.count)
+        };
+        warn!(graph = %event.graph, %component, failures = failures.count, retryable, ?delay, %error, "restarting after failure");
         Some(delay)
     }
 
@@ -579,17 +637,19 @@ impl SupervisedGraph {
         .await;
         let (reactor, wiring) = match restored {
             Ok(r) => r,
-            Err(e) => return Ended::ReactorFailed(e.to_string()),
+            Err(e) => {
+                return Ended::ReactorFailed {
+                    error: e.to_string(),
+                    retryable: e.is_retryable(),
+                }
+            }
         };
         let commands = self.commands.clone();
         let reactor_cancel = cancel.clone();
-        let mut reactor_task: JoinHandle<Result<(), String>> = tokio::spawn(
+        let mut reactor_task: JoinHandle<Result<(), ReactorError>> = tokio::spawn(
             async move {
                 let mut commands = commands.lock_owned().await;
-                reactor
-                    .run(&mut commands, reactor_cancel)
-                    .await
-                    .map_err(|e| e.to_string())
+                reactor.run(&mut commands, reactor_cancel).await
             }
             .instrument(info_span!("reactor")),
         );
@@ -607,25 +667,31 @@ impl SupervisedGraph {
                 biased;
                 _ = self.cancel.cancelled() => break Ended::Cancelled,
                 _ = lost.cancelled() => break Ended::LeaseLost,
+                _ = self.restart.notified() => break Ended::Restart,
                 result = &mut reactor_task => {
                     if self.cancel.is_cancelled() {
                         break Ended::Cancelled;
                     }
-                    let error = match result {
-                        Ok(Ok(())) => "reactor exited".to_string(),
-                        Ok(Err(e)) => e,
-                        Err(e) => describe_join_error(e),
+                    let (error, retryable) = match result {
+                        Ok(Ok(())) => ("reactor exited".to_string(), false),
+                        Ok(Err(e)) => (e.to_string(), e.is_retryable()),
+                        Err(e) => (describe_join_error(e), false),
                     };
-                    break Ended::ReactorFailed(error);
+                    break Ended::ReactorFailed { error, retryable };
                 }
                 Some(result) = accumulators.join_next_with_id() => {
                     if self.cancel.is_cancelled() {
                         break Ended::Cancelled;
                     }
-                    let (id, error) = match result {
-                        Ok((id, Ok(()))) => (id, "accumulator exited".to_string()),
-                        Ok((id, Err(e))) => (id, e.to_string()),
-                        Err(e) => (e.id(), describe_join_error(e)),
+                    let (id, error, retryable) = match result {
+                        // Its reactor is gone: the reactor's end is what counts, once.
+                        Ok((id, Ok(()))) if wiring.inputs.is_closed() => {
+                            ids.remove(&id);
+                            continue;
+                        }
+                        Ok((id, Ok(()))) => (id, "accumulator exited".to_string(), false),
+                        Ok((id, Err(e))) => (id, e.to_string(), e.is_retryable()),
+                        Err(e) => (e.id(), describe_join_error(e), false),
                     };
                     let Some(index) = ids.remove(&id) else { continue };
                     let name = self.decl.accumulators[index].name.clone();
@@ -633,7 +699,7 @@ impl SupervisedGraph {
                     self.stats.health_changed(index, Health::Disconnected);
                     let _ = wiring.inputs.send(ReactorInput::Health { source: index, health: Health::Disconnected }).await;
                     let Some(delay) = self
-                        .failure(failures, &name, RecoveryAction::AccumulatorRestarted, &error)
+                        .failure(failures, &name, RecoveryAction::AccumulatorRestarted, &error, retryable)
                         .await
                     else {
                         break Ended::Failed;
