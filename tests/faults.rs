@@ -99,15 +99,32 @@ async fn read_until(
             match tokio::time::timeout(Duration::from_secs(2), source.next()).await {
                 Ok(Ok(m)) => {
                     if positions.insert((m.position.partition, m.position.offset)) {
+                        // Acknowledged as read, so the server neither holds back nor
+                        // redelivers a long backlog.
+                        if seen.len() % 256 == 0 {
+                            let _ = source.commit(&[m.position]).await;
+                        }
                         seen.push(m);
                     }
                 }
-                Ok(Err(_)) => break,
-                Err(_) => {}
+                // A pull that went quiet may be stalled: start a fresh one.
+                Ok(Err(_)) | Err(_) => break,
             }
         }
     }
     seen
+}
+
+/// Reads a topic until every id below `count` was seen, parsing each message once.
+async fn all_ids_read(broker: &Arc<dyn Broker>, topic: &str, count: u64) {
+    let mut distinct = BTreeSet::new();
+    let mut parsed = 0;
+    read_until(broker, topic, Duration::from_secs(90), |seen| {
+        distinct.extend(ids(&seen[parsed..]));
+        parsed = seen.len();
+        distinct.len() as u64 == count
+    })
+    .await;
 }
 
 fn ids(messages: &[Message]) -> BTreeSet<u64> {
@@ -212,14 +229,231 @@ async fn nats_server_restarted_mid_stream_loses_no_input() {
     .await
     .unwrap();
     publisher.await.unwrap();
-    let outputs = read_until(
-        &broker,
-        &format!("{prefix}.out"),
-        Duration::from_secs(90),
-        |seen| ids(seen).len() as u64 == EVENTS,
-    )
-    .await;
-    assert_eq!(ids(&outputs).len() as u64, EVENTS);
+    all_ids_read(&broker, &format!("{prefix}.out"), EVENTS).await;
     cancel.cancel();
     supervisor.shutdown().await;
+}
+
+/// `GET path` on a local HTTP server; the status code.
+async fn get_status(addr: std::net::SocketAddr, path: &str) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+        return 0;
+    };
+    let request = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return 0;
+    }
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer)).await;
+    String::from_utf8_lossy(&answer)
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_stopped_for_45_seconds_stalls_no_fire_and_loses_no_input() {
+    const OUTAGE: Duration = Duration::from_secs(45);
+    let nats_server = Server::nats("");
+    let mut redis_server = Server::redis();
+    let broker: Arc<dyn Broker> = jetstream(&nats_server).await;
+    let prefix = services::unique("faults");
+    let store = Arc::new(
+        weir::store::redis::RedisStore::connect(&redis_server.redis_url(), &prefix)
+            .await
+            .unwrap(),
+    );
+    let runtime = Runtime {
+        broker: broker.clone(),
+        store,
+        node_id: "faults".into(),
+    };
+    let cancel = CancellationToken::new();
+    let policy = SupervisionPolicy {
+        backoff_base: Duration::from_millis(200),
+        ..SupervisionPolicy::default()
+    };
+    let supervisor = Arc::new(Supervisor::new(runtime.clone(), policy, cancel.clone()));
+    let graph = supervisor.spawn(padding_graph(&prefix)).unwrap();
+    let admin = weir::admin::serve(
+        weir::admin::AdminState::new()
+            .with_supervisor(supervisor.clone())
+            .with_runtime(&runtime),
+        &weir::admin::Listen {
+            metrics: None,
+            admin: Some("127.0.0.1:0".parse().unwrap()),
+        },
+        cancel.clone(),
+    )
+    .await
+    .unwrap();
+    let admin = admin.admin.unwrap();
+    graph.wait_for_state(weir::ReactorState::Live).await;
+    assert_eq!(get_status(admin, "/readyz").await, 200);
+
+    // Never Failed, whatever happens below.
+    let status = graph.clone();
+    let watcher = tokio::spawn(async move {
+        status
+            .wait_for_status(|s| matches!(s, weir::supervisor::GraphStatus::Failed { .. }))
+            .await
+    });
+    // Steady load: 20 events every 100 ms, before, during and after the outage.
+    let input = format!("{prefix}.in");
+    let load = {
+        let broker = broker.clone();
+        tokio::spawn(async move {
+            let mut next = 0;
+            let started = Instant::now();
+            while started.elapsed() < OUTAGE + Duration::from_secs(10) {
+                publish_ids(&broker, &input, next..next + 20).await;
+                next += 20;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            next
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let redis_server = tokio::task::spawn_blocking(move || {
+        redis_server.stop();
+        redis_server
+    })
+    .await
+    .unwrap();
+    let output = format!("{prefix}.out");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let early = graph.stats().outputs;
+    assert_eq!(
+        get_status(admin, "/readyz").await,
+        503,
+        "unready while Redis is down"
+    );
+    tokio::time::sleep(OUTAGE - Duration::from_secs(10)).await;
+    let late = graph.stats().outputs;
+    assert!(
+        late > early + 100,
+        "fires went on while Redis was down: {early} then {late}"
+    );
+    assert_eq!(get_status(admin, "/readyz").await, 503);
+    let mut redis_server = redis_server;
+    let redis_server = tokio::task::spawn_blocking(move || {
+        redis_server.start();
+        redis_server
+    })
+    .await
+    .unwrap();
+    let events = load.await.unwrap();
+    all_ids_read(&broker, &output, events).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while get_status(admin, "/readyz").await != 200 {
+        assert!(Instant::now() < deadline, "ready again once Redis is back");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Once Redis is back, the positions are stored and committed.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let checkpoint = runtime
+            .store
+            .load_checkpoint(&format!("{prefix}g"), "a")
+            .await
+            .ok()
+            .flatten();
+        let stored = checkpoint
+            .and_then(|c| c.positions.first().map(|p| p.offset))
+            .unwrap_or(0);
+        if stored as u64 >= events {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "checkpoint at {stored} of {events}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        !watcher.is_finished(),
+        "the graph was Failed: {:?}",
+        graph.status()
+    );
+    watcher.abort();
+    cancel.cancel();
+    supervisor.shutdown().await;
+    drop(redis_server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_core_nats_source_is_disconnected_while_its_server_is_down() {
+    let mut server = Server::nats("");
+    let broker: Arc<dyn Broker> = Arc::new(
+        NatsBroker::connect(NatsSettings {
+            url: server.nats_url(),
+            jetstream: false,
+            ..NatsSettings::default()
+        })
+        .await
+        .unwrap(),
+    );
+    let prefix = services::unique("faults");
+    let reader = async_nats::connect(server.nats_url()).await.unwrap();
+    let mut outputs = reader.subscribe(format!("{prefix}.out")).await.unwrap();
+    let cancel = CancellationToken::new();
+    let supervisor = supervisor(broker.clone(), &cancel);
+    let graph = supervisor.spawn(padding_graph(&prefix)).unwrap();
+    graph.wait_for_state(weir::ReactorState::Live).await;
+    let publish = |id: u64| {
+        let sink = broker.sink();
+        let input = format!("{prefix}.in");
+        async move {
+            sink.publish(Outbound::new(input, json!({"id": id}).to_string()))
+                .await
+                .unwrap();
+        }
+    };
+    for id in [1, 2] {
+        publish(id).await;
+        assert_eq!(next_id(&mut outputs).await, Some(id), "every event fires");
+    }
+    let mut server = tokio::task::spawn_blocking(move || {
+        server.stop();
+        server
+    })
+    .await
+    .unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        graph.wait_for_state(weir::ReactorState::Degraded),
+    )
+    .await
+    .expect("Degraded once the connection drops");
+    assert_eq!(graph.health("a"), Some(weir::Health::Disconnected));
+    let _server = tokio::task::spawn_blocking(move || {
+        server.start();
+        server
+    })
+    .await
+    .unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        graph.wait_for_state(weir::ReactorState::Live),
+    )
+    .await
+    .expect("Live again once the server is back");
+    // Core NATS is at-most-once: what is published after the reader is back arrives.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    publish(3).await;
+    assert_eq!(next_id(&mut outputs).await, Some(3));
+    cancel.cancel();
+    supervisor.shutdown().await;
+}
+
+/// The id of the next message on a core subscription, waiting at most 20 s.
+async fn next_id(outputs: &mut async_nats::Subscriber) -> Option<u64> {
+    use futures::StreamExt;
+    let message = tokio::time::timeout(Duration::from_secs(20), outputs.next())
+        .await
+        .expect("an output in time")
+        .expect("subscribed");
+    serde_json::from_slice::<Value>(&message.payload).unwrap()["id"].as_u64()
 }

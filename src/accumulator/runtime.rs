@@ -2,6 +2,7 @@
 //! socket and source paths, emits boundaries, and commits positions once the reactor
 //! reports them durable.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -17,6 +18,7 @@ use super::{
 };
 use crate::metrics::GraphStats;
 use crate::reactor::ReactorInput;
+use crate::store::behind::WriteBehind;
 use crate::store::{Checkpoint, Store};
 use crate::transport::{now_ms, Message, Outbound, Position, Sink, Source, SourceFactory};
 
@@ -94,6 +96,12 @@ struct Running {
     accumulator: Box<dyn Accumulator>,
     stateful: bool,
     tracker: CommitTracker,
+    /// Checkpoints go to the store behind the event path; the broker commit follows
+    /// once one is stored, so an unreachable store holds back commits, not events.
+    checkpoints: WriteBehind<Checkpoint>,
+    /// Per checkpoint handed over and not yet stored: its version and the broker
+    /// positions to commit once it is.
+    unstored: VecDeque<(u64, Vec<Position>)>,
 }
 
 impl AccumulatorTask {
@@ -115,11 +123,21 @@ impl AccumulatorTask {
         if let Some(push) = pushes.first() {
             self.counters.push_at_least(push.offset);
         }
+        let checkpoints = {
+            let (store, graph, name) =
+                (self.store.clone(), self.key.clone(), self.spec.name.clone());
+            WriteBehind::spawn("checkpoint", move |checkpoint| {
+                let (store, graph, name) = (store.clone(), graph.clone(), name.clone());
+                async move { store.save_checkpoint(&graph, &name, &checkpoint).await }
+            })
+        };
         let mut run = Running {
             source_name: Arc::from(self.spec.name.as_str()),
             accumulator,
             stateful,
             tracker: CommitTracker::new(&checkpoint.positions, state_restored),
+            checkpoints,
+            unstored: VecDeque::new(),
         };
         // The previous incarnation's guard was dropped when it ended.
         let socket = self.socket.clone();
@@ -159,7 +177,10 @@ impl AccumulatorTask {
                         return Ok(());
                     }
                     let durable = *self.durable.borrow_and_update();
-                    self.commit(&mut run, source.as_deref_mut(), durable).await?;
+                    self.commit(&mut run, source.is_some(), durable);
+                }
+                version = run.checkpoints.changed() => {
+                    self.checkpoint_stored(&mut run, source.as_deref_mut(), version).await;
                 }
                 pushed = socket.recv() => match pushed {
                     Some(value) => {
@@ -176,7 +197,7 @@ impl AccumulatorTask {
                             // Pushes are never replayed: what they left in the state is
                             // stored now rather than at the next emission.
                             let durable = *self.durable.borrow();
-                            self.commit(&mut run, source.as_deref_mut(), durable).await?;
+                            self.commit(&mut run, source.is_some(), durable);
                         }
                     }
                     // The supervisor keeps a sender for the graph's lifetime.
@@ -351,19 +372,15 @@ impl AccumulatorTask {
         Ok(())
     }
 
-    async fn commit(
-        &self,
-        run: &mut Running,
-        source: Option<&mut (dyn Source + '_)>,
-        durable: u64,
-    ) -> Result<(), AccumulatorError> {
+    /// Hands the checkpoint that what is durable allows to the store's writer.
+    fn commit(&self, run: &mut Running, has_source: bool, durable: u64) {
         let Some(point) = run.tracker.durable(durable, run.stateful) else {
-            return Ok(());
+            return;
         };
-        if source.is_none() && !run.stateful {
+        if !has_source && !run.stateful {
             // Push-only and stateless: nothing to resume from, since pushes are never
             // replayed and push ids are kept above the reactor's.
-            return Ok(());
+            return;
         }
         let checkpoint = Checkpoint {
             positions: run.tracker.committed(),
@@ -373,25 +390,46 @@ impl AccumulatorTask {
                 None
             },
         };
-        // The store first: a crash between the two replays events (at-least-once)
-        // rather than skipping them.
-        self.store
-            .save_checkpoint(&self.key, &self.spec.name, &checkpoint)
-            .await?;
-        self.stats.checkpoint_written();
+        debug!(graph = %self.graph, accumulator = %self.spec.name, positions = ?checkpoint.positions, "checkpoint");
         let broker_positions: Vec<Position> = point
             .positions
             .into_iter()
             .filter(|p| p.partition != PUSH_PARTITION)
             .collect();
-        if let (Some(source), false) = (source, broker_positions.is_empty()) {
-            if let Err(e) = source.commit(&broker_positions).await {
+        let version = run.checkpoints.submit(checkpoint);
+        run.unstored.push_back((version, broker_positions));
+    }
+
+    /// Checkpoints up to `version` are stored: their positions go to the broker. The
+    /// store first, so a crash between the two replays events (at-least-once) rather
+    /// than skipping them.
+    async fn checkpoint_stored(
+        &self,
+        run: &mut Running,
+        source: Option<&mut (dyn Source + '_)>,
+        version: u64,
+    ) {
+        let mut through: std::collections::BTreeMap<i32, i64> = Default::default();
+        while run.unstored.front().is_some_and(|(v, _)| *v <= version) {
+            let Some((_, positions)) = run.unstored.pop_front() else {
+                break;
+            };
+            for p in positions {
+                let offset = through.entry(p.partition).or_insert(p.offset);
+                *offset = (*offset).max(p.offset);
+            }
+            self.stats.checkpoint_written();
+        }
+        let through: Vec<Position> = through
+            .into_iter()
+            .map(|(partition, offset)| Position { partition, offset })
+            .collect();
+        if let (Some(source), false) = (source, through.is_empty()) {
+            if let Err(e) = source.commit(&through).await {
                 // A later commit covers these positions too.
                 warn!(graph = %self.graph, accumulator = %self.spec.name, error = %e, "commit failed");
             }
         }
-        debug!(graph = %self.graph, accumulator = %self.spec.name, positions = ?checkpoint.positions, "checkpoint");
-        Ok(())
     }
 }
 

@@ -22,12 +22,16 @@ use crate::accumulator::runtime::SourceCounters;
 use crate::accumulator::{Boundary, Health, PUSH_PARTITION};
 use crate::graph::{CompiledGraph, FireInput, GraphDeclaration};
 use crate::metrics::GraphStats;
+use crate::store::behind::WriteBehind;
 use crate::store::{Store, StoreError};
 use crate::transport::{now_ms, Outbound, Sink, TransportError};
 
 /// Inputs drained per wakeup before criteria are evaluated, so a burst becomes one fire
 /// under the latest strategy instead of one fire per boundary.
 const DRAIN_BATCH: usize = 4096;
+
+/// Longest a stopping reactor waits for its last cache snapshot to be stored.
+const FINAL_SNAPSHOT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReactorError {
@@ -64,11 +68,15 @@ pub(crate) struct Reactor {
     /// The graph lease's fencing token, sent with every output so consumers can drop
     /// what a deposed instance published.
     fencing: Option<String>,
-    key: String,
     config: ReactorConfig,
     compiled: Arc<CompiledGraph>,
     outputs: Arc<[(String, Arc<dyn Sink>)]>,
-    store: Arc<dyn Store>,
+    /// Cache snapshots go to the store behind the firing path: an unreachable store
+    /// holds back commits, never fires.
+    snapshots: WriteBehind<super::CacheSnapshot>,
+    /// Per snapshot handed over and not yet stored: its version and, per source, the
+    /// highest sequence it holds (durable once it is stored).
+    unstored: VecDeque<(u64, Vec<u64>)>,
     cache: InputCache,
     health: Vec<Health>,
     durable: Vec<watch::Sender<u64>>,
@@ -145,15 +153,22 @@ impl Reactor {
                 ))),
             });
         }
+        let snapshots = {
+            let key = key.clone();
+            WriteBehind::spawn("cache snapshot", move |snapshot| {
+                let (store, key) = (store.clone(), key.clone());
+                async move { store.save_cache(&key, &snapshot).await }
+            })
+        };
         let reactor = Self {
             graph: Arc::from(decl.name.as_str()),
             output_key: bytes::Bytes::from(decl.key().into_bytes()),
             fencing: fencing.map(|t| t.to_string()),
-            key,
             config: decl.reactor.clone(),
             compiled: decl.graph.clone(),
             outputs,
-            store,
+            snapshots,
+            unstored: VecDeque::new(),
             cache,
             health: vec![Health::Starting; names.len()],
             durable_pending: durable.iter().map(|d| *d.borrow()).collect(),
@@ -203,8 +218,7 @@ impl Reactor {
             if self.snapshot_pending && !timer_armed {
                 let due = self.last_snapshot + self.config.snapshot_interval;
                 if due <= Instant::now() {
-                    self.snapshot().await;
-                    self.publish_progress();
+                    self.snapshot();
                 } else {
                     snapshot_timer.as_mut().reset(due);
                     timer_armed = true;
@@ -218,6 +232,10 @@ impl Reactor {
                     self.acknowledged();
                 }
                 Some(command) = commands.recv() => self.command(command).await?,
+                version = self.snapshots.changed() => {
+                    self.snapshot_stored(version);
+                    self.publish_progress();
+                }
                 input = self.inputs.recv() => match input {
                     Some(input) => {
                         self.apply(input);
@@ -233,8 +251,7 @@ impl Reactor {
                 _ = &mut snapshot_timer, if timer_armed => {
                     timer_armed = false;
                     if self.snapshot_pending {
-                        self.snapshot().await;
-                        self.publish_progress();
+                        self.snapshot();
                     }
                 }
             }
@@ -246,7 +263,12 @@ impl Reactor {
             self.acknowledged();
         }
         if self.snapshot_pending {
-            self.snapshot().await;
+            self.snapshot();
+        }
+        if self.snapshots.flush(FINAL_SNAPSHOT_WAIT).await {
+            self.snapshot_stored(self.snapshots.written());
+        } else {
+            warn!(graph = %self.graph, "the last cache snapshot was not stored; the next run replays from the last one stored");
         }
         self.publish_progress();
         Ok(())
@@ -475,24 +497,33 @@ impl Reactor {
         }
     }
 
-    async fn snapshot(&mut self) {
+    /// Hands a snapshot of the cache to the store's writer.
+    fn snapshot(&mut self) {
         let mut snapshot = self.cache.snapshot(
             self.fires,
             self.unacknowledged.iter().chain(self.abandoned.iter()),
         );
         snapshot.paused = self.paused;
         self.last_snapshot = Instant::now();
-        match self.store.save_cache(&self.key, &snapshot).await {
-            Ok(()) => {
-                self.snapshot_pending = false;
-                self.stats.snapshot_written();
-                // Everything received is now either in the stored cache or re-queued
-                // there, so the accumulators may commit it.
-                for (i, d) in self.durable_pending.iter_mut().enumerate() {
-                    *d = (*d).max(self.cache.received(i));
-                }
+        self.snapshot_pending = false;
+        let received = (0..self.cache.names().len())
+            .map(|i| self.cache.received(i))
+            .collect();
+        let version = self.snapshots.submit(snapshot);
+        self.unstored.push_back((version, received));
+    }
+
+    /// Snapshots up to `version` are stored: everything they hold is either in the
+    /// stored cache or re-queued there, so the accumulators may commit it.
+    fn snapshot_stored(&mut self, version: u64) {
+        while self.unstored.front().is_some_and(|(v, _)| *v <= version) {
+            let Some((_, received)) = self.unstored.pop_front() else {
+                break;
+            };
+            for (d, r) in self.durable_pending.iter_mut().zip(received) {
+                *d = (*d).max(r);
             }
-            Err(e) => warn!(graph = %self.graph, error = %e, "cache snapshot failed; will retry"),
+            self.stats.snapshot_written();
         }
     }
 
@@ -540,12 +571,12 @@ impl Reactor {
             Command::Pause(reply) => {
                 self.paused = true;
                 // Stored with the cache, so a respawn or a failover keeps the graph paused.
-                self.snapshot().await;
+                self.snapshot();
                 let _ = reply.send(Ok(()));
             }
             Command::Resume(reply) => {
                 self.paused = false;
-                self.snapshot().await;
+                self.snapshot();
                 let _ = reply.send(Ok(()));
             }
         }

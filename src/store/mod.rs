@@ -1,6 +1,7 @@
 //! The state seam: accumulator checkpoints, reactor cache snapshots, recovery events and
 //! leases. Backends: [`memory`] (the embedded default).
 
+pub(crate) mod behind;
 pub mod memory;
 pub mod redis;
 

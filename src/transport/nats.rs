@@ -62,6 +62,9 @@ struct Inner {
 
 /// The JetStream stream that captures a subject: its name with dots and wildcards
 /// replaced, which stream names may not contain.
+/// How often a core NATS source looks at its connection.
+const CONNECTION_CHECK: Duration = Duration::from_millis(250);
+
 pub fn stream_name(subject: &str) -> String {
     subject
         .chars()
@@ -171,13 +174,24 @@ impl Broker for NatsBroker {
         validate_subject(&subscription.topic)?;
         let topic: Arc<str> = Arc::from(subscription.topic.as_str());
         let Some(js) = &self.inner.jetstream else {
-            let subscriber = self
-                .inner
-                .client
+            let client = self.inner.client.clone();
+            if client.connection_state() != async_nats::connection::State::Connected {
+                return Err(self.unreachable("not connected"));
+            }
+            let subscriber = client
                 .queue_subscribe(subscription.topic.clone(), subscription.group.clone())
                 .await
                 .map_err(|e| self.unreachable(e))?;
-            return Ok(Box::new(CoreSource { topic, subscriber }));
+            let mut connection_check = tokio::time::interval(CONNECTION_CHECK);
+            connection_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            return Ok(Box::new(CoreSource {
+                topic,
+                subscriber,
+                client,
+                url: self.inner.url.clone(),
+                connection_check,
+                last_id: 0,
+            }));
         };
         let stream = self.ensure_stream(js, &subscription.topic).await?;
         let durable = stream_name(&subscription.group);
@@ -420,22 +434,47 @@ impl Source for JetStreamSource {
 struct CoreSource {
     topic: Arc<str>,
     subscriber: async_nats::Subscriber,
+    client: async_nats::Client,
+    url: String,
+    /// How often the connection is looked at: while it is down the subscription gets
+    /// nothing, and its reader must know it is disconnected rather than idle.
+    connection_check: tokio::time::Interval,
+    /// Core NATS messages have no position and are never delivered again: each gets an
+    /// id of its own, increasing and never reused, so none is taken for a replay.
+    last_id: i64,
 }
 
 #[async_trait]
 impl Source for CoreSource {
     async fn next(&mut self) -> Result<Message, TransportError> {
-        let Some(message) = self.subscriber.next().await else {
-            return Err(TransportError::Closed {
-                topic: self.topic.to_string(),
-            });
+        let message = loop {
+            tokio::select! {
+                message = self.subscriber.next() => match message {
+                    Some(message) => break message,
+                    None => {
+                        return Err(TransportError::Closed {
+                            topic: self.topic.to_string(),
+                        })
+                    }
+                },
+                _ = self.connection_check.tick() => {
+                    if self.client.connection_state() == async_nats::connection::State::Disconnected {
+                        return Err(TransportError::Unreachable {
+                            broker: format!("nats {}", self.url),
+                            reason: "the connection dropped".into(),
+                        });
+                    }
+                }
+            }
         };
+        // Microseconds of the wall clock, bumped to stay increasing: ids of an earlier
+        // run stay below.
+        self.last_id = (self.last_id + 1).max(chrono::Utc::now().timestamp_micros());
         Ok(Message {
             topic: self.topic.clone(),
-            // Core NATS has no replayable position; -1 is never committed or skipped.
             position: Position {
                 partition: 0,
-                offset: -1,
+                offset: self.last_id,
             },
             key: None,
             headers: headers_of(&message),

@@ -1,0 +1,156 @@
+//! Store writes taken off a hot path: the owner hands over each new value and goes on;
+//! a task writes the newest one, waiting out an unreachable store with backoff, and
+//! reports which version is stored. Only the newest value matters (a cache snapshot, a
+//! checkpoint), so values handed over while a write is under way replace each other.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tracing::warn;
+
+use super::StoreError;
+
+const FIRST_PAUSE: Duration = Duration::from_millis(50);
+const LONGEST_PAUSE: Duration = Duration::from_secs(5);
+
+type Write<T> = Arc<dyn Fn(Arc<T>) -> BoxFuture<'static, Result<(), StoreError>> + Send + Sync>;
+
+/// The owner's end. Dropping it stops the writer, even mid-backoff: a value its owner
+/// no longer stands behind must not land after a successor's.
+pub(crate) struct WriteBehind<T> {
+    latest: watch::Sender<(u64, Option<Arc<T>>)>,
+    written: watch::Receiver<u64>,
+    version: u64,
+    task: JoinHandle<()>,
+}
+
+impl<T: Send + Sync + 'static> WriteBehind<T> {
+    /// Starts the writer; `what` names the values in logs.
+    pub(crate) fn spawn<F, Fut>(what: &'static str, write: F) -> Self
+    where
+        F: Fn(Arc<T>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), StoreError>> + Send + 'static,
+    {
+        let write: Write<T> = Arc::new(move |value| Box::pin(write(value)));
+        let (latest, values) = watch::channel((0, None));
+        let (done, written) = watch::channel(0);
+        let task = tokio::spawn(run(what, write, values, done));
+        Self {
+            latest,
+            written,
+            version: 0,
+            task,
+        }
+    }
+
+    /// Hands a value over; returns its version.
+    pub(crate) fn submit(&mut self, value: T) -> u64 {
+        self.version += 1;
+        self.latest
+            .send_replace((self.version, Some(Arc::new(value))));
+        self.version
+    }
+
+    /// The newest version stored.
+    pub(crate) fn written(&self) -> u64 {
+        *self.written.borrow()
+    }
+
+    /// Waits until the newest version stored changes; returns it. Pends forever once the
+    /// writer has stopped, so it can sit in a `select!` beside other work.
+    pub(crate) async fn changed(&mut self) -> u64 {
+        if self.written.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+        *self.written.borrow_and_update()
+    }
+
+    /// Waits at most `limit` for everything handed over to be stored; true if it was.
+    pub(crate) async fn flush(&mut self, limit: Duration) -> bool {
+        let wanted = self.version;
+        let stored = tokio::time::timeout(limit, self.written.wait_for(|&v| v >= wanted)).await;
+        matches!(stored, Ok(Ok(_)))
+    }
+}
+
+impl<T> Drop for WriteBehind<T> {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn run<T>(
+    what: &'static str,
+    write: Write<T>,
+    mut values: watch::Receiver<(u64, Option<Arc<T>>)>,
+    done: watch::Sender<u64>,
+) {
+    while values.changed().await.is_ok() {
+        let mut pause = FIRST_PAUSE;
+        loop {
+            let (version, value) = values.borrow_and_update().clone();
+            let Some(value) = value else { break };
+            match write(value).await {
+                Ok(()) => {
+                    done.send_replace(version);
+                    break;
+                }
+                Err(e) => {
+                    warn!(%what, error = %e, retry_in = ?pause, "store write failed; retrying");
+                    // A newer value does not cut the pause short: the store is away
+                    // whichever value is tried.
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(LONGEST_PAUSE);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_newest_value_is_written_once_the_store_is_back() {
+        let failures_left = Arc::new(AtomicUsize::new(3));
+        let stored = Arc::new(Mutex::new(Vec::new()));
+        let (left, into) = (failures_left.clone(), stored.clone());
+        let mut behind = WriteBehind::spawn("test", move |v: Arc<u32>| {
+            let (left, into) = (left.clone(), into.clone());
+            async move {
+                if left
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                    .is_ok()
+                {
+                    return Err(StoreError::Unreachable("down".into()));
+                }
+                into.lock().unwrap().push(*v);
+                Ok(())
+            }
+        });
+        behind.submit(1);
+        behind.submit(2);
+        tokio::task::yield_now().await;
+        behind.submit(3);
+        assert!(behind.flush(Duration::from_secs(10)).await);
+        assert_eq!(behind.written(), 3);
+        assert_eq!(*stored.lock().unwrap(), vec![3]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_flush_is_bounded_while_the_store_is_away() {
+        let mut behind = WriteBehind::spawn("test", |_: Arc<u32>| async {
+            Err(StoreError::Unreachable("down".into()))
+        });
+        behind.submit(1);
+        assert!(!behind.flush(Duration::from_secs(1)).await);
+        assert_eq!(behind.written(), 0);
+    }
+}
