@@ -594,28 +594,49 @@ impl Config {
         path: &Path,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        let mut value: toml::Value = toml::from_str::<toml::Table>(text)
+        let value: toml::Value = toml::from_str::<toml::Table>(text)
             .map(toml::Value::Table)
             .map_err(|e| ConfigError::Syntax {
                 path: path.to_path_buf(),
                 message: e.to_string(),
             })?;
-        for (var, raw) in env {
-            if let Some(rest) = var.strip_prefix("WEIR__") {
-                apply_override(&mut value, &var, rest, &raw)?;
+        let overrides: Vec<(String, String)> = env
+            .into_iter()
+            .filter(|(var, _)| var.starts_with("WEIR__"))
+            .collect();
+        // An override is read as TOML (a number, a boolean, an array) unless the key it
+        // sets takes text: then it is that text, as `WEIR__ADMIN__TOKEN=123456` means.
+        let mut as_text = std::collections::HashSet::new();
+        let config: Config = loop {
+            let mut value = value.clone();
+            for (i, (var, raw)) in overrides.iter().enumerate() {
+                let path = &var["WEIR__".len()..];
+                apply_override(&mut value, var, path, raw, as_text.contains(&i))?;
             }
-        }
-        let config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
-            let key = e.path().to_string();
-            invalid(
-                if key == "." {
-                    "(top level)".into()
-                } else {
-                    key
-                },
-                e.into_inner().to_string(),
-            )
-        })?;
+            match serde_path_to_error::deserialize(value) {
+                Ok(config) => break config,
+                Err(e) => {
+                    let key = e.path().to_string();
+                    let meant_as_text = overrides.iter().enumerate().position(|(i, (var, _))| {
+                        !as_text.contains(&i) && override_key(&var["WEIR__".len()..]) == key
+                    });
+                    if let Some(i) = meant_as_text {
+                        if e.inner().to_string().contains("expected a string") {
+                            as_text.insert(i);
+                            continue;
+                        }
+                    }
+                    return Err(invalid(
+                        if key == "." {
+                            "(top level)".into()
+                        } else {
+                            key
+                        },
+                        e.into_inner().to_string(),
+                    ));
+                }
+            }
+        };
         config.validate()?;
         Ok(config)
     }
@@ -732,6 +753,83 @@ impl Config {
         }
         if self.supervision.max_failures == 0 {
             errors.push(invalid("supervision.max_failures", "must be at least 1"));
+        }
+        // Durations that cannot work at zero: nothing would wait, renew or time out.
+        let s = &self.supervision;
+        for (key, ms) in [
+            ("supervision.backoff_base_ms", s.backoff_base_ms),
+            ("supervision.backoff_max_ms", s.backoff_max_ms),
+            ("supervision.healthy_reset_ms", s.healthy_reset_ms),
+            ("supervision.shutdown_timeout_ms", s.shutdown_timeout_ms),
+            ("supervision.failed_retry_ms", s.failed_retry_ms),
+            ("cron.lease_ttl_ms", self.cron.lease_ttl_ms),
+            ("cron.orphan_after_ms", self.cron.orphan_after_ms),
+            ("broker.ack_wait_ms", self.broker.ack_wait_ms),
+        ] {
+            if ms == 0 {
+                errors.push(invalid(key, "must be more than 0"));
+            }
+        }
+        if s.backoff_max_ms < s.backoff_base_ms {
+            errors.push(invalid(
+                "supervision.backoff_max_ms",
+                "must be at least backoff_base_ms",
+            ));
+        }
+        if (1..1000).contains(&s.graph_lease_ttl_ms) {
+            errors.push(invalid(
+                "supervision.graph_lease_ttl_ms",
+                "must be 0 (no lease) or at least 1000: a shorter lease expires between renewals",
+            ));
+        }
+        if self.cron.max_attempts == 0 {
+            errors.push(invalid("cron.max_attempts", "must be at least 1"));
+        }
+        for (i, w) in self.workflows.iter().enumerate() {
+            for (j, t) in w.tasks.iter().enumerate() {
+                let key = |field: &str| format!("workflow[{i}].task[{j}].{field}");
+                if t.timeout_ms == 0 {
+                    errors.push(invalid(key("timeout_ms"), "must be more than 0"));
+                }
+                if t.max_attempts == 0 {
+                    errors.push(invalid(key("max_attempts"), "must be at least 1"));
+                }
+            }
+        }
+        match errors.len() {
+            0 => Ok(()),
+            1 => Err(errors.remove(0)),
+            _ => Err(ConfigError::Many(errors)),
+        }
+    }
+
+    /// Every task routed to `executor` has a handler in `registry`; the error names
+    /// the key of each that has none.
+    pub fn check_handlers(
+        &self,
+        executor: &str,
+        registry: &crate::worker::HandlerRegistry,
+    ) -> Result<(), ConfigError> {
+        let router = self.router()?;
+        let mut errors = Vec::new();
+        for (i, w) in self.workflows.iter().enumerate() {
+            let workflow = w.workflow(i)?;
+            for (j, t) in w.tasks.iter().enumerate() {
+                if router.executor(&workflow.namespace(&t.id)) != executor
+                    || registry.get(&t.handler).is_some()
+                {
+                    continue;
+                }
+                let known: Vec<&str> = registry.names().collect();
+                errors.push(invalid(
+                    format!("workflow[{i}].task[{j}].handler"),
+                    format!(
+                        "no handler registered as {:?}; known: {}",
+                        t.handler,
+                        known.join(", ")
+                    ),
+                ));
+            }
         }
         match errors.len() {
             0 => Ok(()),
@@ -953,11 +1051,28 @@ impl GraphConfig {
     }
 }
 
+/// The key an override sets, as deserialization errors name it: `graph[0].output`.
+fn override_key(path: &str) -> String {
+    let mut key = String::new();
+    for segment in path.split("__").map(str::to_ascii_lowercase) {
+        if segment.parse::<usize>().is_ok() {
+            key.push_str(&format!("[{segment}]"));
+        } else {
+            if !key.is_empty() {
+                key.push('.');
+            }
+            key.push_str(&segment);
+        }
+    }
+    key
+}
+
 fn apply_override(
     root: &mut toml::Value,
     var: &str,
     path: &str,
     raw: &str,
+    as_text: bool,
 ) -> Result<(), ConfigError> {
     let segments: Vec<String> = path.split("__").map(|s| s.to_ascii_lowercase()).collect();
     if segments.iter().any(String::is_empty) {
@@ -971,6 +1086,7 @@ fn apply_override(
     let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
         .ok()
         .and_then(|mut t| t.remove("v"))
+        .filter(|_| !as_text)
         .unwrap_or_else(|| toml::Value::String(raw.to_string()));
     let mut at = root;
     for (i, segment) in segments.iter().enumerate() {
@@ -1069,6 +1185,94 @@ format = "json"
         assert_eq!(g.queue_capacity, defaults::QUEUE_CAPACITY);
         let decls = c.graphs(&FunctionRegistry::default()).unwrap();
         assert_eq!(decls[0].name, "prices");
+    }
+
+    #[test]
+    fn an_override_of_a_text_key_stays_text() {
+        let c = parse(
+            SAMPLE,
+            &[
+                ("WEIR__ADMIN__TOKEN", "123456"),
+                ("WEIR__NODE__ID", "7"),
+                ("WEIR__GRAPH__0__OUTPUT", "true"),
+                ("WEIR__SUPERVISION__MAX_FAILURES", "9"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.admin.token.as_deref(), Some("123456"));
+        assert_eq!(c.node.id.as_deref(), Some("7"));
+        assert_eq!(c.graphs[0].output, "true");
+        assert_eq!(c.supervision.max_failures, 9);
+        let err = parse(SAMPLE, &[("WEIR__SUPERVISION__MAX_FAILURES", "many")]).unwrap_err();
+        assert!(
+            err.to_string().contains("supervision.max_failures"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn values_that_cannot_work_name_their_key() {
+        let keys = [
+            (
+                "WEIR__SUPERVISION__BACKOFF_BASE_MS",
+                "0",
+                "supervision.backoff_base_ms",
+            ),
+            (
+                "WEIR__SUPERVISION__SHUTDOWN_TIMEOUT_MS",
+                "0",
+                "supervision.shutdown_timeout_ms",
+            ),
+            (
+                "WEIR__SUPERVISION__HEALTHY_RESET_MS",
+                "0",
+                "supervision.healthy_reset_ms",
+            ),
+            (
+                "WEIR__SUPERVISION__FAILED_RETRY_MS",
+                "0",
+                "supervision.failed_retry_ms",
+            ),
+            (
+                "WEIR__SUPERVISION__GRAPH_LEASE_TTL_MS",
+                "999",
+                "supervision.graph_lease_ttl_ms",
+            ),
+            ("WEIR__CRON__LEASE_TTL_MS", "0", "cron.lease_ttl_ms"),
+            ("WEIR__CRON__ORPHAN_AFTER_MS", "0", "cron.orphan_after_ms"),
+            ("WEIR__CRON__MAX_ATTEMPTS", "0", "cron.max_attempts"),
+            ("WEIR__BROKER__ACK_WAIT_MS", "0", "broker.ack_wait_ms"),
+        ];
+        for (var, value, key) in keys {
+            let err = parse(SAMPLE, &[(var, value)]).unwrap_err();
+            assert!(err.to_string().contains(key), "{var}={value}: {err}");
+        }
+        assert!(parse(SAMPLE, &[("WEIR__SUPERVISION__GRAPH_LEASE_TTL_MS", "0")]).is_ok());
+        let workflow = format!(
+            "{SAMPLE}[[workflow]]\nname = \"w\"\n[[workflow.task]]\nid = \"t\"\nhandler = \"builtin::echo\"\ntimeout_ms = 0\nmax_attempts = 0\n"
+        );
+        let err = parse(&workflow, &[]).unwrap_err().to_string();
+        assert!(err.contains("workflow[0].task[0].timeout_ms"), "{err}");
+        assert!(err.contains("workflow[0].task[0].max_attempts"), "{err}");
+    }
+
+    #[test]
+    fn tasks_routed_to_a_worker_need_a_registered_handler() {
+        let text = format!(
+            "{SAMPLE}[[route]]\npattern = \"**::other\"\nexecutor = \"elsewhere\"\n[[workflow]]\nname = \"w\"\n[[workflow.task]]\nid = \"t\"\nhandler = \"builtin::nope\"\n[[workflow.task]]\nid = \"other\"\nhandler = \"custom\"\n"
+        );
+        let config = parse(&text, &[]).unwrap();
+        let registry = crate::worker::HandlerRegistry::with_builtins(Arc::new(
+            crate::transport::memory::MemoryBroker::default(),
+        ));
+        let err = config
+            .check_handlers(defaults::EXECUTOR, &registry)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("workflow[0].task[0].handler"), "{err}");
+        assert!(err.contains("builtin::nope"), "{err}");
+        assert!(!err.contains("task[1]"), "routed elsewhere: {err}");
+        assert!(config.check_handlers("elsewhere", &registry).is_err());
     }
 
     #[test]

@@ -24,6 +24,9 @@ pub enum Error {
     Worker(#[from] crate::worker::WorkerError),
     #[error("invalid argument: {0}")]
     Usage(String),
+    /// Ctrl-C or SIGTERM came before the command was done.
+    #[error("interrupted: {0}")]
+    Interrupted(String),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
     #[error(transparent)]
@@ -33,14 +36,31 @@ pub enum Error {
 }
 
 impl Error {
-    /// 2 for bad input (as clap does for bad arguments), 1 for everything else.
+    /// 2 for bad input (as clap does for bad arguments), 130 when interrupted (as a
+    /// shell reports Ctrl-C), 1 for everything else: unreachable infrastructure above all.
     pub fn exit_code(&self) -> i32 {
+        use crate::dispatch::DispatchError;
         match self {
             Self::Usage(_) | Self::Graph(_) | Self::Schedule(_) | Self::Cron(_) => 2,
-            Self::Dispatch(crate::dispatch::DispatchError::UnknownWorkflow(_)) => 2,
+            Self::Dispatch(
+                DispatchError::UnknownWorkflow(_) | DispatchError::UnknownExecution(_),
+            ) => 2,
             Self::Config(e) if !e.is_retryable() => 2,
             Self::Admin(crate::admin::AdminError::Url { .. }) => 2,
+            Self::Interrupted(_) => INTERRUPTED,
             _ => 1,
+        }
+    }
+}
+
+/// The exit status after Ctrl-C or SIGTERM.
+pub const INTERRUPTED: i32 = 130;
+
+impl From<crate::cron::scheduler::RegisterError> for Error {
+    fn from(e: crate::cron::scheduler::RegisterError) -> Self {
+        match e {
+            crate::cron::scheduler::RegisterError::Invalid(e) => Self::Schedule(e),
+            crate::cron::scheduler::RegisterError::Store(e) => Self::Store(e),
         }
     }
 }

@@ -20,8 +20,15 @@ async fn main() {
         Ok(result) => result,
         Err(e) => std::panic::resume_unwind(e.into_panic()),
     };
-    if let Err(e) = result {
+    if let Err(e) = &result {
         eprintln!("weir: {e}");
+    }
+    // Stopped by Ctrl-C or SIGTERM: the shell's convention, whether or not the command
+    // finished its shutdown cleanly.
+    if shutdown::signalled() {
+        std::process::exit(weir::error::INTERRUPTED);
+    }
+    if let Err(e) = result {
         std::process::exit(e.exit_code());
     }
 }

@@ -46,10 +46,7 @@ pub async fn run(
         for schedule in &schedules {
             let next =
                 crate::cron::scheduler::register(runtime.store.as_ref(), schedule, settings.shards)
-                    .await
-                    .map_err(|e| {
-                        Error::Usage(format!("registering schedule {}: {e}", schedule.id))
-                    })?;
+                    .await?;
             info!(schedule = %schedule.id, next = ?next, "schedule registered");
         }
         let scheduler = crate::cron::scheduler::Scheduler::new(

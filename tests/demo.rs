@@ -71,7 +71,7 @@ fn ctrl_c_stops_the_demo_with_a_summary() {
         .unwrap();
     assert!(status.success());
     let output = child.wait_with_output().unwrap();
-    assert!(output.status.success(), "{output:?}");
+    assert_eq!(output.status.code(), Some(130), "{output:?}");
     let stdout = String::from_utf8(output.stdout).unwrap();
     summary_counts(stdout.lines().last().unwrap());
 }

@@ -50,7 +50,7 @@ pub async fn run(
                     }
                 }
                 tokio::select! {
-                    _ = cancel.cancelled() => return Err(Error::Usage(format!("stopped waiting for execution {id}"))),
+                    _ = cancel.cancelled() => return Err(Error::Interrupted(format!("stopped waiting for execution {id}"))),
                     _ = tokio::time::sleep(WAIT_POLL) => {}
                 }
             }
@@ -83,6 +83,7 @@ pub async fn worker(
     let config = Config::load(config)?;
     let runtime = config.runtime().await?;
     let registry = handlers(&runtime);
+    config.check_handlers(&executor, &registry)?;
     let settings = WorkerSettings {
         executor: executor.clone(),
         concurrency,
