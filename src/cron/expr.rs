@@ -1,8 +1,9 @@
 //! Cron expressions with the usual Unix meaning, on top of the `cron` crate's parser:
 //! 5 fields (minute hour day-of-month month day-of-week) or 6 with seconds first.
 //! Differences from the crate that this layer irons out: day-of-week numbers follow
-//! Unix (0 or 7 = Sunday, 1 = Monday), and when both day fields are restricted a day
-//! matching either one matches (Vixie), not both.
+//! Unix (0 or 7 = Sunday, 1 = Monday), names and numbers mix in one field (`MON,3` is
+//! Monday and Wednesday, `JAN,3` January and March), and when both day fields are
+//! restricted a day matching either one matches (Vixie), not both.
 
 use std::str::FromStr;
 
@@ -46,6 +47,7 @@ impl CronExpr {
             }
         };
         let wildcard = fields[1].starts_with('*') || fields[2].starts_with('*');
+        fields[4] = months(&fields[4]).map_err(err)?;
         fields[5] = unix_days_of_week(&fields[5]).map_err(err)?;
         let unrestricted = |f: &str| f == "*" || f == "?";
         let variants: Vec<Vec<String>> = if !unrestricted(&fields[3]) && !unrestricted(&fields[5]) {
@@ -94,10 +96,43 @@ impl CronExpr {
     }
 }
 
-/// Rewrites a Unix day-of-week field (0-7, 0 and 7 = Sunday) into the crate's numbering
-/// (1-7, 1 = Sunday). Names pass through.
+const DAY_NAMES: [&str; 7] = ["sun", "mon", "tue", "wed", "thu", "fri", "sat"];
+const MONTH_NAMES: [&str; 12] = [
+    "jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec",
+];
+
+/// Rewrites a month field with names (`JAN`) into numbers, so names and numbers mix in
+/// lists and ranges (`JAN,3`, `FEB-4`) and mean what they say.
+fn months(field: &str) -> Result<String, String> {
+    if !field.chars().any(|c| c.is_ascii_alphabetic()) {
+        return Ok(field.to_string());
+    }
+    let mut out = String::with_capacity(field.len());
+    let mut word = String::new();
+    for c in field.chars().chain(std::iter::once(',')) {
+        if c.is_ascii_alphabetic() {
+            word.push(c);
+            continue;
+        }
+        if !word.is_empty() {
+            let lower = word.to_ascii_lowercase();
+            let month = MONTH_NAMES
+                .iter()
+                .position(|m| *m == lower)
+                .ok_or_else(|| format!("month {word:?} is not a month name"))?;
+            out.push_str(&(month + 1).to_string());
+            word.clear();
+        }
+        out.push(c);
+    }
+    out.pop();
+    Ok(out)
+}
+
+/// Rewrites a Unix day-of-week field (0-7, 0 and 7 = Sunday, or names `SUN`-`SAT`, mixed
+/// freely) into the crate's numbering (1-7, 1 = Sunday).
 fn unix_days_of_week(field: &str) -> Result<String, String> {
-    if field == "*" || field == "?" || field.chars().any(|c| c.is_ascii_alphabetic()) {
+    if field == "*" || field == "?" {
         return Ok(field.to_string());
     }
     let mut days = std::collections::BTreeSet::new();
@@ -116,6 +151,8 @@ fn unix_days_of_week(field: &str) -> Result<String, String> {
         let (from, to) = match range {
             "*" => (0, 6),
             r => match r.split_once('-') {
+                // `FRI-SUN` ends the week: Sunday as the end of a range is day 7.
+                Some((a, b)) if b.eq_ignore_ascii_case("sun") => (parse_day(a)?, 7),
                 Some((a, b)) => (parse_day(a)?, parse_day(b)?),
                 None if part.contains('/') => (parse_day(r)?, 6),
                 None => (parse_day(r)?, parse_day(r)?),
@@ -136,9 +173,13 @@ fn unix_days_of_week(field: &str) -> Result<String, String> {
 }
 
 fn parse_day(s: &str) -> Result<u32, String> {
+    let lower = s.to_ascii_lowercase();
+    if let Some(d) = DAY_NAMES.iter().position(|n| *n == lower) {
+        return Ok(d as u32);
+    }
     match s.parse::<u32>() {
         Ok(d) if d <= 7 => Ok(d),
-        _ => Err(format!("day of week {s:?} is not 0-7")),
+        _ => Err(format!("day of week {s:?} is not 0-7 or SUN-SAT")),
     }
 }
 
@@ -224,6 +265,44 @@ mod tests {
         );
         assert!(!CronExpr::parse("0 2 * * *").unwrap().is_wildcard());
         assert!(CronExpr::parse("0 * * * *").unwrap().is_wildcard());
+    }
+
+    /// Names and numbers mixed in one field mean what they say, in lists and ranges,
+    /// in any case. 2026-01-05 is a Monday.
+    #[test]
+    fn names_and_numbers_mix() {
+        let days = |expr: &str| {
+            let e = CronExpr::parse(expr).unwrap();
+            let mut at_ = at(2026, 1, 4, 23, 0); // Sunday night
+            let mut out = Vec::new();
+            for _ in 0..4 {
+                at_ = e.next_local(at_).unwrap();
+                out.push(at_.format("%a").to_string());
+            }
+            out
+        };
+        assert_eq!(days("0 9 * * MON,3"), ["Mon", "Wed", "Mon", "Wed"]);
+        assert_eq!(days("0 9 * * 1,wed"), ["Mon", "Wed", "Mon", "Wed"]);
+        assert_eq!(days("0 9 * * Mon-3"), ["Mon", "Tue", "Wed", "Mon"]);
+        assert_eq!(days("0 9 * * 5-SUN"), ["Fri", "Sat", "Sun", "Fri"]);
+        assert_eq!(days("0 9 * * sun,SAT"), ["Sat", "Sun", "Sat", "Sun"]);
+        assert_eq!(days("0 9 * * MON-FRI/2"), ["Mon", "Wed", "Fri", "Mon"]);
+        let months = |expr: &str| {
+            let e = CronExpr::parse(expr).unwrap();
+            let mut at_ = at(2026, 1, 1, 0, 0);
+            let mut out = Vec::new();
+            for _ in 0..4 {
+                at_ = e.next_local(at_).unwrap();
+                out.push(at_.format("%b").to_string());
+            }
+            out
+        };
+        assert_eq!(months("0 0 1 JAN,3 *"), ["Mar", "Jan", "Mar", "Jan"]);
+        assert_eq!(months("0 0 1 feb-4 *"), ["Feb", "Mar", "Apr", "Feb"]);
+        assert_eq!(months("0 0 1 10-DEC *"), ["Oct", "Nov", "Dec", "Oct"]);
+        assert_eq!(months("0 0 1 Jan-Dec/6 *"), ["Jul", "Jan", "Jul", "Jan"]);
+        assert!(CronExpr::parse("0 0 1 JANUARY *").is_err());
+        assert!(CronExpr::parse("0 0 * * FUNDAY").is_err());
     }
 
     #[test]
