@@ -29,6 +29,9 @@ pub const CACHE_SNAPSHOTS_TOTAL: &str = "weir_cache_snapshots_total";
 pub const RECOVERY_EVENTS_TOTAL: &str = "weir_recovery_events_total";
 pub const CRON_TICKS_TOTAL: &str = "weir_cron_ticks_total";
 pub const TICK_LATENESS_SECONDS: &str = "weir_cron_tick_lateness_seconds";
+/// `at_most_once` ticks given up rather than risk a second emission: their
+/// acknowledgement failed, or their master died before recording them.
+pub const CRON_TICKS_MISSED_TOTAL: &str = "weir_cron_ticks_missed_total";
 /// Gauges: a graph's reactor state and each accumulator's health, as one series per
 /// possible value set to 1 for the current one (`state` / `health` label).
 pub const REACTOR_STATE: &str = "weir_reactor_state";
@@ -70,6 +73,7 @@ pub const ALL: &[&str] = &[
     RECOVERY_EVENTS_TOTAL,
     CRON_TICKS_TOTAL,
     TICK_LATENESS_SECONDS,
+    CRON_TICKS_MISSED_TOTAL,
     REACTOR_STATE,
     ACCUMULATOR_HEALTH,
     QUEUE_DEPTH,

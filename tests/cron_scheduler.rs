@@ -12,7 +12,7 @@ use weir::codec::CronTick;
 use weir::cron::scheduler::{
     register, set_enabled, Scheduler, SchedulerConfig, TickGuard, TickVerdict,
 };
-use weir::cron::{Schedule, Target};
+use weir::cron::{Delivery, Schedule, Target};
 use weir::store::memory::MemoryStore;
 use weir::store::{ExecutionStatus, Store};
 use weir::transport::memory::MemoryBroker;
@@ -360,6 +360,7 @@ async fn orphans_behind_a_full_sweep_batch_are_found() {
     for id in ["busy", "orph"] {
         let mut schedule = every_second(id, "bticks");
         schedule.cron = "0 0 1 1 *".into();
+        schedule.delivery = Delivery::AtLeastOnce;
         register(store.as_ref(), &schedule, 1).await.unwrap();
     }
     let tomorrow = chrono::Utc::now().timestamp_millis() + 86_400_000;
@@ -405,6 +406,7 @@ async fn orphaned_executions_are_re_emitted_or_failed_at_the_stored_cap() {
     let mut schedule = every_second("orph", "oticks");
     // Far in the future: only the orphans fire during the test.
     schedule.cron = "0 0 1 1 *".into();
+    schedule.delivery = Delivery::AtLeastOnce;
     register(store.as_ref(), &schedule, 1).await.unwrap();
     store
         .claim_execution(&unemitted("orph", 1_000))
@@ -437,6 +439,87 @@ async fn orphaned_executions_are_re_emitted_or_failed_at_the_stored_cap() {
         .await
         .unwrap()
         .is_empty());
+}
+
+/// An at_most_once tick claimed by a master that died before recording it may have
+/// gone out: it is marked missed, never emitted again.
+#[tokio::test]
+async fn an_at_most_once_tick_of_a_dead_master_is_missed_not_re_emitted() {
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let mut schedule = every_second("once", "mticks");
+    schedule.cron = "0 0 1 1 *".into();
+    assert_eq!(schedule.delivery, Delivery::AtMostOnce);
+    register(store.as_ref(), &schedule, 1).await.unwrap();
+    store
+        .claim_execution(&unemitted("once", 1_000))
+        .await
+        .unwrap();
+    sweep_a_while(&store, &broker, config("a", 0)).await;
+    assert!(ticks(&broker, "mticks").is_empty());
+    let record = store.get_execution("once", 1_000).await.unwrap().unwrap();
+    assert_eq!(record.status, ExecutionStatus::Missed);
+    assert!(store
+        .open_executions(i64::MAX, 0, 10)
+        .await
+        .unwrap()
+        .is_empty());
+}
+
+/// Takes nothing: every acknowledgement fails, as when the broker went away mid-send.
+struct Unacknowledged;
+
+#[async_trait::async_trait]
+impl weir::transport::Sink for Unacknowledged {
+    async fn publish(
+        &self,
+        message: weir::transport::Outbound,
+    ) -> Result<weir::transport::Position, weir::transport::TransportError> {
+        Err(weir::transport::TransportError::Publish {
+            topic: message.topic,
+            reason: "no acknowledgement".into(),
+            retryable: true,
+        })
+    }
+}
+
+#[tokio::test]
+async fn an_at_most_once_tick_whose_acknowledgement_failed_is_never_sent_again() {
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    register(store.as_ref(), &every_second("flaky", "fticks"), 1)
+        .await
+        .unwrap();
+    let cfg = SchedulerConfig {
+        orphan_after: Duration::from_millis(200),
+        ..config("a", 0)
+    };
+    let cancel = CancellationToken::new();
+    let failing = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(Unacknowledged), cfg.clone()).run(cancel.clone()),
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    cancel.cancel();
+    let _ = failing.await;
+    let missed: Vec<i64> = store
+        .executions("flaky", 10)
+        .await
+        .unwrap()
+        .iter()
+        .filter(|e| e.status == ExecutionStatus::Missed)
+        .map(|e| e.scheduled_ms)
+        .collect();
+    assert!(!missed.is_empty());
+    // A healthy master sweeping for orphans sends none of them.
+    sweep_a_while(&store, &broker, cfg).await;
+    let sent: Vec<i64> = ticks(&broker, "fticks")
+        .iter()
+        .map(|t| t.scheduled_time_ms)
+        .collect();
+    assert!(
+        missed.iter().all(|m| !sent.contains(m)),
+        "missed {missed:?}, sent {sent:?}"
+    );
 }
 
 fn at(s: &str) -> chrono::DateTime<chrono::Utc> {
@@ -636,6 +719,7 @@ async fn a_workflow_tick_whose_execution_never_started_is_emitted_again() {
     let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
     let mut schedule = Schedule::new("lost", "0 * * * *", "UTC");
     schedule.target = Target::Workflow("report".into());
+    schedule.delivery = Delivery::AtLeastOnce;
     register_at(store.as_ref(), &schedule, 1, clock.now())
         .await
         .unwrap();

@@ -644,6 +644,9 @@ impl Scheduler {
                     Err(e) => {
                         warn!(schedule = %execution.schedule_id, error = %e, "tick not published");
                         execution.error = Some(e.to_string());
+                        if delivery == Delivery::AtMostOnce {
+                            missed(&mut execution);
+                        }
                         done.push(execution);
                     }
                 }
@@ -661,6 +664,11 @@ impl Scheduler {
                     Err(e) => {
                         warn!(schedule = %execution.schedule_id, error = %e, "tick not published");
                         execution.error = Some(e.to_string());
+                        // It may have reached the broker all the same: sending it again
+                        // could deliver it twice.
+                        if delivery == Delivery::AtMostOnce {
+                            missed(&mut execution);
+                        }
                     }
                 }
                 execution.updated_ms = now;
@@ -785,7 +793,12 @@ impl Scheduler {
                 if execution.status != ExecutionStatus::Scheduled {
                     continue;
                 }
-                if execution.attempt >= execution.max_attempts {
+                if schedule.delivery == Delivery::AtMostOnce {
+                    // Claimed and perhaps emitted by a master that died before recording
+                    // it: emitting it now could deliver it twice.
+                    warn!(schedule = %id, tick = %execution.tick_id, "at_most_once tick of a dead master marked missed");
+                    missed(&mut execution);
+                } else if execution.attempt >= execution.max_attempts {
                     warn!(schedule = %id, tick = %execution.tick_id, attempts = execution.attempt, "execution failed: never emitted");
                     execution.status = ExecutionStatus::Failed;
                     execution.error =
@@ -912,6 +925,12 @@ impl ReadyTick {
         message.payload = self.encoded.finish(emitted_ms).into();
         message
     }
+}
+
+/// Gives an `at_most_once` tick up for good.
+fn missed(execution: &mut Execution) {
+    execution.status = ExecutionStatus::Missed;
+    metrics::counter!(crate::metrics::CRON_TICKS_MISSED_TOTAL).increment(1);
 }
 
 fn record_emission(delivery: Delivery, lateness_ms: i64) {

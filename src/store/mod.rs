@@ -91,7 +91,10 @@ impl Execution {
         match self.status {
             ExecutionStatus::Scheduled | ExecutionStatus::Running => Some(self.updated_ms),
             ExecutionStatus::Buffered => Some(0),
-            ExecutionStatus::Completed | ExecutionStatus::Failed | ExecutionStatus::Skipped => None,
+            ExecutionStatus::Completed
+            | ExecutionStatus::Failed
+            | ExecutionStatus::Skipped
+            | ExecutionStatus::Missed => None,
         }
     }
 }
@@ -109,6 +112,9 @@ pub enum ExecutionStatus {
     Skipped,
     /// Held back by `buffer_one` until the running execution ends.
     Buffered,
+    /// An `at_most_once` tick that may or may not have gone out (its acknowledgement
+    /// failed, or its master died before recording it): never emitted again.
+    Missed,
 }
 
 /// Wakes a scheduler when schedules change.
