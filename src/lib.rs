@@ -15,6 +15,8 @@
 //! - [`transport`]: the broker seam ([`transport::Source`], [`transport::Sink`],
 //!   [`transport::Broker`]) and its backends; [`store`]: the state seam
 //!   ([`store::Store`]) and its backends. Memory backends are the embedded default.
+//! - [`lease`]: leases as their holders see them: one holder per process, the deadline
+//!   from the last confirmed renewal, the task that keeps a lease.
 //! - [`cron`]: schedules as data, next fire times with Vixie-cron DST rules.
 //! - [`dispatch`]: workflows (DAGs of tasks), routing task namespaces to executor topics
 //!   by ordered glob rules, executions in the store, and the state manager publishing
@@ -40,6 +42,7 @@ pub mod demo;
 pub mod dispatch;
 pub mod error;
 pub mod graph;
+pub mod lease;
 pub mod metrics;
 pub mod reactor;
 pub mod run;

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use weir::store::{
-    Checkpoint, Execution, ExecutionStatus, Lease, RecoveryAction, RecoveryEvent, Store,
+    Checkpoint, Execution, ExecutionStatus, Fence, Lease, RecoveryAction, RecoveryEvent, Store,
+    StoreError,
 };
 use weir::transport::memory::MemoryBroker;
 use weir::transport::{Assignment, Broker, Message, Outbound, Position, Source, Subscription};
@@ -95,14 +96,15 @@ async fn store_conformance(store: Arc<dyn Store>, graph: &str) {
             },
         ],
         state: Some(serde_json::json!({"sum": 3})),
+        token: None,
     };
     store
-        .save_checkpoint(graph, "a", &checkpoint)
+        .save_checkpoint(graph, "a", &checkpoint, None)
         .await
         .unwrap();
     assert_eq!(
-        store.load_checkpoint(graph, "a").await.unwrap(),
-        Some(checkpoint)
+        store.load_checkpoint(graph, "a").await.unwrap().as_ref(),
+        Some(&checkpoint)
     );
     assert_eq!(store.load_checkpoint(graph, "b").await.unwrap(), None);
 
@@ -134,8 +136,11 @@ async fn store_conformance(store: Arc<dyn Store>, graph: &str) {
             queue: Vec::new(),
         },
     );
-    store.save_cache(graph, &snapshot).await.unwrap();
-    assert_eq!(store.load_cache(graph).await.unwrap(), Some(snapshot));
+    store.save_cache(graph, &snapshot, None).await.unwrap();
+    assert_eq!(
+        store.load_cache(graph).await.unwrap().as_ref(),
+        Some(&snapshot)
+    );
 
     // Recovery events: newest first, filterable by graph.
     let other = format!("{graph}-other");
@@ -200,6 +205,43 @@ async fn store_conformance(store: Arc<dyn Store>, graph: &str) {
     assert!(third.token > second.token);
     assert!(!store.renew_lease(&second, ttl).await.unwrap());
     assert!(!store.release_lease(&second).await.unwrap());
+    // Writes fenced by a deposed holder's token are refused; the holder's go through.
+    let (stale, current) = (Fence::from(&second), Fence::from(&third));
+    let fenced = Checkpoint {
+        token: Some(second.token),
+        ..checkpoint.clone()
+    };
+    let refused = store
+        .save_checkpoint(graph, "fenced", &fenced, Some(&stale))
+        .await;
+    assert!(
+        matches!(refused, Err(StoreError::Fenced { .. })),
+        "{refused:?}"
+    );
+    assert!(!refused.unwrap_err().is_retryable());
+    assert_eq!(store.load_checkpoint(graph, "fenced").await.unwrap(), None);
+    let kept = Checkpoint {
+        token: Some(third.token),
+        ..checkpoint.clone()
+    };
+    store
+        .save_checkpoint(graph, "fenced", &kept, Some(&current))
+        .await
+        .unwrap();
+    let cache_key = format!("{graph}-fenced");
+    assert!(matches!(
+        store.save_cache(&cache_key, &snapshot, Some(&stale)).await,
+        Err(StoreError::Fenced { .. })
+    ));
+    assert_eq!(store.load_cache(&cache_key).await.unwrap(), None);
+    store
+        .save_cache(&cache_key, &snapshot, Some(&current))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.load_checkpoint(graph, "fenced").await.unwrap(),
+        Some(kept)
+    );
 
     // Published-task records, per workflow execution.
     let execution = format!("{graph}-wf");

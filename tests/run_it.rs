@@ -115,7 +115,33 @@ format = "json"
             redis::AsyncCommands::get(&mut c, format!("{}:lease:graph:prices", self.prefix))
                 .await
                 .unwrap();
-        value.map(|v| v.split('|').next().unwrap_or_default().to_string())
+        // `node#instance|token`: the node id part.
+        value.map(|v| {
+            let holder = v.split('|').next().unwrap_or_default();
+            holder.split('#').next().unwrap_or_default().to_string()
+        })
+    }
+
+    /// The stored checkpoint of the graph's accumulator `a`.
+    async fn checkpoint(&self) -> Option<Value> {
+        let client = redis::Client::open(services::redis_url()).unwrap();
+        let mut c = client.get_multiplexed_async_connection().await.unwrap();
+        let value: Option<String> =
+            redis::AsyncCommands::get(&mut c, format!("{}:ckpt:prices:a", self.prefix))
+                .await
+                .unwrap();
+        value.map(|v| serde_json::from_str(&v).unwrap())
+    }
+
+    async fn wait_for_holder(&self, node: &str, within: Duration) {
+        let deadline = Instant::now() + within;
+        while self.lease_holder().await.as_deref() != Some(node) {
+            assert!(
+                Instant::now() < deadline,
+                "{node} did not take the graph lease"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 }
 
@@ -354,4 +380,115 @@ async fn kafka_poison_message_is_dead_lettered() {
 #[tokio::test(flavor = "multi_thread")]
 async fn nats_poison_message_is_dead_lettered() {
     poison_goes_to_the_dead_letter_topic(Kind::Nats).await;
+}
+
+fn fencing_of(m: &Message) -> u64 {
+    m.header("weir-fencing")
+        .and_then(|t| t.parse().ok())
+        .expect("outputs carry the fencing token")
+}
+
+async fn publish_ids(broker: &Arc<dyn Broker>, topic: &str, ids: std::ops::RangeInclusive<u64>) {
+    let sink = broker.sink();
+    for id in ids {
+        sink.publish(Outbound::new(topic, json!({"id": id}).to_string()))
+            .await
+            .unwrap();
+    }
+}
+
+/// A lease holder frozen past its TTL (SIGSTOP) and thawed after another node took
+/// over publishes nothing more and writes nothing the store keeps.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_holder_paused_past_its_ttl_is_fenced_when_it_resumes() {
+    const TTL: Duration = Duration::from_millis(3000);
+    let setup = Setup::new(Kind::Nats, TTL.as_millis() as u64);
+    let broker = setup.broker().await;
+    let mut first = setup.start("n1");
+    setup.wait_for_holder("n1", Duration::from_secs(30)).await;
+    let mut second = setup.start("n2");
+    publish_ids(&broker, &setup.input, 1..=3).await;
+    let before = read_until(&broker, &setup.output, Duration::from_secs(30), |seen| {
+        ids_in(seen).len() >= 3
+    })
+    .await;
+    let old_token = fencing_of(&before[0]);
+    common::servers::signal(&first, "STOP");
+    setup.wait_for_holder("n2", TTL * 3).await;
+    publish_ids(&broker, &setup.input, 4..=6).await;
+    read_until(&broker, &setup.output, Duration::from_secs(30), |seen| {
+        ids_in(seen).contains(&6)
+    })
+    .await;
+    common::servers::signal(&first, "CONT");
+    // The thawed node's timers, in-flight fires and writers all wake now.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    publish_ids(&broker, &setup.input, 7..=9).await;
+    let outputs = read_until(&broker, &setup.output, Duration::from_secs(30), |seen| {
+        ids_in(seen).contains(&9)
+    })
+    .await;
+    let by_old: Vec<u64> = ids_in(
+        &outputs
+            .iter()
+            .filter(|m| fencing_of(m) == old_token)
+            .cloned()
+            .collect::<Vec<_>>(),
+    );
+    assert!(
+        by_old.iter().all(|id| *id <= 3),
+        "the paused holder published after losing its lease: {by_old:?}"
+    );
+    let new_token = outputs.iter().map(fencing_of).max().unwrap();
+    assert!(new_token > old_token);
+    // The stored checkpoint is the new holder's, and covers what it read.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let checkpoint = setup.checkpoint().await.unwrap_or_default();
+        let offset = checkpoint["positions"][0]["offset"].as_i64().unwrap_or(0);
+        if checkpoint["token"] == json!(new_token) && offset >= 9 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "checkpoint not the new holder's: {checkpoint}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for child in [&mut first, &mut second] {
+        child.kill().unwrap();
+        let _ = child.wait();
+    }
+}
+
+/// Two processes given the same node id are two holders: one runs the graph, and each
+/// event fires once.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_processes_with_one_node_id_never_both_hold_the_lease() {
+    let setup = Setup::new(Kind::Nats, 3000);
+    let broker = setup.broker().await;
+    let mut first = setup.start("twin");
+    setup.wait_for_holder("twin", Duration::from_secs(30)).await;
+    let mut second = setup.start("twin");
+    // Long enough for the second to have tried for the lease a few times.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    publish_ids(&broker, &setup.input, 1..=20).await;
+    let outputs = read_until(&broker, &setup.output, Duration::from_secs(30), |seen| {
+        ids_in(seen).len() >= 20
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let outputs = read_until(&broker, &setup.output, Duration::from_secs(30), |seen| {
+        seen.len() >= outputs.len()
+    })
+    .await;
+    assert_eq!(
+        ids_in(&outputs),
+        (1..=20).collect::<Vec<u64>>(),
+        "each event fired once"
+    );
+    for child in [&mut first, &mut second] {
+        child.kill().unwrap();
+        let _ = child.wait();
+    }
 }

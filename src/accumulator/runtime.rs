@@ -85,6 +85,9 @@ pub(crate) struct AccumulatorTask {
     pub to_reactor: mpsc::Sender<ReactorInput>,
     pub permits: Option<Arc<Semaphore>>,
     pub counters: Arc<SourceCounters>,
+    /// The graph's lease, when it runs under one: checkpoints carry its fence and stop
+    /// at its deadline.
+    pub lease: Option<crate::lease::Held>,
     pub durable: watch::Receiver<u64>,
     pub health: Arc<watch::Sender<Health>>,
     pub stats: Arc<GraphStats>,
@@ -126,9 +129,24 @@ impl AccumulatorTask {
         let checkpoints = {
             let (store, graph, name) =
                 (self.store.clone(), self.key.clone(), self.spec.name.clone());
+            let lease = self.lease.clone();
             WriteBehind::spawn("checkpoint", move |checkpoint| {
                 let (store, graph, name) = (store.clone(), graph.clone(), name.clone());
-                async move { store.save_checkpoint(&graph, &name, &checkpoint).await }
+                let lease = lease.clone();
+                async move {
+                    let fence = lease.as_ref().map(|held| held.fence());
+                    if let (Some(held), Some(fence)) = (&lease, &fence) {
+                        if held.deadline.passed() {
+                            return Err(crate::store::StoreError::Fenced {
+                                lease: fence.lease.clone(),
+                                token: fence.token,
+                            });
+                        }
+                    }
+                    store
+                        .save_checkpoint(&graph, &name, &checkpoint, fence.as_ref())
+                        .await
+                }
             })
         };
         let mut run = Running {
@@ -389,6 +407,7 @@ impl AccumulatorTask {
             } else {
                 None
             },
+            token: self.lease.as_ref().map(|held| held.lease.token),
         };
         debug!(graph = %self.graph, accumulator = %self.spec.name, positions = ?checkpoint.positions, "checkpoint");
         let broker_positions: Vec<Position> = point

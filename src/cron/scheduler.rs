@@ -352,8 +352,10 @@ impl Scheduler {
                     };
                     continue;
                 }
+                // The lease surely lasts a TTL from when the renewal was sent.
+                let sent = Instant::now();
                 match self.store.renew_lease(&lease, ttl).await {
-                    Ok(true) => self.shards[i].valid_until = Some(Instant::now() + ttl),
+                    Ok(true) => self.shards[i].valid_until = Some(sent + ttl),
                     Ok(false) => {
                         warn!(shard = i, "schedule master lease lost");
                         crate::metrics::lease_dropped(LeaseRole::Cron);
@@ -367,9 +369,10 @@ impl Scheduler {
                     Err(e) => warn!(shard = i, error = %e, "lease renewal failed"),
                 }
             } else if me_best {
+                let sent = Instant::now();
                 match self
                     .store
-                    .acquire_lease(&name, &self.config.node_id, ttl)
+                    .acquire_lease(&name, &crate::lease::holder(&self.config.node_id), ttl)
                     .await
                 {
                     Ok(Some(lease)) => {
@@ -377,7 +380,7 @@ impl Scheduler {
                         crate::metrics::lease_acquired(LeaseRole::Cron);
                         self.shards[i] = Shard {
                             lease: Some(lease),
-                            valid_until: Some(Instant::now() + ttl),
+                            valid_until: Some(sent + ttl),
                         };
                     }
                     Ok(None) => {}

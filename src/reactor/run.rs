@@ -68,6 +68,8 @@ pub(crate) struct Reactor {
     /// The graph lease's fencing token, sent with every output so consumers can drop
     /// what a deposed instance published.
     fencing: Option<String>,
+    /// The graph's lease: nothing is published or stored once its deadline passed.
+    lease: Option<crate::lease::Held>,
     config: ReactorConfig,
     compiled: Arc<CompiledGraph>,
     outputs: Arc<[(String, Arc<dyn Sink>)]>,
@@ -111,7 +113,7 @@ impl Reactor {
         store: Arc<dyn Store>,
         stats: Arc<GraphStats>,
         state_tx: watch::Sender<ReactorState>,
-        fencing: Option<u64>,
+        lease: Option<crate::lease::Held>,
     ) -> Result<(Self, Wiring), ReactorError> {
         state_tx.send_replace(ReactorState::Starting);
         stats.state_changed(ReactorState::Starting);
@@ -155,15 +157,28 @@ impl Reactor {
         }
         let snapshots = {
             let key = key.clone();
+            let lease = lease.clone();
             WriteBehind::spawn("cache snapshot", move |snapshot| {
-                let (store, key) = (store.clone(), key.clone());
-                async move { store.save_cache(&key, &snapshot).await }
+                let (store, key, lease) = (store.clone(), key.clone(), lease.clone());
+                async move {
+                    let fence = lease.as_ref().map(|held| held.fence());
+                    if let (Some(held), Some(fence)) = (&lease, &fence) {
+                        if held.deadline.passed() {
+                            return Err(StoreError::Fenced {
+                                lease: fence.lease.clone(),
+                                token: fence.token,
+                            });
+                        }
+                    }
+                    store.save_cache(&key, &snapshot, fence.as_ref()).await
+                }
             })
         };
         let reactor = Self {
             graph: Arc::from(decl.name.as_str()),
             output_key: bytes::Bytes::from(decl.key().into_bytes()),
-            fencing: fencing.map(|t| t.to_string()),
+            fencing: lease.as_ref().map(|held| held.lease.token.to_string()),
+            lease,
             config: decl.reactor.clone(),
             compiled: decl.graph.clone(),
             outputs,
@@ -400,10 +415,20 @@ impl Reactor {
             outputs: messages.len(),
         };
         let stats = self.stats.clone();
+        let lease = self.lease.clone();
         let mut publish: BoxFuture<'static, Result<(), TransportError>> = Box::pin(async move {
             let count = messages.len();
             for (message, sink) in messages {
                 let topic = message.topic.clone();
+                // Past the lease's deadline another node may run the graph: this one
+                // publishes nothing more, in-flight fires included.
+                if lease.as_ref().is_some_and(|held| held.deadline.passed()) {
+                    return Err(TransportError::Publish {
+                        topic,
+                        reason: "the graph's lease deadline passed".into(),
+                        retryable: true,
+                    });
+                }
                 let headers = message.headers.clone();
                 match sink.publish(message).await {
                     Ok(_) => {}

@@ -99,6 +99,12 @@ async fn run<T>(
                     done.send_replace(version);
                     break;
                 }
+                Err(e) if !e.is_retryable() => {
+                    // Refused for good (its writer's lease has a newer holder): a retry
+                    // would be refused too, and a newer value will be tried in its turn.
+                    warn!(%what, error = %e, "store refused the write; given up");
+                    break;
+                }
                 Err(e) => {
                     warn!(%what, error = %e, retry_in = ?pause, "store write failed; retrying");
                     // A newer value does not cut the pause short: the store is away
@@ -142,6 +148,19 @@ mod tests {
         assert!(behind.flush(Duration::from_secs(10)).await);
         assert_eq!(behind.written(), 3);
         assert_eq!(*stored.lock().unwrap(), vec![3]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_write_is_given_up() {
+        let mut behind = WriteBehind::spawn("test", |_: Arc<u32>| async {
+            Err(StoreError::Fenced {
+                lease: "graph:g".into(),
+                token: 1,
+            })
+        });
+        behind.submit(1);
+        assert!(!behind.flush(Duration::from_secs(1)).await);
+        assert_eq!(behind.written(), 0);
     }
 
     #[tokio::test(start_paused = true)]

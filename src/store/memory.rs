@@ -7,7 +7,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::time::Instant;
 
-use super::{Checkpoint, Execution, Lease, RecoveryEvent, ScheduleChanges, Store, StoreError};
+use super::{
+    Checkpoint, Execution, Fence, Lease, RecoveryEvent, ScheduleChanges, Store, StoreError,
+};
 use crate::cron::Schedule;
 use crate::dispatch::WorkflowExecution;
 use crate::reactor::CacheSnapshot;
@@ -100,8 +102,11 @@ impl Store for MemoryStore {
         graph: &str,
         accumulator: &str,
         checkpoint: &Checkpoint,
+        fence: Option<&Fence>,
     ) -> Result<(), StoreError> {
-        self.state().checkpoints.insert(
+        let mut state = self.state();
+        check_fence(&state, fence)?;
+        state.checkpoints.insert(
             (graph.to_string(), accumulator.to_string()),
             checkpoint.clone(),
         );
@@ -112,10 +117,15 @@ impl Store for MemoryStore {
         Ok(self.state().caches.get(graph).cloned())
     }
 
-    async fn save_cache(&self, graph: &str, snapshot: &CacheSnapshot) -> Result<(), StoreError> {
-        self.state()
-            .caches
-            .insert(graph.to_string(), snapshot.clone());
+    async fn save_cache(
+        &self,
+        graph: &str,
+        snapshot: &CacheSnapshot,
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError> {
+        let mut state = self.state();
+        check_fence(&state, fence)?;
+        state.caches.insert(graph.to_string(), snapshot.clone());
         Ok(())
     }
 
@@ -490,5 +500,18 @@ impl Store for MemoryStore {
             .get(execution)
             .cloned()
             .unwrap_or_default())
+    }
+}
+
+/// Refuses a write whose lease has been taken with a newer token since.
+fn check_fence(state: &State, fence: Option<&Fence>) -> Result<(), StoreError> {
+    match fence {
+        Some(f) if state.fencing.get(&f.lease).is_some_and(|&t| t > f.token) => {
+            Err(StoreError::Fenced {
+                lease: f.lease.clone(),
+                token: f.token,
+            })
+        }
+        _ => Ok(()),
     }
 }

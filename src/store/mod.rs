@@ -22,6 +22,9 @@ use crate::transport::Position;
 pub struct Checkpoint {
     pub positions: Vec<Position>,
     pub state: Option<serde_json::Value>,
+    /// Fencing token of the graph lease its writer held, if the graph runs under one.
+    #[serde(default)]
+    pub token: Option<u64>,
 }
 
 /// One supervisor action, kept for operators to query.
@@ -64,6 +67,24 @@ pub struct Lease {
     pub name: String,
     pub holder: String,
     pub token: u64,
+}
+
+/// What a lease holder's write carries: the store refuses the write once the lease has
+/// been taken with a newer token, so a holder that lost its lease (paused past its TTL,
+/// cut off) cannot overwrite its successor's state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence {
+    pub lease: String,
+    pub token: u64,
+}
+
+impl From<&Lease> for Fence {
+    fn from(lease: &Lease) -> Self {
+        Self {
+            lease: lease.name.clone(),
+            token: lease.token,
+        }
+    }
 }
 
 /// One firing of a schedule: at most one record per (schedule, scheduled time).
@@ -142,6 +163,9 @@ pub enum StoreError {
     },
     #[error("stored value under {key} is corrupt: {reason}")]
     Corrupt { key: String, reason: String },
+    /// The writer's lease was taken with a newer token: it is no longer the holder.
+    #[error("write refused: lease {lease} has a newer holder than token {token}")]
+    Fenced { lease: String, token: u64 },
 }
 
 impl StoreError {
@@ -161,16 +185,25 @@ pub trait Store: Send + Sync {
         accumulator: &str,
     ) -> Result<Option<Checkpoint>, StoreError>;
 
+    /// Writes a checkpoint; with a `fence`, only while no newer token of its lease exists
+    /// (else [`StoreError::Fenced`]).
     async fn save_checkpoint(
         &self,
         graph: &str,
         accumulator: &str,
         checkpoint: &Checkpoint,
+        fence: Option<&Fence>,
     ) -> Result<(), StoreError>;
 
     async fn load_cache(&self, graph: &str) -> Result<Option<CacheSnapshot>, StoreError>;
 
-    async fn save_cache(&self, graph: &str, snapshot: &CacheSnapshot) -> Result<(), StoreError>;
+    /// Writes a cache snapshot, fenced as [`Store::save_checkpoint`] is.
+    async fn save_cache(
+        &self,
+        graph: &str,
+        snapshot: &CacheSnapshot,
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError>;
 
     async fn record_recovery(&self, event: &RecoveryEvent) -> Result<(), StoreError>;
 

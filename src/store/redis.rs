@@ -12,7 +12,9 @@ use redis::{AsyncCommands, Script};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use super::{Checkpoint, Execution, Lease, RecoveryEvent, ScheduleChanges, Store, StoreError};
+use super::{
+    Checkpoint, Execution, Fence, Lease, RecoveryEvent, ScheduleChanges, Store, StoreError,
+};
 use crate::cron::Schedule;
 use crate::dispatch::{RunStatus, WorkflowExecution};
 use crate::reactor::CacheSnapshot;
@@ -77,6 +79,21 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
+"#,
+    )
+});
+
+/// Sets a value unless its writer's lease has been taken with a newer token since.
+/// KEYS: value, the lease's token counter. ARGV: value, the writer's token.
+static FENCED_SET: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local newest = tonumber(redis.call('GET', KEYS[2]) or '0')
+if newest > tonumber(ARGV[2]) then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1])
+return 1
 "#,
     )
 });
@@ -245,6 +262,36 @@ impl RedisStore {
             .map_err(|e| store_error("SET", e))
     }
 
+    /// [`Self::set_json`], refused once the fence's lease has a newer token.
+    async fn set_fenced_json<T: Serialize>(
+        &self,
+        key: String,
+        value: &T,
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError> {
+        let Some(fence) = fence else {
+            return self.set_json(key, value).await;
+        };
+        let text = Self::encode(value)?;
+        let mut c = self.connection.clone();
+        let written: i64 = FENCED_SET
+            .key(key)
+            .key(self.key(&["fence", &fence.lease]))
+            .arg(text)
+            .arg(fence.token)
+            .invoke_async(&mut c)
+            .await
+            .map_err(|e| store_error("fenced SET", e))?;
+        if written == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::Fenced {
+                lease: fence.lease.clone(),
+                token: fence.token,
+            })
+        }
+    }
+
     fn changes_channel(&self) -> String {
         self.key(&["sched", "changed"])
     }
@@ -280,8 +327,9 @@ impl Store for RedisStore {
         graph: &str,
         accumulator: &str,
         checkpoint: &Checkpoint,
+        fence: Option<&Fence>,
     ) -> Result<(), StoreError> {
-        self.set_json(self.key(&["ckpt", graph, accumulator]), checkpoint)
+        self.set_fenced_json(self.key(&["ckpt", graph, accumulator]), checkpoint, fence)
             .await
     }
 
@@ -289,8 +337,14 @@ impl Store for RedisStore {
         self.get_json(self.key(&["cache", graph])).await
     }
 
-    async fn save_cache(&self, graph: &str, snapshot: &CacheSnapshot) -> Result<(), StoreError> {
-        self.set_json(self.key(&["cache", graph]), snapshot).await
+    async fn save_cache(
+        &self,
+        graph: &str,
+        snapshot: &CacheSnapshot,
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError> {
+        self.set_fenced_json(self.key(&["cache", graph]), snapshot, fence)
+            .await
     }
 
     async fn record_recovery(&self, event: &RecoveryEvent) -> Result<(), StoreError> {

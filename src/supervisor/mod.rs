@@ -397,23 +397,23 @@ impl SupervisedGraph {
         loop {
             let lease = match self.policy.graph_lease_ttl {
                 Some(ttl) => match self.acquire_lease(ttl).await {
-                    Some(lease) => Some((lease, ttl)),
+                    Some(held) => Some((held, ttl)),
                     None => break,
                 },
                 None => None,
             };
             let lost = CancellationToken::new();
-            let renewer = lease.clone().map(|(lease, ttl)| {
-                tokio::spawn(renew_lease(
+            let renewer = lease.clone().map(|(held, ttl)| {
+                tokio::spawn(crate::lease::keep(
                     self.runtime.store.clone(),
-                    lease,
+                    held,
                     ttl,
                     lost.clone(),
                     self.cancel.clone(),
                 ))
             });
-            let fencing = lease.as_ref().map(|(lease, _)| lease.token);
-            let outcome = self.run_while_leased(&mut failures, &lost, fencing).await;
+            let held = lease.as_ref().map(|(held, _)| held.clone());
+            let outcome = self.run_while_leased(&mut failures, &lost, held).await;
             if lease.is_some() {
                 // Released below, or lost: either way no longer held.
                 crate::metrics::lease_dropped(LeaseRole::Graph);
@@ -421,9 +421,9 @@ impl SupervisedGraph {
             if let Some(renewer) = renewer {
                 renewer.abort();
             }
-            if let Some((lease, _)) = &lease {
+            if let Some((held, _)) = &lease {
                 if outcome != Outcome::Standby {
-                    if let Err(e) = self.runtime.store.release_lease(lease).await {
+                    if let Err(e) = self.runtime.store.release_lease(&held.lease).await {
                         warn!(graph = %name, error = %e, "lease not released; it will expire");
                     }
                 }
@@ -451,22 +451,24 @@ impl SupervisedGraph {
         info!(graph = %name, "graph stopped");
     }
 
-    /// Waits until this node holds the graph's lease; `None` if cancelled first.
-    async fn acquire_lease(&self, ttl: std::time::Duration) -> Option<crate::store::Lease> {
+    /// Waits until this process holds the graph's lease; `None` if cancelled first.
+    async fn acquire_lease(&self, ttl: std::time::Duration) -> Option<crate::lease::Held> {
         self.status.send_replace(GraphStatus::Standby);
         let name = format!("graph:{}", self.decl.key());
         let retry = (ttl / 3).max(std::time::Duration::from_millis(50));
         loop {
-            match self
-                .runtime
-                .store
-                .acquire_lease(&name, &self.runtime.node_id, ttl)
-                .await
+            match crate::lease::acquire(
+                self.runtime.store.as_ref(),
+                &name,
+                &self.runtime.node_id,
+                ttl,
+            )
+            .await
             {
-                Ok(Some(lease)) => {
-                    info!(graph = %self.decl.key(), token = lease.token, "graph lease acquired");
+                Ok(Some(held)) => {
+                    info!(graph = %self.decl.key(), token = held.lease.token, "graph lease acquired");
                     crate::metrics::lease_acquired(LeaseRole::Graph);
-                    return Some(lease);
+                    return Some(held);
                 }
                 Ok(None) => {}
                 Err(e) => {
@@ -486,10 +488,10 @@ impl SupervisedGraph {
         &self,
         failures: &mut FailureCount,
         lost: &CancellationToken,
-        fencing: Option<u64>,
+        lease: Option<crate::lease::Held>,
     ) -> Outcome {
         loop {
-            match self.incarnation(failures, lost, fencing).await {
+            match self.incarnation(failures, lost, lease.clone()).await {
                 Ended::Cancelled => return Outcome::Stop,
                 Ended::Failed => return Outcome::Failed,
                 Ended::LeaseLost => return Outcome::Standby,
@@ -597,6 +599,7 @@ impl SupervisedGraph {
         &self,
         index: usize,
         wiring: &Wiring,
+        lease: &Option<crate::lease::Held>,
         cancel: &CancellationToken,
     ) -> AccumulatorTask {
         AccumulatorTask {
@@ -612,6 +615,7 @@ impl SupervisedGraph {
             to_reactor: wiring.inputs.clone(),
             permits: wiring.permits[index].clone(),
             counters: wiring.counters[index].clone(),
+            lease: lease.clone(),
             durable: wiring.durable[index].clone(),
             health: self.health[index].clone(),
             stats: self.stats.clone(),
@@ -623,7 +627,7 @@ impl SupervisedGraph {
         &self,
         failures: &mut FailureCount,
         lost: &CancellationToken,
-        fencing: Option<u64>,
+        lease: Option<crate::lease::Held>,
     ) -> Ended {
         let cancel = self.cancel.child_token();
         let restored = Reactor::restore(
@@ -632,7 +636,7 @@ impl SupervisedGraph {
             self.runtime.store.clone(),
             self.stats.clone(),
             self.state.clone(),
-            fencing,
+            lease.clone(),
         )
         .await;
         let (reactor, wiring) = match restored {
@@ -656,7 +660,7 @@ impl SupervisedGraph {
         let mut accumulators = JoinSet::new();
         let mut ids: HashMap<Id, usize> = HashMap::new();
         for index in 0..self.decl.accumulators.len() {
-            let task = self.accumulator_task(index, &wiring, &cancel);
+            let task = self.accumulator_task(index, &wiring, &lease, &cancel);
             let handle = accumulators.spawn(task.run().instrument(self.source_span(index)));
             ids.insert(handle.id(), index);
         }
@@ -704,7 +708,7 @@ impl SupervisedGraph {
                     else {
                         break Ended::Failed;
                     };
-                    let task = self.accumulator_task(index, &wiring, &cancel);
+                    let task = self.accumulator_task(index, &wiring, &lease, &cancel);
                     let restart_cancel = cancel.clone();
                     let handle = accumulators.spawn(async move {
                         tokio::select! {
@@ -736,40 +740,6 @@ impl SupervisedGraph {
             let _ = reactor_task.await;
         }
         ended
-    }
-}
-
-/// Keeps a graph lease alive; cancels `lost` when it can no longer be sure it holds it.
-async fn renew_lease(
-    store: Arc<dyn Store>,
-    lease: crate::store::Lease,
-    ttl: std::time::Duration,
-    lost: CancellationToken,
-    cancel: CancellationToken,
-) {
-    let period = ttl / 3;
-    let mut confirmed = Instant::now();
-    loop {
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(period) => {}
-        }
-        match store.renew_lease(&lease, ttl).await {
-            Ok(true) => confirmed = Instant::now(),
-            Ok(false) => {
-                warn!(lease = %lease.name, "lease taken over");
-                lost.cancel();
-                return;
-            }
-            Err(e) => {
-                // Unconfirmed: stop before the TTL could have let another node in.
-                warn!(lease = %lease.name, error = %e, "lease renewal failed");
-                if confirmed.elapsed() + period >= ttl {
-                    lost.cancel();
-                    return;
-                }
-            }
-        }
     }
 }
 
