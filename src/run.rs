@@ -34,11 +34,15 @@ pub async fn run(
         config.supervision_policy(),
         cancel.clone(),
     ));
-    let admin = AdminState::new()
+    let scheduler_alive = crate::admin::health::Watched::new("cron scheduler");
+    let mut admin = AdminState::new()
         .with_supervisor(supervisor.clone())
         .with_runtime(&runtime)
         .with_token(config.admin.token.clone())
         .with_cron_shards(config.cron.shards);
+    if config.cron_enabled() {
+        admin = admin.with_task(scheduler_alive.clone());
+    }
     let servers = crate::admin::serve(admin, &config.listen(), cancel.clone()).await?;
     let schedules = config.declared_schedules()?;
     let scheduler = if config.cron_enabled() {
@@ -54,7 +58,8 @@ pub async fn run(
             runtime.broker.sink(),
             settings,
         );
-        Some(tokio::spawn(scheduler.run(cancel.clone())))
+        let task = tokio::spawn(scheduler.run(cancel.clone()));
+        Some(scheduler_alive.watch(task, cancel.clone()))
     } else {
         None
     };

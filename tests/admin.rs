@@ -671,6 +671,35 @@ async fn a_failed_graph_is_unready_and_flagged_until_restarted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_background_task_makes_the_node_unready() {
+    let cancel = CancellationToken::new();
+    let scheduler = weir::admin::health::Watched::new("cron scheduler");
+    let state = AdminState::new().with_task(scheduler.clone());
+    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let listen = Listen {
+        metrics: None,
+        admin: Some(any),
+    };
+    let servers = weir::admin::serve(state, &listen, cancel.clone())
+        .await
+        .unwrap();
+    let ready = format!("http://{}/readyz", servers.admin.unwrap());
+    let (release, wait) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let _ = wait.await;
+        panic!("the scheduler hit a bug");
+    });
+    let watcher = scheduler.watch(task, cancel.clone());
+    assert_eq!(json_of("GET", &ready, None, None).await.0, 200);
+    release.send(()).unwrap();
+    watcher.await.unwrap();
+    let (status, body) = json_of("GET", &ready, None, None).await;
+    assert_eq!(status, 503);
+    assert_eq!(body["reasons"], json!(["cron scheduler: stopped"]));
+    cancel.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_serves_metrics_where_the_environment_says() {
     let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let mut demo = tokio::process::Command::new(env!("CARGO_BIN_EXE_weir"))

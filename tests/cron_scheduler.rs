@@ -169,6 +169,17 @@ fn ticks_from_a_deposed_master_are_rejected() {
     );
     assert_eq!(guard.check(&tick(2, 2000)), TickVerdict::Duplicate);
     assert_eq!(guard.check(&tick(3, 3000)), TickVerdict::Accept);
+
+    // Memory stays bounded however many ticks pass; duplicates in the window are still
+    // caught, and a tick older than a full window counts as one.
+    let mut guard = TickGuard::with_window(3);
+    for at in 0..1000 {
+        assert_eq!(guard.check(&tick(1, at * 1000)), TickVerdict::Accept);
+    }
+    assert_eq!(guard.remembered(), 3);
+    assert_eq!(guard.check(&tick(1, 998_000)), TickVerdict::Duplicate);
+    assert_eq!(guard.check(&tick(1, 5_000)), TickVerdict::Duplicate);
+    assert_eq!(guard.check(&tick(1, 1_000_000)), TickVerdict::Accept);
 }
 
 #[tokio::test]
@@ -748,4 +759,90 @@ async fn a_workflow_tick_whose_execution_never_started_is_emitted_again() {
         .unwrap()
         .unwrap();
     assert_eq!(record.status, ExecutionStatus::Failed);
+}
+
+/// Eight shards over three nodes of one priority: each masters two or three; when one
+/// dies, its shards, and only those, move to the others.
+#[tokio::test]
+async fn equal_nodes_share_the_shards_and_a_dead_ones_move() {
+    use std::collections::BTreeMap;
+    use weir::cron::scheduler::shard_of;
+    const SHARDS: u32 = 8;
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    // One every-second schedule per shard.
+    let mut ids: BTreeMap<u32, String> = BTreeMap::new();
+    for k in 0.. {
+        let id = format!("spread{k}");
+        ids.entry(shard_of(&id, SHARDS)).or_insert(id);
+        if ids.len() == SHARDS as usize {
+            break;
+        }
+    }
+    for (shard, id) in &ids {
+        let mut schedule = every_second(id, "spread");
+        schedule.delivery = Delivery::AtLeastOnce;
+        register(store.as_ref(), &schedule, SHARDS).await.unwrap();
+        assert_eq!(shard_of(id, SHARDS), *shard);
+    }
+    let start = |node: &str| {
+        let cfg = SchedulerConfig {
+            shards: SHARDS,
+            ..config(node, 0)
+        };
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(
+            Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+        );
+        (cancel, task)
+    };
+    let nodes: Vec<_> = ["node-a", "node-b", "node-c"]
+        .iter()
+        .map(|n| (n.to_string(), start(n)))
+        .collect();
+    // Who emitted each shard's ticks scheduled in the last second seen.
+    let masters = |broker: &MemoryBroker| -> BTreeMap<u32, String> {
+        let ticks = ticks(broker, "spread");
+        let newest = ticks.iter().map(|t| t.scheduled_time_ms).max().unwrap_or(0);
+        ticks
+            .iter()
+            .filter(|t| t.scheduled_time_ms == newest)
+            .map(|t| (shard_of(&t.schedule_id, SHARDS), t.node_id.clone()))
+            .collect()
+    };
+    let settled = |broker: &MemoryBroker, expected: usize| {
+        let broker = broker.clone();
+        async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            loop {
+                tokio::time::sleep(Duration::from_millis(1200)).await;
+                let m = masters(&broker);
+                let per_node = m.values().collect::<std::collections::BTreeSet<_>>().len();
+                if m.len() == SHARDS as usize && per_node == expected {
+                    return m;
+                }
+                assert!(std::time::Instant::now() < deadline, "not settled: {m:?}");
+            }
+        }
+    };
+    let before = settled(&broker, 3).await;
+    let mut count: BTreeMap<&str, usize> = BTreeMap::new();
+    for node in before.values() {
+        *count.entry(node.as_str()).or_default() += 1;
+    }
+    assert!(count.values().all(|c| (2..=3).contains(c)), "{before:?}");
+    // node-c dies without releasing anything.
+    let (_, (_, task)) = &nodes[2];
+    task.abort();
+    let after = settled(&broker, 2).await;
+    for (shard, node) in &before {
+        if node != "node-c" {
+            assert_eq!(&after[shard], node, "shard {shard} moved needlessly");
+        } else {
+            assert_ne!(after[shard], "node-c");
+        }
+    }
+    for (_, (cancel, _)) in &nodes {
+        cancel.cancel();
+    }
 }

@@ -457,3 +457,68 @@ async fn next_id(outputs: &mut async_nats::Subscriber) -> Option<u64> {
         .expect("subscribed");
     serde_json::from_slice::<Value>(&message.payload).unwrap()["id"].as_u64()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schedule_edited_after_a_redis_restart_applies() {
+    use weir::cron::scheduler::{register, Scheduler, SchedulerConfig};
+    use weir::cron::{Delivery, Schedule, Target};
+    let mut redis_server = Server::redis();
+    let prefix = services::unique("faults");
+    let store = Arc::new(
+        weir::store::redis::RedisStore::connect(&redis_server.redis_url(), &prefix)
+            .await
+            .unwrap(),
+    );
+    let broker = weir::transport::memory::MemoryBroker::default();
+    let schedule = |version: u64| {
+        let mut s = Schedule::new("edited", "* * * * * *", "UTC");
+        s.target = Target::Topic("ticks".into());
+        s.delivery = Delivery::AtLeastOnce;
+        s.payload = json!({ "version": version });
+        s
+    };
+    register(store.as_ref(), &schedule(1), 1).await.unwrap();
+    let cancel = CancellationToken::new();
+    let config = SchedulerConfig {
+        lease_ttl: Duration::from_millis(1500),
+        ..SchedulerConfig::new("cron-node")
+    };
+    let scheduler = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), config).run(cancel.clone()),
+    );
+    let versions = |broker: &weir::transport::memory::MemoryBroker| -> Vec<u64> {
+        broker
+            .messages("ticks")
+            .iter()
+            .filter_map(|m| weir::codec::avro::decode::<weir::codec::CronTick>(&m.payload).ok())
+            .filter_map(|t| serde_json::from_str::<Value>(&t.payload).ok()?["version"].as_u64())
+            .collect()
+    };
+    let wait_for = |version: u64| {
+        let broker = broker.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !versions(&broker).contains(&version) {
+                assert!(Instant::now() < deadline, "no tick of version {version}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    wait_for(1).await;
+    let redis_server = tokio::task::spawn_blocking(move || {
+        redis_server.restart();
+        redis_server
+    })
+    .await
+    .unwrap();
+    // The edit goes through once the store's connection is back.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while register(store.as_ref(), &schedule(2), 1).await.is_err() {
+        assert!(Instant::now() < deadline, "Redis did not come back");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    wait_for(2).await;
+    cancel.cancel();
+    let _ = scheduler.await;
+    drop(redis_server);
+}

@@ -1,12 +1,18 @@
 //! `GET /healthz`, `GET /readyz` and `GET /metrics`: open on every listener.
 //!
-//! Readiness: the store and the broker answer a ping within [`PING_TIMEOUT`], and every
+//! Readiness: the store and the broker answer a ping within [`PING_TIMEOUT`], every
+//! background task the process needs (the cron scheduler) still runs, and every
 //! graph this node runs is Live. A graph on standby (another node holds its lease) does
 //! not make the node unready: standing by is its job. Anything else (Warming, Degraded,
 //! Restarting, Failed) does. The 503 body lists each reason:
 //! `{"ready": false, "reasons": ["store: ...", "graph prices: warming"]}`.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -44,6 +50,39 @@ async fn metrics(State(state): State<AdminState>) -> Response {
     }
 }
 
+/// A background task readiness depends on, such as the cron scheduler.
+#[derive(Debug, Clone)]
+pub struct Watched {
+    name: &'static str,
+    stopped: Arc<AtomicBool>,
+}
+
+impl Watched {
+    pub fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            stopped: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// Watches the spawned task: if it ends before `shutdown` (it returned, or
+    /// panicked), the process is unready and the end is logged. The handle returned
+    /// ends with the task.
+    pub fn watch(&self, task: JoinHandle<()>, shutdown: CancellationToken) -> JoinHandle<()> {
+        let (name, stopped) = (self.name, self.stopped.clone());
+        tokio::spawn(async move {
+            let ended = task.await;
+            if !shutdown.is_cancelled() {
+                stopped.store(true, Ordering::SeqCst);
+                match ended {
+                    Err(e) if e.is_panic() => tracing::error!(task = name, "task panicked"),
+                    _ => tracing::error!(task = name, "task stopped"),
+                }
+            }
+        })
+    }
+}
+
 /// Why this process is not ready; empty when it is.
 pub async fn unready_reasons(state: &AdminState) -> Vec<String> {
     let store = async {
@@ -64,6 +103,11 @@ pub async fn unready_reasons(state: &AdminState) -> Vec<String> {
     };
     let (store, broker) = tokio::join!(store, broker);
     let mut reasons: Vec<String> = store.into_iter().chain(broker).collect();
+    for task in &state.tasks {
+        if task.stopped.load(Ordering::SeqCst) {
+            reasons.push(format!("{}: stopped", task.name));
+        }
+    }
     if let Some(supervisor) = &state.supervisor {
         for graph in supervisor.graphs() {
             match graph.status() {

@@ -78,6 +78,8 @@ pub struct AdminState {
     cron_shards: u32,
     metrics: Option<PrometheusHandle>,
     shutdown: CancellationToken,
+    /// Background tasks the process needs: readiness fails once one has stopped.
+    tasks: Vec<health::Watched>,
 }
 
 impl Default for AdminState {
@@ -90,6 +92,7 @@ impl Default for AdminState {
             cron_shards: crate::config::defaults::CRON_SHARDS,
             metrics: None,
             shutdown: CancellationToken::new(),
+            tasks: Vec::new(),
         }
     }
 }
@@ -124,6 +127,12 @@ impl AdminState {
     /// The bearer token protected routes require; `None` leaves them open.
     pub fn with_token(mut self, token: Option<String>) -> Self {
         self.token = token.map(Arc::from);
+        self
+    }
+
+    /// A background task readiness depends on (see [`health::Watched::watch`]).
+    pub fn with_task(mut self, task: health::Watched) -> Self {
+        self.tasks.push(task);
         self
     }
 

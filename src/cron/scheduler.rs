@@ -123,14 +123,38 @@ impl SchedulerConfig {
     }
 }
 
-/// The shard a schedule belongs to (FNV-1a, stable across processes and versions).
-pub fn shard_of(id: &str, shards: u32) -> u32 {
+/// The node that masters a shard among equals: the one whose hash with the shard is
+/// highest (rendezvous hashing), so shards spread evenly and only the departed node's
+/// shards move when one leaves. Every node computes the same answer.
+pub fn shard_master(nodes: &[String], shard: u32) -> Option<&str> {
+    nodes
+        .iter()
+        .max_by_key(|node| {
+            let weight = mix(fnv1a(node.as_bytes()) ^ u64::from(shard).rotate_left(32));
+            (weight, node.as_str())
+        })
+        .map(String::as_str)
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in id.bytes() {
-        hash ^= u64::from(b);
+    for b in bytes {
+        hash ^= u64::from(*b);
         hash = hash.wrapping_mul(0x0100_0000_01b3);
     }
-    (hash % u64::from(shards.max(1))) as u32
+    hash
+}
+
+/// SplitMix64's finaliser: spreads close inputs (one node, shard after shard) apart.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The shard a schedule belongs to (FNV-1a, stable across processes and versions).
+pub fn shard_of(id: &str, shards: u32) -> u32 {
+    (fnv1a(id.as_bytes()) % u64::from(shards.max(1))) as u32
 }
 
 /// An emitted tick's execution: a topic tick is done once published; a workflow's runs
@@ -246,23 +270,28 @@ impl Scheduler {
 
     /// Runs until cancelled, then releases the shard leases it holds.
     pub async fn run(mut self, cancel: CancellationToken) {
-        let mut changes = loop {
-            match self.store.watch_schedules().await {
-                Ok(c) => break Some(c),
-                Err(e) => {
-                    warn!(error = %e, "cannot watch schedule changes; retrying");
-                    tokio::select! {
-                        _ = cancel.cancelled() => return,
-                        _ = tokio::time::sleep(self.config.lease_ttl / 3) => {}
-                    }
-                }
-            }
-        };
         let renew_every = self.config.lease_ttl / 3;
+        // Subscribed again whenever the feed ends (Redis restarted, the connection
+        // dropped); everything cached is read afresh then, as a change may have been
+        // missed meanwhile.
+        let mut changes: Option<crate::store::ScheduleChanges> = None;
+        let mut next_subscribe = Instant::now();
         let sweep_every = (self.config.orphan_after / 2).max(Duration::from_millis(100));
         let mut next_election = Instant::now();
         let mut next_sweep = Instant::now() + sweep_every;
         loop {
+            if changes.is_none() && Instant::now() >= next_subscribe {
+                match self.store.watch_schedules().await {
+                    Ok(c) => {
+                        changes = Some(c);
+                        self.cache.clear();
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "cannot watch schedule changes; retrying");
+                        next_subscribe = Instant::now() + renew_every;
+                    }
+                }
+            }
             if Instant::now() >= next_election {
                 self.elect().await;
                 next_election = Instant::now() + renew_every;
@@ -275,6 +304,9 @@ impl Scheduler {
             }
             let next_due = self.fire_due().await;
             let mut wake = next_election.min(next_sweep);
+            if changes.is_none() {
+                wake = wake.min(next_subscribe);
+            }
             if let Some(due) = next_due {
                 let wait = (due - self.config.clock.now())
                     .to_std()
@@ -285,12 +317,17 @@ impl Scheduler {
             tokio::select! {
                 _ = cancel.cancelled() => break,
                 _ = tokio::time::sleep_until(wake) => {}
-                _ = async {
+                changed = async {
                     match &mut changes {
                         Some(c) => c.changed().await,
                         None => std::future::pending().await,
                     }
                 } => {
+                    if !changed {
+                        warn!("the schedule change feed ended; subscribing again");
+                        changes = None;
+                        next_subscribe = Instant::now();
+                    }
                     debug!("schedules changed");
                     self.cache.clear();
                 }
@@ -322,22 +359,29 @@ impl Scheduler {
         {
             warn!(error = %e, "node registration failed");
         }
-        let best = match self.store.live_nodes().await {
-            Ok(nodes) => nodes
-                .into_iter()
-                // Highest priority wins; among equals the smallest node id, so every node
-                // agrees on one.
-                .max_by(|a, b| a.1.cmp(&b.1).then(b.0.cmp(&a.0))),
+        // The live nodes of the highest priority share the shards; a lower one masters
+        // none while a higher one lives.
+        let candidates: Option<Vec<String>> = match self.store.live_nodes().await {
+            Ok(nodes) => {
+                let top = nodes.iter().map(|(_, p)| *p).max();
+                Some(
+                    nodes
+                        .into_iter()
+                        .filter(|(_, p)| Some(*p) == top)
+                        .map(|(node, _)| node)
+                        .collect(),
+                )
+            }
             Err(e) => {
                 warn!(error = %e, "cannot list live nodes");
                 None
             }
         };
-        let me_best = best
-            .as_ref()
-            .is_none_or(|(node, _)| *node == self.config.node_id);
         for i in 0..self.shards.len() {
             let name = format!("cron:shard:{i}");
+            let me_best = candidates.as_ref().is_none_or(|nodes| {
+                shard_master(nodes, i as u32).is_none_or(|node| node == self.config.node_id)
+            });
             if let Some(lease) = self.shards[i].lease.clone() {
                 if !me_best {
                     info!(
@@ -944,11 +988,20 @@ fn record_emission(delivery: Delivery, lateness_ms: i64) {
 }
 
 /// For tick consumers: drops duplicates (same tick id) and ticks from a deposed master
-/// (a fencing token lower than one already seen for the schedule).
-#[derive(Debug, Default)]
+/// (a fencing token lower than one already seen for the schedule). Its memory is
+/// bounded: per schedule it keeps the newest [`TickGuard::DEFAULT_WINDOW`] scheduled
+/// times (or the window given), and a tick older than all of a full window counts as a
+/// duplicate, since ticks of a schedule arrive in time order but for redeliveries.
+#[derive(Debug)]
 pub struct TickGuard {
-    highest_token: HashMap<String, i64>,
-    seen: std::collections::HashSet<String>,
+    schedules: HashMap<String, SeenTicks>,
+    window: usize,
+}
+
+#[derive(Debug, Default)]
+struct SeenTicks {
+    highest_token: i64,
+    times: std::collections::BTreeSet<i64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -959,19 +1012,49 @@ pub enum TickVerdict {
     Stale,
 }
 
+impl Default for TickGuard {
+    fn default() -> Self {
+        Self::with_window(Self::DEFAULT_WINDOW)
+    }
+}
+
 impl TickGuard {
+    pub const DEFAULT_WINDOW: usize = 1024;
+
+    /// Remembers the newest `window` scheduled times per schedule.
+    pub fn with_window(window: usize) -> Self {
+        Self {
+            schedules: HashMap::new(),
+            window: window.max(1),
+        }
+    }
+
     pub fn check(&mut self, tick: &CronTick) -> TickVerdict {
-        let highest = self
-            .highest_token
+        let seen = self
+            .schedules
             .entry(tick.schedule_id.clone())
-            .or_insert(i64::MIN);
-        if tick.fencing_token < *highest {
+            .or_insert_with(|| SeenTicks {
+                highest_token: i64::MIN,
+                times: Default::default(),
+            });
+        if tick.fencing_token < seen.highest_token {
             return TickVerdict::Stale;
         }
-        *highest = tick.fencing_token;
-        if !self.seen.insert(tick.tick_id.clone()) {
+        seen.highest_token = tick.fencing_token;
+        let at = tick.scheduled_time_ms;
+        let full = seen.times.len() >= self.window;
+        if seen.times.contains(&at) || (full && seen.times.first().is_some_and(|&o| at < o)) {
             return TickVerdict::Duplicate;
         }
+        seen.times.insert(at);
+        if seen.times.len() > self.window {
+            seen.times.pop_first();
+        }
         TickVerdict::Accept
+    }
+
+    /// Scheduled times remembered, over all schedules.
+    pub fn remembered(&self) -> usize {
+        self.schedules.values().map(|s| s.times.len()).sum()
     }
 }

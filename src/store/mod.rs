@@ -144,11 +144,10 @@ pub struct ScheduleChanges {
 }
 
 impl ScheduleChanges {
-    /// Waits for the next change; pends forever if the feed ended.
-    pub async fn changed(&mut self) {
-        if self.receiver.recv().await.is_none() {
-            std::future::pending::<()>().await;
-        }
+    /// Waits for the next change: true for a change, false once the feed has ended
+    /// (its connection dropped), after which the caller subscribes again.
+    pub async fn changed(&mut self) -> bool {
+        self.receiver.recv().await.is_some()
     }
 }
 
