@@ -522,3 +522,100 @@ async fn a_schedule_edited_after_a_redis_restart_applies() {
     let _ = scheduler.await;
     drop(redis_server);
 }
+
+/// A cron master cut off from Redis (a partition, through a proxy): its at_most_once
+/// ticks stop within the lease TTL and the standby takes over; at_least_once ticks go
+/// on; no at_most_once tick goes out twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cron_master_cut_off_from_redis_stops_at_most_once_ticks_within_its_ttl() {
+    use common::servers::Proxy;
+    use weir::codec::CronTick;
+    use weir::cron::scheduler::{register, Scheduler, SchedulerConfig};
+    use weir::cron::{Delivery, Schedule, Target};
+    const TTL: Duration = Duration::from_millis(1500);
+    let redis_server = Server::redis();
+    let proxy = Proxy::start(redis_server.port).await;
+    let prefix = services::unique("faults");
+    let connect = |url: String| {
+        let prefix = prefix.clone();
+        async move {
+            Arc::new(
+                weir::store::redis::RedisStore::connect(&url, &prefix)
+                    .await
+                    .unwrap(),
+            )
+        }
+    };
+    let behind_proxy = connect(format!("redis://127.0.0.1:{}", proxy.port)).await;
+    let direct = connect(redis_server.redis_url()).await;
+    for (id, delivery) in [
+        ("once", Delivery::AtMostOnce),
+        ("least", Delivery::AtLeastOnce),
+    ] {
+        let mut s = Schedule::new(id, "* * * * * *", "UTC");
+        s.target = Target::Topic(id.into());
+        s.delivery = delivery;
+        register(direct.as_ref(), &s, 1).await.unwrap();
+    }
+    let broker = weir::transport::memory::MemoryBroker::default();
+    let cancel = CancellationToken::new();
+    let node = |name: &str, priority: i64, store: Arc<weir::store::redis::RedisStore>| {
+        let config = SchedulerConfig {
+            priority,
+            lease_ttl: TTL,
+            ..SchedulerConfig::new(name)
+        };
+        tokio::spawn(Scheduler::new(store, Arc::new(broker.clone()), config).run(cancel.clone()))
+    };
+    let master = node("master", 10, behind_proxy);
+    let standby = node("standby", 0, direct);
+    let ticks = |topic: &str| -> Vec<CronTick> {
+        broker
+            .messages(topic)
+            .iter()
+            .map(|m| weir::codec::avro::decode::<CronTick>(&m.payload).unwrap())
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !ticks("once").iter().any(|t| t.node_id == "master") {
+        assert!(Instant::now() < deadline, "the master never fired");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let cut_at = chrono::Utc::now().timestamp_millis();
+    proxy.cut();
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let end = chrono::Utc::now().timestamp_millis();
+
+    let once = ticks("once");
+    let late: Vec<&CronTick> = once
+        .iter()
+        .filter(|t| t.node_id == "master" && t.emitted_time_ms > cut_at + TTL.as_millis() as i64)
+        .collect();
+    assert!(
+        late.is_empty(),
+        "at_most_once ticks after the TTL: {late:?}"
+    );
+    assert!(
+        once.iter().any(|t| t.node_id == "standby"),
+        "the standby took over"
+    );
+    let mut times: Vec<i64> = once.iter().map(|t| t.scheduled_time_ms).collect();
+    let count = times.len();
+    times.sort();
+    times.dedup();
+    assert_eq!(times.len(), count, "an at_most_once tick went out twice");
+
+    let least: std::collections::BTreeSet<i64> =
+        ticks("least").iter().map(|t| t.scheduled_time_ms).collect();
+    let first_second = cut_at / 1000 + 1;
+    let last_second = end / 1000 - 1;
+    for second in first_second..last_second {
+        assert!(
+            least.contains(&(second * 1000)),
+            "no at_least_once tick for {second} s (cut at {cut_at})"
+        );
+    }
+    proxy.heal();
+    cancel.cancel();
+    let _ = tokio::join!(master, standby);
+}

@@ -176,3 +176,70 @@ pub fn signal(child: &Child, name: &str) {
         .expect("kill runs");
     assert!(status.success(), "kill -{name} {}", child.id());
 }
+
+/// A TCP proxy in front of a server, which a test can cut: a cut closes every
+/// connection through it, and while cut, new ones are held open and never answered, as
+/// behind a network partition.
+pub struct Proxy {
+    pub port: u16,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    connections: tokio::sync::watch::Sender<u64>,
+}
+
+impl Proxy {
+    /// Starts proxying `127.0.0.1:<port>` (a spare one) to `127.0.0.1:<upstream>`.
+    pub async fn start(upstream: u16) -> Self {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // Bumped on every cut: connections watching it close.
+        let (connections, generation) = tokio::sync::watch::channel(0u64);
+        let is_cut = cut.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((inbound, _)) = listener.accept().await else {
+                    return;
+                };
+                let mut generation = generation.clone();
+                generation.borrow_and_update();
+                if is_cut.load(Ordering::SeqCst) {
+                    // Black-holed until the next cut or the end of the test.
+                    tokio::spawn(async move {
+                        let _held = inbound;
+                        let _ = generation.changed().await;
+                    });
+                    continue;
+                }
+                tokio::spawn(async move {
+                    let Ok(outbound) =
+                        tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
+                    else {
+                        return;
+                    };
+                    let (mut a, mut b) = (inbound, outbound);
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut a, &mut b) => {}
+                        _ = generation.changed() => {}
+                    }
+                });
+            }
+        });
+        Self {
+            port,
+            cut,
+            connections,
+        }
+    }
+
+    pub fn cut(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.connections.send_modify(|g| *g += 1);
+    }
+
+    pub fn heal(&self) {
+        self.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+        // Releases the black-holed connections, so their clients reconnect.
+        self.connections.send_modify(|g| *g += 1);
+    }
+}
