@@ -300,6 +300,70 @@ async fn redis_stopped_for_45_seconds_stalls_no_fire_and_loses_no_input() {
             .wait_for_status(|s| matches!(s, weir::supervisor::GraphStatus::Failed { .. }))
             .await
     });
+    // A cron schedule firing every second, at most once.
+    let ticks_topic = format!("{prefix}.ticks");
+    {
+        use weir::cron::scheduler::{register, Scheduler, SchedulerConfig};
+        let mut schedule = weir::cron::Schedule::new("every-second", "* * * * * *", "UTC");
+        schedule.target = weir::cron::Target::Topic(ticks_topic.clone());
+        register(runtime.store.as_ref(), &schedule, 1)
+            .await
+            .unwrap();
+        let config = SchedulerConfig {
+            lease_ttl: Duration::from_millis(1500),
+            ..SchedulerConfig::new("faults")
+        };
+        tokio::spawn(
+            Scheduler::new(runtime.store.clone(), broker.sink(), config).run(cancel.clone()),
+        );
+    }
+    // Workflows: a state manager and a worker, with executions started all along.
+    let flow = weir::dispatch::Workflow::new(
+        &format!("{prefix}flow"),
+        vec![weir::dispatch::TaskSpec::new("only", "builtin::echo")],
+    )
+    .unwrap();
+    let executor = format!("{prefix}x");
+    let dispatcher = weir::dispatch::Dispatcher::new(
+        runtime.store.clone(),
+        broker.sink(),
+        vec![flow.clone()],
+        weir::dispatch::Router::new(Vec::new(), &executor).unwrap(),
+        weir::dispatch::DispatchSettings {
+            results_topic: format!("{prefix}.results"),
+        },
+    );
+    tokio::spawn(dispatcher.clone().run(broker.clone(), cancel.clone()));
+    tokio::spawn(
+        weir::worker::Worker::new(
+            broker.clone(),
+            runtime.store.clone(),
+            weir::worker::HandlerRegistry::with_builtins(broker.sink()),
+            vec![flow.clone()],
+            weir::worker::WorkerSettings {
+                executor: executor.clone(),
+                concurrency: 4,
+                worker_id: "faults-worker".into(),
+                results_topic: format!("{prefix}.results"),
+            },
+        )
+        .run(cancel.clone()),
+    );
+    let starts = {
+        let (dispatcher, name) = (dispatcher.clone(), flow.name.clone());
+        tokio::spawn(async move {
+            let mut started = Vec::new();
+            let begun = Instant::now();
+            while begun.elapsed() < OUTAGE + Duration::from_secs(10) {
+                // Refused while Redis is down: the caller sees the error.
+                if let Ok(id) = dispatcher.start(&name, json!({"n": started.len()})).await {
+                    started.push(id);
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            started
+        })
+    };
     // Steady load: 20 events every 100 ms, before, during and after the outage.
     let input = format!("{prefix}.in");
     let load = {
@@ -378,6 +442,43 @@ async fn redis_stopped_for_45_seconds_stalls_no_fire_and_loses_no_input() {
         graph.status()
     );
     watcher.abort();
+    // Every workflow started completes once Redis is back.
+    let started = starts.await.unwrap();
+    assert!(started.len() > 10, "{} started", started.len());
+    for id in &started {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let execution = dispatcher.execution(id).await.ok().flatten();
+            if execution
+                .as_ref()
+                .is_some_and(|e| e.status == weir::dispatch::RunStatus::Completed)
+            {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "execution {id} did not complete: {execution:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    // No at_most_once tick went out twice.
+    let ticks = read_until(&broker, &ticks_topic, Duration::from_secs(30), |seen| {
+        seen.len() >= 10
+    })
+    .await;
+    let mut times: Vec<i64> = ticks
+        .iter()
+        .map(|m| {
+            weir::codec::avro::decode::<weir::codec::CronTick>(&m.payload)
+                .unwrap()
+                .scheduled_time_ms
+        })
+        .collect();
+    let count = times.len();
+    times.sort();
+    times.dedup();
+    assert_eq!(times.len(), count, "an at_most_once tick went out twice");
     cancel.cancel();
     supervisor.shutdown().await;
     drop(redis_server);
