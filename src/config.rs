@@ -144,6 +144,9 @@ pub struct WorkflowConfig {
     pub name: String,
     #[serde(default)]
     pub tenant: Option<String>,
+    /// An execution still running this long after its start fails; none by default.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
     #[serde(rename = "task", default)]
     pub tasks: Vec<TaskConfig>,
 }
@@ -189,6 +192,10 @@ impl WorkflowConfig {
             .collect();
         let workflow = crate::dispatch::Workflow::new(&self.name, tasks)
             .map_err(|e| invalid(format!("workflow[{index}]"), e.to_string()))?;
+        let workflow = match self.timeout_ms {
+            Some(ms) => workflow.with_timeout(Duration::from_millis(ms)),
+            None => workflow,
+        };
         Ok(match &self.tenant {
             Some(t) => workflow.with_tenant(t),
             None => workflow,
@@ -786,6 +793,12 @@ impl Config {
             errors.push(invalid("cron.max_attempts", "must be at least 1"));
         }
         for (i, w) in self.workflows.iter().enumerate() {
+            if w.timeout_ms == Some(0) {
+                errors.push(invalid(
+                    format!("workflow[{i}].timeout_ms"),
+                    "must be more than 0 (omit it for no timeout)",
+                ));
+            }
             for (j, t) in w.tasks.iter().enumerate() {
                 let key = |field: &str| format!("workflow[{i}].task[{j}].{field}");
                 if t.timeout_ms == 0 {

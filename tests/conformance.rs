@@ -243,6 +243,30 @@ async fn store_conformance(store: Arc<dyn Store>, graph: &str) {
         Some(kept)
     );
 
+    // Workflow execution deadlines: due earliest first, moved by a second set, cleared.
+    let (early, late) = (format!("{graph}-wf-early"), format!("{graph}-wf-late"));
+    store.set_workflow_deadline(&late, 2_000).await.unwrap();
+    store.set_workflow_deadline(&early, 5_000).await.unwrap();
+    store.set_workflow_deadline(&early, 1_000).await.unwrap();
+    let due = |until| {
+        let store = store.clone();
+        let (early, late) = (early.clone(), late.clone());
+        async move {
+            store
+                .due_workflow_deadlines(until, 10)
+                .await
+                .unwrap()
+                .into_iter()
+                .filter(|id| *id == early || *id == late)
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(due(1_500).await, vec![early.clone()]);
+    assert_eq!(due(3_000).await, vec![early.clone(), late.clone()]);
+    store.clear_workflow_deadline(&early).await.unwrap();
+    assert_eq!(due(i64::MAX).await, vec![late.clone()]);
+    store.clear_workflow_deadline(&late).await.unwrap();
+
     // Published-task records, per workflow execution.
     let execution = format!("{graph}-wf");
     assert!(store.published_tasks(&execution).await.unwrap().is_empty());

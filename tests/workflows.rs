@@ -376,6 +376,35 @@ async fn a_result_too_large_to_publish_fails_its_task_and_is_dead_lettered(env: 
         .is_some_and(|e| e.contains("result cannot be published")));
 }
 
+async fn a_workflow_running_past_its_timeout_fails(env: &Env) {
+    let executor = env.name("slow");
+    let w = flow(&env.name("slowflow"), vec![task("nap", "builtin::sleep")])
+        .with_timeout(Duration::from_secs(1));
+    let workflows = [w.clone()];
+    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    env.worker(&executor, 4, env.builtins(), &workflows);
+    let id = dispatcher
+        .start(&w.name, json!({"sleep_ms": 8000}))
+        .await
+        .unwrap();
+    let began = Instant::now();
+    let done = env.finished(&id, WAIT).await;
+    assert!(
+        began.elapsed() < Duration::from_secs(6),
+        "{:?}",
+        began.elapsed()
+    );
+    assert_eq!(done.status, RunStatus::Failed, "{}", done.summary());
+    let nap = &done.summary()["tasks"]["nap"];
+    assert_eq!(nap["status"], "failed");
+    assert!(
+        nap["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("timed out")),
+        "{nap}"
+    );
+}
+
 async fn a_diamond_runs_in_dependency_order(env: &Env) {
     let executor = env.name("dag");
     let w = flow(
@@ -604,6 +633,10 @@ macro_rules! suite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn unpublishable_results() {
             a_result_too_large_to_publish_fails_its_task_and_is_dead_lettered(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn timeouts() {
+            a_workflow_running_past_its_timeout_fails(&$env).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn diamond() {

@@ -114,6 +114,25 @@ pub struct Applied {
 
 impl WorkflowExecution {
     /// A new execution with its root tasks ready.
+    /// Ends a running execution that outlived its workflow's timeout: every task not
+    /// yet done fails with the reason. False if it had ended already.
+    pub fn time_out(&mut self, timeout_ms: u128, now_ms: i64) -> bool {
+        if self.status != RunStatus::Running {
+            return false;
+        }
+        let reason = format!("the workflow execution timed out after {timeout_ms} ms");
+        for record in self.tasks.values_mut() {
+            if !record.status.is_done() {
+                record.status = TaskStatus::Failed;
+                record.error = Some(reason.clone());
+            }
+        }
+        self.status = RunStatus::Failed;
+        self.updated_ms = now_ms;
+        self.version += 1;
+        true
+    }
+
     pub fn start(
         id: &str,
         workflow: &Workflow,

@@ -52,6 +52,11 @@ const PUBLISH_GRACE_MS: i64 = 10_000;
 /// Executions remembered by a state manager at most; beyond it they are read from the
 /// store, so a large backlog costs reads rather than memory.
 const RECENT_EXECUTIONS: usize = 20_000;
+
+/// How often the state manager looks for executions past their workflow's timeout, and
+/// how many it handles a look.
+const DEADLINE_SWEEP: Duration = Duration::from_secs(1);
+const DEADLINES_PER_SWEEP: usize = 1000;
 /// Consumer group (durable) of the state managers on one topic: a group per topic, so
 /// joining one never rebalances another.
 fn state_manager_group(topic: &str) -> String {
@@ -191,6 +196,12 @@ impl Dispatcher {
             .ok_or_else(|| DispatchError::UnknownWorkflow(workflow.to_string()))?;
         let (execution, ready) =
             WorkflowExecution::start(id, spec, context, origin, &self.inner.router, now_ms());
+        if let Some(timeout) = spec.timeout {
+            // Filed before the execution exists: an entry without its execution is
+            // dropped by the sweep, an execution without its entry would never time out.
+            let deadline = execution.created_ms + timeout.as_millis() as i64;
+            self.inner.store.set_workflow_deadline(id, deadline).await?;
+        }
         if self
             .inner
             .store
@@ -211,6 +222,11 @@ impl Dispatcher {
             .get_workflow_execution(id)
             .await?
             .ok_or_else(|| DispatchError::UnknownExecution(id.to_string()))?;
+        if let Some(timeout) = spec.timeout {
+            // A repeated start keeps the first one's deadline.
+            let deadline = existing.created_ms + timeout.as_millis() as i64;
+            self.inner.store.set_workflow_deadline(id, deadline).await?;
+        }
         let unreported = existing.unreported_ready(spec, None);
         self.publish_unpublished(&existing, spec, unreported, existing.created_ms)
             .await?;
@@ -506,6 +522,14 @@ impl Dispatcher {
                 },
             ));
         }
+        if self.workflows().any(|w| w.timeout.is_some()) {
+            let me = self.clone();
+            let stop = cancel.clone();
+            loops.spawn(async move {
+                me.time_out_overdue(stop).await;
+                Ok(())
+            });
+        }
         let mut outcome = Ok(());
         while let Some(joined) = loops.join_next().await {
             if let Ok(Err(e)) = joined {
@@ -515,6 +539,56 @@ impl Dispatcher {
             }
         }
         outcome
+    }
+
+    /// Fails executions that outlive their workflow's timeout, looking every
+    /// [`DEADLINE_SWEEP`] until cancelled.
+    async fn time_out_overdue(&self, cancel: CancellationToken) {
+        let mut every = tokio::time::interval(DEADLINE_SWEEP);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = every.tick() => {}
+            }
+            if let Err(e) = self.sweep_deadlines().await {
+                warn!(error = %e, "workflow timeout sweep failed; trying again");
+            }
+        }
+    }
+
+    async fn sweep_deadlines(&self) -> Result<(), DispatchError> {
+        let store = &self.inner.store;
+        for id in store
+            .due_workflow_deadlines(now_ms(), DEADLINES_PER_SWEEP)
+            .await?
+        {
+            let mut mine = true;
+            for _ in 0..MAX_CAS_ATTEMPTS {
+                let Some(mut execution) = store.get_workflow_execution(&id).await? else {
+                    break;
+                };
+                let Some(timeout) = self.workflow(&execution.workflow).and_then(|w| w.timeout)
+                else {
+                    // Another node's workflow: its state manager times it out.
+                    mine = false;
+                    break;
+                };
+                if !execution.time_out(timeout.as_millis(), now_ms()) {
+                    break;
+                }
+                if store.update_workflow_execution(&execution).await? {
+                    warn!(execution = %id, workflow = %execution.workflow, ?timeout, "workflow execution timed out");
+                    self.forget(&id);
+                    self.finished(&execution).await?;
+                    break;
+                }
+            }
+            if mine {
+                store.clear_workflow_deadline(&id).await?;
+            }
+        }
+        Ok(())
     }
 
     /// One execution per tick: the tick id is the execution id.

@@ -85,6 +85,26 @@ pub struct Workflow {
     pub tenant: Option<String>,
     pub package: String,
     tasks: Vec<TaskSpec>,
+    /// An execution still running this long after its start fails.
+    #[serde(default, with = "optional_millis")]
+    pub timeout: Option<std::time::Duration>,
+}
+
+/// An optional duration as whole milliseconds.
+mod optional_millis {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.serialize_some(&(d.as_millis() as u64)),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        Ok(Option::<u64>::deserialize(d)?.map(Duration::from_millis))
+    }
 }
 
 fn valid_id(s: &str) -> bool {
@@ -168,7 +188,14 @@ impl Workflow {
             tenant: None,
             package: "default".into(),
             tasks,
+            timeout: None,
         })
+    }
+
+    /// Fails an execution that is still running `timeout` after its start.
+    pub fn with_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
     }
 
     pub fn with_tenant(mut self, tenant: impl Into<String>) -> Self {

@@ -42,6 +42,9 @@ struct State {
     nodes: HashMap<String, (i64, Instant)>,
     workflows: HashMap<String, WorkflowExecution>,
     published: HashMap<String, std::collections::BTreeSet<String>>,
+    /// Workflow execution deadlines: (deadline ms, execution id), and by id.
+    deadlines: std::collections::BTreeSet<(i64, String)>,
+    deadline_of: HashMap<String, i64>,
 }
 
 impl State {
@@ -500,6 +503,42 @@ impl Store for MemoryStore {
             .get(execution)
             .cloned()
             .unwrap_or_default())
+    }
+
+    async fn set_workflow_deadline(
+        &self,
+        execution: &str,
+        deadline_ms: i64,
+    ) -> Result<(), StoreError> {
+        let mut state = self.state();
+        if let Some(old) = state.deadline_of.insert(execution.to_string(), deadline_ms) {
+            state.deadlines.remove(&(old, execution.to_string()));
+        }
+        state.deadlines.insert((deadline_ms, execution.to_string()));
+        Ok(())
+    }
+
+    async fn due_workflow_deadlines(
+        &self,
+        until_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<String>, StoreError> {
+        Ok(self
+            .state()
+            .deadlines
+            .iter()
+            .take_while(|(at, _)| *at <= until_ms)
+            .take(limit)
+            .map(|(_, id)| id.clone())
+            .collect())
+    }
+
+    async fn clear_workflow_deadline(&self, execution: &str) -> Result<(), StoreError> {
+        let mut state = self.state();
+        if let Some(at) = state.deadline_of.remove(execution) {
+            state.deadlines.remove(&(at, execution.to_string()));
+        }
+        Ok(())
     }
 }
 

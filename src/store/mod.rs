@@ -343,4 +343,20 @@ pub trait Store: Send + Sync {
 
     /// The tasks of `execution` recorded by [`Store::mark_tasks_published`].
     async fn published_tasks(&self, execution: &str) -> Result<BTreeSet<String>, StoreError>;
+
+    /// Files a workflow execution under the time it must have ended by.
+    async fn set_workflow_deadline(
+        &self,
+        execution: &str,
+        deadline_ms: i64,
+    ) -> Result<(), StoreError>;
+
+    /// Executions whose deadline is at or before `until_ms`, earliest first.
+    async fn due_workflow_deadlines(
+        &self,
+        until_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<String>, StoreError>;
+
+    async fn clear_workflow_deadline(&self, execution: &str) -> Result<(), StoreError>;
 }

@@ -860,4 +860,39 @@ impl Store for RedisStore {
             .map(str::to_string)
             .collect())
     }
+
+    async fn set_workflow_deadline(
+        &self,
+        execution: &str,
+        deadline_ms: i64,
+    ) -> Result<(), StoreError> {
+        let mut c = self.connection.clone();
+        c.zadd::<_, _, _, ()>(self.key(&["wf-deadlines"]), execution, deadline_ms)
+            .await
+            .map_err(|e| store_error("ZADD", e))
+    }
+
+    async fn due_workflow_deadlines(
+        &self,
+        until_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<String>, StoreError> {
+        let mut c = self.connection.clone();
+        c.zrangebyscore_limit(
+            self.key(&["wf-deadlines"]),
+            "-inf",
+            until_ms,
+            0,
+            limit as isize,
+        )
+        .await
+        .map_err(|e| store_error("ZRANGEBYSCORE", e))
+    }
+
+    async fn clear_workflow_deadline(&self, execution: &str) -> Result<(), StoreError> {
+        let mut c = self.connection.clone();
+        c.zrem::<_, _, ()>(self.key(&["wf-deadlines"]), execution)
+            .await
+            .map_err(|e| store_error("ZREM", e))
+    }
 }
