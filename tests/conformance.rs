@@ -308,11 +308,14 @@ async fn store_conformance(store: Arc<dyn Store>, graph: &str) {
         error: None,
     };
     let claims = store
-        .claim_executions(&[
-            execution(1000, ExecutionStatus::Scheduled),
-            execution(2000, ExecutionStatus::Buffered),
-            execution(3000, ExecutionStatus::Skipped),
-        ])
+        .claim_executions(
+            &[
+                execution(1000, ExecutionStatus::Scheduled),
+                execution(2000, ExecutionStatus::Buffered),
+                execution(3000, ExecutionStatus::Skipped),
+            ],
+            None,
+        )
         .await
         .unwrap();
     assert_eq!(claims, [true, true, true]);
@@ -343,22 +346,93 @@ async fn store_conformance(store: Arc<dyn Store>, graph: &str) {
         .unwrap()
         .is_empty());
     store
-        .put_execution(&execution(1000, ExecutionStatus::Completed))
+        .put_execution(&execution(1000, ExecutionStatus::Completed), None)
         .await
         .unwrap();
     let mut running = execution(2000, ExecutionStatus::Running);
     running.updated_ms = 5000;
-    store.record_fires(0, &[running], &[]).await.unwrap();
+    store.record_fires(0, &[running], &[], None).await.unwrap();
     assert!(open(4999).await.is_empty());
     assert_eq!(open(5000).await, [(schedule.clone(), 2000)]);
     let later: Vec<Execution> = (0..1000)
         .map(|i| execution(10_000 + i, ExecutionStatus::Skipped))
         .collect();
-    store.claim_executions(&later).await.unwrap();
+    store.claim_executions(&later, None).await.unwrap();
     assert_eq!(store.executions(&schedule, 2000).await.unwrap().len(), 1000);
     assert_eq!(store.get_execution(&schedule, 1000).await.unwrap(), None);
     assert_eq!(store.get_execution(&schedule, 2000).await.unwrap(), None);
     assert!(open(i64::MAX).await.is_empty());
+
+    // A deposed shard master's execution writes are refused, whole; its successor's
+    // go through.
+    let shard_lease = format!("{schedule}-shard");
+    let old = store
+        .acquire_lease(&shard_lease, "n1", Duration::from_secs(60))
+        .await
+        .unwrap()
+        .unwrap();
+    store.release_lease(&old).await.unwrap();
+    let new = store
+        .acquire_lease(&shard_lease, "n2", Duration::from_secs(60))
+        .await
+        .unwrap()
+        .unwrap();
+    let (stale, current) = (Fence::from(&old), Fence::from(&new));
+    let claimed = store
+        .claim_executions(
+            &[execution(50_000, ExecutionStatus::Scheduled)],
+            Some(&stale),
+        )
+        .await;
+    assert!(
+        matches!(claimed, Err(StoreError::Fenced { .. })),
+        "{claimed:?}"
+    );
+    assert_eq!(store.get_execution(&schedule, 50_000).await.unwrap(), None);
+    let refused = store
+        .record_fires(
+            0,
+            &[execution(50_000, ExecutionStatus::Running)],
+            &[(schedule.clone(), Some(60_000))],
+            Some(&stale),
+        )
+        .await;
+    assert!(
+        matches!(refused, Err(StoreError::Fenced { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(store.get_execution(&schedule, 50_000).await.unwrap(), None);
+    assert!(matches!(
+        store
+            .put_execution(&execution(50_000, ExecutionStatus::Running), Some(&stale))
+            .await,
+        Err(StoreError::Fenced { .. })
+    ));
+    assert_eq!(
+        store
+            .claim_executions(
+                &[execution(50_000, ExecutionStatus::Scheduled)],
+                Some(&current)
+            )
+            .await
+            .unwrap(),
+        [true]
+    );
+    store
+        .put_execution(
+            &execution(50_000, ExecutionStatus::Completed),
+            Some(&current),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .get_execution(&schedule, 50_000)
+            .await
+            .unwrap()
+            .map(|e| e.status),
+        Some(ExecutionStatus::Completed)
+    );
 
     store.ping().await.unwrap();
 }

@@ -284,7 +284,7 @@ catchup = "all"
             redis::AsyncCommands::get(&mut c, format!("{prefix}:lease:cron:shard:0"))
                 .await
                 .unwrap();
-        let (master, survivor) = if holder.starts_with("n1|") {
+        let (master, survivor) = if holder.starts_with("n1#") {
             (&mut n1, &mut n2)
         } else {
             (&mut n2, &mut n1)
@@ -710,7 +710,7 @@ async fn overlap_buffer_one_holds_one_firing_until_the_running_one_ends() {
         .unwrap()
         .unwrap();
     first.status = ExecutionStatus::Completed;
-    store.put_execution(&first).await.unwrap();
+    store.put_execution(&first, None).await.unwrap();
     tokio::time::sleep(Duration::from_secs(5)).await;
     cancel.cancel();
     let _ = task.await;

@@ -26,7 +26,7 @@ use super::expr::CronExpr;
 use super::schedule::{Delivery, Overlap, Schedule, ScheduleError, Target};
 use crate::codec::{CodecError, CronTick, PreparedTick};
 use crate::metrics::LeaseRole;
-use crate::store::{Execution, ExecutionStatus, Lease, Store, StoreError};
+use crate::store::{Execution, ExecutionStatus, Fence, Lease, Store, StoreError};
 use crate::transport::{Outbound, Sink};
 
 /// Due schedules taken from the store per pass.
@@ -445,6 +445,16 @@ impl Scheduler {
             let next = if store_up {
                 match self.fire_shard_from_store(shard as u32, &lease).await {
                     Ok(next) => next,
+                    Err(StoreError::Fenced { .. }) => {
+                        // A newer master holds the shard: this one is deposed.
+                        warn!(shard, "schedule master deposed; its writes were refused");
+                        crate::metrics::lease_dropped(LeaseRole::Cron);
+                        self.shards[shard] = Shard {
+                            lease: None,
+                            valid_until: None,
+                        };
+                        continue;
+                    }
                     Err(e) => {
                         warn!(shard, error = %e, "store unreachable; firing at_least_once schedules from local state");
                         self.fire_shard_locally(shard as u32, &lease).await
@@ -551,7 +561,11 @@ impl Scheduler {
             next_fires.push((id, next.map(|t| t.timestamp_millis())));
         }
         let executions: Vec<Execution> = planned.iter().map(|(_, e)| e.clone()).collect();
-        let claims = self.store.claim_executions(&executions).await?;
+        let fence = Fence::from(lease);
+        let claims = self
+            .store
+            .claim_executions(&executions, Some(&fence))
+            .await?;
         let mut claimed = Vec::with_capacity(planned.len());
         for ((id, execution), won) in planned.into_iter().zip(claims) {
             if won {
@@ -616,7 +630,9 @@ impl Scheduler {
             }
             fired.extend(self.emit(ready, shard).await);
         }
-        self.store.record_fires(shard, &fired, &next_fires).await?;
+        self.store
+            .record_fires(shard, &fired, &next_fires, Some(&fence))
+            .await?;
         for (id, next) in next_fires {
             if let Some(entry) = self.cache.get_mut(&id) {
                 entry.1 = next.and_then(|ms| Utc.timestamp_millis_opt(ms).single());
@@ -797,6 +813,8 @@ impl Scheduler {
             let Some(lease) = self.shards[shard].lease.clone() else {
                 continue;
             };
+            // A master deposed meanwhile has its writes refused.
+            let fence = Fence::from(&lease);
             let schedule = self.store.get_schedule(&id).await?;
             let recent = self.store.executions(&id, 10).await?;
             let mut running = recent.iter().any(|e| e.status == ExecutionStatus::Running);
@@ -808,7 +826,7 @@ impl Scheduler {
                     execution.status = ExecutionStatus::Failed;
                     execution.error = Some("schedule removed before the tick was emitted".into());
                     execution.updated_ms = self.config.clock.now().timestamp_millis();
-                    self.store.put_execution(&execution).await?;
+                    self.store.put_execution(&execution, Some(&fence)).await?;
                     continue;
                 };
                 if execution.status == ExecutionStatus::Buffered {
@@ -822,7 +840,7 @@ impl Scheduler {
                         running = true;
                     }
                     execution.updated_ms = self.config.clock.now().timestamp_millis();
-                    self.store.put_execution(&execution).await?;
+                    self.store.put_execution(&execution, Some(&fence)).await?;
                     continue;
                 }
                 if execution.updated_ms > threshold {
@@ -833,7 +851,7 @@ impl Scheduler {
                         continue;
                     }
                     if execution.status != ExecutionStatus::Scheduled {
-                        self.store.put_execution(&execution).await?;
+                        self.store.put_execution(&execution, Some(&fence)).await?;
                         continue;
                     }
                 }
@@ -864,7 +882,7 @@ impl Scheduler {
                     }
                 }
                 execution.updated_ms = self.config.clock.now().timestamp_millis();
-                self.store.put_execution(&execution).await?;
+                self.store.put_execution(&execution, Some(&fence)).await?;
             }
         }
         Ok(())

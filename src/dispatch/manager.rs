@@ -446,7 +446,8 @@ impl Dispatcher {
                 cron.error = Some(format!("workflow execution {} failed", execution.id));
             }
             cron.updated_ms = now_ms();
-            store.put_execution(&cron).await?;
+            // The state manager holds no shard lease: an unfenced write.
+            store.put_execution(&cron, None).await?;
         }
         Ok(())
     }

@@ -323,7 +323,12 @@ impl Store for MemoryStore {
         Ok(true)
     }
 
-    async fn claim_executions(&self, executions: &[Execution]) -> Result<Vec<bool>, StoreError> {
+    async fn claim_executions(
+        &self,
+        executions: &[Execution],
+        fence: Option<&Fence>,
+    ) -> Result<Vec<bool>, StoreError> {
+        check_fence(&self.state(), fence)?;
         let mut claimed = Vec::with_capacity(executions.len());
         for e in executions {
             claimed.push(self.claim_execution(e).await?);
@@ -336,9 +341,11 @@ impl Store for MemoryStore {
         shard: u32,
         executions: &[Execution],
         next_fires: &[(String, Option<i64>)],
+        fence: Option<&Fence>,
     ) -> Result<(), StoreError> {
+        check_fence(&self.state(), fence)?;
         for e in executions {
-            self.put_execution(e).await?;
+            self.put_execution(e, None).await?;
         }
         for (id, at) in next_fires {
             self.set_next_fire(shard, id, *at).await?;
@@ -346,8 +353,13 @@ impl Store for MemoryStore {
         Ok(())
     }
 
-    async fn put_execution(&self, execution: &Execution) -> Result<(), StoreError> {
+    async fn put_execution(
+        &self,
+        execution: &Execution,
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError> {
         let mut state = self.state();
+        check_fence(&state, fence)?;
         let list = state
             .executions
             .entry(execution.schedule_id.clone())

@@ -262,20 +262,31 @@ pub trait Store: Send + Sync {
     /// true for the one caller that created it.
     async fn claim_execution(&self, execution: &Execution) -> Result<bool, StoreError>;
 
-    /// [`Store::claim_execution`] for many records in one round trip.
-    async fn claim_executions(&self, executions: &[Execution]) -> Result<Vec<bool>, StoreError>;
+    /// [`Store::claim_execution`] for many records in one round trip. With a `fence`
+    /// (a shard master's lease), refused once a newer master holds the shard.
+    async fn claim_executions(
+        &self,
+        executions: &[Execution],
+        fence: Option<&Fence>,
+    ) -> Result<Vec<bool>, StoreError>;
 
     /// [`Store::put_execution`] and [`Store::set_next_fire`] for many records in one
-    /// round trip.
+    /// round trip, fenced as [`Store::claim_executions`] is.
     async fn record_fires(
         &self,
         shard: u32,
         executions: &[Execution],
         next_fires: &[(String, Option<i64>)],
+        fence: Option<&Fence>,
     ) -> Result<(), StoreError>;
 
-    /// Overwrites an execution record (status changes).
-    async fn put_execution(&self, execution: &Execution) -> Result<(), StoreError>;
+    /// Overwrites an execution record (status changes); with a `fence`, refused once a
+    /// newer master holds its shard.
+    async fn put_execution(
+        &self,
+        execution: &Execution,
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError>;
 
     async fn get_execution(
         &self,

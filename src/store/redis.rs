@@ -98,6 +98,35 @@ return 1
     )
 });
 
+/// Writes of a shard master, made only while no newer master holds the shard.
+/// KEYS: the lease's token counter. ARGV: the writer's token, then operations, each
+/// `SET key value`, `ZADD key score member` or `ZREM key member`.
+static FENCED_WRITES: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local newest = tonumber(redis.call('GET', KEYS[1]) or '0')
+if newest > tonumber(ARGV[1]) then
+  return 0
+end
+local i = 2
+while i <= #ARGV do
+  local op = ARGV[i]
+  if op == 'SET' then
+    redis.call('SET', ARGV[i + 1], ARGV[i + 2])
+    i = i + 3
+  elseif op == 'ZADD' then
+    redis.call('ZADD', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
+    i = i + 4
+  else
+    redis.call('ZREM', ARGV[i + 1], ARGV[i + 2])
+    i = i + 3
+  end
+end
+return 1
+"#,
+    )
+});
+
 /// Prefix of the execution hash fields recording a task's ready event as published.
 const PUBLISHED_FIELD: &str = "published:";
 
@@ -107,11 +136,16 @@ const FINISHED_WORKFLOW_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
 /// Claims an execution (SET NX), adds it to its schedule's history and, while
 /// unfinished, to the open index; an execution that falls out of the history is deleted
 /// with its index entry, so records do not outlive the history that lists them.
-/// KEYS: record, history, open index. ARGV: record JSON, scheduled ms, executions kept,
-/// record key prefix, index member prefix, index score ('' when finished).
+/// Refused (-1) when a fence token is given and a newer one exists.
+/// KEYS: record, history, open index, lease token counter. ARGV: record JSON, scheduled
+/// ms, executions kept, record key prefix, index member prefix, index score ('' when
+/// finished), fence token ('' for none).
 static CLAIM_EXECUTION: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
+if ARGV[7] ~= '' and tonumber(redis.call('GET', KEYS[4]) or '0') > tonumber(ARGV[7]) then
+  return -1
+end
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX') then
   return 0
 end
@@ -146,6 +180,13 @@ return 1
 "#,
     )
 });
+
+/// One write of a batch: `SET key value`, `ZADD key score member`, `ZREM key member`.
+enum Write {
+    Set(String, String),
+    Zadd(String, i64, String),
+    Zrem(String, String),
+}
 
 fn store_error(operation: &'static str, e: redis::RedisError) -> StoreError {
     if e.is_io_error() || e.is_connection_refusal() || e.is_timeout() || e.is_connection_dropped() {
@@ -207,27 +248,70 @@ impl RedisStore {
         self.key(&["exec", "open"])
     }
 
-    /// Writes an execution record and keeps the open index in step with its status.
-    fn queue_execution_write(
-        &self,
-        pipe: &mut redis::Pipeline,
-        execution: &Execution,
-    ) -> Result<(), StoreError> {
+    /// Writing an execution record, with the open index kept in step with its status.
+    fn execution_writes(&self, execution: &Execution) -> Result<Vec<Write>, StoreError> {
         let member = format!(
             "{}{}",
             open_member_prefix(&execution.schedule_id),
             execution.scheduled_ms
         );
-        pipe.set(
+        let record = Write::Set(
             self.execution_key(&execution.schedule_id, execution.scheduled_ms),
             Self::encode(execution)?,
-        )
-        .ignore();
-        match execution.open_since() {
-            Some(since) => pipe.zadd(self.open_index(), member, since).ignore(),
-            None => pipe.zrem(self.open_index(), member).ignore(),
+        );
+        let index = match execution.open_since() {
+            Some(since) => Write::Zadd(self.open_index(), since, member),
+            None => Write::Zrem(self.open_index(), member),
         };
-        Ok(())
+        Ok(vec![record, index])
+    }
+
+    /// Runs `writes` in one round trip: fenced, as one script refused whole once a
+    /// newer token of the fence's lease exists; else as a pipeline.
+    async fn apply_writes(
+        &self,
+        operation: &'static str,
+        writes: Vec<Write>,
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError> {
+        let mut c = self.connection.clone();
+        let Some(fence) = fence else {
+            let mut pipe = redis::pipe();
+            for w in writes {
+                match w {
+                    Write::Set(key, value) => pipe.set(key, value).ignore(),
+                    Write::Zadd(key, score, member) => pipe.zadd(key, member, score).ignore(),
+                    Write::Zrem(key, member) => pipe.zrem(key, member).ignore(),
+                };
+            }
+            return pipe
+                .query_async::<()>(&mut c)
+                .await
+                .map_err(|e| store_error(operation, e));
+        };
+        let mut script = FENCED_WRITES.key(self.key(&["fence", &fence.lease]));
+        script.arg(fence.token);
+        for w in writes {
+            match w {
+                Write::Set(key, value) => script.arg("SET").arg(key).arg(value),
+                Write::Zadd(key, score, member) => {
+                    script.arg("ZADD").arg(key).arg(score).arg(member)
+                }
+                Write::Zrem(key, member) => script.arg("ZREM").arg(key).arg(member),
+            };
+        }
+        let written: i64 = script
+            .invoke_async(&mut c)
+            .await
+            .map_err(|e| store_error(operation, e))?;
+        if written == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::Fenced {
+                lease: fence.lease.clone(),
+                token: fence.token,
+            })
+        }
     }
 
     fn key(&self, parts: &[&str]) -> String {
@@ -554,15 +638,24 @@ impl Store for RedisStore {
 
     async fn claim_execution(&self, execution: &Execution) -> Result<bool, StoreError> {
         let claims = self
-            .claim_executions(std::slice::from_ref(execution))
+            .claim_executions(std::slice::from_ref(execution), None)
             .await?;
         Ok(claims.first().copied().unwrap_or(false))
     }
 
-    async fn claim_executions(&self, executions: &[Execution]) -> Result<Vec<bool>, StoreError> {
+    async fn claim_executions(
+        &self,
+        executions: &[Execution],
+        fence: Option<&Fence>,
+    ) -> Result<Vec<bool>, StoreError> {
         if executions.is_empty() {
             return Ok(Vec::new());
         }
+        let fence_key = match fence {
+            Some(f) => self.key(&["fence", &f.lease]),
+            None => self.key(&["fence", "none"]),
+        };
+        let token = fence.map(|f| f.token.to_string()).unwrap_or_default();
         let open = self.open_index();
         let mut pipe = redis::pipe();
         // Loading the script first lets the pipeline invoke it by hash on any server.
@@ -573,12 +666,14 @@ impl Store for RedisStore {
             claim
                 .key(self.key(&["exec", "hist", &e.schedule_id]))
                 .key(&open)
+                .key(&fence_key)
                 .arg(Self::encode(e)?)
                 .arg(&ms)
                 .arg(EXECUTIONS_KEPT)
                 .arg(format!("{}:", self.key(&["exec", &e.schedule_id])))
                 .arg(open_member_prefix(&e.schedule_id))
-                .arg(e.open_since().map(|s| s.to_string()).unwrap_or_default());
+                .arg(e.open_since().map(|s| s.to_string()).unwrap_or_default())
+                .arg(&token);
             pipe.invoke_script(&claim);
         }
         let mut c = self.connection.clone();
@@ -586,6 +681,12 @@ impl Store for RedisStore {
             .query_async(&mut c)
             .await
             .map_err(|e| store_error("claim executions", e))?;
+        if let (Some(fence), true) = (fence, replies.contains(&-1)) {
+            return Err(StoreError::Fenced {
+                lease: fence.lease.clone(),
+                token: fence.token,
+            });
+        }
         Ok(replies.into_iter().map(|r| r == 1).collect())
     }
 
@@ -594,34 +695,32 @@ impl Store for RedisStore {
         shard: u32,
         executions: &[Execution],
         next_fires: &[(String, Option<i64>)],
+        fence: Option<&Fence>,
     ) -> Result<(), StoreError> {
         if executions.is_empty() && next_fires.is_empty() {
             return Ok(());
         }
         let due = self.key(&["sched", "due", &shard.to_string()]);
-        let mut pipe = redis::pipe();
+        let mut writes = Vec::with_capacity(executions.len() * 2 + next_fires.len());
         for e in executions {
-            self.queue_execution_write(&mut pipe, e)?;
+            writes.extend(self.execution_writes(e)?);
         }
         for (id, at) in next_fires {
-            match at {
-                Some(at) => pipe.zadd(&due, id, *at).ignore(),
-                None => pipe.zrem(&due, id).ignore(),
-            };
+            writes.push(match at {
+                Some(at) => Write::Zadd(due.clone(), *at, id.clone()),
+                None => Write::Zrem(due.clone(), id.clone()),
+            });
         }
-        let mut c = self.connection.clone();
-        pipe.query_async::<()>(&mut c)
-            .await
-            .map_err(|e| store_error("record fires", e))
+        self.apply_writes("record fires", writes, fence).await
     }
 
-    async fn put_execution(&self, execution: &Execution) -> Result<(), StoreError> {
-        let mut pipe = redis::pipe();
-        self.queue_execution_write(&mut pipe, execution)?;
-        let mut c = self.connection.clone();
-        pipe.query_async::<()>(&mut c)
-            .await
-            .map_err(|e| store_error("put execution", e))
+    async fn put_execution(
+        &self,
+        execution: &Execution,
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError> {
+        let writes = self.execution_writes(execution)?;
+        self.apply_writes("put execution", writes, fence).await
     }
 
     async fn open_executions(
