@@ -405,6 +405,50 @@ async fn a_workflow_running_past_its_timeout_fails(env: &Env) {
     );
 }
 
+/// With room for one task, a task waiting out its retry backoff leaves the slot to
+/// another: the other finishes first.
+async fn a_retrying_task_frees_its_slot_during_the_backoff(env: &Env) {
+    let executor = env.name("one");
+    let flaky = flow(
+        &env.name("flaky"),
+        vec![TaskSpec {
+            max_attempts: 2,
+            backoff: Duration::from_secs(3),
+            ..task("flaky", "builtin::fail")
+        }],
+    );
+    let quick = flow(&env.name("quick"), vec![task("quick", "builtin::echo")]);
+    let workflows = [flaky.clone(), quick.clone()];
+    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    env.worker(&executor, 1, env.builtins(), &workflows);
+    let slow = dispatcher
+        .start(&flaky.name, json!({"fail_times": 1}))
+        .await
+        .unwrap();
+    // The first attempt has failed and its backoff begun.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let e = env.store.get_workflow_execution(&slow).await.unwrap();
+        if e.is_some_and(|e| e.tasks["flaky"].attempts >= 1) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the first attempt never reported"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let fast = dispatcher.start(&quick.name, json!({})).await.unwrap();
+    let fast = env.finished(&fast, WAIT).await;
+    let slow = env.finished(&slow, WAIT).await;
+    assert_eq!(fast.status, RunStatus::Completed);
+    assert_eq!(slow.status, RunStatus::Completed, "{}", slow.summary());
+    assert!(
+        fast.updated_ms < slow.updated_ms,
+        "the quick task waited for the retrying one's slot"
+    );
+}
+
 async fn a_diamond_runs_in_dependency_order(env: &Env) {
     let executor = env.name("dag");
     let w = flow(
@@ -637,6 +681,10 @@ macro_rules! suite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn timeouts() {
             a_workflow_running_past_its_timeout_fails(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn retry_backoff_frees_the_slot() {
+            a_retrying_task_frees_its_slot_during_the_backoff(&$env).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn diamond() {

@@ -1,5 +1,6 @@
 //! A worker: a consumer-group member on its executor's topic (`weir.tasks.<key>`). It
-//! runs at most `concurrency` tasks at once and stops fetching while full. For each
+//! runs at most `concurrency` tasks at once, reads at most twice that ahead and stops
+//! fetching beyond it; a task waiting out a retry backoff frees its slot. For each
 //! TaskReadyEvent it loads the execution's context from the store, runs the task's
 //! handler with the task's timeout, and reports every attempt to the results topic.
 //! A failed attempt with attempts left is retried here after the task's backoff
@@ -67,7 +68,14 @@ struct Shared {
     handlers: HandlerRegistry,
     workflows: BTreeMap<String, Workflow>,
     settings: WorkerSettings,
+    /// One permit per task that may run at once. Held only while a handler runs: a task
+    /// waiting out its retry backoff leaves its slot to another.
+    capacity: Arc<tokio::sync::Semaphore>,
 }
+
+/// Task events read ahead of free capacity, per slot: read, they count as in progress
+/// (kept alive on JetStream), so none is handed to another worker while it waits here.
+const READ_AHEAD_PER_SLOT: usize = 2;
 
 /// The worker's metric handles, labelled with its executor once rather than looked up
 /// for every task.
@@ -117,6 +125,7 @@ impl Worker {
             sink: broker.sink(),
             handlers,
             workflows: workflows.into_iter().map(|w| (w.name.clone(), w)).collect(),
+            capacity: Arc::new(tokio::sync::Semaphore::new(settings.concurrency.max(1))),
             settings,
         };
         Self {
@@ -133,10 +142,11 @@ impl Worker {
             executor: executor.clone(),
             source,
         };
+        let read_ahead = settings.concurrency.max(1) * READ_AHEAD_PER_SLOT;
         let subscription = Subscription::work_queue(
             executor_topic(&executor),
             worker_group(&executor),
-            settings.concurrency,
+            read_ahead,
         );
         let source = self.broker.subscribe(&subscription).await.map_err(&error)?;
         gauge!(names::WORKER_CAPACITY, "executor" => executor.clone())
@@ -144,7 +154,7 @@ impl Worker {
         let shared = self.shared.clone();
         let metrics = Arc::new(TaskMetrics::new(&executor));
         let stop = cancel.clone();
-        consume_concurrently(source, settings.concurrency, cancel, move |message| {
+        consume_concurrently(source, read_ahead, cancel, move |message| {
             let (shared, metrics, stop) = (shared.clone(), metrics.clone(), stop.clone());
             async move { shared.execute(message, &metrics, &stop).await }
         })
@@ -234,6 +244,13 @@ impl Shared {
         let mut attempt = (event.attempt.max(1) as u32).max(record.attempts + 1);
         let max_attempts = spec.max_attempts.max(1);
         loop {
+            let slot = tokio::select! {
+                _ = cancel.cancelled() => return false,
+                slot = self.capacity.acquire() => match slot {
+                    Ok(slot) => slot,
+                    Err(_) => return false,
+                },
+            };
             metrics.started.increment(1);
             metrics.in_use.increment(1.0);
             let began = Instant::now();
@@ -252,6 +269,7 @@ impl Shared {
                 }
             };
             metrics.in_use.decrement(1.0);
+            drop(slot);
             let took = began.elapsed();
             metrics.duration.record(took.as_secs_f64());
             let reported = match outcome {
