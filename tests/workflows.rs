@@ -449,6 +449,33 @@ async fn a_retrying_task_frees_its_slot_during_the_backoff(env: &Env) {
     );
 }
 
+/// A worker without the task's handler hands the task back for another worker; with no
+/// worker that has it, the task is dead-lettered after `max_attempts` deliveries.
+async fn a_task_no_worker_can_run_is_dead_lettered_after_its_deliveries(env: &Env) {
+    let executor = env.name("nohandler");
+    let w = flow(
+        &env.name("nohandler"),
+        vec![TaskSpec {
+            max_attempts: 3,
+            ..task("special", "special")
+        }],
+    );
+    let workflows = [w.clone()];
+    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    env.worker(&executor, 2, env.builtins(), &workflows);
+    let id = dispatcher.start(&w.name, json!({})).await.unwrap();
+    let done = env.finished(&id, WAIT).await;
+    assert_eq!(done.status, RunStatus::Failed);
+    let dead = env
+        .read(&format!("weir.tasks.{executor}.dlq"), 1, WAIT)
+        .await;
+    assert!(dead[0]
+        .header("weir-error")
+        .is_some_and(|e| e.contains("delivered 3 times")));
+    let deliveries = env.read(&format!("weir.tasks.{executor}"), 3, WAIT).await;
+    assert_eq!(deliveries[2].header("weir-deliveries"), Some("3"));
+}
+
 async fn a_diamond_runs_in_dependency_order(env: &Env) {
     let executor = env.name("dag");
     let w = flow(
@@ -687,6 +714,10 @@ macro_rules! suite {
             a_retrying_task_frees_its_slot_during_the_backoff(&$env).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn tasks_without_a_handler() {
+            a_task_no_worker_can_run_is_dead_lettered_after_its_deliveries(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn diamond() {
             a_diamond_runs_in_dependency_order(&$env).await;
         }
@@ -744,4 +775,43 @@ mod nats {
     }
 
     suite!(env().await);
+
+    /// Two workers share an executor; only one has the task's handler. Every task
+    /// ends up on it: the other hands back what it cannot run.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_worker_without_the_handler_leaves_the_task_to_one_with_it() {
+        let env = env().await;
+        let executor = env.name("mixed");
+        // Any worker of the group may take a handed-back task next: enough deliveries
+        // that the one with the handler surely gets each.
+        let w = flow(
+            &env.name("mixed"),
+            vec![TaskSpec {
+                max_attempts: 20,
+                ..task("special", "special")
+            }],
+        );
+        let workflows = [w.clone()];
+        let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+        env.worker(&executor, 4, env.builtins(), &workflows);
+        let able = Arc::new(Recorder {
+            mark: "able".into(),
+            ..Recorder::default()
+        });
+        env.worker(
+            &executor,
+            4,
+            with(env.builtins(), "special", able),
+            &workflows,
+        );
+        let mut ids = Vec::new();
+        for _ in 0..8 {
+            ids.push(dispatcher.start(&w.name, json!({})).await.unwrap());
+        }
+        for id in ids {
+            let done = env.finished(&id, WAIT).await;
+            assert_eq!(done.status, RunStatus::Completed, "{}", done.summary());
+            assert_eq!(done.context["ran_special"], "able");
+        }
+    }
 }

@@ -73,6 +73,10 @@ struct Shared {
     capacity: Arc<tokio::sync::Semaphore>,
 }
 
+/// Times a task event was handed to a worker that has no handler for it; the last one
+/// allowed (the task's `max_attempts`) dead-letters it.
+pub const DELIVERIES_HEADER: &str = "weir-deliveries";
+
 /// Task events read ahead of free capacity, per slot: read, they count as in progress
 /// (kept alive on JetStream), so none is handed to another worker while it waits here.
 const READ_AHEAD_PER_SLOT: usize = 2;
@@ -226,6 +230,28 @@ impl Shared {
                 None => format!("this worker does not know task {}", event.namespace),
                 Some(s) => format!("no handler registered as {:?}", s.handler),
             };
+            let deliveries = message
+                .header(DELIVERIES_HEADER)
+                .and_then(|d| d.parse::<i32>().ok())
+                .unwrap_or(1);
+            if deliveries < event.max_attempts.max(1) {
+                // Another worker of the executor may know it: handed back to the topic,
+                // unkeyed so any partition and member may take it, counting this one.
+                debug!(task = %event.task_execution_id, %why, deliveries, "left for another worker");
+                let mut again = Outbound::new(message.topic.to_string(), message.payload.clone())
+                    .header(DELIVERIES_HEADER, (deliveries + 1).to_string());
+                again.headers.extend(
+                    message
+                        .headers
+                        .iter()
+                        .filter(|(name, _)| name != DELIVERIES_HEADER)
+                        .cloned(),
+                );
+                return publish_persistently(self.sink.as_ref(), again, cancel)
+                    .await
+                    .is_ok();
+            }
+            let why = format!("{why} (delivered {deliveries} times)");
             let report = self
                 .report(
                     &event,
