@@ -83,22 +83,8 @@ return 0
     )
 });
 
-/// Sets a value unless its writer's lease has been taken with a newer token since.
-/// KEYS: value, the lease's token counter. ARGV: value, the writer's token.
-static FENCED_SET: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r#"
-local newest = tonumber(redis.call('GET', KEYS[2]) or '0')
-if newest > tonumber(ARGV[2]) then
-  return 0
-end
-redis.call('SET', KEYS[1], ARGV[1])
-return 1
-"#,
-    )
-});
-
-/// Writes of a shard master, made only while no newer master holds the shard.
+/// Writes of a lease holder (a graph's checkpoints and snapshots, a shard master's
+/// execution records), made only while no newer holder has the lease.
 /// KEYS: the lease's token counter. ARGV: the writer's token, then operations, each
 /// `SET key value`, `ZADD key score member` or `ZREM key member`.
 static FENCED_WRITES: LazyLock<Script> = LazyLock::new(|| {
@@ -353,26 +339,12 @@ impl RedisStore {
         value: &T,
         fence: Option<&Fence>,
     ) -> Result<(), StoreError> {
-        let Some(fence) = fence else {
-            return self.set_json(key, value).await;
-        };
-        let text = Self::encode(value)?;
-        let mut c = self.connection.clone();
-        let written: i64 = FENCED_SET
-            .key(key)
-            .key(self.key(&["fence", &fence.lease]))
-            .arg(text)
-            .arg(fence.token)
-            .invoke_async(&mut c)
-            .await
-            .map_err(|e| store_error("fenced SET", e))?;
-        if written == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::Fenced {
-                lease: fence.lease.clone(),
-                token: fence.token,
-            })
+        match fence {
+            None => self.set_json(key, value).await,
+            Some(_) => {
+                let write = Write::Set(key, Self::encode(value)?);
+                self.apply_writes("fenced SET", vec![write], fence).await
+            }
         }
     }
 
