@@ -22,7 +22,8 @@ prefix="soak$RANDOM$RANDOM"
 admin_port=$((20000 + RANDOM % 20000))
 pids=()
 cleanup() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  # The processes started here and every background job (the input generator too).
+  for pid in "${pids[@]}" $(jobs -p); do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
   rm -rf "$work"
 }
