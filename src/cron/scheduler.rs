@@ -272,8 +272,8 @@ impl Scheduler {
     pub async fn run(mut self, cancel: CancellationToken) {
         let renew_every = self.config.lease_ttl / 3;
         // Subscribed again whenever the feed ends (Redis restarted, the connection
-        // dropped); everything cached is read afresh then, as a change may have been
-        // missed meanwhile.
+        // dropped); once it is, everything cached is read afresh, as a change may have
+        // been missed meanwhile.
         let mut changes: Option<crate::store::ScheduleChanges> = None;
         let mut next_subscribe = Instant::now();
         let sweep_every = (self.config.orphan_after / 2).max(Duration::from_millis(100));
@@ -281,13 +281,19 @@ impl Scheduler {
         let mut next_sweep = Instant::now() + sweep_every;
         loop {
             if changes.is_none() && Instant::now() >= next_subscribe {
-                match self.store.watch_schedules().await {
-                    Ok(c) => {
+                // Bounded: behind a partition the subscription may never answer, and
+                // this loop also fires at_least_once ticks from local state meanwhile.
+                match tokio::time::timeout(renew_every, self.store.watch_schedules()).await {
+                    Ok(Ok(c)) => {
                         changes = Some(c);
                         self.cache.clear();
                     }
-                    Err(e) => {
+                    Ok(Err(e)) => {
                         warn!(error = %e, "cannot watch schedule changes; retrying");
+                        next_subscribe = Instant::now() + renew_every;
+                    }
+                    Err(_) => {
+                        warn!("no answer subscribing to schedule changes; retrying");
                         next_subscribe = Instant::now() + renew_every;
                     }
                 }
@@ -323,13 +329,16 @@ impl Scheduler {
                         None => std::future::pending().await,
                     }
                 } => {
-                    if !changed {
+                    if changed {
+                        debug!("schedules changed");
+                        self.cache.clear();
+                    } else {
+                        // The cache stays, for firing at_least_once schedules while the
+                        // store is away; it is read afresh once subscribed again.
                         warn!("the schedule change feed ended; subscribing again");
                         changes = None;
                         next_subscribe = Instant::now();
                     }
-                    debug!("schedules changed");
-                    self.cache.clear();
                 }
             }
         }
