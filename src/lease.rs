@@ -91,7 +91,8 @@ pub async fn acquire(
 }
 
 /// Renews a held lease once; true if the store confirmed it, moving the deadline on
-/// from the send time. A reply that comes after the deadline counts for nothing.
+/// from the send time. A late confirmation may leave the deadline passed: the deadline,
+/// not this answer, says whether the holder may act.
 pub async fn renew(
     store: &dyn Store,
     held: &Held,
@@ -102,7 +103,7 @@ pub async fn renew(
     if renewed {
         held.deadline.confirm(sent, ttl);
     }
-    Ok(renewed && !held.deadline.passed())
+    Ok(renewed)
 }
 
 /// Keeps a lease: renews it every third of the TTL, and cancels `lost` when it is
@@ -130,7 +131,12 @@ pub async fn keep(
         let renewal =
             tokio::time::timeout_at(held.deadline.at(), renew(store.as_ref(), &held, ttl));
         match renewal.await {
-            Ok(Ok(true)) => {}
+            Ok(Ok(true)) if !held.deadline.passed() => {}
+            Ok(Ok(true)) => {
+                warn!(lease = %held.lease.name, "lease renewal confirmed after its deadline");
+                lost.cancel();
+                return;
+            }
             Ok(Ok(false)) => {
                 warn!(lease = %held.lease.name, "lease taken over");
                 lost.cancel();

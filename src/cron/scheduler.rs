@@ -226,10 +226,16 @@ pub async fn set_enabled(
     Ok(true)
 }
 
+#[derive(Default)]
 struct Shard {
-    lease: Option<Lease>,
-    /// Until when the lease is known valid (last successful renewal + TTL).
-    valid_until: Option<Instant>,
+    /// The shard's master lease, with its deadline, while this node holds it.
+    held: Option<crate::lease::Held>,
+}
+
+impl Shard {
+    fn lease(&self) -> Option<Lease> {
+        self.held.as_ref().map(|held| held.lease.clone())
+    }
 }
 
 struct Cached {
@@ -253,10 +259,7 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(store: Arc<dyn Store>, sink: Arc<dyn Sink>, config: SchedulerConfig) -> Self {
         let shards = (0..config.shards.max(1))
-            .map(|_| Shard {
-                lease: None,
-                valid_until: None,
-            })
+            .map(|_| Shard::default())
             .collect();
         Self {
             store,
@@ -343,18 +346,20 @@ impl Scheduler {
             }
         }
         for shard in &mut self.shards {
-            if let Some(lease) = shard.lease.take() {
-                let _ = self.store.release_lease(&lease).await;
+            if let Some(held) = shard.held.take() {
+                let _ = self.store.release_lease(&held.lease).await;
                 crate::metrics::lease_dropped(LeaseRole::Cron);
             }
         }
         changes.take();
     }
 
+    /// Whether this node surely holds the shard's lease: before its deadline.
     fn holds(&self, shard: usize) -> bool {
         self.shards[shard]
-            .valid_until
-            .is_some_and(|v| Instant::now() < v)
+            .held
+            .as_ref()
+            .is_some_and(|held| !held.deadline.passed())
     }
 
     /// Registers this node, then per shard: renew, yield to a higher priority, or take
@@ -391,50 +396,41 @@ impl Scheduler {
             let me_best = candidates.as_ref().is_none_or(|nodes| {
                 shard_master(nodes, i as u32).is_none_or(|node| node == self.config.node_id)
             });
-            if let Some(lease) = self.shards[i].lease.clone() {
+            if let Some(held) = self.shards[i].held.clone() {
                 if !me_best {
                     info!(
                         shard = i,
                         "yielding the schedule master to a higher-priority node"
                     );
-                    let _ = self.store.release_lease(&lease).await;
+                    let _ = self.store.release_lease(&held.lease).await;
                     crate::metrics::lease_dropped(LeaseRole::Cron);
-                    self.shards[i] = Shard {
-                        lease: None,
-                        valid_until: None,
-                    };
+                    self.shards[i] = Shard::default();
                     continue;
                 }
-                // The lease surely lasts a TTL from when the renewal was sent.
-                let sent = Instant::now();
-                match self.store.renew_lease(&lease, ttl).await {
-                    Ok(true) => self.shards[i].valid_until = Some(sent + ttl),
+                // A confirmed renewal moves the deadline on from when it was sent.
+                match crate::lease::renew(self.store.as_ref(), &held, ttl).await {
+                    Ok(true) => {}
                     Ok(false) => {
                         warn!(shard = i, "schedule master lease lost");
                         crate::metrics::lease_dropped(LeaseRole::Cron);
-                        self.shards[i] = Shard {
-                            lease: None,
-                            valid_until: None,
-                        };
+                        self.shards[i] = Shard::default();
                     }
-                    // Keep the lease until it would have expired; at_most_once stops
-                    // firing then, at_least_once carries on from local state.
+                    // Keep the lease until its deadline; at_most_once stops firing
+                    // then, at_least_once carries on from local state.
                     Err(e) => warn!(shard = i, error = %e, "lease renewal failed"),
                 }
             } else if me_best {
-                let sent = Instant::now();
-                match self
-                    .store
-                    .acquire_lease(&name, &crate::lease::holder(&self.config.node_id), ttl)
+                match crate::lease::acquire(self.store.as_ref(), &name, &self.config.node_id, ttl)
                     .await
                 {
-                    Ok(Some(lease)) => {
-                        info!(shard = i, token = lease.token, "schedule master for shard");
+                    Ok(Some(held)) => {
+                        info!(
+                            shard = i,
+                            token = held.lease.token,
+                            "schedule master for shard"
+                        );
                         crate::metrics::lease_acquired(LeaseRole::Cron);
-                        self.shards[i] = Shard {
-                            lease: Some(lease),
-                            valid_until: Some(sent + ttl),
-                        };
+                        self.shards[i] = Shard { held: Some(held) };
                     }
                     Ok(None) => {}
                     Err(e) => warn!(shard = i, error = %e, "cannot take the shard lease"),
@@ -447,7 +443,7 @@ impl Scheduler {
     async fn fire_due(&mut self) -> Option<DateTime<Utc>> {
         let mut earliest: Option<DateTime<Utc>> = None;
         for shard in 0..self.shards.len() {
-            let Some(lease) = self.shards[shard].lease.clone() else {
+            let Some(lease) = self.shards[shard].lease() else {
                 continue;
             };
             let store_up = self.holds(shard);
@@ -458,10 +454,7 @@ impl Scheduler {
                         // A newer master holds the shard: this one is deposed.
                         warn!(shard, "schedule master deposed; its writes were refused");
                         crate::metrics::lease_dropped(LeaseRole::Cron);
-                        self.shards[shard] = Shard {
-                            lease: None,
-                            valid_until: None,
-                        };
+                        self.shards[shard] = Shard::default();
                         continue;
                     }
                     Err(e) => {
@@ -819,7 +812,7 @@ impl Scheduler {
             if !led.contains(&shard) {
                 continue;
             }
-            let Some(lease) = self.shards[shard].lease.clone() else {
+            let Some(lease) = self.shards[shard].lease() else {
                 continue;
             };
             // A master deposed meanwhile has its writes refused.
