@@ -73,6 +73,19 @@ impl Held {
     pub fn fence(&self) -> Fence {
         Fence::from(&self.lease)
     }
+
+    /// The fence a store write carries; refused here already once the deadline passed,
+    /// since another node may hold the lease by then.
+    pub fn write_fence(&self) -> Result<Fence, crate::store::StoreError> {
+        let fence = self.fence();
+        if self.deadline.passed() {
+            return Err(crate::store::StoreError::Fenced {
+                lease: fence.lease,
+                token: fence.token,
+            });
+        }
+        Ok(fence)
+    }
 }
 
 /// Takes the lease `name` for this process if it is free; `None` if another holds it.

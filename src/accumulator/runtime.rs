@@ -134,15 +134,10 @@ impl AccumulatorTask {
                 let (store, graph, name) = (store.clone(), graph.clone(), name.clone());
                 let lease = lease.clone();
                 async move {
-                    let fence = lease.as_ref().map(|held| held.fence());
-                    if let (Some(held), Some(fence)) = (&lease, &fence) {
-                        if held.deadline.passed() {
-                            return Err(crate::store::StoreError::Fenced {
-                                lease: fence.lease.clone(),
-                                token: fence.token,
-                            });
-                        }
-                    }
+                    let fence = lease
+                        .as_ref()
+                        .map(crate::lease::Held::write_fence)
+                        .transpose()?;
                     store
                         .save_checkpoint(&graph, &name, &checkpoint, fence.as_ref())
                         .await

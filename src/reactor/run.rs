@@ -62,12 +62,8 @@ pub(crate) struct Wiring {
 
 pub(crate) struct Reactor {
     graph: Arc<str>,
-    /// Message key of every output: the graph's name, so one graph's outputs stay in
-    /// one partition, in fire order.
-    output_key: bytes::Bytes,
-    /// The graph lease's fencing token, sent with every output so consumers can drop
-    /// what a deposed instance published.
-    fencing: Option<String>,
+    /// Key and headers every message of a fire carries.
+    stamp: Stamp,
     /// The graph's lease: nothing is published or stored once its deadline passed.
     lease: Option<crate::lease::Held>,
     config: ReactorConfig,
@@ -161,23 +157,23 @@ impl Reactor {
             WriteBehind::spawn("cache snapshot", move |snapshot| {
                 let (store, key, lease) = (store.clone(), key.clone(), lease.clone());
                 async move {
-                    let fence = lease.as_ref().map(|held| held.fence());
-                    if let (Some(held), Some(fence)) = (&lease, &fence) {
-                        if held.deadline.passed() {
-                            return Err(StoreError::Fenced {
-                                lease: fence.lease.clone(),
-                                token: fence.token,
-                            });
-                        }
-                    }
+                    let fence = lease
+                        .as_ref()
+                        .map(crate::lease::Held::write_fence)
+                        .transpose()?;
                     store.save_cache(&key, &snapshot, fence.as_ref()).await
                 }
             })
         };
         let reactor = Self {
             graph: Arc::from(decl.name.as_str()),
-            output_key: bytes::Bytes::from(decl.key().into_bytes()),
-            fencing: lease.as_ref().map(|held| held.lease.token.to_string()),
+            stamp: Stamp {
+                key: bytes::Bytes::from(decl.key().into_bytes()),
+                graph: Arc::from(decl.name.as_str()),
+                fencing: lease
+                    .as_ref()
+                    .map(|held| Arc::from(held.lease.token.to_string())),
+            },
             lease,
             config: decl.reactor.clone(),
             compiled: decl.graph.clone(),
@@ -388,7 +384,7 @@ impl Reactor {
                 .filter_map(|(value, (topic, sink))| {
                     let value = value.as_ref()?;
                     let message = Outbound::new(topic.clone(), crate::codec::json::encode(value));
-                    Some((self.stamp(message, fire, degraded), sink.clone()))
+                    Some((self.stamp.apply(message, fire, degraded), sink.clone()))
                 })
                 .collect(),
             Err(e) => {
@@ -407,7 +403,7 @@ impl Reactor {
                 )
                 .header("weir-error", e.to_string());
                 self.stats.dead_lettered();
-                vec![(self.stamp(letter, fire, degraded), sink.clone())]
+                vec![(self.stamp.apply(letter, fire, degraded), sink.clone())]
             }
         };
         let report = FireReport {
@@ -416,6 +412,7 @@ impl Reactor {
         };
         let stats = self.stats.clone();
         let lease = self.lease.clone();
+        let stamp = self.stamp.clone();
         let mut publish: BoxFuture<'static, Result<(), TransportError>> = Box::pin(async move {
             let count = messages.len();
             for (message, sink) in messages {
@@ -429,7 +426,6 @@ impl Reactor {
                         retryable: true,
                     });
                 }
-                let headers = message.headers.clone();
                 match sink.publish(message).await {
                     Ok(_) => {}
                     // No retry can publish it (larger than the broker takes, say): what
@@ -439,12 +435,12 @@ impl Reactor {
                         let mut body = fire_identity(&input);
                         body.insert("topic".into(), Value::String(topic.clone()));
                         body.insert("error".into(), Value::String(e.to_string()));
-                        let mut letter = Outbound::new(
+                        let letter = Outbound::new(
                             dead_letter_topic(&topic),
                             crate::codec::json::encode(&Value::Object(body)),
-                        );
-                        letter.headers = headers;
-                        letter = letter.header("weir-error", e.to_string());
+                        )
+                        .header("weir-error", e.to_string());
+                        let letter = stamp.apply(letter, fire, degraded);
                         sink.publish(letter).await?;
                         stats.dead_lettered();
                     }
@@ -465,19 +461,6 @@ impl Reactor {
         self.in_flight.push_back(publish);
         self.unacknowledged.push_back(consumed);
         Ok(report)
-    }
-
-    /// Adds the key and headers every message of a fire carries.
-    fn stamp(&self, message: Outbound, fire: u64, degraded: bool) -> Outbound {
-        let mut message = message
-            .key(self.output_key.clone())
-            .header("weir-graph", &*self.graph)
-            .header("weir-fire", fire.to_string())
-            .header("weir-degraded", degraded.to_string());
-        if let Some(token) = &self.fencing {
-            message = message.header("weir-fencing", token.clone());
-        }
-        message
     }
 
     fn acknowledged(&mut self) {
@@ -634,6 +617,31 @@ impl Reactor {
             fires: self.fires,
             sources,
         }
+    }
+}
+
+/// The key and headers every message of a graph's fire carries: the graph's name as key
+/// (one graph's outputs stay in one partition, in fire order), the graph, the fire
+/// number, whether the reactor was degraded, and the lease's fencing token, so consumers
+/// can drop what a deposed instance published.
+#[derive(Debug, Clone)]
+struct Stamp {
+    key: bytes::Bytes,
+    graph: Arc<str>,
+    fencing: Option<Arc<str>>,
+}
+
+impl Stamp {
+    fn apply(&self, message: Outbound, fire: u64, degraded: bool) -> Outbound {
+        let mut message = message
+            .key(self.key.clone())
+            .header("weir-graph", &*self.graph)
+            .header("weir-fire", fire.to_string())
+            .header("weir-degraded", degraded.to_string());
+        if let Some(token) = &self.fencing {
+            message = message.header("weir-fencing", &**token);
+        }
+        message
     }
 }
 
