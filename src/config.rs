@@ -13,6 +13,7 @@ use crate::accumulator::{AccumulatorSpec, EventFormat};
 use crate::codec::AvroCodec;
 use crate::graph::{FunctionRegistry, GraphBuilder, GraphDeclaration};
 use crate::reactor::{Criteria, ReactorConfig, Strategy};
+use crate::secret::Secret;
 use crate::store::Store;
 use crate::supervisor::{default_node_id, Runtime, SupervisionPolicy};
 use crate::transport::{Broker, StartFrom};
@@ -134,7 +135,15 @@ pub struct AdminConfig {
     pub listen: Option<std::net::SocketAddr>,
     /// When set, every route but `/healthz`, `/readyz` and `/metrics` needs
     /// `Authorization: Bearer <token>`.
-    pub token: Option<String>,
+    pub token: Option<Secret>,
+    /// Serve the admin API on a non-loopback address without a token (refused otherwise).
+    pub allow_unauthenticated: bool,
+    /// Web origins (`https://ops.example.com`) whose pages may open the WebSocket,
+    /// besides the listener's own.
+    pub allowed_origins: Vec<String>,
+    /// TLS for the admin listener: a PEM certificate chain and its key.
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
 }
 
 /// `[[workflow]]` with its `[[workflow.task]]` entries.
@@ -415,6 +424,22 @@ pub struct BrokerConfig {
     /// JetStream `max_age`); 0 leaves it to the broker (Kafka: its default; JetStream:
     /// forever). Existing topics and streams keep their own setting.
     pub retention_ms: u64,
+    /// NATS: user and password (also taken from the URL, `nats://user:pass@host`).
+    pub user: Option<String>,
+    pub password: Option<Secret>,
+    /// NATS: an authentication token (also taken from the URL, `nats://token@host`).
+    pub token: Option<Secret>,
+    /// NATS: a file holding an NKey seed (`SU…`).
+    pub nkey_seed_file: Option<PathBuf>,
+    /// NATS: a `.creds` file (user JWT and NKey seed).
+    pub credentials_file: Option<PathBuf>,
+    /// NATS: TLS. The CA that signed the server's certificate (default: the system's
+    /// roots), a client certificate and key for servers that verify clients, and whether
+    /// TLS is required even when the URL says `nats://`.
+    pub tls_ca_file: Option<PathBuf>,
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
+    pub tls_required: bool,
 }
 
 impl Default for BrokerConfig {
@@ -429,6 +454,15 @@ impl Default for BrokerConfig {
             options: BTreeMap::new(),
             ack_wait_ms: defaults::NATS_ACK_WAIT_MS,
             retention_ms: defaults::RETENTION_MS,
+            user: None,
+            password: None,
+            token: None,
+            nkey_seed_file: None,
+            credentials_file: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_required: false,
         }
     }
 }
@@ -452,9 +486,19 @@ pub enum StoreKind {
 #[serde(deny_unknown_fields, default)]
 pub struct StoreConfig {
     pub kind: StoreKind,
+    /// `redis://` or, for TLS, `rediss://`; may carry `user:password@`.
     pub url: String,
     /// First segment of every Redis key.
     pub prefix: String,
+    /// An ACL user and its password (or only a password, for `requirepass`); they take
+    /// precedence over those in the URL.
+    pub username: Option<String>,
+    pub password: Option<Secret>,
+    /// TLS (`rediss://`): the CA that signed the server's certificate (default: the
+    /// system's roots), and a client certificate and key for servers that verify clients.
+    pub tls_ca_file: Option<PathBuf>,
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
 }
 
 impl Default for StoreConfig {
@@ -463,6 +507,11 @@ impl Default for StoreConfig {
             kind: StoreKind::Memory,
             url: defaults::REDIS_URL.into(),
             prefix: defaults::KEY_PREFIX.into(),
+            username: None,
+            password: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
         }
     }
 }
@@ -744,8 +793,8 @@ impl Config {
         if self
             .admin
             .token
-            .as_deref()
-            .is_some_and(|t| t.trim().is_empty())
+            .as_ref()
+            .is_some_and(|t| t.expose().trim().is_empty())
         {
             errors.push(invalid(
                 "admin.token",
@@ -807,6 +856,43 @@ impl Config {
                 if t.max_attempts == 0 {
                     errors.push(invalid(key("max_attempts"), "must be at least 1"));
                 }
+            }
+        }
+        // Files that go in pairs: one without the other is a half-done TLS setup.
+        for (section, cert, key) in [
+            (
+                "broker",
+                &self.broker.tls_cert_file,
+                &self.broker.tls_key_file,
+            ),
+            ("store", &self.store.tls_cert_file, &self.store.tls_key_file),
+            ("admin", &self.admin.tls_cert_file, &self.admin.tls_key_file),
+        ] {
+            match (cert, key) {
+                (Some(_), None) => errors.push(invalid(
+                    format!("{section}.tls_key_file"),
+                    "must be set with tls_cert_file",
+                )),
+                (None, Some(_)) => errors.push(invalid(
+                    format!("{section}.tls_cert_file"),
+                    "must be set with tls_key_file",
+                )),
+                _ => {}
+            }
+        }
+        if let Some(addr) = self.admin.listen {
+            if !addr.ip().is_loopback()
+                && self.admin.token.is_none()
+                && !self.admin.allow_unauthenticated
+            {
+                errors.push(invalid(
+                    "admin.listen",
+                    format!(
+                        "{addr} is reachable from other hosts and admin.token is not set: \
+                         set a token (WEIR__ADMIN__TOKEN), listen on 127.0.0.1, or set \
+                         admin.allow_unauthenticated = true"
+                    ),
+                ));
             }
         }
         match errors.len() {
@@ -950,6 +1036,14 @@ impl Config {
         crate::admin::Listen {
             metrics: self.metrics.listen,
             admin: self.admin.listen,
+            admin_tls: match (&self.admin.tls_cert_file, &self.admin.tls_key_file) {
+                (Some(cert), Some(key)) => Some(crate::admin::TlsFiles {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                }),
+                _ => None,
+            },
+            allow_unauthenticated: self.admin.allow_unauthenticated,
         }
     }
 
@@ -980,6 +1074,17 @@ impl Config {
                     jetstream: self.broker.jetstream,
                     ack_wait: Duration::from_millis(self.broker.ack_wait_ms),
                     retention: self.broker.retention(),
+                    auth: crate::transport::nats::NatsAuth {
+                        user: self.broker.user.clone(),
+                        password: self.broker.password.clone(),
+                        token: self.broker.token.clone(),
+                        nkey_seed_file: self.broker.nkey_seed_file.clone(),
+                        credentials_file: self.broker.credentials_file.clone(),
+                        tls_ca_file: self.broker.tls_ca_file.clone(),
+                        tls_cert_file: self.broker.tls_cert_file.clone(),
+                        tls_key_file: self.broker.tls_key_file.clone(),
+                        tls_required: self.broker.tls_required,
+                    },
                 })
                 .await
                 .map_err(|e| connect(&e))?,
@@ -992,9 +1097,19 @@ impl Config {
         Ok(match self.store.kind {
             StoreKind::Memory => Arc::new(crate::store::memory::MemoryStore::new()),
             StoreKind::Redis => Arc::new(
-                crate::store::redis::RedisStore::connect(&self.store.url, &self.store.prefix)
-                    .await
-                    .map_err(|e| ConfigError::Connect(e.to_string()))?,
+                crate::store::redis::RedisStore::connect_with(
+                    &crate::store::redis::RedisSettings {
+                        url: self.store.url.clone(),
+                        username: self.store.username.clone(),
+                        password: self.store.password.clone(),
+                        tls_ca_file: self.store.tls_ca_file.clone(),
+                        tls_cert_file: self.store.tls_cert_file.clone(),
+                        tls_key_file: self.store.tls_key_file.clone(),
+                    },
+                    &self.store.prefix,
+                )
+                .await
+                .map_err(|e| ConfigError::Connect(e.to_string()))?,
             ),
         })
     }
@@ -1212,7 +1327,7 @@ format = "json"
             ],
         )
         .unwrap();
-        assert_eq!(c.admin.token.as_deref(), Some("123456"));
+        assert_eq!(c.admin.token.as_ref().map(Secret::expose), Some("123456"));
         assert_eq!(c.node.id.as_deref(), Some("7"));
         assert_eq!(c.graphs[0].output, "true");
         assert_eq!(c.supervision.max_failures, 9);
@@ -1434,9 +1549,10 @@ backoff_ms = 10
             crate::admin::Listen {
                 metrics: Some("127.0.0.1:9898".parse().unwrap()),
                 admin: Some("127.0.0.1:9899".parse().unwrap()),
+                ..Default::default()
             }
         );
-        assert_eq!(c.admin.token.as_deref(), Some("s3cret"));
+        assert_eq!(c.admin.token.as_ref().map(Secret::expose), Some("s3cret"));
         let err = parse(SAMPLE, &[("WEIR__ADMIN__LISTEN", "localhost")]).unwrap_err();
         assert!(err.to_string().contains("admin.listen"), "{err}");
         let err = parse("[admin]\ntoken = \"\"", &[]).unwrap_err();

@@ -46,7 +46,11 @@ impl Error {
                 DispatchError::UnknownWorkflow(_) | DispatchError::UnknownExecution(_),
             ) => 2,
             Self::Config(e) if !e.is_retryable() => 2,
-            Self::Admin(crate::admin::AdminError::Url { .. }) => 2,
+            Self::Admin(
+                crate::admin::AdminError::Url { .. }
+                | crate::admin::AdminError::Unprotected { .. }
+                | crate::admin::AdminError::Tls(_),
+            ) => 2,
             Self::Interrupted(_) => INTERRUPTED,
             _ => 1,
         }

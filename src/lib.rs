@@ -30,6 +30,8 @@
 //!   the command itself.
 //! - [`admin`]: the admin API (health, readiness, graphs, schedules, recovery events,
 //!   WebSocket commands) and `/metrics` over HTTP; `weir graph`, `tail`, `produce`.
+//! - [`secret`]: passwords and tokens that never print, and server URLs shown without
+//!   their credentials.
 //! - [`cli`], [`shutdown`], [`metrics`], [`error`]: the binary's plumbing.
 
 pub mod accumulator;
@@ -46,6 +48,7 @@ pub mod lease;
 pub mod metrics;
 pub mod reactor;
 pub mod run;
+pub mod secret;
 pub mod shutdown;
 pub mod store;
 pub mod supervisor;

@@ -48,6 +48,7 @@ async fn execute(cli: Cli) -> Result<(), weir::error::Error> {
                 listen: weir::admin::Listen {
                     metrics: metrics_listen,
                     admin: admin_listen,
+                    ..Default::default()
                 },
             };
             demo::run(options, cancel, &mut std::io::stdout())

@@ -38,7 +38,8 @@ pub async fn run(
     let mut admin = AdminState::new()
         .with_supervisor(supervisor.clone())
         .with_runtime(&runtime)
-        .with_token(config.admin.token.clone())
+        .with_token(config.admin.token.as_ref().map(|t| t.expose().to_string()))
+        .with_allowed_origins(config.admin.allowed_origins.clone())
         .with_cron_shards(config.cron.shards);
     if config.cron_enabled() {
         admin = admin.with_task(scheduler_alive.clone());

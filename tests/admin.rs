@@ -70,6 +70,7 @@ impl Admin {
         let listen = Listen {
             metrics: Some(any),
             admin: Some(any),
+            ..Default::default()
         };
         let servers = weir::admin::serve(state, &listen, cancel.clone())
             .await
@@ -113,9 +114,24 @@ impl Drop for Admin {
 }
 
 /// One HTTP exchange: status and body text.
+/// State-changing requests say they are JSON, as every client of the API does.
 async fn http(method: &str, url: &str, token: Option<&str>, body: Option<&str>) -> (u16, String) {
+    let content_type = (method != "GET").then_some("application/json");
+    http_as(method, url, token, body, content_type).await
+}
+
+async fn http_as(
+    method: &str,
+    url: &str,
+    token: Option<&str>,
+    body: Option<&str>,
+    content_type: Option<&str>,
+) -> (u16, String) {
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let mut request = hyper::Request::builder().method(method).uri(url);
+    if let Some(content_type) = content_type {
+        request = request.header("content-type", content_type);
+    }
     if let Some(token) = token {
         request = request.header("authorization", format!("Bearer {token}"));
     }
@@ -419,6 +435,126 @@ async fn every_route_answers_and_protected_ones_need_the_token() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cross_site_form_cannot_change_state() {
+    let admin = Admin::start(None).await;
+    let graph = admin.graph("formed").await;
+    let pause = admin.url("/graphs/formed/pause");
+    for content_type in [
+        None,
+        Some("application/x-www-form-urlencoded"),
+        Some("text/plain"),
+        Some("multipart/form-data; boundary=x"),
+    ] {
+        let (status, body) = http_as("POST", &pause, None, Some("a=1"), content_type).await;
+        assert_eq!(status, 415, "{content_type:?}: {body}");
+        assert!(body.contains("application/json"), "{body}");
+    }
+    let paused = || async {
+        json_of("GET", &admin.url("/graphs/formed"), None, None)
+            .await
+            .1["paused"]
+            .clone()
+    };
+    assert_eq!(paused().await, false, "no form paused the graph");
+    let json = Some("application/json; charset=utf-8");
+    let (status, _) = http_as("POST", &pause, None, None, json).await;
+    assert_eq!(status, 200);
+    assert_eq!(paused().await, true);
+    drop(graph);
+    // Reads stay plain.
+    let (status, _) = http_as("GET", &admin.url("/graphs"), None, None, None).await;
+    assert_eq!(status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_websocket_from_another_origin_is_refused() {
+    let admin = Admin::start(Some(TOKEN)).await;
+    admin.graph("origins").await;
+    let url = format!("ws://{}/ws", admin.admin);
+    let connect = |origin: Option<String>| {
+        let mut request = url.as_str().into_client_request().unwrap();
+        let headers = request.headers_mut();
+        headers.insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+        if let Some(origin) = origin {
+            headers.insert("origin", origin.parse().unwrap());
+        }
+        tokio_tungstenite::connect_async(request)
+    };
+    match connect(Some("https://evil.example".into())).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
+            assert_eq!(response.status(), 403)
+        }
+        other => panic!("a foreign origin was let in: {:?}", other.map(|_| ())),
+    }
+    let own = format!("http://{}", admin.admin);
+    assert!(
+        connect(Some(own)).await.is_ok(),
+        "the listener's own origin"
+    );
+    assert!(
+        connect(None).await.is_ok(),
+        "a client that is no browser sends no origin"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listed_origins_may_open_the_websocket() {
+    let store = Arc::new(MemoryStore::new());
+    let state = AdminState::new()
+        .with_store(store)
+        .with_allowed_origins(vec!["https://ops.example.com".into()]);
+    let listen = Listen {
+        admin: Some("127.0.0.1:0".parse().unwrap()),
+        ..Default::default()
+    };
+    let cancel = CancellationToken::new();
+    let servers = weir::admin::serve(state, &listen, cancel.clone())
+        .await
+        .unwrap();
+    let url = format!("ws://{}/ws", servers.admin.unwrap());
+    let with_origin = |origin: &str| {
+        let mut request = url.as_str().into_client_request().unwrap();
+        request
+            .headers_mut()
+            .insert("origin", origin.parse().unwrap());
+        tokio_tungstenite::connect_async(request)
+    };
+    assert!(with_origin("https://ops.example.com").await.is_ok());
+    assert!(with_origin("https://ops.example.com.evil.example")
+        .await
+        .is_err());
+    cancel.cancel();
+}
+
+#[tokio::test]
+async fn an_open_admin_api_on_the_network_refuses_to_start() {
+    let exposed: SocketAddr = "0.0.0.0:0".parse().unwrap();
+    let listen = Listen {
+        admin: Some(exposed),
+        ..Default::default()
+    };
+    let cancel = CancellationToken::new();
+    let refused = weir::admin::serve(AdminState::new(), &listen, cancel.clone()).await;
+    match refused {
+        Err(e @ weir::admin::AdminError::Unprotected { .. }) => {
+            assert!(e.to_string().contains("allow_unauthenticated"), "{e}")
+        }
+        Err(e) => panic!("refused for the wrong reason: {e}"),
+        Ok(_) => panic!("an open admin API started on 0.0.0.0"),
+    }
+    let with_token = AdminState::new().with_token(Some(TOKEN.into()));
+    let servers = weir::admin::serve(with_token, &listen, cancel.clone()).await;
+    assert!(servers.is_ok(), "a token makes it safe");
+    let allowed = Listen {
+        allow_unauthenticated: true,
+        ..listen
+    };
+    let servers = weir::admin::serve(AdminState::new(), &allowed, cancel.clone()).await;
+    assert!(servers.is_ok(), "an operator may insist");
+    cancel.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn websocket_commands_answer_in_order() {
     let admin = Admin::start(Some(TOKEN)).await;
     let graph = admin.graph("socketed").await;
@@ -679,6 +815,7 @@ async fn a_dead_background_task_makes_the_node_unready() {
     let listen = Listen {
         metrics: None,
         admin: Some(any),
+        ..Default::default()
     };
     let servers = weir::admin::serve(state, &listen, cancel.clone())
         .await
@@ -812,6 +949,7 @@ mod services {
         let listen = Listen {
             admin: Some("127.0.0.1:0".parse().unwrap()),
             metrics: None,
+            ..Default::default()
         };
         let servers = weir::admin::serve(state, &listen, cancel.clone())
             .await

@@ -330,8 +330,13 @@ fn configmap_weir_toml() -> String {
 
 /// What the example configurations declare, beyond being accepted.
 fn check_config(name: &str, text: &str) {
-    let config = Config::parse(text, Path::new(name), std::iter::empty())
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    // As deployed: the token comes from the environment (a Secret, compose's variable).
+    let token = [(
+        "WEIR__ADMIN__TOKEN".to_string(),
+        "from-a-secret".to_string(),
+    )];
+    let config =
+        Config::parse(text, Path::new(name), token).unwrap_or_else(|e| panic!("{name}: {e}"));
     assert!(!config.graphs.is_empty(), "{name} declares no graph");
     config
         .graphs(&FunctionRegistry::default())
@@ -371,4 +376,39 @@ fn example_configs_parse_whole() {
     ] {
         check_config(name, &text);
     }
+}
+
+/// Nothing shipped serves an open admin API: the configs listen on every interface, so
+/// without the token they are refused, and every deployment supplies the token from a
+/// secret.
+#[test]
+fn shipped_deployments_never_open_the_admin_api() {
+    for (name, text) in [
+        ("deploy/compose/weir.toml", read("deploy/compose/weir.toml")),
+        ("deploy/k8s/configmap.yaml", configmap_weir_toml()),
+    ] {
+        let refused = Config::parse(&text, Path::new(name), std::iter::empty())
+            .err()
+            .unwrap_or_else(|| panic!("{name} starts without an admin token"));
+        assert!(
+            refused.to_string().contains("admin.listen"),
+            "{name}: {refused}"
+        );
+    }
+    for pod in ["deploy/k8s/run.yaml", "deploy/k8s/worker.yaml"] {
+        let text = read(pod);
+        let token = text
+            .find("name: WEIR__ADMIN__TOKEN")
+            .unwrap_or_else(|| panic!("{pod} sets no admin token"));
+        let source: String = text[token..].lines().take(5).collect();
+        assert!(
+            source.contains("secretKeyRef") && source.contains("weir-admin"),
+            "{pod}: the token must come from the weir-admin Secret: {source}"
+        );
+    }
+    let compose = read("deploy/compose/docker-compose.yml");
+    assert!(
+        compose.contains("WEIR__ADMIN__TOKEN: ${WEIR_ADMIN_TOKEN:?"),
+        "compose must refuse to start without WEIR_ADMIN_TOKEN"
+    );
 }

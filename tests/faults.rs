@@ -28,6 +28,7 @@ async fn jetstream(server: &Server) -> Arc<NatsBroker> {
             jetstream: true,
             ack_wait: Duration::from_secs(5),
             retention: Some(services::TEST_RETENTION),
+            ..Default::default()
         })
         .await
         .expect("test nats-server reachable"),
@@ -284,6 +285,7 @@ async fn redis_stopped_for_45_seconds_stalls_no_fire_and_loses_no_input() {
         &weir::admin::Listen {
             metrics: None,
             admin: Some("127.0.0.1:0".parse().unwrap()),
+            ..Default::default()
         },
         cancel.clone(),
     )

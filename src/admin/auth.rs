@@ -1,7 +1,9 @@
-//! Bearer-token check for the protected routes.
+//! Checks on the protected routes: the bearer token, and that a browser page from another
+//! site cannot drive them.
 
 use axum::extract::{Request, State};
-use axum::http::header::AUTHORIZATION;
+use axum::http::header::{AUTHORIZATION, CONTENT_TYPE, HOST, ORIGIN, UPGRADE};
+use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
@@ -25,6 +27,59 @@ pub(super) async fn require_token(
     next.run(request).await
 }
 
+/// Refuses what a web page on another site could make an operator's browser send: a
+/// state-changing request without a JSON content type (an HTML form's), or a WebSocket
+/// upgrade whose `Origin` is neither this listener's nor an allowed one.
+pub(super) async fn same_site_only(
+    State(state): State<AdminState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let headers = request.headers();
+    let changes_state = !matches!(
+        *request.method(),
+        Method::GET | Method::HEAD | Method::OPTIONS
+    );
+    if changes_state && !is_json(headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok())) {
+        return ApiError::UnsupportedMediaType.into_response();
+    }
+    if headers.contains_key(UPGRADE) {
+        if let Some(origin) = headers.get(ORIGIN) {
+            let origin = origin.to_str().unwrap_or_default();
+            let host = headers
+                .get(HOST)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default();
+            if !origin_allowed(origin, host, &state.allowed_origins) {
+                return ApiError::ForbiddenOrigin(origin.to_string()).into_response();
+            }
+        }
+    }
+    next.run(request).await
+}
+
+fn is_json(content_type: Option<&str>) -> bool {
+    content_type
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"))
+}
+
+/// The page's origin is the listener's own (same host and port, either scheme, since
+/// TLS may end at a proxy) or one listed.
+fn origin_allowed(origin: &str, host: &str, allowed: &[String]) -> bool {
+    let origin = origin.trim_end_matches('/');
+    if allowed
+        .iter()
+        .any(|a| a.trim_end_matches('/').eq_ignore_ascii_case(origin))
+    {
+        return true;
+    }
+    let authority = origin
+        .strip_prefix("https://")
+        .or_else(|| origin.strip_prefix("http://"));
+    !host.is_empty() && authority.is_some_and(|a| a.eq_ignore_ascii_case(host))
+}
+
 /// Compares without stopping at the first difference, so timing does not reveal how much
 /// of a guess was right.
 fn same(a: &[u8], b: &[u8]) -> bool {
@@ -33,7 +88,43 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::same;
+    use super::{is_json, origin_allowed, same};
+
+    #[test]
+    fn only_json_content_types_pass() {
+        assert!(is_json(Some("application/json")));
+        assert!(is_json(Some("Application/JSON; charset=utf-8")));
+        assert!(!is_json(Some("text/plain")));
+        assert!(!is_json(Some("application/x-www-form-urlencoded")));
+        assert!(!is_json(None));
+    }
+
+    #[test]
+    fn origins_are_the_listeners_own_or_listed() {
+        let allowed = vec!["https://ops.example.com".to_string()];
+        assert!(origin_allowed(
+            "http://127.0.0.1:9899",
+            "127.0.0.1:9899",
+            &[]
+        ));
+        assert!(origin_allowed(
+            "https://weir.internal",
+            "weir.internal",
+            &[]
+        ));
+        assert!(origin_allowed(
+            "https://ops.example.com/",
+            "weir:9899",
+            &allowed
+        ));
+        assert!(!origin_allowed(
+            "https://evil.example",
+            "127.0.0.1:9899",
+            &allowed
+        ));
+        assert!(!origin_allowed("http://127.0.0.1:9899", "", &[]));
+        assert!(!origin_allowed("null", "127.0.0.1:9899", &[]));
+    }
 
     #[test]
     fn tokens_compare_exactly() {

@@ -62,18 +62,20 @@ impl AdminClient {
         body: Option<&Value>,
     ) -> Result<Value, AdminError> {
         let url = format!("{}{path}", self.base);
+        // The server takes state-changing requests as JSON only, body or not.
+        let changes_state = method != Method::GET;
         let mut request = Request::builder()
             .method(method)
             .uri(&url)
             .header(ACCEPT, "application/json");
+        if changes_state {
+            request = request.header(CONTENT_TYPE, "application/json");
+        }
         if let Some(token) = &self.token {
             request = request.header(AUTHORIZATION, format!("Bearer {token}"));
         }
         let payload = match body {
-            Some(body) => {
-                request = request.header(CONTENT_TYPE, "application/json");
-                Bytes::from(body.to_string())
-            }
+            Some(body) => Bytes::from(body.to_string()),
             None => Bytes::new(),
         };
         let request = request

@@ -13,6 +13,10 @@ use crate::store::StoreError;
 pub enum ApiError {
     #[error("missing or wrong bearer token")]
     Unauthorized,
+    #[error("a request that changes state needs Content-Type: application/json")]
+    UnsupportedMediaType,
+    #[error("WebSocket from origin {0:?} refused: not this listener's origin nor in [admin] allowed_origins")]
+    ForbiddenOrigin(String),
     #[error("no {kind} named {name:?}")]
     NotFound { kind: &'static str, name: String },
     #[error("no such route")]
@@ -36,6 +40,8 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::ForbiddenOrigin(_) => StatusCode::FORBIDDEN,
             Self::NotFound { .. } | Self::NoRoute => StatusCode::NOT_FOUND,
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
             Self::NotServed(_) => StatusCode::NOT_IMPLEMENTED,
@@ -56,6 +62,8 @@ impl ApiError {
             Self::Command(e) => e.is_retryable(),
             Self::Store(e) => e.is_retryable(),
             Self::Unauthorized
+            | Self::UnsupportedMediaType
+            | Self::ForbiddenOrigin(_)
             | Self::NotFound { .. }
             | Self::NoRoute
             | Self::BadRequest(_)

@@ -18,6 +18,15 @@
 //! `/metrics` stays open on both listeners: scrapers rarely carry credentials, and it
 //! shows counts, never data, and controls nothing.
 //!
+//! Safe by default, against the network and against web pages in an operator's browser:
+//! - the admin listener refuses to start on a non-loopback address without a token,
+//!   unless told `allow_unauthenticated`;
+//! - a request that changes state (`POST`) must say `Content-Type: application/json`,
+//!   which no HTML form can send to another site without the browser asking first;
+//! - a WebSocket upgrade from a browser must come from the listener's own origin or one
+//!   of `allowed_origins` (browsers send `Origin`; other clients need not);
+//! - the listener can serve TLS ([`tls`]).
+//!
 //! Every error is JSON `{"error": "...", "retryable": bool}` ([`error`]).
 //!
 //! [`AdminState`] holds what this process has: a supervisor (graphs), a store
@@ -33,6 +42,7 @@ pub mod graphs;
 pub mod health;
 pub mod recovery;
 pub mod schedules;
+pub mod tls;
 pub mod workflows;
 pub mod ws;
 
@@ -60,12 +70,23 @@ const UPKEEP_PERIOD: Duration = Duration::from_secs(5);
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Where the HTTP listeners run; `None` runs none.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Listen {
     /// `GET /metrics` only.
     pub metrics: Option<SocketAddr>,
     /// Every admin route, `/metrics` included.
     pub admin: Option<SocketAddr>,
+    /// Serve the admin listener over TLS with this certificate chain and key (PEM).
+    pub admin_tls: Option<TlsFiles>,
+    /// Serve the admin API on a non-loopback address without any token.
+    pub allow_unauthenticated: bool,
+}
+
+/// A PEM certificate chain and its private key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert: std::path::PathBuf,
+    pub key: std::path::PathBuf,
 }
 
 /// What the admin routes can reach in this process.
@@ -75,6 +96,8 @@ pub struct AdminState {
     store: Option<Arc<dyn Store>>,
     broker: Option<Arc<dyn Broker>>,
     token: Option<Arc<str>>,
+    /// Origins besides the listener's own allowed to open the WebSocket.
+    allowed_origins: Arc<[String]>,
     cron_shards: u32,
     metrics: Option<PrometheusHandle>,
     shutdown: CancellationToken,
@@ -89,6 +112,7 @@ impl Default for AdminState {
             store: None,
             broker: None,
             token: None,
+            allowed_origins: Arc::from(Vec::new()),
             cron_shards: crate::config::defaults::CRON_SHARDS,
             metrics: None,
             shutdown: CancellationToken::new(),
@@ -127,6 +151,13 @@ impl AdminState {
     /// The bearer token protected routes require; `None` leaves them open.
     pub fn with_token(mut self, token: Option<String>) -> Self {
         self.token = token.map(Arc::from);
+        self
+    }
+
+    /// Web origins (`https://ops.example.com`) whose pages may open the WebSocket, besides
+    /// the admin listener's own.
+    pub fn with_allowed_origins(mut self, origins: Vec<String>) -> Self {
+        self.allowed_origins = Arc::from(origins);
         self
     }
 
@@ -176,6 +207,14 @@ pub enum AdminError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error(
+        "refusing to serve the admin API on {addr} without a token: anyone who can reach \
+         it could pause graphs and inject values. Set [admin] token (or WEIR__ADMIN__TOKEN), \
+         listen on 127.0.0.1, or set [admin] allow_unauthenticated = true"
+    )]
+    Unprotected { addr: SocketAddr },
+    #[error("admin TLS: {0}")]
+    Tls(#[from] tls::TlsError),
     #[error(transparent)]
     Metrics(#[from] MetricsError),
     #[error("admin URL {url:?}: {reason}")]
@@ -197,7 +236,11 @@ impl AdminError {
             Self::Bind { source, .. } => source.kind() == std::io::ErrorKind::AddrInUse,
             Self::Connect { .. } => true,
             Self::Status { status, .. } => *status == 503,
-            Self::Metrics(_) | Self::Url { .. } | Self::Response(_) => false,
+            Self::Metrics(_)
+            | Self::Url { .. }
+            | Self::Response(_)
+            | Self::Unprotected { .. }
+            | Self::Tls(_) => false,
         }
     }
 }
@@ -234,6 +277,10 @@ pub fn router(state: AdminState) -> Router {
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,
+        ))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::same_site_only,
         ));
     Router::new()
         .merge(health::routes())
@@ -260,6 +307,15 @@ pub async fn serve(
     if listen.admin.is_none() && listen.metrics.is_none() {
         return Ok(servers);
     }
+    if let Some(addr) = listen.admin {
+        if !addr.ip().is_loopback() && state.token.is_none() && !listen.allow_unauthenticated {
+            return Err(AdminError::Unprotected { addr });
+        }
+    }
+    let tls = match &listen.admin_tls {
+        Some(files) => Some(tls::server_config(&files.cert, &files.key)?),
+        None => None,
+    };
     let handle = crate::metrics::prometheus()?;
     state.metrics = Some(handle.clone());
     state.shutdown = cancel.clone();
@@ -267,11 +323,17 @@ pub async fn serve(
     let metrics = bind(listen.metrics).await?;
     if let Some(listener) = admin {
         servers.admin = listener.local_addr().ok();
-        info!(addr = ?servers.admin, "admin API listening");
+        info!(addr = ?servers.admin, tls = tls.is_some(), "admin API listening");
         let app = router(state.clone());
-        servers
-            .tasks
-            .push(tokio::spawn(run(listener, app, cancel.clone())));
+        let task = match tls {
+            Some(config) => tokio::spawn(run(
+                tls::TlsListener::new(listener, config),
+                app,
+                cancel.clone(),
+            )),
+            None => tokio::spawn(run(listener, app, cancel.clone())),
+        };
+        servers.tasks.push(task);
     }
     if let Some(listener) = metrics {
         servers.metrics = listener.local_addr().ok();
@@ -300,7 +362,10 @@ async fn bind(addr: Option<SocketAddr>) -> Result<Option<TcpListener>, AdminErro
         .map_err(|source| AdminError::Bind { addr, source })
 }
 
-async fn run(listener: TcpListener, app: Router, cancel: CancellationToken) {
+async fn run<L>(listener: L, app: Router, cancel: CancellationToken)
+where
+    L: axum::serve::Listener<Addr = SocketAddr>,
+{
     let addr = listener.local_addr().ok();
     if let Err(e) = axum::serve(listener, app)
         .with_graceful_shutdown(cancel.cancelled_owned())

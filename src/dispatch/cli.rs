@@ -93,7 +93,8 @@ pub async fn worker(
     // Health, readiness and metrics, before any metric handle exists.
     let admin = crate::admin::AdminState::new()
         .with_runtime(&runtime)
-        .with_token(config.admin.token.clone());
+        .with_token(config.admin.token.as_ref().map(|t| t.expose().to_string()))
+        .with_allowed_origins(config.admin.allowed_origins.clone());
     let servers = crate::admin::serve(admin, &config.listen(), cancel.clone()).await?;
     info!(%executor, concurrency, broker = runtime.broker.kind(), "worker running");
     let worker = Worker::new(

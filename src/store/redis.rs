@@ -3,12 +3,13 @@
 //! Keys start with the configured prefix (`weir` by default).
 
 use std::collections::BTreeSet;
+use std::path::PathBuf;
 use std::sync::LazyLock;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{AsyncCommands, Script};
+use redis::{AsyncCommands, IntoConnectionInfo, Script};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -18,6 +19,7 @@ use super::{
 use crate::cron::Schedule;
 use crate::dispatch::{RunStatus, WorkflowExecution};
 use crate::reactor::CacheSnapshot;
+use crate::secret::{redact_url, scrub, Secret};
 
 /// Execution records kept per schedule.
 const EXECUTIONS_KEPT: isize = 1000;
@@ -185,12 +187,86 @@ fn store_error(operation: &'static str, e: redis::RedisError) -> StoreError {
     }
 }
 
+/// Where Redis is and how to prove who we are to it.
+#[derive(Debug, Clone, Default)]
+pub struct RedisSettings {
+    /// `redis://` or `rediss://` (TLS), possibly with `user:password@`.
+    pub url: String,
+    /// Take precedence over the URL's.
+    pub username: Option<String>,
+    pub password: Option<Secret>,
+    /// PEM files: the CA to trust instead of the system's roots, and a client
+    /// certificate with its key for servers that verify clients.
+    pub tls_ca_file: Option<PathBuf>,
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
+}
+
+impl RedisSettings {
+    fn client(&self) -> Result<redis::Client, String> {
+        let secrets: Vec<Secret> = self.password.iter().cloned().collect();
+        let scrubbed =
+            |e: &dyn std::fmt::Display| scrub(&e.to_string(), &secrets.iter().collect::<Vec<_>>());
+        let mut info = self
+            .url
+            .as_str()
+            .into_connection_info()
+            .map_err(|e| format!("invalid URL: {}", scrubbed(&e)))?;
+        if let Some(username) = &self.username {
+            info.redis.username = Some(username.clone());
+        }
+        if let Some(password) = &self.password {
+            info.redis.password = Some(password.expose().to_string());
+        }
+        let read = |key: &str, path: &PathBuf| {
+            std::fs::read(path).map_err(|e| format!("cannot read {key} {}: {e}", path.display()))
+        };
+        let root_cert = match &self.tls_ca_file {
+            Some(path) => Some(read("tls_ca_file", path)?),
+            None => None,
+        };
+        let client_tls = match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+                client_cert: read("tls_cert_file", cert)?,
+                client_key: read("tls_key_file", key)?,
+            }),
+            (None, None) => None,
+            _ => return Err("tls_cert_file and tls_key_file go together".into()),
+        };
+        if root_cert.is_none() && client_tls.is_none() {
+            return redis::Client::open(info).map_err(|e| scrubbed(&e));
+        }
+        if !matches!(info.addr, redis::ConnectionAddr::TcpTls { .. }) {
+            return Err("TLS files are set but the URL is not rediss://".into());
+        }
+        redis::Client::build_with_tls(
+            info,
+            redis::TlsCertificates {
+                client_tls,
+                root_cert,
+            },
+        )
+        .map_err(|e| format!("TLS setup: {}", scrubbed(&e)))
+    }
+}
+
 impl RedisStore {
-    /// Connects (failing fast when Redis is down); reconnects by itself afterwards.
+    /// Connects to a URL with no more settings than it carries itself.
     pub async fn connect(url: &str, prefix: &str) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url).map_err(|e| StoreError::Operation {
+        let settings = RedisSettings {
+            url: url.to_string(),
+            ..RedisSettings::default()
+        };
+        Self::connect_with(&settings, prefix).await
+    }
+
+    /// Connects (failing fast when Redis is down or refuses the credentials); reconnects
+    /// by itself afterwards.
+    pub async fn connect_with(settings: &RedisSettings, prefix: &str) -> Result<Self, StoreError> {
+        let url = redact_url(&settings.url);
+        let client = settings.client().map_err(|reason| StoreError::Operation {
             operation: "open",
-            reason: format!("invalid Redis URL {url:?}: {e}"),
+            reason: format!("redis {url}: {reason}"),
         })?;
         let unreachable =
             |reason: String| StoreError::Unreachable(format!("redis {url}: {reason}"));
@@ -217,10 +293,11 @@ impl RedisStore {
             client: pubsub_client,
             connection,
             prefix: prefix.to_string(),
-            url: url.to_string(),
+            url,
         })
     }
 
+    /// The server's URL, without its password.
     pub fn url(&self) -> &str {
         &self.url
     }

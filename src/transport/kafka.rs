@@ -32,8 +32,9 @@ const PRODUCE_TIMEOUT: Duration = Duration::from_secs(30);
 const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(10);
 
 /// Connection settings. `options` pass through to librdkafka (e.g.
-/// `session.timeout.ms`), overriding weir's defaults.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// `session.timeout.ms`, or `security.protocol` and `sasl.*` for a secured cluster),
+/// overriding weir's defaults, for every client weir makes.
+#[derive(Clone, PartialEq, Eq)]
 pub struct KafkaSettings {
     pub brokers: String,
     /// Partitions of topics weir creates.
@@ -42,6 +43,62 @@ pub struct KafkaSettings {
     pub options: BTreeMap<String, String>,
     /// `retention.ms` of topics weir creates; `None`: the broker's default.
     pub retention: Option<Duration>,
+}
+
+impl std::fmt::Debug for KafkaSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSettings")
+            .field("brokers", &self.brokers)
+            .field("partitions", &self.partitions)
+            .field("replication", &self.replication)
+            .field("options", &shown_options(&self.options))
+            .field("retention", &self.retention)
+            .finish()
+    }
+}
+
+/// librdkafka properties whose values are secrets (`sasl.password`,
+/// `ssl.key.password`, `sasl.oauthbearer.client.secret`, an inline `ssl.key.pem`, …).
+pub fn is_secret_option(key: &str) -> bool {
+    key.contains("password")
+        || key.contains("secret")
+        || key == "ssl.key.pem"
+        || key == "sasl.oauthbearer.config"
+}
+
+/// Options as they may be shown: secret values masked.
+pub fn shown_options(options: &BTreeMap<String, String>) -> BTreeMap<&str, &str> {
+    options
+        .iter()
+        .map(|(k, v)| {
+            let shown = if is_secret_option(k) {
+                crate::secret::MASK
+            } else {
+                v.as_str()
+            };
+            (k.as_str(), shown)
+        })
+        .collect()
+}
+
+/// Remembers the last error librdkafka reported outside any request (authentication and
+/// TLS failures among them), so a connection that fails can say why.
+#[derive(Default, Clone)]
+pub struct ClientErrors {
+    last: Arc<Mutex<Option<String>>>,
+}
+
+impl ClientErrors {
+    fn last(&self) -> Option<String> {
+        self.last.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+impl ClientContext for ClientErrors {
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::warn!(%error, reason, "kafka client error");
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.to_string());
+    }
 }
 
 impl Default for KafkaSettings {
@@ -63,7 +120,9 @@ pub struct KafkaBroker {
 
 struct Inner {
     settings: KafkaSettings,
-    producer: FutureProducer,
+    producer: FutureProducer<ClientErrors>,
+    /// The producer's errors outside any request.
+    errors: ClientErrors,
     admin: AdminClient<DefaultClientContext>,
     /// Topics known to exist, so creation is tried once per topic.
     ensured: Mutex<HashSet<String>>,
@@ -89,17 +148,25 @@ impl KafkaBroker {
                 producer_config.set(k, v);
             }
         }
-        let producer: FutureProducer = producer_config
-            .create()
+        let errors = ClientErrors::default();
+        let producer: FutureProducer<ClientErrors> = producer_config
+            .create_with_context(errors.clone())
             .map_err(|e| unreachable(&settings.brokers, e))?;
-        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", &settings.brokers)
+        let mut admin_config = ClientConfig::new();
+        admin_config.set("bootstrap.servers", &settings.brokers);
+        for (k, v) in &settings.options {
+            if is_producer_option(k) && is_consumer_option(k) {
+                admin_config.set(k, v);
+            }
+        }
+        let admin: AdminClient<DefaultClientContext> = admin_config
             .create()
             .map_err(|e| unreachable(&settings.brokers, e))?;
         Ok(Self {
             inner: Arc::new(Inner {
                 settings,
                 producer,
+                errors,
                 admin,
                 ensured: Mutex::new(HashSet::new()),
             }),
@@ -301,13 +368,18 @@ impl Broker for KafkaBroker {
 
     async fn ping(&self) -> Result<(), TransportError> {
         let producer = self.inner.producer.clone();
+        let errors = self.inner.errors.clone();
         let brokers = self.inner.settings.brokers.clone();
         tokio::task::spawn_blocking(move || {
             producer
                 .client()
                 .fetch_metadata(None, Timeout::After(Duration::from_secs(3)))
                 .map(|_| ())
-                .map_err(|e| unreachable(&brokers, e))
+                .map_err(|e| match errors.last() {
+                    // "all brokers down" says little; the client's own error says why.
+                    Some(cause) => unreachable(&brokers, format!("{e}: {cause}")),
+                    None => unreachable(&brokers, e),
+                })
         })
         .await
         .map_err(|e| unreachable(&self.inner.settings.brokers, e))?

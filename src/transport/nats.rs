@@ -1,18 +1,22 @@
 //! NATS (async-nats). Two modes:
-//! - JetStream (the default): durable, at-least-once. Each subject is captured by a
-//!   stream named from it (created when missing, one subject per stream); consumers are
-//!   durable pull consumers with ack-all (or explicit acks for work queues),
-//!   acknowledged only through [`Source::commit`].
+//! - JetStream (the default): durable, at-least-once. A subject is read and written
+//!   through the existing stream that captures it, looked up by subject; only when none
+//!   does (nor any part of it) does weir create a stream for it alone. Consumers are
+//!   durable pull consumers filtered to their subject (wildcards included), with ack-all
+//!   (or explicit acks for work queues), acknowledged only through [`Source::commit`].
 //! - Core NATS: at-most-once. A message is gone once delivered; commits do nothing, and
 //!   a crash loses what was in flight. Use it only where that is acceptable.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer, stream};
 use async_trait::async_trait;
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
+
+use crate::secret::{redact_url, scrub, split_credentials, Secret, UrlCredentials};
 
 use super::{
     Acks, Assignment, Broker, Message, Outbound, PendingAck, Position, Sink, Source, StartFrom,
@@ -32,6 +36,7 @@ pub struct NatsSettings {
     pub ack_wait: Duration,
     /// `max_age` of the streams weir creates; `None`: kept forever.
     pub retention: Option<Duration>,
+    pub auth: NatsAuth,
 }
 
 impl Default for NatsSettings {
@@ -41,7 +46,81 @@ impl Default for NatsSettings {
             jetstream: true,
             ack_wait: Duration::from_secs(30),
             retention: None,
+            auth: NatsAuth::default(),
         }
+    }
+}
+
+/// How weir proves itself to a NATS server and checks the server in turn. Credentials
+/// written in the URL count as `user`/`password` (or a lone `token`) unless these are set.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NatsAuth {
+    pub user: Option<String>,
+    pub password: Option<Secret>,
+    pub token: Option<Secret>,
+    pub nkey_seed_file: Option<PathBuf>,
+    pub credentials_file: Option<PathBuf>,
+    pub tls_ca_file: Option<PathBuf>,
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
+    pub tls_required: bool,
+}
+
+impl NatsAuth {
+    /// Connection options carrying these credentials and TLS settings, for `url` with its
+    /// own credentials already split off into `from_url`.
+    async fn options(
+        &self,
+        from_url: UrlCredentials,
+    ) -> Result<async_nats::ConnectOptions, String> {
+        let mut options = async_nats::ConnectOptions::new();
+        let user = self.user.clone().or(from_url.user);
+        let password = self.password.clone().or(from_url.password);
+        match (user, password, &self.token) {
+            (_, _, Some(token)) => options = options.token(token.expose().to_string()),
+            (Some(user), Some(password), None) => {
+                options = options.user_and_password(user, password.expose().to_string())
+            }
+            // `nats://TOKEN@host`: a name without a password is a token.
+            (Some(token), None, None) => options = options.token(token),
+            (None, Some(password), None) => {
+                options = options.user_and_password(String::new(), password.expose().to_string())
+            }
+            (None, None, None) => {}
+        }
+        if let Some(path) = &self.nkey_seed_file {
+            let seed = std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read nkey_seed_file {}: {e}", path.display()))?;
+            options = options.nkey(seed.trim().to_string());
+        }
+        if let Some(path) = &self.credentials_file {
+            options = options
+                .credentials_file(path)
+                .await
+                .map_err(|e| format!("cannot read credentials_file {}: {e}", path.display()))?;
+        }
+        for (key, path) in [
+            ("tls_ca_file", &self.tls_ca_file),
+            ("tls_cert_file", &self.tls_cert_file),
+            ("tls_key_file", &self.tls_key_file),
+        ] {
+            if let Some(path) = path {
+                std::fs::metadata(path)
+                    .map_err(|e| format!("cannot read {key} {}: {e}", path.display()))?;
+            }
+        }
+        if let Some(ca) = &self.tls_ca_file {
+            options = options.add_root_certificates(ca.clone());
+        }
+        match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(cert), Some(key)) => {
+                options = options.add_client_certificate(cert.clone(), key.clone())
+            }
+            (None, None) => {}
+            _ => return Err("tls_cert_file and tls_key_file go together".into()),
+        }
+        let tls = self.tls_required || self.tls_ca_file.is_some() || self.tls_cert_file.is_some();
+        Ok(options.require_tls(tls))
     }
 }
 
@@ -56,15 +135,33 @@ struct Inner {
     jetstream: Option<jetstream::Context>,
     ack_wait: Duration,
     retention: Option<Duration>,
-    /// Subjects whose stream is known to exist.
-    ensured: Mutex<HashSet<String>>,
+    /// Subject → the stream found or made to capture it.
+    streams: Mutex<HashMap<String, String>>,
+}
+
+/// How often a core NATS source looks at its connection.
+const CONNECTION_CHECK: Duration = Duration::from_millis(250);
+
+/// How long connecting (TCP, TLS and authentication) may take at start.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why a connection failed, in an operator's words where async-nats's are terse.
+fn connect_failure(e: &async_nats::ConnectError) -> String {
+    use async_nats::ConnectErrorKind as Kind;
+    let cause = match e.kind() {
+        Kind::AuthorizationViolation | Kind::Authentication => {
+            "authentication failed (check user, password, token, nkey or credentials)"
+        }
+        Kind::Tls => "TLS failed (check the CA, the client certificate and the URL)",
+        Kind::TimedOut => "timed out",
+        Kind::Io => "connection failed",
+        _ => "cannot connect",
+    };
+    format!("{cause}: {e}")
 }
 
 /// The JetStream stream that captures a subject: its name with dots and wildcards
 /// replaced, which stream names may not contain.
-/// How often a core NATS source looks at its connection.
-const CONNECTION_CHECK: Duration = Duration::from_millis(250);
-
 pub fn stream_name(subject: &str) -> String {
     subject
         .chars()
@@ -77,23 +174,39 @@ pub fn stream_name(subject: &str) -> String {
 
 impl NatsBroker {
     pub async fn connect(settings: NatsSettings) -> Result<Self, TransportError> {
-        let client = async_nats::ConnectOptions::new()
-            .connection_timeout(Duration::from_secs(5))
-            .connect(settings.url.as_str())
+        let shown = redact_url(&settings.url);
+        let (url, from_url) = split_credentials(&settings.url);
+        let secrets: Vec<Secret> = [
+            settings.auth.password.clone(),
+            settings.auth.token.clone(),
+            from_url.password.clone(),
+            from_url.user.clone().map(Secret::new),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        let failed = |reason: String| TransportError::Unreachable {
+            broker: format!("nats {shown}"),
+            reason: scrub(&reason, &secrets.iter().collect::<Vec<_>>()),
+        };
+        let client = settings
+            .auth
+            .options(from_url)
             .await
-            .map_err(|e| TransportError::Unreachable {
-                broker: format!("nats {}", settings.url),
-                reason: e.to_string(),
-            })?;
+            .map_err(failed)?
+            .connection_timeout(CONNECT_TIMEOUT)
+            .connect(url.as_str())
+            .await
+            .map_err(|e| failed(connect_failure(&e)))?;
         let jetstream = settings.jetstream.then(|| jetstream::new(client.clone()));
         Ok(Self {
             inner: Arc::new(Inner {
-                url: settings.url,
+                url: shown,
                 client,
                 jetstream,
                 ack_wait: settings.ack_wait,
                 retention: settings.retention,
-                ensured: Mutex::new(HashSet::new()),
+                streams: Mutex::new(HashMap::new()),
             }),
         })
     }
@@ -105,31 +218,143 @@ impl NatsBroker {
         }
     }
 
+    /// The stream that captures `subject`: an existing one whose subjects cover it, or
+    /// else one weir creates for it alone. Never a new stream overlapping another, which
+    /// the server would refuse and which would store messages twice.
     async fn ensure_stream(
         &self,
         js: &jetstream::Context,
         subject: &str,
     ) -> Result<stream::Stream, TransportError> {
-        let config = stream::Config {
-            name: stream_name(subject),
-            subjects: vec![subject.to_string()],
-            max_age: self.inner.retention.unwrap_or_default(),
-            ..Default::default()
-        };
-        let stream =
-            js.get_or_create_stream(config)
-                .await
-                .map_err(|e| TransportError::InvalidTopic {
-                    topic: subject.to_string(),
-                    reason: format!("cannot create or open stream {}: {e}", stream_name(subject)),
-                })?;
-        self.inner
-            .ensured
+        let known = self
+            .inner
+            .streams
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(subject.to_string());
-        Ok(stream)
+            .get(subject)
+            .cloned();
+        let name = match known {
+            Some(name) => name,
+            None => {
+                let name = self.stream_capturing(js, subject).await?;
+                self.inner
+                    .streams
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(subject.to_string(), name.clone());
+                name
+            }
+        };
+        js.get_stream(&name)
+            .await
+            .map_err(|e| self.unreachable(format!("stream {name}: {e}")))
     }
+
+    /// Looks the subject up among the existing streams; creates a stream for it when none
+    /// captures it or any part of it.
+    async fn stream_capturing(
+        &self,
+        js: &jetstream::Context,
+        subject: &str,
+    ) -> Result<String, TransportError> {
+        let mut overlapping = Vec::new();
+        let mut streams = js.streams();
+        while let Some(info) = streams
+            .try_next()
+            .await
+            .map_err(|e| self.unreachable(format!("listing streams: {e}")))?
+        {
+            let subjects = &info.config.subjects;
+            if subjects.iter().any(|s| subject_covers(s, subject)) {
+                return Ok(info.config.name);
+            }
+            if subjects.iter().any(|s| subjects_overlap(s, subject)) {
+                overlapping.push(format!("{} {:?}", info.config.name, subjects));
+            }
+        }
+        if !overlapping.is_empty() {
+            return Err(TransportError::InvalidTopic {
+                topic: subject.to_string(),
+                reason: format!(
+                    "stream {} captures part of it but not all; weir will not create a \
+                     stream overlapping another: widen that stream's subjects, or use a \
+                     subject one stream captures whole",
+                    overlapping.join(", ")
+                ),
+            });
+        }
+        // The plain name may belong to a stream of another subject (`orders.new` and
+        // `orders_new` sanitise alike); then the subject's hash tells them apart.
+        let plain = stream_name(subject);
+        let hashed = format!("{plain}_{:016x}", fnv1a(subject));
+        for name in [plain, hashed] {
+            let config = stream::Config {
+                name: name.clone(),
+                subjects: vec![subject.to_string()],
+                max_age: self.inner.retention.unwrap_or_default(),
+                ..Default::default()
+            };
+            let mut stream = js.get_or_create_stream(config).await.map_err(|e| {
+                TransportError::InvalidTopic {
+                    topic: subject.to_string(),
+                    reason: format!("cannot create or open stream {name}: {e}"),
+                }
+            })?;
+            let info = stream
+                .info()
+                .await
+                .map_err(|e| self.unreachable(format!("stream {name}: {e}")))?;
+            if info.config.subjects.iter().any(|s| s == subject) {
+                return Ok(name);
+            }
+        }
+        Err(TransportError::InvalidTopic {
+            topic: subject.to_string(),
+            reason: "the stream names weir would give it are taken by other streams".into(),
+        })
+    }
+}
+
+/// Whether every subject `subject` can stand for is also matched by `pattern`
+/// (`orders.>` covers `orders.new` and `orders.*`; `orders.*` does not cover `orders.>`).
+pub fn subject_covers(pattern: &str, subject: &str) -> bool {
+    let subject: Vec<&str> = subject.split('.').collect();
+    for (i, token) in pattern.split('.').enumerate() {
+        if token == ">" {
+            return subject.len() > i;
+        }
+        match (token, subject.get(i)) {
+            (_, None) => return false,
+            ("*", Some(&">")) => return false,
+            ("*", Some(_)) => {}
+            (literal, Some(other)) if literal != *other => return false,
+            _ => {}
+        }
+    }
+    pattern.split('.').count() == subject.len()
+}
+
+/// Whether some subject is matched by both patterns.
+pub fn subjects_overlap(a: &str, b: &str) -> bool {
+    let a: Vec<&str> = a.split('.').collect();
+    let b: Vec<&str> = b.split('.').collect();
+    for i in 0.. {
+        match (a.get(i), b.get(i)) {
+            (Some(&">"), Some(_)) | (Some(_), Some(&">")) => return true,
+            (Some(x), Some(y)) if x != y && *x != "*" && *y != "*" => return false,
+            (Some(_), Some(_)) => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+    unreachable!("the loop returns once either subject runs out of tokens")
+}
+
+/// FNV-1a: a stable hash (the same on every node and version) for stream names.
+fn fnv1a(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 fn validate_subject(subject: &str) -> Result<(), TransportError> {
@@ -233,6 +458,9 @@ impl Broker for NatsBroker {
             ack_wait: self.inner.ack_wait,
             max_ack_pending: 100_000,
             inactive_threshold,
+            // The stream may capture more than this subject (an existing one, or a
+            // wildcard's).
+            filter_subject: subscription.topic.clone(),
             ..Default::default()
         };
         let consumer: consumer::PullConsumer = stream
@@ -296,10 +524,10 @@ impl Sink for NatsBroker {
             Some(js) => {
                 let known = self
                     .inner
-                    .ensured
+                    .streams
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .contains(&topic);
+                    .contains_key(&topic);
                 if !known {
                     self.ensure_stream(js, &topic).await?;
                 }
@@ -494,4 +722,44 @@ impl Source for CoreSource {
 fn jetstream_too_large(e: &jetstream::context::PublishError) -> bool {
     e.kind() == jetstream::context::PublishErrorKind::MaxPayloadExceeded
         || e.to_string().contains("message size exceeds maximum")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wider_pattern_covers_a_subject() {
+        assert!(subject_covers("orders.>", "orders.new"));
+        assert!(subject_covers("orders.>", "orders.eu.new"));
+        assert!(subject_covers("orders.>", "orders.*"));
+        assert!(subject_covers("orders.>", "orders.>"));
+        assert!(subject_covers("orders.*", "orders.new"));
+        assert!(subject_covers("orders.new", "orders.new"));
+        assert!(subject_covers(">", "a.b.c"));
+        assert!(!subject_covers("orders.>", "orders"));
+        assert!(!subject_covers("orders.*", "orders.>"));
+        assert!(!subject_covers("orders.*", "orders.eu.new"));
+        assert!(!subject_covers("orders.new", "orders.*"));
+        assert!(!subject_covers("orders.new", "orders_new"));
+        assert!(!subject_covers("orders.new.x", "orders.new"));
+    }
+
+    #[test]
+    fn overlapping_patterns_share_a_subject() {
+        assert!(subjects_overlap("orders.new", "orders.*"));
+        assert!(subjects_overlap("orders.*", "*.new"));
+        assert!(subjects_overlap("orders.>", "orders.eu.new"));
+        assert!(subjects_overlap("a.b", "a.b"));
+        assert!(!subjects_overlap("orders.new", "orders.old"));
+        assert!(!subjects_overlap("orders.*", "orders.eu.new"));
+        assert!(!subjects_overlap("orders.>", "orders"));
+        assert!(!subjects_overlap("a.b", "a.b.c"));
+    }
+
+    #[test]
+    fn stream_names_for_colliding_subjects_differ_by_hash() {
+        assert_eq!(stream_name("orders.new"), stream_name("orders_new"));
+        assert_ne!(fnv1a("orders.new"), fnv1a("orders_new"));
+    }
 }

@@ -2,6 +2,8 @@
 #![allow(dead_code)]
 
 #[cfg(feature = "it")]
+pub mod certs;
+#[cfg(feature = "it")]
 pub mod servers;
 #[cfg(feature = "it")]
 pub mod services;

