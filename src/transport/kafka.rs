@@ -97,7 +97,10 @@ impl ClientErrors {
 impl ClientContext for ClientErrors {
     fn error(&self, error: KafkaError, reason: &str) {
         tracing::warn!(%error, reason, "kafka client error");
-        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.to_string());
+        // "All brokers are down" follows the error that took them down; keep that one.
+        if error.rdkafka_error_code() != Some(RDKafkaErrorCode::AllBrokersDown) {
+            *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.to_string());
+        }
     }
 }
 
