@@ -1,0 +1,203 @@
+//! JetStream streams weir did not make: a subject an existing stream captures is read and
+//! written through that stream; a stream is made only for a subject no stream captures,
+//! never one overlapping another; wildcard subjects work as sources; subjects whose
+//! sanitised names collide get streams of their own.
+#![cfg(feature = "it")]
+
+mod common;
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, stream};
+use bytes::Bytes;
+use common::services::{nats, nats_url, unique};
+use futures::TryStreamExt;
+use weir::transport::{Broker, Outbound, Subscription};
+
+/// The streams on the shared server, for a test to delete what it made.
+struct Streams {
+    js: jetstream::Context,
+    made: Vec<String>,
+}
+
+impl Streams {
+    async fn connect() -> Self {
+        let client = async_nats::connect(nats_url())
+            .await
+            .expect("nats reachable");
+        Self {
+            js: jetstream::new(client),
+            made: Vec::new(),
+        }
+    }
+
+    async fn create(&mut self, name: &str, subjects: &[String]) {
+        self.js
+            .create_stream(stream::Config {
+                name: name.to_string(),
+                subjects: subjects.to_vec(),
+                max_age: common::services::TEST_RETENTION,
+                ..Default::default()
+            })
+            .await
+            .expect("stream created");
+        self.made.push(name.to_string());
+    }
+
+    /// Names of the streams whose subjects include `subject` exactly.
+    async fn capturing(&self, subject: &str) -> Vec<String> {
+        let mut names = Vec::new();
+        let mut streams = self.js.streams();
+        while let Some(info) = streams.try_next().await.unwrap() {
+            if info.config.subjects.iter().any(|s| s == subject) {
+                names.push(info.config.name);
+            }
+        }
+        names
+    }
+
+    async fn messages_in(&self, name: &str) -> u64 {
+        let mut stream = self.js.get_stream(name).await.unwrap();
+        stream.info().await.unwrap().state.messages
+    }
+
+    async fn clean(&mut self, also: &[String]) {
+        for name in self.made.iter().chain(also) {
+            let _ = self.js.delete_stream(name).await;
+        }
+    }
+}
+
+async fn next_payload(source: &mut Box<dyn weir::transport::Source>) -> (String, Bytes) {
+    let message = tokio::time::timeout(Duration::from_secs(20), source.next())
+        .await
+        .expect("a message within 20 s")
+        .expect("a message");
+    (message.topic.to_string(), message.payload)
+}
+
+#[tokio::test]
+async fn a_subject_an_existing_stream_captures_goes_through_that_stream() {
+    let prefix = unique("orders");
+    let mut streams = Streams::connect().await;
+    let existing = unique("ORDERS");
+    streams.create(&existing, &[format!("{prefix}.>")]).await;
+    let broker = nats(true).await;
+    let subject = format!("{prefix}.new");
+
+    let mut source = broker
+        .subscribe(&Subscription::new(subject.clone(), unique("g")))
+        .await
+        .expect("subscribed through the existing stream");
+    broker
+        .sink()
+        .publish(Outbound::new(subject.clone(), Bytes::from_static(b"1")))
+        .await
+        .expect("published through the existing stream");
+    // A message on another subject of the same stream is not this consumer's.
+    broker
+        .sink()
+        .publish(Outbound::new(
+            format!("{prefix}.old"),
+            Bytes::from_static(b"x"),
+        ))
+        .await
+        .unwrap();
+    broker
+        .sink()
+        .publish(Outbound::new(subject.clone(), Bytes::from_static(b"2")))
+        .await
+        .unwrap();
+    assert_eq!(next_payload(&mut source).await.1, Bytes::from_static(b"1"));
+    assert_eq!(next_payload(&mut source).await.1, Bytes::from_static(b"2"));
+    assert_eq!(
+        streams.messages_in(&existing).await,
+        3,
+        "all in the one stream"
+    );
+    assert!(
+        streams.capturing(&subject).await.is_empty(),
+        "weir made no stream of its own"
+    );
+    streams.clean(&[]).await;
+}
+
+#[tokio::test]
+async fn a_wildcard_subject_is_a_source() {
+    let prefix = unique("parts");
+    let mut streams = Streams::connect().await;
+    let broker = nats(true).await;
+    let wildcard = format!("{prefix}.>");
+    let mut source = broker
+        .subscribe(&Subscription::new(wildcard.clone(), unique("g")))
+        .await
+        .expect("a wildcard source");
+    for (suffix, payload) in [("eu.a", "1"), ("us.b", "2")] {
+        broker
+            .sink()
+            .publish(Outbound::new(
+                format!("{prefix}.{suffix}"),
+                payload.to_string(),
+            ))
+            .await
+            .expect("published into the wildcard's stream");
+    }
+    let got = [
+        next_payload(&mut source).await.1,
+        next_payload(&mut source).await.1,
+    ];
+    assert_eq!(got, [Bytes::from_static(b"1"), Bytes::from_static(b"2")]);
+    let made = streams.capturing(&wildcard).await;
+    assert_eq!(made.len(), 1, "one stream for the wildcard: {made:?}");
+    streams.clean(&made).await;
+}
+
+#[tokio::test]
+async fn no_stream_is_made_that_overlaps_another() {
+    let prefix = unique("lines");
+    let mut streams = Streams::connect().await;
+    let partial = unique("LINES_A");
+    streams.create(&partial, &[format!("{prefix}.a")]).await;
+    let broker = nats(true).await;
+    let refused = broker
+        .subscribe(&Subscription::new(format!("{prefix}.*"), unique("g")))
+        .await
+        .err()
+        .expect("a stream covering part of the subject is not widened behind its back");
+    let message = refused.to_string();
+    assert!(message.contains(&partial), "names the stream: {message}");
+    assert!(!refused.is_retryable(), "{message}");
+    streams.clean(&[]).await;
+}
+
+#[tokio::test]
+async fn subjects_with_the_same_sanitised_name_get_streams_of_their_own() {
+    let prefix = unique("clash");
+    let mut streams = Streams::connect().await;
+    let broker = nats(true).await;
+    let dotted = format!("{prefix}.new");
+    let underscored = format!("{prefix}_new");
+    for subject in [&dotted, &underscored] {
+        broker
+            .sink()
+            .publish(Outbound::new(subject.clone(), subject.clone()))
+            .await
+            .unwrap_or_else(|e| panic!("{subject}: {e}"));
+    }
+    let mut source = broker
+        .subscribe(&Subscription::new(underscored.clone(), unique("g")))
+        .await
+        .unwrap();
+    assert_eq!(
+        next_payload(&mut source).await.1,
+        Bytes::from(underscored.clone())
+    );
+    let dotted_streams = streams.capturing(&dotted).await;
+    let underscored_streams = streams.capturing(&underscored).await;
+    assert_eq!(dotted_streams.len(), 1);
+    assert_eq!(underscored_streams.len(), 1);
+    assert_ne!(dotted_streams, underscored_streams);
+    streams
+        .clean(&[dotted_streams, underscored_streams].concat())
+        .await;
+}
