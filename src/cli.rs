@@ -67,6 +67,10 @@ pub enum Command {
         /// Tasks run at once, at most; when full the worker stops fetching.
         #[arg(long, default_value_t = crate::config::defaults::WORKER_CONCURRENCY, value_parser = parse_concurrency)]
         concurrency: usize,
+        /// Run one tenant's tasks: consumes <TENANT>.weir.tasks.<KEY> and reports on the
+        /// tenant's results topic.
+        #[arg(long)]
+        tenant: Option<String>,
     },
     /// Workflow executions: start one, show one.
     Workflow {

@@ -144,6 +144,27 @@ pub struct AdminConfig {
     /// TLS for the admin listener: a PEM certificate chain and its key.
     pub tls_cert_file: Option<PathBuf>,
     pub tls_key_file: Option<PathBuf>,
+    /// `[[admin.tokens]]`: tokens that admit their holder to one tenant's graphs,
+    /// schedules, executions and recovery events only.
+    pub tokens: Vec<TenantToken>,
+}
+
+impl AdminConfig {
+    /// The tenant tokens as (token, tenant) pairs.
+    pub fn tenant_tokens(&self) -> Vec<(String, String)> {
+        self.tokens
+            .iter()
+            .map(|t| (t.token.expose().to_string(), t.tenant.clone()))
+            .collect()
+    }
+}
+
+/// One `[[admin.tokens]]` entry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantToken {
+    pub token: Secret,
+    pub tenant: String,
 }
 
 /// `[[workflow]]` with its `[[workflow.task]]` entries.
@@ -353,8 +374,13 @@ impl ScheduleConfig {
                 serde_json::to_value(v).map_err(|e| invalid(key("payload"), e.to_string()))?
             }
         };
+        if let Some(tenant) = &self.tenant {
+            crate::tenant::check(tenant).map_err(|e| invalid(key("tenant"), e))?;
+        }
         let schedule = Schedule {
-            id: self.id.clone(),
+            // Tenants' schedules of the same name are kept apart in the store and in
+            // their ticks.
+            id: crate::tenant::key(self.tenant.as_deref(), &self.id),
             cron: self.cron.clone(),
             timezone: self.timezone.clone(),
             enabled: self.enabled,
@@ -703,6 +729,11 @@ impl Config {
         let mut names = std::collections::HashSet::new();
         for (i, g) in self.graphs.iter().enumerate() {
             let key = |field: &str| format!("graph[{i}].{field}");
+            if let Some(tenant) = &g.tenant {
+                if let Err(e) = crate::tenant::check(tenant) {
+                    errors.push(invalid(key("tenant"), e));
+                }
+            }
             if !names.insert((g.tenant.clone(), g.name.clone())) {
                 errors.push(invalid(
                     key("name"),
@@ -768,7 +799,12 @@ impl Config {
         }
         let mut workflow_names = std::collections::HashSet::new();
         for (i, w) in self.workflows.iter().enumerate() {
-            if !workflow_names.insert(w.name.as_str()) {
+            if let Some(tenant) = &w.tenant {
+                if let Err(e) = crate::tenant::check(tenant) {
+                    errors.push(invalid(format!("workflow[{i}].tenant"), e));
+                }
+            }
+            if !workflow_names.insert((w.tenant.as_deref(), w.name.as_str())) {
                 errors.push(invalid(
                     format!("workflow[{i}].name"),
                     format!("workflow {} is declared twice", w.name),
@@ -880,9 +916,22 @@ impl Config {
                 _ => {}
             }
         }
+        let mut admin_tokens: Vec<&str> = self.admin.token.iter().map(Secret::expose).collect();
+        for (i, entry) in self.admin.tokens.iter().enumerate() {
+            let key = |field: &str| format!("admin.tokens[{i}].{field}");
+            if let Err(e) = crate::tenant::check(&entry.tenant) {
+                errors.push(invalid(key("tenant"), e));
+            }
+            if entry.token.expose().trim().is_empty() {
+                errors.push(invalid(key("token"), "must not be empty"));
+            } else if admin_tokens.contains(&entry.token.expose()) {
+                errors.push(invalid(key("token"), "is already another token"));
+            }
+            admin_tokens.push(entry.token.expose());
+        }
         if let Some(addr) = self.admin.listen {
             if !addr.ip().is_loopback()
-                && self.admin.token.is_none()
+                && admin_tokens.is_empty()
                 && !self.admin.allow_unauthenticated
             {
                 errors.push(invalid(

@@ -30,6 +30,8 @@
 //!   the command itself.
 //! - [`admin`]: the admin API (health, readiness, graphs, schedules, recovery events,
 //!   WebSocket commands) and `/metrics` over HTTP; `weir graph`, `tail`, `produce`.
+//! - [`tenant`]: names and topics qualified per tenant, so tenants sharing a broker and
+//!   a store never meet.
 //! - [`secret`]: passwords and tokens that never print, and server URLs shown without
 //!   their credentials.
 //! - [`cli`], [`shutdown`], [`metrics`], [`error`]: the binary's plumbing.
@@ -52,6 +54,7 @@ pub mod secret;
 pub mod shutdown;
 pub mod store;
 pub mod supervisor;
+pub mod tenant;
 pub mod transport;
 pub mod worker;
 

@@ -60,11 +60,13 @@ async fn execute(cli: Cli) -> Result<(), weir::error::Error> {
             config,
             executor,
             concurrency,
+            tenant,
         } => {
             weir::dispatch::cli::worker(
                 &config,
                 executor,
                 concurrency,
+                tenant,
                 |runtime| HandlerRegistry::with_builtins(runtime.broker.sink()),
                 cancel,
             )

@@ -39,6 +39,7 @@ pub async fn run(
         .with_supervisor(supervisor.clone())
         .with_runtime(&runtime)
         .with_token(config.admin.token.as_ref().map(|t| t.expose().to_string()))
+        .with_tenant_tokens(config.admin.tenant_tokens())
         .with_allowed_origins(config.admin.allowed_origins.clone())
         .with_cron_shards(config.cron.shards);
     if config.cron_enabled() {

@@ -347,6 +347,7 @@ async fn redis_stopped_for_45_seconds_stalls_no_fire_and_loses_no_input() {
                 concurrency: 4,
                 worker_id: "faults-worker".into(),
                 results_topic: format!("{prefix}.results"),
+                tenant: None,
             },
         )
         .run(cancel.clone()),

@@ -97,6 +97,7 @@ impl Env {
                 concurrency,
                 worker_id: format!("{executor}-worker"),
                 results_topic: self.results_topic(),
+                tenant: None,
             },
         );
         tokio::spawn(worker.run(self.cancel.clone()));

@@ -7,23 +7,81 @@ use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
+use std::sync::Arc;
+
 use super::{AdminState, ApiError};
 
+/// What a caller may see and do: everything (the operator's token, or an API without
+/// tokens), or one tenant's graphs, schedules and workflow executions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    All,
+    Tenant(Arc<str>),
+}
+
+impl Scope {
+    /// Whether the thing keyed `key` (`tenant/name`, or `name`) is within this scope.
+    pub fn sees(&self, key: &str) -> bool {
+        match self {
+            Self::All => true,
+            Self::Tenant(tenant) => crate::tenant::of_key(key) == Some(tenant.as_ref()),
+        }
+    }
+
+    /// The key a caller means by `name`: a tenant's callers name their own things with
+    /// or without the tenant; another tenant's are not found, as if they did not exist.
+    pub fn resolve(&self, kind: &'static str, name: &str) -> Result<String, ApiError> {
+        let key = match self {
+            Self::All => name.to_string(),
+            Self::Tenant(tenant) if crate::tenant::of_key(name).is_none() => {
+                crate::tenant::key(Some(tenant), name)
+            }
+            Self::Tenant(_) => name.to_string(),
+        };
+        if self.sees(&key) {
+            Ok(key)
+        } else {
+            Err(ApiError::NotFound {
+                kind,
+                name: name.to_string(),
+            })
+        }
+    }
+}
+
+/// Admits callers with the operator's token (everything) or a tenant's (that tenant's
+/// things), and records which in the request as a [`Scope`].
 pub(super) async fn require_token(
     State(state): State<AdminState>,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
-    if let Some(expected) = &state.token {
+    let protected = state.token.is_some() || !state.tenant_tokens.is_empty();
+    let scope = if protected {
         let given = request
             .headers()
             .get(AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if !given.is_some_and(|g| same(g.as_bytes(), expected.as_bytes())) {
-            return ApiError::Unauthorized.into_response();
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or_default()
+            .as_bytes();
+        let operator = state
+            .token
+            .as_ref()
+            .is_some_and(|t| same(given, t.as_bytes()));
+        let tenant = state
+            .tenant_tokens
+            .iter()
+            .find(|(token, _)| same(given, token.as_bytes()));
+        match (operator, tenant) {
+            (true, _) => Scope::All,
+            (false, Some((_, tenant))) => Scope::Tenant(tenant.clone()),
+            (false, None) => return ApiError::Unauthorized.into_response(),
         }
-    }
+    } else {
+        Scope::All
+    };
+    request.extensions_mut().insert(scope);
     next.run(request).await
 }
 
@@ -88,7 +146,20 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{is_json, origin_allowed, same};
+    use super::{is_json, origin_allowed, same, Scope};
+
+    #[test]
+    fn a_tenant_scope_sees_only_its_tenant() {
+        let acme = Scope::Tenant("acme".into());
+        assert!(acme.sees("acme/report"));
+        assert!(!acme.sees("globex/report"));
+        assert!(!acme.sees("report"));
+        assert_eq!(acme.resolve("graph", "report").unwrap(), "acme/report");
+        assert_eq!(acme.resolve("graph", "acme/report").unwrap(), "acme/report");
+        assert!(acme.resolve("graph", "globex/report").is_err());
+        assert!(Scope::All.sees("globex/report"));
+        assert_eq!(Scope::All.resolve("graph", "report").unwrap(), "report");
+    }
 
     #[test]
     fn only_json_content_types_pass() {

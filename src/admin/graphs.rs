@@ -20,12 +20,13 @@ use std::time::Duration;
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::routing::{get, post};
+use axum::Extension;
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use super::health::describe;
-use super::{AdminState, ApiError};
+use super::{AdminState, ApiError, Scope};
 use crate::reactor::{FireReport, ReactorState, ReactorStatus};
 use crate::supervisor::{GraphHandle, GraphStatus};
 
@@ -87,14 +88,37 @@ pub(super) fn routes() -> Router<AdminState> {
         .route("/graphs/{name}/restart", post(restart))
 }
 
-/// Runs one command; the answer is the JSON the matching route returns.
-pub async fn execute(state: &AdminState, request: GraphRequest) -> Result<Value, ApiError> {
+impl GraphRequest {
+    fn graph_mut(&mut self) -> Option<&mut String> {
+        match self {
+            Self::List => None,
+            Self::State { graph }
+            | Self::Fire { graph }
+            | Self::FireWith { graph, .. }
+            | Self::Pause { graph }
+            | Self::Resume { graph }
+            | Self::Restart { graph } => Some(graph),
+        }
+    }
+}
+
+/// Runs one command for a caller in `scope`; the answer is the JSON the matching route
+/// returns.
+pub async fn execute(
+    state: &AdminState,
+    scope: &Scope,
+    mut request: GraphRequest,
+) -> Result<Value, ApiError> {
+    if let Some(graph) = request.graph_mut() {
+        *graph = scope.resolve("graph", graph)?;
+    }
     match request {
         GraphRequest::List => {
             let graphs: Vec<GraphSummary> = state
                 .supervisor
                 .iter()
                 .flat_map(|s| s.graphs())
+                .filter(|g| scope.sees(g.name()))
                 .map(|g| GraphSummary {
                     name: g.name().to_string(),
                     state: g.state(),
@@ -179,31 +203,37 @@ async fn answer<T>(
     }
 }
 
-async fn list(State(state): State<AdminState>) -> Result<Json<Value>, ApiError> {
-    execute(&state, GraphRequest::List).await.map(Json)
+async fn list(
+    State(state): State<AdminState>,
+    Extension(scope): Extension<Scope>,
+) -> Result<Json<Value>, ApiError> {
+    execute(&state, &scope, GraphRequest::List).await.map(Json)
 }
 
 async fn state(
     State(state): State<AdminState>,
+    Extension(scope): Extension<Scope>,
     Path(graph): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    execute(&state, GraphRequest::State { graph })
+    execute(&state, &scope, GraphRequest::State { graph })
         .await
         .map(Json)
 }
 
 async fn fire(
     State(state): State<AdminState>,
+    Extension(scope): Extension<Scope>,
     Path(graph): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    execute(&state, GraphRequest::Fire { graph })
+    execute(&state, &scope, GraphRequest::Fire { graph })
         .await
         .map(Json)
 }
 
-/// The body is read as JSON whatever its content type, so `curl -d '{...}'` works.
+/// The body is JSON (the content type must say so, see [`super::auth`]).
 async fn fire_with(
     State(state): State<AdminState>,
+    Extension(scope): Extension<Scope>,
     Path(graph): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
@@ -212,34 +242,37 @@ async fn fire_with(
             "the body must be a JSON object of source name to value: {e}"
         ))
     })?;
-    execute(&state, GraphRequest::FireWith { graph, cache })
+    execute(&state, &scope, GraphRequest::FireWith { graph, cache })
         .await
         .map(Json)
 }
 
 async fn pause(
     State(state): State<AdminState>,
+    Extension(scope): Extension<Scope>,
     Path(graph): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    execute(&state, GraphRequest::Pause { graph })
+    execute(&state, &scope, GraphRequest::Pause { graph })
         .await
         .map(Json)
 }
 
 async fn resume(
     State(state): State<AdminState>,
+    Extension(scope): Extension<Scope>,
     Path(graph): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    execute(&state, GraphRequest::Resume { graph })
+    execute(&state, &scope, GraphRequest::Resume { graph })
         .await
         .map(Json)
 }
 
 async fn restart(
     State(state): State<AdminState>,
+    Extension(scope): Extension<Scope>,
     Path(graph): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    execute(&state, GraphRequest::Restart { graph })
+    execute(&state, &scope, GraphRequest::Restart { graph })
         .await
         .map(Json)
 }

@@ -15,6 +15,9 @@
 //! | `GET /recovery-events?graph=&limit=` | token | [`recovery`] |
 //!
 //! With a token configured, "token" routes need `Authorization: Bearer <token>` ([`auth`]).
+//! A tenant's token (`[[admin.tokens]]`) admits its holder to that tenant's graphs,
+//! schedules, executions and recovery events only; the rest answer 404, as if absent.
+//! Within the tenant, names may leave the tenant out (`report` for `acme/report`).
 //! `/metrics` stays open on both listeners: scrapers rarely carry credentials, and it
 //! shows counts, never data, and controls nothing.
 //!
@@ -62,6 +65,7 @@ use crate::store::Store;
 use crate::supervisor::{Runtime, Supervisor};
 use crate::transport::Broker;
 
+pub use auth::Scope;
 pub use error::ApiError;
 
 /// How often histograms are rotated when nobody scrapes.
@@ -96,6 +100,8 @@ pub struct AdminState {
     store: Option<Arc<dyn Store>>,
     broker: Option<Arc<dyn Broker>>,
     token: Option<Arc<str>>,
+    /// Tokens scoped to one tenant: (token, tenant).
+    tenant_tokens: Arc<[(String, Arc<str>)]>,
     /// Origins besides the listener's own allowed to open the WebSocket.
     allowed_origins: Arc<[String]>,
     cron_shards: u32,
@@ -112,6 +118,7 @@ impl Default for AdminState {
             store: None,
             broker: None,
             token: None,
+            tenant_tokens: Arc::from(Vec::new()),
             allowed_origins: Arc::from(Vec::new()),
             cron_shards: crate::config::defaults::CRON_SHARDS,
             metrics: None,
@@ -151,6 +158,16 @@ impl AdminState {
     /// The bearer token protected routes require; `None` leaves them open.
     pub fn with_token(mut self, token: Option<String>) -> Self {
         self.token = token.map(Arc::from);
+        self
+    }
+
+    /// Tokens that admit a caller to one tenant's graphs, schedules and executions only:
+    /// (token, tenant) pairs.
+    pub fn with_tenant_tokens(mut self, tokens: Vec<(String, String)>) -> Self {
+        self.tenant_tokens = tokens
+            .into_iter()
+            .map(|(token, tenant)| (token, Arc::from(tenant)))
+            .collect();
         self
     }
 
@@ -308,7 +325,8 @@ pub async fn serve(
         return Ok(servers);
     }
     if let Some(addr) = listen.admin {
-        if !addr.ip().is_loopback() && state.token.is_none() && !listen.allow_unauthenticated {
+        let unprotected = state.token.is_none() && state.tenant_tokens.is_empty();
+        if !addr.ip().is_loopback() && unprotected && !listen.allow_unauthenticated {
             return Err(AdminError::Unprotected { addr });
         }
     }

@@ -3,12 +3,13 @@
 
 use axum::extract::{Query, State};
 use axum::routing::get;
+use axum::Extension;
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::Value;
 
 use super::graphs::to_json;
-use super::{AdminState, ApiError};
+use super::{AdminState, ApiError, Scope};
 use crate::config::defaults::RECOVERY_EVENTS_LIMIT;
 
 /// Most events one request returns.
@@ -27,11 +28,25 @@ pub(super) fn routes() -> Router<AdminState> {
 
 async fn list(
     State(state): State<AdminState>,
+    Extension(scope): Extension<Scope>,
     query: Result<Query<RecoveryQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let Query(query) = query.map_err(|e| ApiError::BadRequest(e.body_text()))?;
     let store = state.require_store()?;
     let limit = query.limit.unwrap_or(RECOVERY_EVENTS_LIMIT).min(MAX_LIMIT);
-    let events = store.recovery_events(query.graph.as_deref(), limit).await?;
+    let graph = match &query.graph {
+        Some(graph) => Some(scope.resolve("graph", graph)?),
+        None => None,
+    };
+    let events = match (&scope, &graph) {
+        // Every graph's events, narrowed to the tenant's: read them all, then filter.
+        (Scope::Tenant(_), None) => {
+            let mut events = store.recovery_events(None, MAX_LIMIT).await?;
+            events.retain(|e| scope.sees(&e.graph));
+            events.truncate(limit);
+            events
+        }
+        _ => store.recovery_events(graph.as_deref(), limit).await?,
+    };
     Ok(Json(to_json(&events)))
 }

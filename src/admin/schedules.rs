@@ -9,12 +9,13 @@ use std::collections::HashMap;
 
 use axum::extract::{Path, State};
 use axum::routing::{get, post};
+use axum::Extension;
 use axum::{Json, Router};
 use chrono::{TimeZone, Utc};
 use serde_json::{json, Value};
 
 use super::graphs::to_json;
-use super::{AdminState, ApiError};
+use super::{AdminState, ApiError, Scope};
 use crate::cron::cli::format_instant;
 use crate::cron::scheduler::{set_enabled, shard_of, RegisterError};
 use crate::cron::Schedule;
@@ -53,9 +54,13 @@ fn entry(schedule: &Schedule, next: &HashMap<String, i64>) -> Value {
     value
 }
 
-async fn list(State(state): State<AdminState>) -> Result<Json<Value>, ApiError> {
+async fn list(
+    State(state): State<AdminState>,
+    Extension(scope): Extension<Scope>,
+) -> Result<Json<Value>, ApiError> {
     let store = state.require_store()?;
-    let schedules = store.list_schedules().await?;
+    let mut schedules = store.list_schedules().await?;
+    schedules.retain(|s| scope.sees(&s.id));
     let next = next_fires(store.as_ref(), 0..state.cron_shards().max(1)).await?;
     Ok(Json(Value::Array(
         schedules.iter().map(|s| entry(s, &next)).collect(),
@@ -71,8 +76,10 @@ fn not_found(id: &str) -> ApiError {
 
 async fn show(
     State(state): State<AdminState>,
+    Extension(scope): Extension<Scope>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
+    let id = scope.resolve("schedule", &id)?;
     let store = state.require_store()?;
     let schedule = store
         .get_schedule(&id)
@@ -102,14 +109,18 @@ async fn toggle(state: &AdminState, id: &str, enabled: bool) -> Result<Json<Valu
 
 async fn pause(
     State(state): State<AdminState>,
+    Extension(scope): Extension<Scope>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
+    let id = scope.resolve("schedule", &id)?;
     toggle(&state, &id, false).await
 }
 
 async fn resume(
     State(state): State<AdminState>,
+    Extension(scope): Extension<Scope>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
+    let id = scope.resolve("schedule", &id)?;
     toggle(&state, &id, true).await
 }

@@ -15,12 +15,13 @@ use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
 use axum::response::Response;
 use axum::routing::get;
+use axum::Extension;
 use axum::Router;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::graphs::{execute, GraphRequest};
-use super::{AdminState, ApiError};
+use super::{AdminState, ApiError, Scope};
 
 #[derive(Debug, Deserialize)]
 struct WsRequest {
@@ -34,11 +35,15 @@ pub(super) fn routes() -> Router<AdminState> {
     Router::new().route("/ws", get(upgrade))
 }
 
-async fn upgrade(State(state): State<AdminState>, ws: WebSocketUpgrade) -> Response {
-    ws.on_upgrade(move |socket| session(socket, state))
+async fn upgrade(
+    State(state): State<AdminState>,
+    Extension(scope): Extension<Scope>,
+    ws: WebSocketUpgrade,
+) -> Response {
+    ws.on_upgrade(move |socket| session(socket, state, scope))
 }
 
-async fn session(mut socket: WebSocket, state: AdminState) {
+async fn session(mut socket: WebSocket, state: AdminState, scope: Scope) {
     let shutdown = state.shutdown().clone();
     loop {
         let message = tokio::select! {
@@ -49,8 +54,8 @@ async fn session(mut socket: WebSocket, state: AdminState) {
             message = socket.recv() => message,
         };
         let reply = match message {
-            Some(Ok(Message::Text(text))) => respond(&state, text.as_bytes()).await,
-            Some(Ok(Message::Binary(bytes))) => respond(&state, &bytes).await,
+            Some(Ok(Message::Text(text))) => respond(&state, &scope, text.as_bytes()).await,
+            Some(Ok(Message::Binary(bytes))) => respond(&state, &scope, &bytes).await,
             // Pings are answered by the library; a close or an error ends the session.
             Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
             Some(Ok(Message::Close(_)) | Err(_)) | None => return,
@@ -65,11 +70,11 @@ async fn session(mut socket: WebSocket, state: AdminState) {
     }
 }
 
-/// The reply to one request frame.
-pub async fn respond(state: &AdminState, frame: &[u8]) -> Value {
+/// The reply to one request frame from a caller in `scope`.
+pub async fn respond(state: &AdminState, scope: &Scope, frame: &[u8]) -> Value {
     let parsed: Result<WsRequest, _> = serde_json::from_slice(frame);
     let (id, result) = match parsed {
-        Ok(WsRequest { id, request }) => (id, execute(state, request).await),
+        Ok(WsRequest { id, request }) => (id, execute(state, scope, request).await),
         Err(e) => {
             // Echo the id of a request that is JSON but not a valid command.
             let id = serde_json::from_slice::<Value>(frame)

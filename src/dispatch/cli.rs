@@ -74,12 +74,16 @@ pub async fn worker(
     config: &Path,
     executor: String,
     concurrency: usize,
+    tenant: Option<String>,
     handlers: impl FnOnce(&crate::supervisor::Runtime) -> HandlerRegistry,
     cancel: CancellationToken,
 ) -> Result<(), Error> {
     // The executor key names a topic: reject a bad one before connecting anywhere.
     crate::dispatch::Router::new(Vec::new(), &executor)
         .map_err(|e| Error::Usage(format!("--executor: {e}")))?;
+    if let Some(tenant) = &tenant {
+        crate::tenant::check(tenant).map_err(|e| Error::Usage(format!("--tenant: {e}")))?;
+    }
     let config = Config::load(config)?;
     let runtime = config.runtime().await?;
     let registry = handlers(&runtime);
@@ -89,14 +93,16 @@ pub async fn worker(
         concurrency,
         worker_id: runtime.node_id.clone(),
         results_topic: config.dispatch.results_topic.clone(),
+        tenant,
     };
     // Health, readiness and metrics, before any metric handle exists.
     let admin = crate::admin::AdminState::new()
         .with_runtime(&runtime)
         .with_token(config.admin.token.as_ref().map(|t| t.expose().to_string()))
+        .with_tenant_tokens(config.admin.tenant_tokens())
         .with_allowed_origins(config.admin.allowed_origins.clone());
     let servers = crate::admin::serve(admin, &config.listen(), cancel.clone()).await?;
-    info!(%executor, concurrency, broker = runtime.broker.kind(), "worker running");
+    info!(%executor, tenant = ?settings.tenant, concurrency, broker = runtime.broker.kind(), "worker running");
     let worker = Worker::new(
         runtime.broker.clone(),
         runtime.store.clone(),

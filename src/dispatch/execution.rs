@@ -157,7 +157,7 @@ impl WorkflowExecution {
             .collect();
         let mut execution = Self {
             id: id.to_string(),
-            workflow: workflow.name.clone(),
+            workflow: workflow.key(),
             status: RunStatus::Running,
             context,
             tasks,

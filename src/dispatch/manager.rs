@@ -106,9 +106,18 @@ impl Default for DispatchSettings {
     }
 }
 
-/// Topic a schedule's ticks go to when its target is a workflow.
+/// Topic a schedule's ticks go to when its target is a workflow (qualified by the
+/// tenant of both, see [`Workflow::topic`]).
 pub fn workflow_start_topic(workflow: &str) -> String {
     format!("weir.workflows.{workflow}.start")
+}
+
+/// The tenant a task namespace (`tenant::package::workflow::task`) belongs to.
+fn namespace_tenant(namespace: &str) -> Option<&str> {
+    namespace
+        .split("::")
+        .next()
+        .and_then(crate::tenant::of_namespace_segment)
 }
 
 /// Task execution id: the execution and the task.
@@ -141,7 +150,7 @@ impl Dispatcher {
         router: Router,
         settings: DispatchSettings,
     ) -> Self {
-        let workflows = workflows.into_iter().map(|w| (w.name.clone(), w)).collect();
+        let workflows = workflows.into_iter().map(|w| (w.key(), w)).collect();
         Self {
             inner: Arc::new(Inner {
                 store,
@@ -154,8 +163,9 @@ impl Dispatcher {
         }
     }
 
-    pub fn workflow(&self, name: &str) -> Option<&Workflow> {
-        self.inner.workflows.get(name)
+    /// A workflow by its key (`tenant/name`, or `name`).
+    pub fn workflow(&self, key: &str) -> Option<&Workflow> {
+        self.inner.workflows.get(key)
     }
 
     pub fn workflows(&self) -> impl Iterator<Item = &Workflow> {
@@ -208,7 +218,7 @@ impl Dispatcher {
             .create_workflow_execution(&execution)
             .await?
         {
-            metrics::counter!(crate::metrics::WORKFLOWS_STARTED_TOTAL, "workflow" => spec.name.clone())
+            metrics::counter!(crate::metrics::WORKFLOWS_STARTED_TOTAL, "workflow" => spec.key())
                 .increment(1);
             self.remember(&execution);
             debug!(execution = %id, workflow, "workflow execution started");
@@ -274,6 +284,10 @@ impl Dispatcher {
                 warn!(execution = %result.execution_id, "result for an unknown workflow execution; dropped");
                 return Ok(());
             };
+            if namespace_tenant(&result.namespace) != crate::tenant::of_key(&execution.workflow) {
+                warn!(execution = %execution.id, namespace = %result.namespace, "result names another tenant than its execution's; dropped");
+                return Ok(());
+            }
             let Some(spec) = self.workflow(&execution.workflow) else {
                 return Err(DispatchError::UnknownWorkflow(execution.workflow));
             };
@@ -355,6 +369,7 @@ impl Dispatcher {
         let publishes = tasks.iter().filter_map(|task| {
             let spec = workflow.task(task)?;
             let executor = execution.tasks.get(task)?.executor.clone();
+            let topic = workflow.topic(&executor_topic(&executor));
             let event = TaskReadyEvent {
                 execution_id: execution.id.clone(),
                 task_execution_id: task_execution_id(&execution.id, task),
@@ -369,7 +384,7 @@ impl Dispatcher {
                 let key = event.task_execution_id.clone().into_bytes();
                 self.inner
                     .sink
-                    .publish(Outbound::new(executor_topic(&executor), bytes).key(key))
+                    .publish(Outbound::new(topic, bytes).key(key))
                     .await?;
                 metrics::counter!(crate::metrics::TASKS_DISPATCHED_TOTAL, "executor" => executor)
                     .increment(1);
@@ -460,25 +475,43 @@ impl Dispatcher {
         cancel: CancellationToken,
     ) -> Result<(), DispatchError> {
         let mut loops = tokio::task::JoinSet::new();
-        let results_topic = &self.inner.settings.results_topic;
-        let results = broker
-            .subscribe(&Subscription::work_queue(
-                results_topic,
-                state_manager_group(results_topic),
-                RESULTS_IN_FLIGHT,
-            ))
-            .await?;
-        let me = self.clone();
-        let sink = broker.sink();
-        let stop = cancel.clone();
-        loops.spawn(consume_concurrently(
+        // Each tenant's workers report on the tenant's own results topic.
+        let results_topics: BTreeMap<String, Option<String>> = self
+            .workflows()
+            .map(|w| {
+                (
+                    w.tenant.clone(),
+                    w.topic(&self.inner.settings.results_topic),
+                )
+            })
+            .chain([(None, self.inner.settings.results_topic.clone())])
+            .map(|(tenant, topic)| (topic, tenant))
+            .collect();
+        for (results_topic, tenant) in results_topics {
+            let results = broker
+                .subscribe(&Subscription::work_queue(
+                    &results_topic,
+                    state_manager_group(&results_topic),
+                    RESULTS_IN_FLIGHT,
+                ))
+                .await?;
+            let me = self.clone();
+            let sink = broker.sink();
+            let stop = cancel.clone();
+            loops.spawn(consume_concurrently(
             results,
             RESULTS_IN_FLIGHT,
             cancel.clone(),
             move |message| {
-                let (me, sink, stop) = (me.clone(), sink.clone(), stop.clone());
+                let (me, sink, stop, tenant) =
+                    (me.clone(), sink.clone(), stop.clone(), tenant.clone());
                 async move {
                     let applied = match decode::<ExecutionResult>(&message.payload) {
+                        // A tenant's results topic speaks for that tenant only.
+                        Ok(result) if namespace_tenant(&result.namespace) != tenant.as_deref() => {
+                            warn!(namespace = %result.namespace, topic = %message.topic, "result for another tenant's task; dropped");
+                            Ok(())
+                        }
                         Ok(result) => {
                             retrying(&stop, "apply result", || me.apply_result(&result)).await
                         }
@@ -488,8 +521,9 @@ impl Dispatcher {
                 }
             },
         ));
+        }
         for workflow in self.workflows() {
-            let topic = workflow_start_topic(&workflow.name);
+            let topic = workflow.topic(&workflow_start_topic(&workflow.name));
             let starts = broker
                 .subscribe(&Subscription::work_queue(
                     &topic,
@@ -500,7 +534,7 @@ impl Dispatcher {
             let me = self.clone();
             let sink = broker.sink();
             let stop = cancel.clone();
-            let name = workflow.name.clone();
+            let name = workflow.key();
             loops.spawn(consume_concurrently(
                 starts,
                 RESULTS_IN_FLIGHT,

@@ -212,11 +212,23 @@ impl Workflow {
         self.tasks.iter().find(|t| t.id == id)
     }
 
+    /// The workflow's identity in the store, in metrics and in the admin API:
+    /// `tenant/name`, or `name`.
+    pub fn key(&self) -> String {
+        crate::tenant::key(self.tenant.as_deref(), &self.name)
+    }
+
+    /// A topic as this workflow's tenant sees it (its executor, results and start
+    /// topics).
+    pub fn topic(&self, topic: &str) -> String {
+        crate::tenant::topic(self.tenant.as_deref(), topic)
+    }
+
     /// `tenant::package::workflow::task`, the key routing rules match on.
     pub fn namespace(&self, task: &str) -> String {
         format!(
             "{}::{}::{}::{task}",
-            self.tenant.as_deref().unwrap_or("public"),
+            self.tenant.as_deref().unwrap_or(crate::tenant::PUBLIC),
             self.package,
             self.name
         )

@@ -203,18 +203,12 @@ pub struct GraphDeclaration {
 impl GraphDeclaration {
     /// The graph's identity in the store and on the broker: `tenant/name`, or `name`.
     pub fn key(&self) -> String {
-        match &self.tenant {
-            Some(t) => format!("{t}/{}", self.name),
-            None => self.name.clone(),
-        }
+        crate::tenant::key(self.tenant.as_deref(), &self.name)
     }
 
     /// A topic as this graph sees it: tenants get their own prefix.
     pub fn qualify_topic(&self, topic: &str) -> String {
-        match &self.tenant {
-            Some(t) => format!("{t}.{topic}"),
-            None => topic.to_string(),
-        }
+        crate::tenant::topic(self.tenant.as_deref(), topic)
     }
 }
 

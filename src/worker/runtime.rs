@@ -54,7 +54,23 @@ pub struct WorkerSettings {
     pub concurrency: usize,
     /// Names this worker in results.
     pub worker_id: String,
+    /// Where results go, before tenant qualification (`weir.results`).
     pub results_topic: String,
+    /// The tenant whose tasks this worker runs: it reads `tenant.weir.tasks.<executor>`,
+    /// reports on `tenant.<results_topic>`, and refuses any other tenant's task.
+    pub tenant: Option<String>,
+}
+
+impl WorkerSettings {
+    /// The topic this worker's tasks arrive on.
+    pub fn tasks_topic(&self) -> String {
+        crate::tenant::topic(self.tenant.as_deref(), &executor_topic(&self.executor))
+    }
+
+    /// The topic this worker reports on.
+    pub fn results_topic(&self) -> String {
+        crate::tenant::topic(self.tenant.as_deref(), &self.results_topic)
+    }
 }
 
 pub struct Worker {
@@ -128,7 +144,7 @@ impl Worker {
             store,
             sink: broker.sink(),
             handlers,
-            workflows: workflows.into_iter().map(|w| (w.name.clone(), w)).collect(),
+            workflows: workflows.into_iter().map(|w| (w.key(), w)).collect(),
             capacity: Arc::new(tokio::sync::Semaphore::new(settings.concurrency.max(1))),
             settings,
         };
@@ -147,11 +163,12 @@ impl Worker {
             source,
         };
         let read_ahead = settings.concurrency.max(1) * READ_AHEAD_PER_SLOT;
-        let subscription = Subscription::work_queue(
-            executor_topic(&executor),
-            worker_group(&executor),
-            read_ahead,
-        );
+        let topic = settings.tasks_topic();
+        let group = match &settings.tenant {
+            Some(tenant) => worker_group(&format!("{tenant}.{executor}")),
+            None => worker_group(&executor),
+        };
+        let subscription = Subscription::work_queue(topic, group, read_ahead);
         let source = self.broker.subscribe(&subscription).await.map_err(&error)?;
         gauge!(names::WORKER_CAPACITY, "executor" => executor.clone())
             .set(settings.concurrency as f64);
@@ -183,13 +200,21 @@ impl Shared {
                 return self.dead_letter(&message, &e.to_string(), cancel).await;
             }
         };
-        let Some((workflow_name, task_id)) = split_namespace(&event.namespace) else {
+        let Some((tenant, workflow_name, task_id)) = split_namespace(&event.namespace) else {
             let why = format!(
                 "namespace {:?} is not tenant::package::workflow::task",
                 event.namespace
             );
             return self.dead_letter(&message, &why, cancel).await;
         };
+        if tenant != self.settings.tenant.as_deref() {
+            let why = format!(
+                "task {} belongs to another tenant than this worker's",
+                event.namespace
+            );
+            return self.dead_letter(&message, &why, cancel).await;
+        }
+        let workflow_key = crate::tenant::key(tenant, workflow_name);
         let execution = loop {
             match self.store.get_workflow_execution(&event.execution_id).await {
                 Ok(found) => break found,
@@ -207,6 +232,13 @@ impl Shared {
             let why = format!("no workflow execution {}", event.execution_id);
             return self.dead_letter(&message, &why, cancel).await;
         };
+        if execution.workflow != workflow_key {
+            let why = format!(
+                "execution {} is of workflow {}, not of {}",
+                execution.id, execution.workflow, event.namespace
+            );
+            return self.dead_letter(&message, &why, cancel).await;
+        }
         let Some(record) = execution.tasks.get(task_id) else {
             let why = format!("execution {} has no task {task_id}", execution.id);
             return self.dead_letter(&message, &why, cancel).await;
@@ -222,7 +254,7 @@ impl Shared {
         }
         let spec = self
             .workflows
-            .get(workflow_name)
+            .get(&workflow_key)
             .and_then(|w| w.task(task_id));
         let handler = spec.and_then(|s| self.handlers.get(&s.handler));
         let (Some(spec), Some(handler)) = (spec, handler) else {
@@ -387,7 +419,7 @@ impl Shared {
                 return Report::Refused(e.to_string());
             }
         };
-        let message = Outbound::new(&self.settings.results_topic, bytes)
+        let message = Outbound::new(self.settings.results_topic(), bytes)
             .key(event.execution_id.clone().into_bytes());
         match publish_persistently(self.sink.as_ref(), message, cancel).await {
             Ok(_) => Report::Sent,
@@ -417,12 +449,12 @@ enum Report {
     Stopped,
 }
 
-/// `tenant::package::workflow::task` → (workflow, task).
-fn split_namespace(namespace: &str) -> Option<(&str, &str)> {
+/// `tenant::package::workflow::task` → (tenant, workflow, task).
+fn split_namespace(namespace: &str) -> Option<(Option<&str>, &str, &str)> {
     let parts: Vec<&str> = namespace.split("::").collect();
     match parts.as_slice() {
-        [_, _, workflow, task] if !workflow.is_empty() && !task.is_empty() => {
-            Some((workflow, task))
+        [tenant, _, workflow, task] if !workflow.is_empty() && !task.is_empty() => {
+            Some((crate::tenant::of_namespace_segment(tenant), workflow, task))
         }
         _ => None,
     }
@@ -436,7 +468,11 @@ mod tests {
     fn namespaces_name_workflow_and_task() {
         assert_eq!(
             split_namespace("public::default::etl::load"),
-            Some(("etl", "load"))
+            Some((None, "etl", "load"))
+        );
+        assert_eq!(
+            split_namespace("acme::default::etl::load"),
+            Some((Some("acme"), "etl", "load"))
         );
         assert_eq!(split_namespace("etl::load"), None);
         assert_eq!(split_namespace("a::b::::t"), None);
