@@ -129,6 +129,8 @@ struct Inner {
     admin: AdminClient<DefaultClientContext>,
     /// Topics known to exist, so creation is tried once per topic.
     ensured: Mutex<HashSet<String>>,
+    /// Publishes wait here while their topic is created.
+    setup: super::setup::SetupGate,
 }
 
 fn unreachable(brokers: &str, e: impl std::fmt::Display) -> TransportError {
@@ -172,6 +174,7 @@ impl KafkaBroker {
                 errors,
                 admin,
                 ensured: Mutex::new(HashSet::new()),
+                setup: Default::default(),
             }),
         })
     }
@@ -396,7 +399,11 @@ impl Sink for KafkaBroker {
     }
 
     async fn enqueue(&self, message: Outbound) -> Result<PendingAck, TransportError> {
-        self.ensure_topic(&message.topic).await?;
+        let turn = self.inner.setup.enter(&message.topic).await;
+        if turn.needs_setup() {
+            self.ensure_topic(&message.topic).await?;
+            turn.set_up();
+        }
         let publish_error = |topic: &str, e: &KafkaError| TransportError::Publish {
             topic: topic.to_string(),
             retryable: is_retryable(e),

@@ -9,6 +9,7 @@ pub mod concurrent;
 pub mod kafka;
 pub mod memory;
 pub mod nats;
+mod setup;
 
 use std::borrow::Cow;
 use std::sync::Arc;

@@ -137,6 +137,8 @@ struct Inner {
     retention: Option<Duration>,
     /// Subject → the stream found or made to capture it.
     streams: Mutex<HashMap<String, String>>,
+    /// Publishes wait here while their subject's stream is looked up.
+    setup: super::setup::SetupGate,
 }
 
 /// How often a core NATS source looks at its connection.
@@ -207,6 +209,7 @@ impl NatsBroker {
                 ack_wait: settings.ack_wait,
                 retention: settings.retention,
                 streams: Mutex::new(HashMap::new()),
+                setup: Default::default(),
             }),
         })
     }
@@ -522,19 +525,16 @@ impl Sink for NatsBroker {
             };
         match &self.inner.jetstream {
             Some(js) => {
-                let known = self
-                    .inner
-                    .streams
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .contains_key(&topic);
-                if !known {
+                let turn = self.inner.setup.enter(&topic).await;
+                if turn.needs_setup() {
                     self.ensure_stream(js, &topic).await?;
+                    turn.set_up();
                 }
                 let ack = js
                     .publish_with_headers(topic.clone(), headers, payload)
                     .await
                     .map_err(|e| publish_error(&topic, &e, jetstream_too_large(&e)))?;
+                drop(turn);
                 Ok(Box::pin(async move {
                     let ack = ack
                         .await
