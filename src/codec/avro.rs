@@ -109,6 +109,10 @@ impl AvroCodec {
     fn decode_value(&self, bytes: &[u8]) -> Result<apache_avro::types::Value, CodecError> {
         self.check_header(bytes)?;
         let mut body = &bytes[HEADER_LEN..];
+        super::avro_check::check(&self.schema, body).map_err(|reason| CodecError::Avro {
+            record: self.name,
+            reason,
+        })?;
         let decoded = if self.self_contained {
             apache_avro::from_avro_datum_schemata(&self.schema, Vec::new(), &mut body, None)
         } else {
@@ -193,6 +197,23 @@ pub(crate) use avro_record;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_block_count_larger_than_the_message_is_an_error_not_an_abort() {
+        // Found by fuzzing: apache-avro reserves room for a block's items before reading
+        // them, so a few bytes claiming half a billion items asked for 30 GB.
+        let codec = AvroCodec::new(
+            "Order",
+            r#"{"type": "record", "name": "Order", "fields": [
+                {"name": "tags", "type": {"type": "array", "items": "string"}}]}"#,
+        )
+        .unwrap();
+        let mut message = vec![0xC3, 0x01];
+        message.extend_from_slice(&codec.fingerprint().to_le_bytes());
+        message.extend_from_slice(&[0xfe, 0xff, 0xff, 0xff, 0x03, 0x02, b'x', 0x00]);
+        let err = codec.decode_json(&message).unwrap_err().to_string();
+        assert!(err.contains("items where"), "{err}");
+    }
 
     #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
     struct Point {

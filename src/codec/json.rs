@@ -26,6 +26,15 @@ mod tests {
     }
 
     #[test]
+    fn numbers_come_out_as_they_went_in() {
+        // Found by fuzzing: without correctly rounded parsing this number changed its
+        // last digit on the way through.
+        let text = b"444444444444444444444466";
+        let once = decode(text).unwrap();
+        assert_eq!(decode(&encode(&once)).unwrap(), once);
+    }
+
+    #[test]
     fn malformed_is_an_error() {
         let err = decode(b"{not json").unwrap_err();
         assert!(err.to_string().starts_with("invalid JSON"), "{err}");

@@ -5,6 +5,7 @@
 //! Avro binary body. User events are JSON ([`json`]).
 
 pub mod avro;
+mod avro_check;
 mod avro_reader;
 pub mod json;
 pub mod records;
