@@ -166,6 +166,18 @@ fn emitted_status(schedule: &Schedule) -> ExecutionStatus {
     }
 }
 
+/// A store call given at most `limit` (see [`Scheduler::bounded`]).
+async fn within<T>(
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
+        Err(StoreError::Unreachable(format!(
+            "no answer within {limit:?}"
+        )))
+    })
+}
+
 pub fn tick_id(schedule_id: &str, scheduled: DateTime<Utc>) -> String {
     format!("{schedule_id}@{}", scheduled.timestamp_millis())
 }
@@ -306,7 +318,8 @@ impl Scheduler {
                 next_election = Instant::now() + renew_every;
             }
             if Instant::now() >= next_sweep {
-                if let Err(e) = self.recover_orphans().await {
+                let limit = self.config.lease_ttl / 3;
+                if let Err(e) = within(limit, self.recover_orphans()).await {
                     warn!(error = %e, "orphan recovery failed");
                 }
                 next_sweep = Instant::now() + sweep_every;
@@ -345,13 +358,24 @@ impl Scheduler {
                 }
             }
         }
+        let limit = self.config.lease_ttl / 3;
         for shard in &mut self.shards {
             if let Some(held) = shard.held.take() {
-                let _ = self.store.release_lease(&held.lease).await;
+                let _ = within(limit, self.store.release_lease(&held.lease)).await;
                 crate::metrics::lease_dropped(LeaseRole::Cron);
             }
         }
         changes.take();
+    }
+
+    /// A store call, given at most a third of the lease TTL: behind a partition a call
+    /// may never be answered (the client reconnects and waits again), and the loop must
+    /// go on to fire at_least_once schedules from local state meanwhile.
+    async fn bounded<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        within(self.config.lease_ttl / 3, call).await
     }
 
     /// Whether this node surely holds the shard's lease: before its deadline.
@@ -367,15 +391,17 @@ impl Scheduler {
     async fn elect(&mut self) {
         let ttl = self.config.lease_ttl;
         if let Err(e) = self
-            .store
-            .register_node(&self.config.node_id, self.config.priority, ttl)
+            .bounded(
+                self.store
+                    .register_node(&self.config.node_id, self.config.priority, ttl),
+            )
             .await
         {
             warn!(error = %e, "node registration failed");
         }
         // The live nodes of the highest priority share the shards; a lower one masters
         // none while a higher one lives.
-        let candidates: Option<Vec<String>> = match self.store.live_nodes().await {
+        let candidates: Option<Vec<String>> = match self.bounded(self.store.live_nodes()).await {
             Ok(nodes) => {
                 let top = nodes.iter().map(|(_, p)| *p).max();
                 Some(
@@ -402,13 +428,14 @@ impl Scheduler {
                         shard = i,
                         "yielding the schedule master to a higher-priority node"
                     );
-                    let _ = self.store.release_lease(&held.lease).await;
+                    let _ = self.bounded(self.store.release_lease(&held.lease)).await;
                     crate::metrics::lease_dropped(LeaseRole::Cron);
                     self.shards[i] = Shard::default();
                     continue;
                 }
                 // A confirmed renewal moves the deadline on from when it was sent.
-                match crate::lease::renew(self.store.as_ref(), &held, ttl).await {
+                let renewal = crate::lease::renew(self.store.as_ref(), &held, ttl);
+                match self.bounded(renewal).await {
                     Ok(true) => {}
                     Ok(false) => {
                         warn!(shard = i, "schedule master lease lost");
@@ -420,9 +447,9 @@ impl Scheduler {
                     Err(e) => warn!(shard = i, error = %e, "lease renewal failed"),
                 }
             } else if me_best {
-                match crate::lease::acquire(self.store.as_ref(), &name, &self.config.node_id, ttl)
-                    .await
-                {
+                let acquiring =
+                    crate::lease::acquire(self.store.as_ref(), &name, &self.config.node_id, ttl);
+                match self.bounded(acquiring).await {
                     Ok(Some(held)) => {
                         info!(
                             shard = i,
@@ -481,8 +508,10 @@ impl Scheduler {
         let now = self.config.clock.now();
         let horizon = now + chrono::Duration::from_std(LOOKAHEAD).unwrap_or_default();
         let due = self
-            .store
-            .due_schedules(shard, horizon.timestamp_millis(), DUE_BATCH)
+            .bounded(
+                self.store
+                    .due_schedules(shard, horizon.timestamp_millis(), DUE_BATCH),
+            )
             .await?;
         // Load what is not cached yet, many at a time.
         let missing: Vec<String> = due
@@ -491,18 +520,17 @@ impl Scheduler {
             .map(|(id, _)| id.clone())
             .collect();
         let store = self.store.clone();
-        let loaded: Vec<(String, Result<Option<Schedule>, StoreError>)> =
-            futures::stream::iter(missing)
-                .map(|id| {
-                    let store = store.clone();
-                    async move {
-                        let found = store.get_schedule(&id).await;
-                        (id, found)
-                    }
-                })
-                .buffer_unordered(CONCURRENCY)
-                .collect()
-                .await;
+        let loading = futures::stream::iter(missing)
+            .map(|id| {
+                let store = store.clone();
+                async move {
+                    let found = store.get_schedule(&id).await;
+                    (id, found)
+                }
+            })
+            .buffer_unordered(CONCURRENCY)
+            .collect::<Vec<(String, Result<Option<Schedule>, StoreError>)>>();
+        let loaded = self.bounded(async { Ok(loading.await) }).await?;
         for (id, found) in loaded {
             if let Some(schedule) = found? {
                 match schedule.validate() {
@@ -538,7 +566,7 @@ impl Scheduler {
             let mut busy = if schedule.overlap != Overlap::Allow
                 && matches!(schedule.target, Target::Workflow(_))
             {
-                let recent = self.store.executions(&id, 10).await?;
+                let recent = self.bounded(self.store.executions(&id, 10)).await?;
                 let running = recent.iter().any(|e| e.status == ExecutionStatus::Running);
                 let buffered = recent.iter().any(|e| e.status == ExecutionStatus::Buffered);
                 running.then_some(buffered)
@@ -565,8 +593,7 @@ impl Scheduler {
         let executions: Vec<Execution> = planned.iter().map(|(_, e)| e.clone()).collect();
         let fence = Fence::from(lease);
         let claims = self
-            .store
-            .claim_executions(&executions, Some(&fence))
+            .bounded(self.store.claim_executions(&executions, Some(&fence)))
             .await?;
         let mut claimed = Vec::with_capacity(planned.len());
         for ((id, execution), won) in planned.into_iter().zip(claims) {
@@ -586,8 +613,7 @@ impl Scheduler {
                 continue;
             }
             if let Some(mut existing) = self
-                .store
-                .get_execution(&id, execution.scheduled_ms)
+                .bounded(self.store.get_execution(&id, execution.scheduled_ms))
                 .await?
             {
                 if existing.status == ExecutionStatus::Scheduled
@@ -632,15 +658,17 @@ impl Scheduler {
             }
             fired.extend(self.emit(ready, shard).await);
         }
-        self.store
-            .record_fires(shard, &fired, &next_fires, Some(&fence))
-            .await?;
+        self.bounded(
+            self.store
+                .record_fires(shard, &fired, &next_fires, Some(&fence)),
+        )
+        .await?;
         for (id, next) in next_fires {
             if let Some(entry) = self.cache.get_mut(&id) {
                 entry.1 = next.and_then(|ms| Utc.timestamp_millis_opt(ms).single());
             }
         }
-        let earliest = self.store.earliest_fire(shard).await?;
+        let earliest = self.bounded(self.store.earliest_fire(shard)).await?;
         Ok(earliest.and_then(|ms| Utc.timestamp_millis_opt(ms).single()))
     }
 
