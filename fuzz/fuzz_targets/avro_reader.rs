@@ -17,7 +17,10 @@ fn read<T: AvroRecord + PartialEq + std::fmt::Debug>(body: &[u8]) {
     if let Ok(record) = decode::<T>(&framed::<T>(body)) {
         // What decodes encodes again, and reads back the same.
         let again = weir::codec::avro::encode(&record).expect("a decoded record encodes");
-        assert_eq!(decode::<T>(&again).expect("re-encoded record decodes"), record);
+        assert_eq!(
+            decode::<T>(&again).expect("re-encoded record decodes"),
+            record
+        );
     }
 }
 

@@ -33,7 +33,10 @@ fuzz_target!(|data: &[u8]| {
     for _ in 0..4 {
         match next_fire(&expr, zone, after) {
             Some(next) => {
-                assert!(next > after, "{text:?} in {zone}: {next} is not after {after}");
+                assert!(
+                    next > after,
+                    "{text:?} in {zone}: {next} is not after {after}"
+                );
                 after = next;
             }
             None => break,
