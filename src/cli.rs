@@ -87,6 +87,10 @@ pub enum Command {
         /// Bearer token, if the admin API requires one.
         #[arg(long, global = true, env = "WEIR_ADMIN_TOKEN", hide_env_values = true)]
         token: Option<String>,
+        /// PEM file of the CA that signed an https:// admin API's certificate, when the
+        /// system does not trust it.
+        #[arg(long, global = true, env = "WEIR_ADMIN_CA")]
+        admin_ca: Option<PathBuf>,
     },
     /// Print each message of a topic on one line: weir's Avro records and JSON payloads
     /// as compact JSON, anything else as text.

@@ -83,7 +83,17 @@ async fn execute(cli: Cli) -> Result<(), weir::error::Error> {
             command,
             admin,
             token,
-        } => weir::admin::cli::graph(command, &admin, token, &mut std::io::stdout()).await,
+            admin_ca,
+        } => {
+            weir::admin::cli::graph(
+                command,
+                &admin,
+                token,
+                admin_ca.as_deref(),
+                &mut std::io::stdout(),
+            )
+            .await
+        }
         Command::Tail(args) => weir::admin::cli::tail(&args, cancel, &mut std::io::stdout()).await,
         Command::Produce(args) => {
             let stdin = tokio::io::BufReader::new(tokio::io::stdin());

@@ -79,7 +79,8 @@ fn weir(config: &Path, log: &str, admin_port: u16, args: &[&str]) -> Child {
 }
 
 async fn get(admin: &str, path: &str, token: &str) -> (u16, Value) {
-    let client = weir::admin::client::AdminClient::new(admin, Some(token.to_string())).unwrap();
+    let client =
+        weir::admin::client::AdminClient::new(admin, Some(token.to_string()), None).unwrap();
     match client.get(path).await {
         Ok(value) => (200, value),
         Err(weir::admin::AdminError::Status { status, .. }) => (status, Value::Null),

@@ -20,9 +20,10 @@ pub async fn graph(
     command: GraphCommand,
     admin: &str,
     token: Option<String>,
+    ca: Option<&std::path::Path>,
     out: &mut impl Write,
 ) -> Result<(), Error> {
-    let client = AdminClient::new(admin, token)?;
+    let client = AdminClient::new(admin, token, ca)?;
     let path = |name: &str, action: &str| format!("/graphs/{}{action}", segment(name));
     let answer = match command {
         GraphCommand::List => client.get("/graphs").await?,

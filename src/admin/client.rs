@@ -1,12 +1,15 @@
-//! A small HTTP/1.1 client for the admin API (plain `http://`: the API is meant for
-//! loopback or a private network), used by `weir graph`.
+//! A small HTTP/1.1 client for the admin API, `http://` or `https://` (trusting the
+//! system's roots, or a given CA for a private one), used by `weir graph`.
 
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE};
 use hyper::{Method, Request, Uri};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -20,12 +23,14 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct AdminClient {
     base: String,
     token: Option<String>,
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
 }
 
 impl AdminClient {
-    /// `url` is the admin listener's base, e.g. `http://127.0.0.1:9899`.
-    pub fn new(url: &str, token: Option<String>) -> Result<Self, AdminError> {
+    /// `url` is the admin listener's base, e.g. `http://127.0.0.1:9899` or
+    /// `https://weir.internal:9899`; `ca` a PEM file of the CA that signed an `https://`
+    /// listener's certificate, when it is not one the system trusts.
+    pub fn new(url: &str, token: Option<String>, ca: Option<&Path>) -> Result<Self, AdminError> {
         let bad = |reason: &str| AdminError::Url {
             url: url.to_string(),
             reason: reason.to_string(),
@@ -33,16 +38,21 @@ impl AdminClient {
         let uri: Uri = url
             .parse()
             .map_err(|e: hyper::http::uri::InvalidUri| bad(&e.to_string()))?;
-        if uri.scheme_str() != Some("http") {
-            return Err(bad("only http:// URLs are supported"));
+        if !matches!(uri.scheme_str(), Some("http" | "https")) {
+            return Err(bad("only http:// and https:// URLs are supported"));
         }
         if uri.host().is_none() {
             return Err(bad("no host"));
         }
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls_config(ca).map_err(|reason| bad(&reason))?)
+            .https_or_http()
+            .enable_http1()
+            .build();
         Ok(Self {
             base: url.trim_end_matches('/').to_string(),
             token,
-            client: Client::builder(TokioExecutor::new()).build_http(),
+            client: Client::builder(TokioExecutor::new()).build(connector),
         })
     }
 
@@ -124,6 +134,33 @@ impl AdminClient {
     }
 }
 
+/// Trusts `ca` if given, else the system's roots.
+fn tls_config(ca: Option<&Path>) -> Result<tokio_rustls::rustls::ClientConfig, String> {
+    use rustls_pki_types::pem::PemObject;
+    use tokio_rustls::rustls;
+    let mut roots = rustls::RootCertStore::empty();
+    match ca {
+        Some(path) => {
+            let certs = rustls_pki_types::CertificateDer::pem_file_iter(path)
+                .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| format!("cannot read the CA {}: {e}", path.display()))?;
+            let (added, _) = roots.add_parsable_certificates(certs);
+            if added == 0 {
+                return Err(format!("{} holds no usable certificate", path.display()));
+            }
+        }
+        None => {
+            // Roots the system cannot parse are skipped; an https:// URL then fails to
+            // verify, saying so.
+            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+        }
+    }
+    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map(|builder| builder.with_root_certificates(roots).with_no_client_auth())
+        .map_err(|e| e.to_string())
+}
+
 /// hyper's client error says little at the top; the cause says why (refused, reset).
 fn describe(e: &hyper_util::client::legacy::Error) -> String {
     match std::error::Error::source(e) {
@@ -157,13 +194,14 @@ mod tests {
 
     #[test]
     fn only_plain_http_urls_are_accepted() {
-        assert!(AdminClient::new("http://127.0.0.1:9899/", None).is_ok());
+        assert!(AdminClient::new("http://127.0.0.1:9899/", None, None).is_ok());
+        assert!(AdminClient::new("https://127.0.0.1:9899/", None, None).is_ok());
         assert!(matches!(
-            AdminClient::new("https://example.com", None),
+            AdminClient::new("ftp://example.com", None, None),
             Err(AdminError::Url { .. })
         ));
         assert!(matches!(
-            AdminClient::new("not a url", None),
+            AdminClient::new("not a url", None, None),
             Err(AdminError::Url { .. })
         ));
     }
