@@ -428,7 +428,7 @@ pub enum BrokerKind {
     Nats,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct BrokerConfig {
     pub kind: BrokerKind,
@@ -493,6 +493,36 @@ impl Default for BrokerConfig {
     }
 }
 
+/// Every field, with the secret ones among the librdkafka options masked (the others
+/// are [`Secret`]s already).
+impl std::fmt::Debug for BrokerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BrokerConfig")
+            .field("kind", &self.kind)
+            .field("brokers", &self.brokers)
+            .field("url", &crate::secret::redact_url(&self.url))
+            .field("jetstream", &self.jetstream)
+            .field("partitions", &self.partitions)
+            .field("replication", &self.replication)
+            .field(
+                "options",
+                &crate::transport::kafka::shown_options(&self.options),
+            )
+            .field("ack_wait_ms", &self.ack_wait_ms)
+            .field("retention_ms", &self.retention_ms)
+            .field("user", &self.user)
+            .field("password", &self.password)
+            .field("token", &self.token)
+            .field("nkey_seed_file", &self.nkey_seed_file)
+            .field("credentials_file", &self.credentials_file)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
+            .field("tls_required", &self.tls_required)
+            .finish()
+    }
+}
+
 impl BrokerConfig {
     /// Retention of topics and streams weir creates; `None` leaves it to the broker.
     pub fn retention(&self) -> Option<Duration> {
@@ -508,7 +538,7 @@ pub enum StoreKind {
     Redis,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreConfig {
     pub kind: StoreKind,
@@ -525,6 +555,21 @@ pub struct StoreConfig {
     pub tls_ca_file: Option<PathBuf>,
     pub tls_cert_file: Option<PathBuf>,
     pub tls_key_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for StoreConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreConfig")
+            .field("kind", &self.kind)
+            .field("url", &crate::secret::redact_url(&self.url))
+            .field("prefix", &self.prefix)
+            .field("username", &self.username)
+            .field("password", &self.password)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
+            .finish()
+    }
 }
 
 impl Default for StoreConfig {
@@ -1630,5 +1675,52 @@ backoff_ms = 10
                 ..SupervisionPolicy::default()
             }
         );
+    }
+
+    #[test]
+    fn secrets_never_show_in_a_printed_config() {
+        let text = r#"
+[broker]
+kind = "kafka"
+url = "nats://alice:url-pw-1@127.0.0.1:4222"
+password = "nats-pw-2"
+token = "nats-token-3"
+[broker.options]
+"sasl.password" = "kafka-pw-4"
+"sasl.username" = "alice"
+[store]
+kind = "redis"
+url = "redis://weir:redis-url-pw-5@127.0.0.1:6379"
+password = "redis-pw-6"
+[admin]
+token = "admin-token-7"
+[[admin.tokens]]
+token = "tenant-token-8"
+tenant = "acme"
+"#;
+        let env = [(
+            "WEIR__BROKER__OPTIONS__SSL.KEY.PASSWORD".to_string(),
+            "123456789".to_string(),
+        )];
+        let config = Config::parse(text, Path::new("t.toml"), env).unwrap();
+        assert_eq!(
+            config.broker.options["ssl.key.password"], "123456789",
+            "an option set from the environment stays text"
+        );
+        let shown = format!("{config:?}");
+        for secret in [
+            "url-pw-1",
+            "nats-pw-2",
+            "nats-token-3",
+            "kafka-pw-4",
+            "redis-url-pw-5",
+            "redis-pw-6",
+            "admin-token-7",
+            "tenant-token-8",
+            "123456789",
+        ] {
+            assert!(!shown.contains(secret), "{secret} shown in {shown}");
+        }
+        assert!(shown.contains("alice"), "names stay: {shown}");
     }
 }
