@@ -27,8 +27,9 @@ pub(crate) struct SetupGate {
 /// then hand the message to the client, then drop it.
 pub(crate) struct Turn<'a> {
     gate: &'a SetupGate,
-    topic: String,
-    _held: Option<tokio::sync::MutexGuard<'a, ()>>,
+    /// Queued for the turn (the topic, and the turn held); `None` on the fast path,
+    /// which allocates nothing.
+    queued: Option<(String, tokio::sync::MutexGuard<'a, ()>)>,
 }
 
 impl SetupGate {
@@ -36,22 +37,27 @@ impl SetupGate {
     pub(crate) async fn enter(&self, topic: &str) -> Turn<'_> {
         let queued = {
             let mut topics = self.topics.lock().unwrap_or_else(|p| p.into_inner());
-            let state = topics.entry(topic.to_string()).or_default();
-            let queued = !state.ready || state.waiting > 0;
-            if queued {
-                state.waiting += 1;
+            match topics.get_mut(topic) {
+                Some(state) if state.ready && state.waiting == 0 => false,
+                Some(state) => {
+                    state.waiting += 1;
+                    true
+                }
+                None => {
+                    let state = TopicState {
+                        ready: false,
+                        waiting: 1,
+                    };
+                    topics.insert(topic.to_string(), state);
+                    true
+                }
             }
-            queued
         };
-        let held = match queued {
-            true => Some(self.turn.lock().await),
+        let queued = match queued {
+            true => Some((topic.to_string(), self.turn.lock().await)),
             false => None,
         };
-        Turn {
-            gate: self,
-            topic: topic.to_string(),
-            _held: held,
-        }
+        Turn { gate: self, queued }
     }
 
     fn with_state<T>(&self, topic: &str, f: impl FnOnce(&mut TopicState) -> T) -> T {
@@ -62,19 +68,24 @@ impl SetupGate {
 
 impl Turn<'_> {
     pub(crate) fn needs_setup(&self) -> bool {
-        self.gate.with_state(&self.topic, |s| !s.ready)
+        match &self.queued {
+            Some((topic, _)) => self.gate.with_state(topic, |s| !s.ready),
+            None => false,
+        }
     }
 
     /// The topic is set up: later publishes need not wait for it.
     pub(crate) fn set_up(&self) {
-        self.gate.with_state(&self.topic, |s| s.ready = true);
+        if let Some((topic, _)) = &self.queued {
+            self.gate.with_state(topic, |s| s.ready = true);
+        }
     }
 }
 
 impl Drop for Turn<'_> {
     fn drop(&mut self) {
-        if self._held.is_some() {
-            self.gate.with_state(&self.topic, |s| s.waiting -= 1);
+        if let Some((topic, _)) = &self.queued {
+            self.gate.with_state(topic, |s| s.waiting -= 1);
         }
     }
 }
@@ -110,6 +121,6 @@ mod tests {
         // Once nobody waits, a ready topic is passed straight through.
         let turn = gate.enter("t").await;
         assert!(!turn.needs_setup());
-        assert!(turn._held.is_none());
+        assert!(turn.queued.is_none());
     }
 }
