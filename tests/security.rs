@@ -564,3 +564,114 @@ async fn the_admin_api_over_tls() {
     );
     cancel.cancel();
 }
+
+/// A NATS JWT (v2) of `claims`, signed by `issuer`.
+fn nats_jwt(issuer: &nkeys::KeyPair, subject: &str, name: &str, nats: serde_json::Value) -> String {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let header = b64.encode(r#"{"typ":"JWT","alg":"ed25519-nkey"}"#);
+    let claims = serde_json::json!({
+        "jti": unique("jwt"),
+        "iat": chrono::Utc::now().timestamp(),
+        "iss": issuer.public_key(),
+        "name": name,
+        "sub": subject,
+        "nats": nats,
+    });
+    let claims = b64.encode(claims.to_string());
+    let signed = format!("{header}.{claims}");
+    let signature = b64.encode(issuer.sign(signed.as_bytes()).unwrap());
+    format!("{signed}.{signature}")
+}
+
+/// A `.creds` file: a user JWT and the user's seed, as `nsc` writes it.
+fn creds_file(dir: &Path, name: &str, jwt: &str, user: &nkeys::KeyPair) -> std::path::PathBuf {
+    let path = dir.join(name);
+    std::fs::write(
+        &path,
+        format!(
+            "-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n\
+             ************************* IMPORTANT *************************\n\n\
+             -----BEGIN USER NKEY SEED-----\n{}\n------END USER NKEY SEED------\n",
+            user.seed().unwrap()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+#[tokio::test]
+async fn nats_with_a_credentials_file() {
+    let operator = nkeys::KeyPair::new_operator();
+    let account = nkeys::KeyPair::new_account();
+    let user = nkeys::KeyPair::new_user();
+    let no_limit = serde_json::json!({
+        "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+        "wildcards": true, "conn": -1, "leaf": -1,
+    });
+    let operator_jwt = nats_jwt(
+        &operator,
+        &operator.public_key(),
+        "weir-test",
+        serde_json::json!({"type": "operator", "version": 2}),
+    );
+    let account_jwt = nats_jwt(
+        &operator,
+        &account.public_key(),
+        "A",
+        serde_json::json!({"type": "account", "version": 2, "limits": no_limit}),
+    );
+    let user_claims = serde_json::json!({
+        "type": "user", "version": 2, "pub": {}, "sub": {},
+        "subs": -1, "data": -1, "payload": -1,
+    });
+    let user_jwt = nats_jwt(&account, &user.public_key(), "weir", user_claims.clone());
+    // JetStream (which the test server runs) wants a system account in operator mode.
+    let system = nkeys::KeyPair::new_account();
+    let system_jwt = nats_jwt(
+        &operator,
+        &system.public_key(),
+        "SYS",
+        serde_json::json!({"type": "account", "version": 2, "limits": no_limit}),
+    );
+    let server = Server::nats_with_args(
+        &format!(
+            "operator: {operator_jwt}\nsystem_account: {sys}\nresolver: MEMORY\n\
+             resolver_preload: {{ {acc}: {account_jwt}, {sys}: {system_jwt} }}",
+            acc = account.public_key(),
+            sys = system.public_key(),
+        ),
+        &[],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let creds = creds_file(dir.path(), "weir.creds", &user_jwt, &user);
+    let broker = NatsBroker::connect(NatsSettings {
+        url: server.nats_url(),
+        jetstream: false,
+        auth: NatsAuth {
+            credentials_file: Some(creds),
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .await
+    .expect("the credentials are accepted");
+    round_trip(&broker).await;
+
+    // A user signed by an account the operator never vouched for.
+    let stranger = nkeys::KeyPair::new_account();
+    let outsider = nkeys::KeyPair::new_user();
+    let forged = nats_jwt(&stranger, &outsider.public_key(), "outsider", user_claims);
+    let forged = creds_file(dir.path(), "forged.creds", &forged, &outsider);
+    let run = weir_run(&format!(
+        "[broker]\nkind = \"nats\"\njetstream = false\nurl = \"{}\"\ncredentials_file = {:?}",
+        server.nats_url(),
+        forged.display().to_string()
+    ));
+    assert_refused(
+        &run,
+        &server.nats_url(),
+        "authentication failed",
+        &outsider.seed().unwrap(),
+    );
+}
