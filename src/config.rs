@@ -51,7 +51,7 @@ pub mod defaults {
     pub const CRON_ORPHAN_AFTER_MS: u64 = 30_000;
     pub const CRON_MAX_ATTEMPTS: u32 = 3;
     pub const CATCHUP_CAP: u32 = 100;
-    pub const TICK_TOPIC: &str = "weir.cron.ticks";
+    pub const TICK_TOPIC: &str = crate::wire::TICK_TOPIC;
     pub const TIMEZONE: &str = "UTC";
     pub const EXECUTOR: &str = "default";
     pub const TASK_MAX_ATTEMPTS: u32 = 3;
@@ -61,7 +61,7 @@ pub mod defaults {
     /// Seven days, Kafka's usual topic retention: weir's task and result streams would
     /// otherwise grow without end on JetStream.
     pub const RETENTION_MS: u64 = 7 * 24 * 60 * 60 * 1000;
-    pub const RESULTS_TOPIC: &str = "weir.results";
+    pub const RESULTS_TOPIC: &str = crate::wire::RESULTS_TOPIC;
     pub const WORKER_CONCURRENCY: usize = 16;
 }
 

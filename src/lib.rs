@@ -30,6 +30,8 @@
 //!   the command itself.
 //! - [`admin`]: the admin API (health, readiness, graphs, schedules, recovery events,
 //!   WebSocket commands) and `/metrics` over HTTP; `weir graph`, `tail`, `produce`.
+//! - [`wire`]: the names on the wire: headers, derived topics and subjects, consumer
+//!   groups, the dead-letter suffix.
 //! - [`tenant`]: names and topics qualified per tenant, so tenants sharing a broker and
 //!   a store never meet.
 //! - [`secret`]: passwords and tokens that never print, and server URLs shown without
@@ -56,6 +58,7 @@ pub mod store;
 pub mod supervisor;
 pub mod tenant;
 pub mod transport;
+pub mod wire;
 pub mod worker;
 
 pub use accumulator::{Accumulator, AccumulatorSpec, Boundary, Event, Health};

@@ -366,12 +366,18 @@ impl AccumulatorTask {
 
     async fn dead_letter(&self, message: &Message, reason: &str) -> Result<(), AccumulatorError> {
         let mut outbound = Outbound::new(self.dead_letter_topic.clone(), message.payload.clone())
-            .header("weir-error", reason)
-            .header("weir-graph", &*self.graph)
-            .header("weir-accumulator", &self.spec.name)
-            .header("weir-source-topic", &*message.topic)
-            .header("weir-partition", message.position.partition.to_string())
-            .header("weir-offset", message.position.offset.to_string());
+            .header(crate::wire::ERROR_HEADER, reason)
+            .header(crate::wire::GRAPH_HEADER, &*self.graph)
+            .header(crate::wire::ACCUMULATOR_HEADER, &self.spec.name)
+            .header(crate::wire::SOURCE_TOPIC_HEADER, &*message.topic)
+            .header(
+                crate::wire::PARTITION_HEADER,
+                message.position.partition.to_string(),
+            )
+            .header(
+                crate::wire::OFFSET_HEADER,
+                message.position.offset.to_string(),
+            );
         outbound.key = message.key.clone();
         self.dead_letters
             .publish(outbound)

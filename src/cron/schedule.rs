@@ -115,7 +115,7 @@ impl Schedule {
             enabled: true,
             start: None,
             end: None,
-            target: Target::Topic("weir.cron.ticks".into()),
+            target: Target::Topic(crate::wire::TICK_TOPIC.into()),
             payload: serde_json::Value::Object(Default::default()),
             catchup: CatchUp::Skip,
             overlap: Overlap::Skip,

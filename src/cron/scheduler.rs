@@ -977,7 +977,7 @@ impl Scheduler {
             encoded: PreparedTick::new(&tick)?,
             message: Outbound::new(topic, Bytes::new())
                 .key(schedule.id.clone().into_bytes())
-                .header(TICK_ID_HEADER, execution.tick_id.clone()),
+                .header(crate::wire::TICK_ID_HEADER, execution.tick_id.clone()),
             delivery: schedule.delivery,
             emitted: emitted_status(schedule),
         })
@@ -1000,9 +1000,6 @@ impl Scheduler {
         Ok(())
     }
 }
-
-/// The header carrying a tick's id, so consumers can deduplicate without decoding.
-const TICK_ID_HEADER: &str = "weir-tick-id";
 
 /// A claimed tick made ready ahead of its instant.
 struct ReadyTick {

@@ -29,6 +29,7 @@ use crate::transport::concurrent::consume_concurrently;
 use crate::transport::{
     now_ms, publish_persistently, Broker, Message, Outbound, Sink, Subscription, TransportError,
 };
+use crate::wire::state_manager_group;
 
 /// Compare-and-set attempts before an update gives up (and the result is redelivered).
 const MAX_CAS_ATTEMPTS: u32 = 64;
@@ -57,11 +58,6 @@ const RECENT_EXECUTIONS: usize = 20_000;
 /// how many it handles a look.
 const DEADLINE_SWEEP: Duration = Duration::from_secs(1);
 const DEADLINES_PER_SWEEP: usize = 1000;
-/// Consumer group (durable) of the state managers on one topic: a group per topic, so
-/// joining one never rebalances another.
-fn state_manager_group(topic: &str) -> String {
-    format!("weir-state-manager.{topic}")
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum DispatchError {
@@ -108,9 +104,7 @@ impl Default for DispatchSettings {
 
 /// Topic a schedule's ticks go to when its target is a workflow (qualified by the
 /// tenant of both, see [`Workflow::topic`]).
-pub fn workflow_start_topic(workflow: &str) -> String {
-    format!("weir.workflows.{workflow}.start")
-}
+pub use crate::wire::workflow_start_topic;
 
 /// The tenant a task namespace (`tenant::package::workflow::task`) belongs to.
 fn namespace_tenant(namespace: &str) -> Option<&str> {
@@ -694,8 +688,11 @@ pub(crate) async fn dead_letter(
     error: &str,
     cancel: &CancellationToken,
 ) -> bool {
-    let mut outbound = Outbound::new(format!("{}.dlq", message.topic), message.payload.clone())
-        .header("weir-error", error.to_string());
+    let mut outbound = Outbound::new(
+        crate::wire::dead_letter_topic(&message.topic),
+        message.payload.clone(),
+    )
+    .header(crate::wire::ERROR_HEADER, error.to_string());
     outbound.key = message.key.clone();
     match publish_persistently(sink, outbound, cancel).await {
         Ok(_) => true,

@@ -136,10 +136,7 @@ impl Router {
     }
 }
 
-/// `weir.tasks.<key>`.
-pub fn executor_topic(executor: &str) -> String {
-    format!("weir.tasks.{executor}")
-}
+pub use crate::wire::executor_topic;
 
 #[cfg(test)]
 mod tests {

@@ -398,10 +398,10 @@ impl Reactor {
                 body.insert("error".into(), Value::String(e.to_string()));
                 body.insert("inputs".into(), input.inputs_json());
                 let letter = Outbound::new(
-                    dead_letter_topic(topic),
+                    crate::wire::dead_letter_topic(topic),
                     crate::codec::json::encode(&Value::Object(body)),
                 )
-                .header("weir-error", e.to_string());
+                .header(crate::wire::ERROR_HEADER, e.to_string());
                 self.stats.dead_lettered();
                 vec![(self.stamp.apply(letter, fire, degraded), sink.clone())]
             }
@@ -436,10 +436,10 @@ impl Reactor {
                         body.insert("topic".into(), Value::String(topic.clone()));
                         body.insert("error".into(), Value::String(e.to_string()));
                         let letter = Outbound::new(
-                            dead_letter_topic(&topic),
+                            crate::wire::dead_letter_topic(&topic),
                             crate::codec::json::encode(&Value::Object(body)),
                         )
-                        .header("weir-error", e.to_string());
+                        .header(crate::wire::ERROR_HEADER, e.to_string());
                         let letter = stamp.apply(letter, fire, degraded);
                         sink.publish(letter).await?;
                         stats.dead_lettered();
@@ -635,19 +635,14 @@ impl Stamp {
     fn apply(&self, message: Outbound, fire: u64, degraded: bool) -> Outbound {
         let mut message = message
             .key(self.key.clone())
-            .header("weir-graph", &*self.graph)
-            .header("weir-fire", fire.to_string())
-            .header("weir-degraded", degraded.to_string());
+            .header(crate::wire::GRAPH_HEADER, &*self.graph)
+            .header(crate::wire::FIRE_HEADER, fire.to_string())
+            .header(crate::wire::DEGRADED_HEADER, degraded.to_string());
         if let Some(token) = &self.fencing {
-            message = message.header("weir-fencing", &**token);
+            message = message.header(crate::wire::FENCING_HEADER, &**token);
         }
         message
     }
-}
-
-/// Where what a graph cannot publish to `topic` goes.
-fn dead_letter_topic(topic: &str) -> String {
-    format!("{topic}.dlq")
 }
 
 /// What identifies a fire in a dead letter: the graph, the fire number and, per source,

@@ -301,7 +301,9 @@ impl GraphWiring {
             {
                 SourceSpec::None => (
                     None,
-                    decl.qualify_topic(&format!("{}.{}.dlq", decl.name, spec.name)),
+                    decl.qualify_topic(&crate::wire::accumulator_dead_letter_topic(
+                        &decl.name, &spec.name,
+                    )),
                 ),
                 SourceSpec::Topic { topic, start } => {
                     let topic = decl.qualify_topic(topic);
@@ -313,11 +315,16 @@ impl GraphWiring {
                         broker: runtime.broker.clone(),
                         subscription,
                     };
-                    (Some(Arc::new(source)), format!("{topic}.dlq"))
+                    (
+                        Some(Arc::new(source)),
+                        crate::wire::dead_letter_topic(&topic),
+                    )
                 }
                 SourceSpec::Custom(factory) => (
                     Some(factory.clone()),
-                    decl.qualify_topic(&format!("{}.{}.dlq", decl.name, spec.name)),
+                    decl.qualify_topic(&crate::wire::accumulator_dead_letter_topic(
+                        &decl.name, &spec.name,
+                    )),
                 ),
             };
             sources.push(source);

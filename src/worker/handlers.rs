@@ -131,7 +131,7 @@ impl TaskHandler for Publish {
         };
         let message = Outbound::new(topic, crate::codec::json::encode(&task.context))
             .key(task.execution_id.clone().into_bytes())
-            .header("weir-namespace", task.namespace.clone());
+            .header(crate::wire::NAMESPACE_HEADER, task.namespace.clone());
         match self.sink.publish(message).await {
             Ok(_) => TaskOutcome::Completed(Value::Null),
             Err(e) => TaskOutcome::Failed(e.to_string()),

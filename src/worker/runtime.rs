@@ -22,13 +22,14 @@ use super::handlers::{HandlerRegistry, TaskContext, TaskOutcome};
 use crate::codec::avro::{decode, encode};
 use crate::codec::{ExecutionResult, TaskReadyEvent};
 use crate::dispatch::manager::dead_letter;
-use crate::dispatch::{executor_topic, Reported, RunStatus, TaskStatus, Workflow};
+use crate::dispatch::{Reported, RunStatus, TaskStatus, Workflow};
 use crate::metrics as names;
 use crate::store::Store;
 use crate::transport::concurrent::consume_concurrently;
 use crate::transport::{
     now_ms, publish_persistently, Broker, Message, Outbound, Sink, Subscription, TransportError,
 };
+use crate::wire::{executor_topic, worker_group, DELIVERIES_HEADER};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -89,10 +90,6 @@ struct Shared {
     capacity: Arc<tokio::sync::Semaphore>,
 }
 
-/// Times a task event was handed to a worker that has no handler for it; the last one
-/// allowed (the task's `max_attempts`) dead-letters it.
-pub const DELIVERIES_HEADER: &str = "weir-deliveries";
-
 /// Task events read ahead of free capacity, per slot: read, they count as in progress
 /// (kept alive on JetStream), so none is handed to another worker while it waits here.
 const READ_AHEAD_PER_SLOT: usize = 2;
@@ -125,11 +122,6 @@ impl TaskMetrics {
             dead_letters: counter!(names::DEAD_LETTERS_TOTAL, &[label()]),
         }
     }
-}
-
-/// Consumer group of an executor's workers.
-pub fn worker_group(executor: &str) -> String {
-    format!("weir-worker-{executor}")
 }
 
 impl Worker {

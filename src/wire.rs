@@ -1,0 +1,63 @@
+//! The names weir puts on the wire, in one place: message headers, the topics and
+//! subjects it derives, and the consumer groups it joins. Consumers outside weir rely on
+//! them, so each is a contract; tenants qualify the topics (see [`crate::tenant`]).
+
+/// The graph that published an output or a dead letter.
+pub const GRAPH_HEADER: &str = "weir-graph";
+/// The fire number of an output, per graph and lease.
+pub const FIRE_HEADER: &str = "weir-fire";
+/// `true` when an output was fired while a source was disconnected.
+pub const DEGRADED_HEADER: &str = "weir-degraded";
+/// The fencing token of the lease under which an output was published; it grows with
+/// every takeover, so consumers can drop what a deposed instance still published.
+pub const FENCING_HEADER: &str = "weir-fencing";
+/// Why a message went to a dead-letter topic.
+pub const ERROR_HEADER: &str = "weir-error";
+/// Where a dead-lettered event came from: accumulator, source topic, partition, offset.
+pub const ACCUMULATOR_HEADER: &str = "weir-accumulator";
+pub const SOURCE_TOPIC_HEADER: &str = "weir-source-topic";
+pub const PARTITION_HEADER: &str = "weir-partition";
+pub const OFFSET_HEADER: &str = "weir-offset";
+/// The id of a cron tick (`schedule@millis`), for consumers dropping repeats.
+pub const TICK_ID_HEADER: &str = "weir-tick-id";
+/// How often a task event was handed back by workers without its handler.
+pub const DELIVERIES_HEADER: &str = "weir-deliveries";
+/// The task namespace behind a message a task published.
+pub const NAMESPACE_HEADER: &str = "weir-namespace";
+
+/// Where what cannot be processed or published from `topic` goes.
+pub fn dead_letter_topic(topic: &str) -> String {
+    format!("{topic}.dlq")
+}
+
+/// The topic of an accumulator's dead letters when it reads no topic (a push-only
+/// source), before tenant qualification.
+pub fn accumulator_dead_letter_topic(graph: &str, accumulator: &str) -> String {
+    dead_letter_topic(&format!("{graph}.{accumulator}"))
+}
+
+/// Where cron ticks go when a schedule names neither topic nor workflow.
+pub const TICK_TOPIC: &str = "weir.cron.ticks";
+/// Where workers report task results.
+pub const RESULTS_TOPIC: &str = "weir.results";
+
+/// The topic or subject of an executor's task events.
+pub fn executor_topic(executor: &str) -> String {
+    format!("weir.tasks.{executor}")
+}
+
+/// The topic a schedule's ticks go to when its target is a workflow.
+pub fn workflow_start_topic(workflow: &str) -> String {
+    format!("weir.workflows.{workflow}.start")
+}
+
+/// The consumer group (durable) of an executor's workers.
+pub fn worker_group(executor: &str) -> String {
+    format!("weir-worker-{executor}")
+}
+
+/// The consumer group of the state managers on one topic: a group per topic, so joining
+/// one never rebalances another.
+pub fn state_manager_group(topic: &str) -> String {
+    format!("weir-state-manager.{topic}")
+}
