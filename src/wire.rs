@@ -25,8 +25,22 @@ pub const DELIVERIES_HEADER: &str = "weir-deliveries";
 /// The task namespace behind a message a task published.
 pub const NAMESPACE_HEADER: &str = "weir-namespace";
 
-/// Where what cannot be processed or published from `topic` goes.
+/// Where what cannot be processed or published from `topic` goes: `<topic>.dlq`. A
+/// wildcard subject (`orders.>`) is no subject to publish to, and one under it would be
+/// read again, so its dead letters go to `weir.dlq.<subject>` with `*` as `any` and `>`
+/// as `all` (`weir.dlq.orders.all`).
 pub fn dead_letter_topic(topic: &str) -> String {
+    if topic.split('.').any(|token| token == "*" || token == ">") {
+        let named: Vec<&str> = topic
+            .split('.')
+            .map(|token| match token {
+                "*" => "any",
+                ">" => "all",
+                literal => literal,
+            })
+            .collect();
+        return format!("weir.dlq.{}", named.join("."));
+    }
     format!("{topic}.dlq")
 }
 
@@ -60,4 +74,17 @@ pub fn worker_group(executor: &str) -> String {
 /// one never rebalances another.
 pub fn state_manager_group(topic: &str) -> String {
     format!("weir-state-manager.{topic}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dead_letters_of_a_wildcard_source_go_to_a_publishable_subject_outside_it() {
+        assert_eq!(dead_letter_topic("orders.new"), "orders.new.dlq");
+        assert_eq!(dead_letter_topic("orders.>"), "weir.dlq.orders.all");
+        assert_eq!(dead_letter_topic("orders.*.eu"), "weir.dlq.orders.any.eu");
+        assert_eq!(dead_letter_topic("acme.orders_>x"), "acme.orders_>x.dlq");
+    }
 }

@@ -201,3 +201,33 @@ async fn subjects_with_the_same_sanitised_name_get_streams_of_their_own() {
         .clean(&[dotted_streams, underscored_streams].concat())
         .await;
 }
+
+#[tokio::test]
+async fn one_group_reads_two_subjects_of_one_stream() {
+    let prefix = unique("pair");
+    let mut streams = Streams::connect().await;
+    let shared = unique("PAIR");
+    streams.create(&shared, &[format!("{prefix}.>")]).await;
+    let broker = nats(true).await;
+    // Two sources of one graph: the same group, each the sole reader of its subject.
+    let group = unique("g");
+    let mut sources = Vec::new();
+    for name in ["a", "b"] {
+        let mut subscription = Subscription::new(format!("{prefix}.{name}"), group.clone());
+        subscription.assignment = weir::transport::Assignment::All;
+        sources.push(broker.subscribe(&subscription).await.unwrap());
+    }
+    for name in ["a", "b"] {
+        broker
+            .sink()
+            .publish(Outbound::new(format!("{prefix}.{name}"), name.to_string()))
+            .await
+            .unwrap();
+    }
+    for (source, name) in sources.iter_mut().zip(["a", "b"]) {
+        let (topic, payload) = next_payload(source).await;
+        assert_eq!(topic, format!("{prefix}.{name}"));
+        assert_eq!(payload, Bytes::from(name));
+    }
+    streams.clean(&[]).await;
+}

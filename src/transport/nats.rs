@@ -353,6 +353,18 @@ pub fn subjects_overlap(a: &str, b: &str) -> bool {
     unreachable!("the loop returns once either subject runs out of tokens")
 }
 
+/// The durable consumer of `group` on `subject` in a stream capturing `stream_subjects`.
+/// A stream of that subject alone has one durable per group; in a stream shared by
+/// several subjects, a group reading two of them (two sources of one graph) needs two.
+fn durable_name(group: &str, subject: &str, stream_subjects: &[String]) -> String {
+    let plain = stream_name(group);
+    if stream_subjects.len() == 1 && stream_subjects[0] == subject {
+        plain
+    } else {
+        format!("{plain}_{:016x}", fnv1a(subject))
+    }
+}
+
 /// FNV-1a: a stable hash (the same on every node and version) for stream names.
 fn fnv1a(text: &str) -> u64 {
     text.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
@@ -422,7 +434,11 @@ impl Broker for NatsBroker {
             }));
         };
         let stream = self.ensure_stream(js, &subscription.topic).await?;
-        let durable = stream_name(&subscription.group);
+        let durable = durable_name(
+            &subscription.group,
+            &subscription.topic,
+            &stream.cached_info().config.subjects,
+        );
         let resume = subscription.resume_after.iter().map(|p| p.offset).max();
         let deliver_policy = match (&subscription.assignment, resume) {
             (Assignment::All, Some(seq)) => consumer::DeliverPolicy::ByStartSequence {
@@ -755,6 +771,17 @@ mod tests {
         assert!(!subjects_overlap("orders.*", "orders.eu.new"));
         assert!(!subjects_overlap("orders.>", "orders"));
         assert!(!subjects_overlap("a.b", "a.b.c"));
+    }
+
+    #[test]
+    fn a_group_gets_a_durable_per_subject_in_a_shared_stream() {
+        let own = ["orders.new".to_string()];
+        assert_eq!(durable_name("weir.g", "orders.new", &own), "weir_g");
+        let shared = ["orders.>".to_string()];
+        let a = durable_name("weir.g", "orders.a", &shared);
+        let b = durable_name("weir.g", "orders.b", &shared);
+        assert_ne!(a, b);
+        assert!(a.starts_with("weir_g_"), "{a}");
     }
 
     #[test]
