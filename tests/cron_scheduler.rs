@@ -846,3 +846,53 @@ async fn equal_nodes_share_the_shards_and_a_dead_ones_move() {
         cancel.cancel();
     }
 }
+
+/// A master that dies holding its lease leaves the shard unserved until the lease runs
+/// out; the at_least_once ticks due meanwhile are late, not missed, whatever the catch-up
+/// policy says of downtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_least_once_ticks_due_during_a_failover_are_all_emitted() {
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let mut schedule = every_second("f", "fticks");
+    schedule.delivery = weir::cron::Delivery::AtLeastOnce;
+    schedule.catchup = weir::cron::CatchUp::Skip;
+    register(store.as_ref(), &schedule, 1).await.unwrap();
+    let ttl = Duration::from_secs(3);
+    let node = |name: &str, priority: i64| SchedulerConfig {
+        priority,
+        lease_ttl: ttl,
+        ..SchedulerConfig::new(name)
+    };
+    let cancel = CancellationToken::new();
+    let master = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), node("master", 5))
+            .run(cancel.clone()),
+    );
+    let standby = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), node("standby", 1))
+            .run(cancel.clone()),
+    );
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // Killed: no lease released, nothing more recorded.
+    master.abort();
+    let died = chrono::Utc::now().timestamp_millis();
+    tokio::time::sleep(ttl * 2 + Duration::from_secs(1)).await;
+    cancel.cancel();
+    let _ = standby.await;
+    let ticks = ticks(&broker, "fticks");
+    assert!(
+        ticks.iter().any(|t| t.node_id == "standby"),
+        "the standby took over"
+    );
+    let times: std::collections::BTreeSet<i64> =
+        ticks.iter().map(|t| t.scheduled_time_ms).collect();
+    let (first, last) = (*times.first().unwrap(), *times.last().unwrap());
+    assert!(last - died > 3000, "the run goes on past the failover");
+    for second in (first..=last).step_by(1000) {
+        assert!(
+            times.contains(&second),
+            "no tick for {second} (master died at {died})"
+        );
+    }
+}

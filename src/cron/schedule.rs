@@ -195,51 +195,88 @@ impl Schedule {
         last: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Vec<DateTime<Utc>> {
-        self.due_and_next(expr, tz, last, now).0
+        self.due_and_next(expr, tz, last, now, JUST_DUE).0
     }
 
     /// [`Schedule::due`] and the first fire time after `now`, computed in one pass.
+    /// Times within `recent` of `now` are not missed but late (a scheduler taking over
+    /// from one that stopped): they are all kept, whatever the policy, which applies to
+    /// the older ones only.
     pub fn due_and_next(
         &self,
         expr: &CronExpr,
         tz: Tz,
         last: DateTime<Utc>,
         now: DateTime<Utc>,
+        recent: std::time::Duration,
     ) -> (Vec<DateTime<Utc>>, Option<DateTime<Utc>>) {
+        let recent =
+            chrono::Duration::from_std(recent.max(JUST_DUE)).unwrap_or(chrono::Duration::MAX);
         let cap = match self.catchup {
-            CatchUp::Skip | CatchUp::Latest => 1,
+            CatchUp::Skip => 0,
+            CatchUp::Latest => 1,
             CatchUp::All { cap } => cap as usize,
         };
-        let mut times = std::collections::VecDeque::new();
+        // The older times the policy keeps (at most `cap`, the newest), then every
+        // recent one.
+        let mut older = std::collections::VecDeque::new();
+        let mut late = Vec::new();
         let mut at = last;
         let next = loop {
             match self.next_after(expr, tz, at) {
                 Some(t) if t <= now => {
-                    if times.len() == cap {
-                        times.pop_front();
+                    if now - t < recent {
+                        late.push(t);
+                    } else if cap > 0 {
+                        if older.len() == cap {
+                            older.pop_front();
+                        }
+                        older.push_back(t);
                     }
-                    times.push_back(t);
                     at = t;
                 }
                 other => break other,
             }
         };
-        let times: Vec<_> = times.into();
-        let times = match self.catchup {
-            // A time due just now is not "missed": skip keeps it, drops older ones.
-            CatchUp::Skip => times
-                .into_iter()
-                .filter(|t| now - *t < chrono::Duration::seconds(1))
-                .collect(),
-            _ => times,
+        let mut times: Vec<_> = match self.catchup {
+            // The latest missed time stands for the missed ones only when no recent
+            // one does.
+            CatchUp::Latest if !late.is_empty() => Vec::new(),
+            _ => older.into(),
         };
+        times.extend(late);
         (times, next)
     }
 }
 
+/// A time due less than this long ago is on time, not missed.
+const JUST_DUE: std::time::Duration = std::time::Duration::from_secs(1);
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn recent_times_are_late_not_missed_whatever_the_policy() {
+        let mut schedule = Schedule::new("s", "* * * * * *", "UTC");
+        let (expr, tz) = schedule.validate().unwrap();
+        let now = DateTime::from_timestamp(1_000_000, 0).unwrap();
+        let last = now - chrono::Duration::seconds(10);
+        let four = std::time::Duration::from_secs(4);
+        schedule.catchup = CatchUp::Skip;
+        let (times, _) = schedule.due_and_next(&expr, tz, last, now, four);
+        assert_eq!(
+            times.len(),
+            4,
+            "the last four seconds, none older: {times:?}"
+        );
+        assert_eq!(*times.last().unwrap(), now);
+        let (times, _) = schedule.due_and_next(&expr, tz, last, now, std::time::Duration::ZERO);
+        assert_eq!(times, vec![now], "without grace, only what is due now");
+        schedule.catchup = CatchUp::All { cap: 2 };
+        let (times, _) = schedule.due_and_next(&expr, tz, last, now, four);
+        assert_eq!(times.len(), 6, "two older, four recent: {times:?}");
+    }
 
     fn utc(s: &str) -> DateTime<Utc> {
         DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)

@@ -561,7 +561,15 @@ impl Scheduler {
                 .timestamp_millis_opt(next_ms - 1)
                 .single()
                 .unwrap_or(now);
-            let (times, next) = schedule.due_and_next(&cached.expr, cached.tz, last, horizon);
+            // An at_least_once tick due within a failover (the previous master's lease
+            // running out, then an election) is late, not missed: it goes out whatever
+            // the catch-up policy says of downtime.
+            let recent = match schedule.delivery {
+                Delivery::AtLeastOnce => self.config.lease_ttl * 4 / 3 + LOOKAHEAD,
+                _ => Duration::ZERO,
+            };
+            let (times, next) =
+                schedule.due_and_next(&cached.expr, cached.tz, last, horizon, recent);
             // Only workflow executions stay running; a topic tick completes on publish.
             let mut busy = if schedule.overlap != Overlap::Allow
                 && matches!(schedule.target, Target::Workflow(_))
