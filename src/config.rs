@@ -500,7 +500,7 @@ impl std::fmt::Debug for BrokerConfig {
         f.debug_struct("BrokerConfig")
             .field("kind", &self.kind)
             .field("brokers", &self.brokers)
-            .field("url", &crate::secret::redact_url(&self.url))
+            .field("url", &crate::secret::redact_urls(&self.url))
             .field("jetstream", &self.jetstream)
             .field("partitions", &self.partitions)
             .field("replication", &self.replication)

@@ -78,21 +78,29 @@ pub fn split_credentials(urls: &str) -> (String, UrlCredentials) {
     (stripped.join(","), found)
 }
 
-/// A URL (or comma-separated list) safe to print: any password, or a lone token before
-/// the `@`, is replaced by `***`; user names stay, to say who tried to connect.
-pub fn redact_url(urls: &str) -> String {
+/// A URL safe to print: any password, or a lone token before the `@`, is replaced by
+/// `***`; user names stay, to say who tried to connect. A password may hold `/`, `?`,
+/// `#`, `,` or `@` unescaped (clients take them), so everything up to the last `@` of
+/// the URL is taken for credentials when the host part holds none.
+pub fn redact_url(url: &str) -> String {
+    let start = url.find("://").map(|i| i + 3).unwrap_or(0);
+    let rest = &url[start..];
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@').or_else(|| rest.rfind('@')) else {
+        return url.to_string();
+    };
+    let shown = match rest[..at].split_once(':') {
+        Some((user, _)) => format!("{user}:{MASK}"),
+        // `nats://TOKEN@host`: a lone name may be a token.
+        None => MASK.to_string(),
+    };
+    format!("{}{shown}@{}", &url[..start], &rest[at + 1..])
+}
+
+/// [`redact_url`] for each URL of a comma-separated list (NATS servers).
+pub fn redact_urls(urls: &str) -> String {
     urls.split(',')
-        .map(|url| match userinfo(url) {
-            None => url.to_string(),
-            Some((before, userinfo, after)) => {
-                let shown = match userinfo.split_once(':') {
-                    Some((user, _)) => format!("{user}:{MASK}"),
-                    // `nats://TOKEN@host`: a lone name may be a token.
-                    None => MASK.to_string(),
-                };
-                format!("{before}{shown}@{after}")
-            }
-        })
+        .map(redact_url)
         .collect::<Vec<_>>()
         .join(",")
 }
@@ -163,14 +171,19 @@ mod tests {
             "nats://***@host:4222"
         );
         assert_eq!(
-            redact_url("nats://a:b@h1:4222,nats://h2:4222"),
-            "nats://a:***@h1:4222,nats://h2:4222"
+            redact_urls("nats://a:b@h1:4222,nats://c:d@h2:4222"),
+            "nats://a:***@h1:4222,nats://c:***@h2:4222"
         );
         assert_eq!(redact_url("redis://host:6379"), "redis://host:6379");
-        // An `@` after the path is not a credential.
-        assert_eq!(redact_url("redis://host/0?x=a@b"), "redis://host/0?x=a@b");
-        // A password holding `@` is cut at the last one before the host.
+        // A password holding `@`, `,`, `#`, `/` or `?` is masked whole.
         assert_eq!(redact_url("redis://u:p@ss@host"), "redis://u:***@host");
+        assert_eq!(redact_url("redis://u:pa,ss@host:1"), "redis://u:***@host:1");
+        assert_eq!(
+            redact_url("redis://u:p#s/s?x@host:1/0"),
+            "redis://u:***@host:1/0"
+        );
+        // Rather too much masked than too little: an `@` in a query counts too.
+        assert_eq!(redact_url("redis://host/0?x=a@b"), "redis://***@b");
     }
 
     #[test]

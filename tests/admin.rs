@@ -467,6 +467,29 @@ async fn a_cross_site_form_cannot_change_state() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_without_a_token_answers_loopback_hosts_only() {
+    let admin = Admin::start(None).await;
+    admin.graph("rebound").await;
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let ask = |host: &'static str| {
+        let request = hyper::Request::builder()
+            .method("POST")
+            .uri(admin.url("/graphs/rebound/pause"))
+            .header("host", host)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        client.request(request)
+    };
+    // A page at rebind.evil, whose name now points at 127.0.0.1.
+    let refused = ask("rebind.evil:9899").await.unwrap();
+    assert_eq!(refused.status(), 403);
+    let (_, graph) = json_of("GET", &admin.url("/graphs/rebound"), None, None).await;
+    assert_eq!(graph["paused"], false, "the page paused nothing");
+    assert_eq!(ask("localhost:9899").await.unwrap().status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_websocket_from_another_origin_is_refused() {
     let admin = Admin::start(Some(TOKEN)).await;
     admin.graph("origins").await;

@@ -28,6 +28,14 @@ impl Scope {
         }
     }
 
+    /// Whether something of `tenant` (`None`: of no tenant) is within this scope.
+    pub fn owns(&self, tenant: Option<&str>) -> bool {
+        match self {
+            Self::All => true,
+            Self::Tenant(mine) => tenant == Some(mine.as_ref()),
+        }
+    }
+
     /// The key a caller means by `name`: a tenant's callers name their own things with
     /// or without the tenant; another tenant's are not found, as if they did not exist.
     pub fn resolve(&self, kind: &'static str, name: &str) -> Result<String, ApiError> {
@@ -94,6 +102,24 @@ pub(super) async fn same_site_only(
     next: Next,
 ) -> Response {
     let headers = request.headers();
+    // An API without tokens trusts whoever reaches it, so it takes requests addressed
+    // to loopback (or a listed origin) only: a web page whose name an attacker pointed
+    // at 127.0.0.1 (DNS rebinding) sends its own name as Host.
+    let unprotected = state.token.is_none() && state.tenant_tokens.is_empty();
+    if unprotected && !state.any_host {
+        let host = headers
+            .get(HOST)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default();
+        let listed = state.allowed_origins.iter().any(|origin| {
+            origin.split_once("://").is_some_and(|(_, authority)| {
+                authority.trim_end_matches('/').eq_ignore_ascii_case(host)
+            })
+        });
+        if !is_loopback_host(host) && !listed {
+            return ApiError::ForbiddenHost(host.to_string()).into_response();
+        }
+    }
     let changes_state = !matches!(
         *request.method(),
         Method::GET | Method::HEAD | Method::OPTIONS
@@ -114,6 +140,18 @@ pub(super) async fn same_site_only(
         }
     }
     next.run(request).await
+}
+
+/// `localhost`, `127.x.x.x` or `[::1]`, with or without a port.
+fn is_loopback_host(host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or_default(),
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 fn is_json(content_type: Option<&str>) -> bool {
@@ -159,6 +197,29 @@ mod tests {
         assert!(acme.resolve("graph", "globex/report").is_err());
         assert!(Scope::All.sees("globex/report"));
         assert_eq!(Scope::All.resolve("graph", "report").unwrap(), "report");
+    }
+
+    #[test]
+    fn loopback_hosts_are_told_apart_from_names_pointed_at_loopback() {
+        use super::is_loopback_host;
+        for host in [
+            "localhost",
+            "localhost:9899",
+            "127.0.0.1:9899",
+            "127.1.2.3",
+            "[::1]:9899",
+        ] {
+            assert!(is_loopback_host(host), "{host}");
+        }
+        for host in [
+            "rebind.evil:9899",
+            "weir:9899",
+            "10.0.0.1:9899",
+            "",
+            "[::2]:1",
+        ] {
+            assert!(!is_loopback_host(host), "{host}");
+        }
     }
 
     #[test]

@@ -17,6 +17,8 @@ pub enum ApiError {
     UnsupportedMediaType,
     #[error("WebSocket from origin {0:?} refused: not this listener's origin nor in [admin] allowed_origins")]
     ForbiddenOrigin(String),
+    #[error("request for host {0:?} refused: an admin API without a token answers loopback only (or an [admin] allowed_origins host)")]
+    ForbiddenHost(String),
     #[error("no {kind} named {name:?}")]
     NotFound { kind: &'static str, name: String },
     #[error("no such route")]
@@ -41,7 +43,7 @@ impl ApiError {
         match self {
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            Self::ForbiddenOrigin(_) => StatusCode::FORBIDDEN,
+            Self::ForbiddenOrigin(_) | Self::ForbiddenHost(_) => StatusCode::FORBIDDEN,
             Self::NotFound { .. } | Self::NoRoute => StatusCode::NOT_FOUND,
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
             Self::NotServed(_) => StatusCode::NOT_IMPLEMENTED,
@@ -64,6 +66,7 @@ impl ApiError {
             Self::Unauthorized
             | Self::UnsupportedMediaType
             | Self::ForbiddenOrigin(_)
+            | Self::ForbiddenHost(_)
             | Self::NotFound { .. }
             | Self::NoRoute
             | Self::BadRequest(_)

@@ -28,6 +28,8 @@
 //!   which no HTML form can send to another site without the browser asking first;
 //! - a WebSocket upgrade from a browser must come from the listener's own origin or one
 //!   of `allowed_origins` (browsers send `Origin`; other clients need not);
+//! - without tokens, protected routes answer only requests addressed to loopback (or a
+//!   listed origin's host), which a DNS-rebinding page cannot send;
 //! - the listener can serve TLS ([`tls`]).
 //!
 //! Every error is JSON `{"error": "...", "retryable": bool}` ([`error`]).
@@ -104,6 +106,9 @@ pub struct AdminState {
     tenant_tokens: Arc<[(String, Arc<str>)]>,
     /// Origins besides the listener's own allowed to open the WebSocket.
     allowed_origins: Arc<[String]>,
+    /// Without tokens, answer requests addressed to any host, not only loopback
+    /// (`allow_unauthenticated`).
+    any_host: bool,
     cron_shards: u32,
     metrics: Option<PrometheusHandle>,
     shutdown: CancellationToken,
@@ -120,6 +125,7 @@ impl Default for AdminState {
             token: None,
             tenant_tokens: Arc::from(Vec::new()),
             allowed_origins: Arc::from(Vec::new()),
+            any_host: false,
             cron_shards: crate::config::defaults::CRON_SHARDS,
             metrics: None,
             shutdown: CancellationToken::new(),
@@ -334,6 +340,7 @@ pub async fn serve(
         Some(files) => Some(tls::server_config(&files.cert, &files.key)?),
         None => None,
     };
+    state.any_host = listen.allow_unauthenticated;
     let handle = crate::metrics::prometheus()?;
     state.metrics = Some(handle.clone());
     state.shutdown = cancel.clone();

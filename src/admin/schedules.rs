@@ -60,7 +60,7 @@ async fn list(
 ) -> Result<Json<Value>, ApiError> {
     let store = state.require_store()?;
     let mut schedules = store.list_schedules().await?;
-    schedules.retain(|s| scope.sees(&s.id));
+    schedules.retain(|s| scope.owns(s.tenant.as_deref()));
     let next = next_fires(store.as_ref(), 0..state.cron_shards().max(1)).await?;
     Ok(Json(Value::Array(
         schedules.iter().map(|s| entry(s, &next)).collect(),
@@ -84,6 +84,7 @@ async fn show(
     let schedule = store
         .get_schedule(&id)
         .await?
+        .filter(|s| scope.owns(s.tenant.as_deref()))
         .ok_or_else(|| not_found(&id))?;
     let next = next_fires(store.as_ref(), [shard_of(&id, state.cron_shards())]).await?;
     let mut value = entry(&schedule, &next);
@@ -91,8 +92,22 @@ async fn show(
     Ok(Json(value))
 }
 
-async fn toggle(state: &AdminState, id: &str, enabled: bool) -> Result<Json<Value>, ApiError> {
+async fn toggle(
+    state: &AdminState,
+    scope: &Scope,
+    id: &str,
+    enabled: bool,
+) -> Result<Json<Value>, ApiError> {
     let store = state.require_store()?;
+    if *scope != Scope::All {
+        let owned = store
+            .get_schedule(id)
+            .await?
+            .is_some_and(|s| scope.owns(s.tenant.as_deref()));
+        if !owned {
+            return Err(not_found(id));
+        }
+    }
     let found = set_enabled(store.as_ref(), id, enabled, state.cron_shards())
         .await
         .map_err(|e| match e {
@@ -113,7 +128,7 @@ async fn pause(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let id = scope.resolve("schedule", &id)?;
-    toggle(&state, &id, false).await
+    toggle(&state, &scope, &id, false).await
 }
 
 async fn resume(
@@ -122,5 +137,5 @@ async fn resume(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let id = scope.resolve("schedule", &id)?;
-    toggle(&state, &id, true).await
+    toggle(&state, &scope, &id, true).await
 }

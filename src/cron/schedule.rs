@@ -139,6 +139,25 @@ impl Schedule {
                 "must be non-empty, without spaces or ':'",
             ));
         }
+        // `/` separates a tenant from its schedule's name, and only there.
+        let name = match (&self.tenant, self.id.split_once('/')) {
+            (Some(tenant), Some((prefix, name))) if prefix == tenant => name,
+            (_, Some(_)) => {
+                return Err(invalid(
+                    "id",
+                    &self.id,
+                    "holds no '/' but the one after its tenant (tenant/name)",
+                ))
+            }
+            (_, None) => &self.id,
+        };
+        if name.is_empty() || name.contains('/') {
+            return Err(invalid(
+                "id",
+                &self.id,
+                "names no schedule after its tenant",
+            ));
+        }
         let expr = CronExpr::parse(&self.cron).map_err(|source| ScheduleError::Cron {
             id: self.id.clone(),
             source,
@@ -255,6 +274,23 @@ const JUST_DUE: std::time::Duration = std::time::Duration::from_secs(1);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slash_in_an_id_only_follows_its_tenant() {
+        let mut schedule = Schedule::new("acme/nightly", "0 2 * * *", "UTC");
+        assert!(
+            schedule.validate().is_err(),
+            "no tenant, yet a tenant's name"
+        );
+        schedule.tenant = Some("acme".into());
+        assert!(schedule.validate().is_ok());
+        schedule.tenant = Some("globex".into());
+        assert!(schedule.validate().is_err(), "another tenant's name");
+        schedule.id = "globex/a/b".into();
+        assert!(schedule.validate().is_err());
+        schedule.id = "globex/".into();
+        assert!(schedule.validate().is_err());
+    }
 
     #[test]
     fn recent_times_are_late_not_missed_whatever_the_policy() {

@@ -318,8 +318,7 @@ impl Scheduler {
                 next_election = Instant::now() + renew_every;
             }
             if Instant::now() >= next_sweep {
-                let limit = self.config.lease_ttl / 3;
-                if let Err(e) = within(limit, self.recover_orphans()).await {
+                if let Err(e) = self.recover_orphans().await {
                     warn!(error = %e, "orphan recovery failed");
                 }
                 next_sweep = Instant::now() + sweep_every;
@@ -827,8 +826,10 @@ impl Scheduler {
         // a sweep costs nothing per schedule that is firing normally.
         let batch = self.config.sweep_batch.max(1);
         let found = self
-            .store
-            .open_executions(threshold, self.sweep_from, batch)
+            .bounded(
+                self.store
+                    .open_executions(threshold, self.sweep_from, batch),
+            )
             .await?;
         // Executions that rightly stay open (running workflows, buffered ticks, other
         // shards') would otherwise fill every batch and hide the rest: the next sweep
@@ -853,18 +854,22 @@ impl Scheduler {
             };
             // A master deposed meanwhile has its writes refused.
             let fence = Fence::from(&lease);
-            let schedule = self.store.get_schedule(&id).await?;
-            let recent = self.store.executions(&id, 10).await?;
+            let schedule = self.bounded(self.store.get_schedule(&id)).await?;
+            let recent = self.bounded(self.store.executions(&id, 10)).await?;
             let mut running = recent.iter().any(|e| e.status == ExecutionStatus::Running);
             for scheduled_ms in times {
-                let Some(mut execution) = self.store.get_execution(&id, scheduled_ms).await? else {
+                let Some(mut execution) = self
+                    .bounded(self.store.get_execution(&id, scheduled_ms))
+                    .await?
+                else {
                     continue;
                 };
                 let Some(schedule) = &schedule else {
                     execution.status = ExecutionStatus::Failed;
                     execution.error = Some("schedule removed before the tick was emitted".into());
                     execution.updated_ms = self.config.clock.now().timestamp_millis();
-                    self.store.put_execution(&execution, Some(&fence)).await?;
+                    self.bounded(self.store.put_execution(&execution, Some(&fence)))
+                        .await?;
                     continue;
                 };
                 if execution.status == ExecutionStatus::Buffered {
@@ -878,7 +883,8 @@ impl Scheduler {
                         running = true;
                     }
                     execution.updated_ms = self.config.clock.now().timestamp_millis();
-                    self.store.put_execution(&execution, Some(&fence)).await?;
+                    self.bounded(self.store.put_execution(&execution, Some(&fence)))
+                        .await?;
                     continue;
                 }
                 if execution.updated_ms > threshold {
@@ -889,7 +895,8 @@ impl Scheduler {
                         continue;
                     }
                     if execution.status != ExecutionStatus::Scheduled {
-                        self.store.put_execution(&execution, Some(&fence)).await?;
+                        self.bounded(self.store.put_execution(&execution, Some(&fence)))
+                            .await?;
                         continue;
                     }
                 }
@@ -920,7 +927,8 @@ impl Scheduler {
                     }
                 }
                 execution.updated_ms = self.config.clock.now().timestamp_millis();
-                self.store.put_execution(&execution, Some(&fence)).await?;
+                self.bounded(self.store.put_execution(&execution, Some(&fence)))
+                    .await?;
             }
         }
         Ok(())

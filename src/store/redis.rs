@@ -188,7 +188,7 @@ fn store_error(operation: &'static str, e: redis::RedisError) -> StoreError {
 }
 
 /// Where Redis is and how to prove who we are to it.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct RedisSettings {
     /// `redis://` or `rediss://` (TLS), possibly with `user:password@`.
     pub url: String,
@@ -202,9 +202,28 @@ pub struct RedisSettings {
     pub tls_key_file: Option<PathBuf>,
 }
 
+impl std::fmt::Debug for RedisSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisSettings")
+            .field("url", &redact_url(&self.url))
+            .field("username", &self.username)
+            .field("password", &self.password)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
+            .finish()
+    }
+}
+
 impl RedisSettings {
     fn client(&self) -> Result<redis::Client, String> {
-        let secrets: Vec<Secret> = self.password.iter().cloned().collect();
+        let (_, in_url) = crate::secret::split_credentials(&self.url);
+        let secrets: Vec<Secret> = self
+            .password
+            .iter()
+            .cloned()
+            .chain(in_url.password)
+            .collect();
         let scrubbed =
             |e: &dyn std::fmt::Display| scrub(&e.to_string(), &secrets.iter().collect::<Vec<_>>());
         let mut info = self

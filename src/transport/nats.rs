@@ -16,7 +16,7 @@ use async_nats::jetstream::{self, consumer, stream};
 use async_trait::async_trait;
 use futures::{StreamExt, TryStreamExt};
 
-use crate::secret::{redact_url, scrub, split_credentials, Secret, UrlCredentials};
+use crate::secret::{redact_urls, scrub, split_credentials, Secret, UrlCredentials};
 
 use super::{
     Acks, Assignment, Broker, Message, Outbound, PendingAck, Position, Sink, Source, StartFrom,
@@ -27,7 +27,7 @@ use super::{
 /// removes it.
 pub const SOLE_READER_IDLE_LIMIT: Duration = Duration::from_secs(3600);
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct NatsSettings {
     pub url: String,
     pub jetstream: bool,
@@ -37,6 +37,18 @@ pub struct NatsSettings {
     /// `max_age` of the streams weir creates; `None`: kept forever.
     pub retention: Option<Duration>,
     pub auth: NatsAuth,
+}
+
+impl std::fmt::Debug for NatsSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsSettings")
+            .field("url", &redact_urls(&self.url))
+            .field("jetstream", &self.jetstream)
+            .field("ack_wait", &self.ack_wait)
+            .field("retention", &self.retention)
+            .field("auth", &self.auth)
+            .finish()
+    }
 }
 
 impl Default for NatsSettings {
@@ -176,7 +188,7 @@ pub fn stream_name(subject: &str) -> String {
 
 impl NatsBroker {
     pub async fn connect(settings: NatsSettings) -> Result<Self, TransportError> {
-        let shown = redact_url(&settings.url);
+        let shown = redact_urls(&settings.url);
         let (url, from_url) = split_credentials(&settings.url);
         let secrets: Vec<Secret> = [
             settings.auth.password.clone(),

@@ -27,9 +27,10 @@ pub(crate) struct SetupGate {
 /// then hand the message to the client, then drop it.
 pub(crate) struct Turn<'a> {
     gate: &'a SetupGate,
-    /// Queued for the turn (the topic, and the turn held); `None` on the fast path,
-    /// which allocates nothing.
-    queued: Option<(String, tokio::sync::MutexGuard<'a, ()>)>,
+    /// Queued for the turn: the topic, and the turn once held. `None` on the fast path,
+    /// which allocates nothing. Made before waiting for the turn, so a publish dropped
+    /// while it waits still leaves the line (see `Drop`).
+    queued: Option<(String, Option<tokio::sync::MutexGuard<'a, ()>>)>,
 }
 
 impl SetupGate {
@@ -53,11 +54,14 @@ impl SetupGate {
                 }
             }
         };
-        let queued = match queued {
-            true => Some((topic.to_string(), self.turn.lock().await)),
-            false => None,
+        let mut turn = Turn {
+            gate: self,
+            queued: queued.then(|| (topic.to_string(), None)),
         };
-        Turn { gate: self, queued }
+        if let Some((_, held)) = &mut turn.queued {
+            *held = Some(self.turn.lock().await);
+        }
+        turn
     }
 
     fn with_state<T>(&self, topic: &str, f: impl FnOnce(&mut TopicState) -> T) -> T {
@@ -118,6 +122,19 @@ mod tests {
             task.await.unwrap();
         }
         assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3, 4]);
+        // A publish dropped while waiting for its turn leaves the line.
+        let held = gate.turn.lock().await;
+        {
+            let gate = gate.clone();
+            let waiting = tokio::spawn(async move {
+                let _turn = gate.enter("t2").await;
+            });
+            tokio::task::yield_now().await;
+            waiting.abort();
+            let _ = waiting.await;
+        }
+        drop(held);
+        assert_eq!(gate.topics.lock().unwrap()["t2"].waiting, 0);
         // Once nobody waits, a ready topic is passed straight through.
         let turn = gate.enter("t").await;
         assert!(!turn.needs_setup());
