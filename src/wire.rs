@@ -76,6 +76,13 @@ pub fn state_manager_group(topic: &str) -> String {
     format!("weir-state-manager.{topic}")
 }
 
+/// The consumer group of the state managers applying one workflow's results: each
+/// workflow reads the shared results topic in a group of its own, so its results reach
+/// only nodes that declare it.
+pub fn results_group(results_topic: &str, workflow: &str) -> String {
+    state_manager_group(&format!("{results_topic}.{workflow}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -327,3 +327,46 @@ async fn a_polling_source_resumes_from_its_position() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(h.outputs("poll.out").len(), fired + 1);
 }
+
+#[tokio::test(start_paused = true)]
+async fn partitions_added_while_a_graph_runs_are_read_and_survive_a_restart() {
+    let h = Harness::partitioned(2);
+    let (source, _) = Breakable::new(&h, "grow.in", "weir.grow");
+    let g = h.spawn(graph(
+        "grow",
+        AccumulatorSpec::passthrough("a").source(source),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    publish_all(&h, "grow.in", &[json!("g0"), json!("g1")]).await;
+    eventually("first fires", || async { h.outputs("grow.out").len() == 2 }).await;
+    // Unkeyed messages go round-robin, so these land on the new partitions too.
+    h.broker.add_partitions("grow.in", 2);
+    let before = ["g2", "g3", "g4", "g5"].map(|v| json!(v));
+    publish_all(&h, "grow.in", &before).await;
+    let mut all = vec![json!("g0"), json!("g1")];
+    all.extend(before);
+    eventually("inputs on added partitions fired", || async {
+        seen_inputs(&h, "grow.out") == expected(&all)
+    })
+    .await;
+    // A node coming back reads all four partitions from its checkpoint.
+    let h = h.restart().await;
+    let (source, _) = Breakable::new(&h, "grow.in", "weir.grow");
+    let g = h.spawn(graph(
+        "grow",
+        AccumulatorSpec::passthrough("a").source(source),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    let after = ["g6", "g7", "g8", "g9"].map(|v| json!(v));
+    publish_all(&h, "grow.in", &after).await;
+    all.extend(after);
+    eventually("every input fired once", || async {
+        seen_inputs(&h, "grow.out") == expected(&all)
+    })
+    .await;
+    assert_eq!(
+        h.outputs("grow.out").len(),
+        all.len(),
+        "nothing fired twice after the restart"
+    );
+}

@@ -684,6 +684,97 @@ async fn a_start_stored_but_never_published_is_published_once(env: &Env) {
     assert!(pending.is_retryable(), "{pending}");
 }
 
+/// Two nodes declare one workflow each; their workers report on the same results topic.
+/// Each result reaches the node that declares its workflow, so every execution ends.
+async fn each_result_reaches_a_node_that_declares_its_workflow(env: &Env) {
+    let executor = env.name("shared");
+    let (left, right) = (
+        flow(
+            &env.name("left"),
+            vec![task("one", "mark"), task("two", "mark")],
+        ),
+        flow(
+            &env.name("right"),
+            vec![task("one", "mark"), task("two", "mark")],
+        ),
+    );
+    let router = || Router::new(Vec::new(), &executor).unwrap();
+    let left_node = env.state_manager(std::slice::from_ref(&left), router());
+    let right_node = env.state_manager(std::slice::from_ref(&right), router());
+    let both = [left.clone(), right.clone()];
+    let marker = Arc::new(Recorder {
+        mark: "done".into(),
+        ..Recorder::default()
+    });
+    env.worker(&executor, 8, with(env.builtins(), "mark", marker), &both);
+    let mut ids = Vec::new();
+    for _ in 0..6 {
+        ids.push(left_node.start(&left.name, json!({})).await.unwrap());
+        ids.push(right_node.start(&right.name, json!({})).await.unwrap());
+    }
+    for id in ids {
+        let done = env.finished(&id, WAIT).await;
+        assert_eq!(done.status, RunStatus::Completed, "{}", done.summary());
+        assert_eq!(done.context["ran_two"], "done");
+    }
+}
+
+/// Counts the runs of each execution's task, each run taking `sleep`.
+#[derive(Default)]
+struct RunCounter {
+    runs: Mutex<BTreeMap<String, usize>>,
+    sleep: Duration,
+}
+
+#[async_trait]
+impl TaskHandler for RunCounter {
+    async fn run(&self, task: TaskContext) -> TaskOutcome {
+        *self
+            .runs
+            .lock()
+            .unwrap()
+            .entry(task.execution_id.clone())
+            .or_default() += 1;
+        tokio::time::sleep(self.sleep).await;
+        TaskOutcome::Completed(json!({}))
+    }
+}
+
+/// Tasks longer than the broker's patience with a silent consumer (Kafka's
+/// `max.poll.interval.ms`, JetStream's ack wait), on two workers with one slot each: what
+/// a worker has read ahead, or is running, is never handed to the other worker
+/// meanwhile, so each task runs once. (The memory broker has one member per group.)
+async fn a_task_read_ahead_behind_a_long_one_runs_once(env: &Env, tasks: usize) {
+    let executor = env.name("long");
+    let w = flow(&env.name("long"), vec![task("slow", "slow")]);
+    let workflows = [w.clone()];
+    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let counter = Arc::new(RunCounter {
+        sleep: Duration::from_secs(8),
+        ..RunCounter::default()
+    });
+    for _ in 0..2 {
+        env.worker(
+            &executor,
+            1,
+            with(env.builtins(), "slow", counter.clone()),
+            &workflows,
+        );
+    }
+    let mut ids = Vec::new();
+    for _ in 0..tasks {
+        ids.push(dispatcher.start(&w.name, json!({})).await.unwrap());
+    }
+    for id in &ids {
+        let done = env.finished(id, WAIT).await;
+        assert_eq!(done.status, RunStatus::Completed, "{}", done.summary());
+    }
+    let runs = counter.runs.lock().unwrap().clone();
+    for id in &ids {
+        assert_eq!(runs.get(id), Some(&1), "runs of each task: {runs:?}");
+    }
+}
+
 macro_rules! suite {
     ($env:expr) => {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -727,6 +818,10 @@ macro_rules! suite {
             a_start_stored_but_never_published_is_published_once(&$env).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn results_across_nodes() {
+            each_result_reaches_a_node_that_declares_its_workflow(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn cron_ticks() {
             a_cron_triggered_workflow_runs_once_per_tick(&$env).await;
         }
@@ -761,6 +856,12 @@ mod kafka {
     }
 
     suite!(env().await);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn long_tasks_keep_their_read_ahead() {
+        // One partition: one worker runs them all, one at a time.
+        a_task_read_ahead_behind_a_long_one_runs_once(&env().await, 3).await;
+    }
 }
 
 #[cfg(feature = "it")]
@@ -776,6 +877,12 @@ mod nats {
     }
 
     suite!(env().await);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn long_tasks_keep_their_read_ahead() {
+        // More than both workers read ahead, so some wait in the client.
+        a_task_read_ahead_behind_a_long_one_runs_once(&env().await, 6).await;
+    }
 
     /// Two workers share an executor; only one has the task's handler. Every task
     /// ends up on it: the other hands back what it cannot run.

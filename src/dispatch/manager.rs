@@ -29,7 +29,7 @@ use crate::transport::concurrent::consume_concurrently;
 use crate::transport::{
     now_ms, publish_persistently, Broker, Message, Outbound, Sink, Subscription, TransportError,
 };
-use crate::wire::state_manager_group;
+use crate::wire::{results_group, state_manager_group};
 
 /// Compare-and-set attempts before an update gives up (and the result is redelivered).
 const MAX_CAS_ATTEMPTS: u32 = 64;
@@ -63,6 +63,8 @@ const DEADLINES_PER_SWEEP: usize = 1000;
 pub enum DispatchError {
     #[error("unknown workflow {0:?}")]
     UnknownWorkflow(String),
+    #[error("task namespace {0:?} is not tenant::package::workflow::task")]
+    BadNamespace(String),
     #[error("no workflow execution {0:?}")]
     UnknownExecution(String),
     #[error("workflow execution {0} changed under too many concurrent updates")]
@@ -80,7 +82,10 @@ pub enum DispatchError {
 impl DispatchError {
     pub fn is_retryable(&self) -> bool {
         match self {
-            Self::UnknownWorkflow(_) | Self::UnknownExecution(_) | Self::Codec(_) => false,
+            Self::UnknownWorkflow(_)
+            | Self::BadNamespace(_)
+            | Self::UnknownExecution(_)
+            | Self::Codec(_) => false,
             Self::Contended(_) | Self::PublishPending(_) => true,
             Self::Store(e) => e.is_retryable(),
             Self::Transport(e) => e.is_retryable(),
@@ -112,6 +117,17 @@ fn namespace_tenant(namespace: &str) -> Option<&str> {
         .split("::")
         .next()
         .and_then(crate::tenant::of_namespace_segment)
+}
+
+/// The key of the workflow a task namespace (`tenant::package::workflow::task`) names.
+fn namespace_workflow(namespace: &str) -> Option<String> {
+    let parts: Vec<&str> = namespace.split("::").collect();
+    match parts.as_slice() {
+        [tenant, _, workflow, task] if !workflow.is_empty() && !task.is_empty() => Some(
+            crate::tenant::key(crate::tenant::of_namespace_segment(tenant), workflow),
+        ),
+        _ => None,
+    }
 }
 
 /// Task execution id: the execution and the task.
@@ -469,23 +485,17 @@ impl Dispatcher {
         cancel: CancellationToken,
     ) -> Result<(), DispatchError> {
         let mut loops = tokio::task::JoinSet::new();
-        // Each tenant's workers report on the tenant's own results topic.
-        let results_topics: BTreeMap<String, Option<String>> = self
-            .workflows()
-            .map(|w| {
-                (
-                    w.tenant.clone(),
-                    w.topic(&self.inner.settings.results_topic),
-                )
-            })
-            .chain([(None, self.inner.settings.results_topic.clone())])
-            .map(|(tenant, topic)| (topic, tenant))
-            .collect();
-        for (results_topic, tenant) in results_topics {
+        // Nodes may declare different workflows while their workers report on one
+        // results topic. Each workflow reads that topic in a consumer group of its own,
+        // so every result reaches a node that declares its workflow, and a node skips
+        // the results of workflows it does not run rather than claiming them.
+        for workflow in self.workflows() {
+            let results_topic = workflow.topic(&self.inner.settings.results_topic);
+            let key = workflow.key();
             let results = broker
                 .subscribe(&Subscription::work_queue(
                     &results_topic,
-                    state_manager_group(&results_topic),
+                    results_group(&results_topic, &key),
                     RESULTS_IN_FLIGHT,
                 ))
                 .await?;
@@ -493,28 +503,29 @@ impl Dispatcher {
             let sink = broker.sink();
             let stop = cancel.clone();
             loops.spawn(consume_concurrently(
-            results,
-            RESULTS_IN_FLIGHT,
-            cancel.clone(),
-            move |message| {
-                let (me, sink, stop, tenant) =
-                    (me.clone(), sink.clone(), stop.clone(), tenant.clone());
-                async move {
-                    let applied = match decode::<ExecutionResult>(&message.payload) {
-                        // A tenant's results topic speaks for that tenant only.
-                        Ok(result) if namespace_tenant(&result.namespace) != tenant.as_deref() => {
-                            warn!(namespace = %result.namespace, topic = %message.topic, "result for another tenant's task; dropped");
-                            Ok(())
-                        }
-                        Ok(result) => {
-                            retrying(&stop, "apply result", || me.apply_result(&result)).await
-                        }
-                        Err(e) => Err(DispatchError::from(e)),
-                    };
-                    settle(applied, &message, sink.as_ref(), &stop).await
-                }
-            },
-        ));
+                results,
+                RESULTS_IN_FLIGHT,
+                cancel.clone(),
+                move |message| {
+                    let (me, sink, stop, key) =
+                        (me.clone(), sink.clone(), stop.clone(), key.clone());
+                    async move {
+                        let applied = match decode::<ExecutionResult>(&message.payload) {
+                            Ok(result) => match namespace_workflow(&result.namespace) {
+                                // Another workflow's group applies it.
+                                Some(named) if named != key => Ok(()),
+                                Some(_) => {
+                                    retrying(&stop, "apply result", || me.apply_result(&result))
+                                        .await
+                                }
+                                None => Err(DispatchError::BadNamespace(result.namespace)),
+                            },
+                            Err(e) => Err(DispatchError::from(e)),
+                        };
+                        settle(applied, &message, sink.as_ref(), &stop).await
+                    }
+                },
+            ));
         }
         for workflow in self.workflows() {
             let topic = workflow.topic(&workflow_start_topic(&workflow.name));

@@ -2,7 +2,8 @@
 //! at most `limit` at once. At the limit the loop stops reading (the broker keeps the
 //! rest), so a slow consumer never buffers without bound. A message is committed when
 //! its handler finishes it; one left unfinished (cancelled, given up) stays for
-//! redelivery.
+//! redelivery. At the limit the source is held rather than left alone, so a client that
+//! must keep polling to stay in its group does (see [`Source::hold`]).
 //!
 //! The handlers are polled by the consuming task itself rather than spawned: they wait
 //! on brokers, stores and timers far more than they compute, and polling them in place
@@ -53,6 +54,7 @@ where
     tokio::pin!(read_pause);
     let mut read_paused = false;
     let result = loop {
+        let full = running.len() >= limit;
         tokio::select! {
             biased;
             _ = cancel.cancelled() => break Ok(()),
@@ -66,7 +68,7 @@ where
                 }
             }
             _ = &mut read_pause, if read_paused => read_paused = false,
-            read = source.next(), if running.len() < limit && !read_paused => match read {
+            read = next_unless_full(&mut *source, full), if !read_paused => match read {
                 Ok(message) => {
                     let position = message.position;
                     in_flight.insert(position);
@@ -107,6 +109,17 @@ where
         running.clear();
     }
     result
+}
+
+/// The next message, or, at the limit, none: the source is held (see [`Source::hold`])
+/// until a handler finishes and this read is dropped.
+async fn next_unless_full(source: &mut dyn Source, full: bool) -> Result<Message, TransportError> {
+    if !full {
+        return source.next().await;
+    }
+    loop {
+        source.hold().await?;
+    }
 }
 
 async fn finish(

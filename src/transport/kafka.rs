@@ -2,7 +2,7 @@
 //! through [`Source::commit`]; auto-commit is off. Works against Apache Kafka, Redpanda
 //! and other Kafka-compatible brokers.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,6 +28,8 @@ use super::{
 
 /// How long a publish may wait for room in the producer's queue.
 const PRODUCE_TIMEOUT: Duration = Duration::from_secs(30);
+/// librdkafka's default `topic.metadata.refresh.interval.ms`.
+const DEFAULT_METADATA_REFRESH: Duration = Duration::from_secs(300);
 /// How long to wait before trying a full producer queue again.
 const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(10);
 
@@ -207,6 +209,18 @@ impl KafkaBroker {
         .map_err(|e| unreachable(&self.inner.settings.brokers, e))?
     }
 
+    /// How often clients refresh their metadata: librdkafka's
+    /// `topic.metadata.refresh.interval.ms` as configured, or its default of 5 minutes.
+    fn metadata_refresh(&self) -> Duration {
+        self.inner
+            .settings
+            .options
+            .get("topic.metadata.refresh.interval.ms")
+            .and_then(|ms| ms.parse::<u64>().ok())
+            .filter(|ms| *ms > 0)
+            .map_or(DEFAULT_METADATA_REFRESH, Duration::from_millis)
+    }
+
     /// Creates the topic if it does not exist yet.
     pub async fn ensure_topic(&self, topic: &str) -> Result<(), TransportError> {
         if self
@@ -322,6 +336,19 @@ impl Broker for KafkaBroker {
             Assignment::Partitions(partitions) => Some(partitions.clone()),
             Assignment::All => Some(self.partitions_of(&subscription.topic).await?),
         };
+        // A reader of every partition looks for partitions added while it runs, as often
+        // as the client refreshes its metadata (a group member is given them by the group).
+        let watch = match (&subscription.assignment, &direct) {
+            (Assignment::All, Some(partitions)) => {
+                let every = self.metadata_refresh();
+                Some(PartitionWatch {
+                    broker: self.clone(),
+                    every: tokio::time::interval_at(tokio::time::Instant::now() + every, every),
+                    known: partitions.iter().copied().collect(),
+                })
+            }
+            _ => None,
+        };
         match direct {
             Some(partitions) => {
                 // Direct assignment: resume each partition from the group's committed
@@ -365,6 +392,9 @@ impl Broker for KafkaBroker {
             consumer: Some(consumer),
             prefix: matches!(subscription.acks, Acks::Each { .. }).then(FinishedPrefix::default),
             revoked,
+            held: VecDeque::new(),
+            paused: false,
+            watch,
         }))
     }
 
@@ -454,6 +484,70 @@ impl Sink for KafkaBroker {
     }
 }
 
+/// The next message of a consumer, as weir's [`Message`].
+async fn receive(
+    consumer: &StreamConsumer<GroupContext>,
+    topic: &Arc<str>,
+) -> Result<Message, TransportError> {
+    let message = consumer.recv().await.map_err(|e| TransportError::Consume {
+        topic: topic.to_string(),
+        retryable: is_retryable(&e),
+        reason: e.to_string(),
+    })?;
+    let headers = message
+        .headers()
+        .map(|hs| {
+            hs.iter()
+                .map(|h| {
+                    let value = h.value.map(|v| String::from_utf8_lossy(v).into_owned());
+                    (h.key.to_string().into(), value.unwrap_or_default())
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(Message {
+        topic: topic.clone(),
+        position: Position {
+            partition: message.partition(),
+            offset: message.offset(),
+        },
+        key: message.key().map(Bytes::copy_from_slice),
+        payload: Bytes::copy_from_slice(message.payload().unwrap_or_default()),
+        headers,
+        timestamp_ms: message.timestamp().to_millis().unwrap_or_default(),
+    })
+}
+
+impl PartitionWatch {
+    /// Reads partitions the topic has gained from their beginning: everything in them
+    /// was written after this source started.
+    async fn assign_added(
+        &mut self,
+        consumer: &StreamConsumer<GroupContext>,
+        topic: &str,
+    ) -> Result<(), TransportError> {
+        let partitions = self.broker.partitions_of(topic).await?;
+        let added: Vec<i32> = partitions
+            .into_iter()
+            .filter(|p| !self.known.contains(p))
+            .collect();
+        if added.is_empty() {
+            return Ok(());
+        }
+        let mut list = TopicPartitionList::new();
+        for p in &added {
+            list.add_partition_offset(topic, *p, Offset::Beginning)
+                .map_err(|e| unreachable(&self.broker.inner.settings.brokers, e))?;
+        }
+        consumer
+            .incremental_assign(&list)
+            .map_err(|e| unreachable(&self.broker.inner.settings.brokers, e))?;
+        tracing::info!(topic, ?added, "reading partitions added to the topic");
+        self.known.extend(added);
+        Ok(())
+    }
+}
+
 fn is_retryable(e: &KafkaError) -> bool {
     !matches!(
         e.rdkafka_error_code(),
@@ -491,6 +585,19 @@ struct KafkaSource {
     /// of it.
     prefix: Option<FinishedPrefix>,
     revoked: Arc<Mutex<Vec<i32>>>,
+    /// Messages that arrived while the source was held, for the next reads.
+    held: VecDeque<Message>,
+    /// Whether the assigned partitions are paused (the source is held).
+    paused: bool,
+    /// With [`Assignment::All`]: partitions added to the topic are read too.
+    watch: Option<PartitionWatch>,
+}
+
+/// Looks for partitions added to a topic read partition by partition.
+struct PartitionWatch {
+    broker: KafkaBroker,
+    every: tokio::time::Interval,
+    known: HashSet<i32>,
 }
 
 impl Drop for KafkaSource {
@@ -509,9 +616,15 @@ impl Drop for KafkaSource {
 }
 
 impl KafkaSource {
-    /// Lets the finished-prefix bookkeeping drop partitions lost in a rebalance.
+    /// Lets the finished-prefix bookkeeping drop partitions lost in a rebalance, and
+    /// drops held messages of those partitions: their new owner reads them.
     fn forget_revoked(&mut self) {
         let revoked = std::mem::take(&mut *self.revoked.lock().unwrap_or_else(|p| p.into_inner()));
+        if revoked.is_empty() {
+            return;
+        }
+        self.held
+            .retain(|m| !revoked.contains(&m.position.partition));
         if let Some(prefix) = &mut self.prefix {
             for partition in revoked {
                 prefix.revoke(partition);
@@ -526,48 +639,82 @@ impl KafkaSource {
                 topic: self.topic.to_string(),
             })
     }
+
+    /// The next message from the client, whatever the source's state; with a partition
+    /// watch, adding partitions that appeared meanwhile.
+    async fn receive(&mut self) -> Result<Message, TransportError> {
+        let consumer = self
+            .consumer
+            .as_ref()
+            .ok_or_else(|| TransportError::Closed {
+                topic: self.topic.to_string(),
+            })?;
+        let Some(watch) = &mut self.watch else {
+            return receive(consumer, &self.topic).await;
+        };
+        loop {
+            tokio::select! {
+                received = receive(consumer, &self.topic) => return received,
+                _ = watch.every.tick() => {}
+            }
+            if let Err(e) = watch.assign_added(consumer, &self.topic).await {
+                tracing::warn!(topic = %self.topic, error = %e, "cannot look for added partitions");
+            }
+        }
+    }
+
+    /// Pauses or resumes fetching on every partition assigned now.
+    fn set_paused(&mut self, pause: bool) -> Result<(), TransportError> {
+        let consumer = self.consumer()?;
+        let failed = |e: KafkaError| TransportError::Consume {
+            topic: self.topic.to_string(),
+            retryable: true,
+            reason: format!(
+                "cannot {} partitions: {e}",
+                if pause { "pause" } else { "resume" }
+            ),
+        };
+        let assigned = consumer.assignment().map_err(failed)?;
+        if assigned.count() > 0 {
+            if pause {
+                consumer.pause(&assigned).map_err(failed)?;
+            } else {
+                consumer.resume(&assigned).map_err(failed)?;
+            }
+        }
+        self.paused = pause;
+        Ok(())
+    }
 }
 
 #[async_trait]
 impl Source for KafkaSource {
     async fn next(&mut self) -> Result<Message, TransportError> {
-        let message = self
-            .consumer()?
-            .recv()
-            .await
-            .map_err(|e| TransportError::Consume {
-                topic: self.topic.to_string(),
-                retryable: is_retryable(&e),
-                reason: e.to_string(),
-            })?;
-        let headers = message
-            .headers()
-            .map(|hs| {
-                hs.iter()
-                    .map(|h| {
-                        let value = h.value.map(|v| String::from_utf8_lossy(v).into_owned());
-                        (h.key.to_string().into(), value.unwrap_or_default())
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        let position = Position {
-            partition: message.partition(),
-            offset: message.offset(),
-        };
-        let message = Message {
-            topic: self.topic.clone(),
-            position,
-            key: message.key().map(Bytes::copy_from_slice),
-            payload: Bytes::copy_from_slice(message.payload().unwrap_or_default()),
-            headers,
-            timestamp_ms: message.timestamp().to_millis().unwrap_or_default(),
+        if self.paused {
+            self.set_paused(false)?;
+        }
+        self.forget_revoked();
+        let message = match self.held.pop_front() {
+            Some(held) => held,
+            None => self.receive().await?,
         };
         self.forget_revoked();
         if let Some(prefix) = &mut self.prefix {
-            prefix.delivered(position);
+            prefix.delivered(message.position);
         }
         Ok(message)
+    }
+
+    /// Pauses the assigned partitions and goes on polling: a member that stops polling
+    /// for `max.poll.interval.ms` is taken out of its group and its messages in progress
+    /// go to another member, while a paused one fetches nothing it cannot take yet.
+    /// Pausing again after each arrival covers partitions assigned meanwhile.
+    async fn hold(&mut self) -> Result<(), TransportError> {
+        self.set_paused(true)?;
+        let message = self.receive().await?;
+        self.held.push_back(message);
+        self.forget_revoked();
+        Ok(())
     }
 
     async fn commit(&mut self, through: &[Position]) -> Result<(), TransportError> {

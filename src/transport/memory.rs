@@ -106,6 +106,20 @@ impl MemoryBroker {
             .unwrap_or_else(|| vec![0; log.partitions.len()])
     }
 
+    /// Adds partitions to a topic, as an operator may to a Kafka topic while it is read.
+    pub fn add_partitions(&self, topic: &str, added: usize) {
+        let topic = self.topic(topic);
+        {
+            let mut log = lock(&topic.log);
+            let count = log.partitions.len() + added;
+            log.partitions.resize_with(count, Vec::new);
+            for committed in log.committed.values_mut() {
+                committed.resize(count, 0);
+            }
+        }
+        topic.appended.notify_waiters();
+    }
+
     fn append(&self, message: Outbound) -> Result<Position, TransportError> {
         validate_topic(&message.topic)?;
         if let Some(limit) = self.inner.max_message_bytes {
@@ -223,6 +237,7 @@ impl Broker for MemoryBroker {
         Ok(Box::new(MemorySource {
             topic,
             group: subscription.group.clone(),
+            grows: !matches!(subscription.assignment, Assignment::Partitions(_)),
             partitions,
             next,
             buffer: VecDeque::new(),
@@ -250,6 +265,9 @@ impl Sink for MemoryBroker {
 struct MemorySource {
     topic: Arc<Topic>,
     group: String,
+    /// Whether partitions added to the topic are read too (every assignment but an
+    /// explicit list of partitions).
+    grows: bool,
     partitions: Vec<i32>,
     /// Next offset to fetch, per partition (not the committed position).
     next: Vec<i64>,
@@ -264,6 +282,13 @@ impl MemorySource {
     /// busy partition cannot starve the others.
     fn fetch(&mut self) -> bool {
         let log = lock(&self.topic.log);
+        if self.grows && log.partitions.len() > self.next.len() {
+            // Added partitions hold only what was written after this source started.
+            for p in self.next.len()..log.partitions.len() {
+                self.partitions.push(p as i32);
+                self.next.push(0);
+            }
+        }
         for _ in 0..self.partitions.len() {
             self.turn = (self.turn + 1) % self.partitions.len();
             let p = self.partitions[self.turn] as usize;

@@ -208,6 +208,15 @@ pub trait Source: Send {
     async fn keep_alive(&mut self, _positions: &[Position]) -> Result<(), TransportError> {
         Ok(())
     }
+
+    /// Waits while the consumer has as many messages in flight as it may take, instead
+    /// of reading. A source whose client must go on polling to stay in its group (Kafka's
+    /// `max.poll.interval.ms`) stops fetching here and polls, keeping whatever still
+    /// arrives for the next read. Returns to be called again; an error is reported as a
+    /// failed read.
+    async fn hold(&mut self) -> Result<(), TransportError> {
+        std::future::pending().await
+    }
 }
 
 /// The acknowledgement of a message already handed to the broker client.

@@ -498,22 +498,25 @@ impl Broker for NatsBroker {
             .get_or_create_consumer(&durable, config)
             .await
             .map_err(|e| self.unreachable(format!("consumer {durable}: {e}")))?;
-        let messages = match prefetch {
-            None => consumer.messages().await,
-            Some(batch) => {
+        let reading = match prefetch {
+            None => Reading::Continuous(Box::new(
                 consumer
-                    .stream()
-                    .max_messages_per_batch(batch)
                     .messages()
                     .await
-            }
-        }
-        .map_err(|e| self.unreachable(format!("consumer {durable}: {e}")))?;
+                    .map_err(|e| self.unreachable(format!("consumer {durable}: {e}")))?,
+            )),
+            Some(prefetch) => Reading::Sized {
+                consumer: Box::new(consumer),
+                prefetch,
+                request: None,
+                batch: None,
+            },
+        };
         Ok(Box::new(JetStreamSource {
             topic,
-            messages,
+            reading,
             unacked: BTreeMap::new(),
-            each: prefetch.is_some(),
+            ack_wait: self.inner.ack_wait,
         }))
     }
 
@@ -592,40 +595,136 @@ impl Sink for NatsBroker {
     }
 }
 
+/// How long a work-queue member's pull request waits on the server for messages.
+const PULL_EXPIRES: Duration = Duration::from_secs(5);
+
 struct JetStreamSource {
     topic: Arc<str>,
-    messages: consumer::pull::Stream,
+    reading: Reading,
     /// Delivered, not yet acknowledged: stream sequence → acker.
-    unacked: BTreeMap<u64, jetstream::message::Acker>,
-    /// Explicit acks: a commit acknowledges exactly the positions it names.
-    each: bool,
+    unacked: BTreeMap<u64, Delivered>,
+    /// After this long unacknowledged and not reported alive, the server delivers a
+    /// message again.
+    ack_wait: Duration,
+}
+
+struct Delivered {
+    acker: jetstream::message::Acker,
+    /// Until when the server leaves the message to this consumer.
+    alive_until: tokio::time::Instant,
+}
+
+type BatchRequest =
+    futures::future::BoxFuture<'static, Result<consumer::pull::Batch, consumer::pull::BatchError>>;
+
+/// How a source gets its messages from the server.
+enum Reading {
+    /// A sole reader with ack-all: the client pulls ahead on its own.
+    Continuous(Box<consumer::pull::Stream>),
+    /// A work-queue member with explicit acks: it pulls only as many messages as it has
+    /// room for below `prefetch`, so the server never hands it a message that would sit
+    /// unread in the client while others of the group could take it, and that, not
+    /// reported alive, would be delivered to another member meanwhile.
+    Sized {
+        consumer: Box<consumer::PullConsumer>,
+        prefetch: usize,
+        /// A pull request on its way; kept here so a read cancelled while it is sent
+        /// does not lose the messages it asked for.
+        request: Option<BatchRequest>,
+        batch: Option<Box<consumer::pull::Batch>>,
+    },
+}
+
+fn consume_error(topic: &str, reason: String) -> TransportError {
+    TransportError::Consume {
+        topic: topic.to_string(),
+        reason,
+        retryable: true,
+    }
+}
+
+impl JetStreamSource {
+    /// The next message from the server, pulling more when there is room for them.
+    async fn receive(&mut self) -> Result<Option<jetstream::Message>, TransportError> {
+        let now = tokio::time::Instant::now();
+        let unacked = &mut self.unacked;
+        match &mut self.reading {
+            Reading::Continuous(messages) => match messages.next().await {
+                Some(Ok(m)) => Ok(Some(m)),
+                Some(Err(e)) => Err(consume_error(&self.topic, e.to_string())),
+                None => Ok(None),
+            },
+            Reading::Sized {
+                consumer,
+                prefetch,
+                request,
+                batch,
+            } => loop {
+                if let Some(open) = batch {
+                    match open.next().await {
+                        Some(Ok(m)) => return Ok(Some(m)),
+                        Some(Err(e)) => {
+                            *batch = None;
+                            return Err(consume_error(&self.topic, e.to_string()));
+                        }
+                        // Delivered all it asked for, or expired.
+                        None => *batch = None,
+                    }
+                }
+                if request.is_none() {
+                    // What the server has redelivered by now is no longer ours to count.
+                    unacked.retain(|_, d| d.alive_until > now);
+                    let room = prefetch.saturating_sub(unacked.len());
+                    // Pull once half the room is free, so requests stay large; until
+                    // then the messages at hand keep the consumer busy, and a commit
+                    // (which ends this wait by ending the read) frees more.
+                    if room == 0 || (room < *prefetch / 2 && !unacked.is_empty()) {
+                        std::future::pending::<()>().await;
+                    }
+                    let consumer = consumer.as_ref().clone();
+                    *request = Some(Box::pin(async move {
+                        consumer
+                            .batch()
+                            .max_messages(room)
+                            .expires(PULL_EXPIRES)
+                            .messages()
+                            .await
+                    }));
+                }
+                let sent = match request.as_mut() {
+                    Some(pending) => pending.await,
+                    None => continue,
+                };
+                *request = None;
+                match sent {
+                    Ok(opened) => *batch = Some(Box::new(opened)),
+                    Err(e) => return Err(consume_error(&self.topic, e.to_string())),
+                }
+            },
+        }
+    }
 }
 
 #[async_trait]
 impl Source for JetStreamSource {
     async fn next(&mut self) -> Result<Message, TransportError> {
-        let consume_error = |reason: String| TransportError::Consume {
-            topic: self.topic.to_string(),
-            reason,
-            retryable: true,
-        };
-        let message = match self.messages.next().await {
-            Some(Ok(m)) => m,
-            Some(Err(e)) => return Err(consume_error(e.to_string())),
-            None => {
-                return Err(TransportError::Closed {
-                    topic: self.topic.to_string(),
-                })
-            }
+        let Some(message) = self.receive().await? else {
+            return Err(TransportError::Closed {
+                topic: self.topic.to_string(),
+            });
         };
         let (sequence, timestamp_ms) = {
-            let info = message.info().map_err(|e| consume_error(e.to_string()))?;
+            let info = message
+                .info()
+                .map_err(|e| consume_error(&self.topic, e.to_string()))?;
             let ts = info.published.unix_timestamp_nanos() / 1_000_000;
             (info.stream_sequence, ts as i64)
         };
         let headers = headers_of(&message.message);
         let (message, acker) = message.split();
-        self.unacked.insert(sequence, acker);
+        let alive_until = tokio::time::Instant::now() + self.ack_wait;
+        self.unacked
+            .insert(sequence, Delivered { acker, alive_until });
         Ok(Message {
             topic: self.topic.clone(),
             position: Position {
@@ -640,13 +739,17 @@ impl Source for JetStreamSource {
     }
 
     async fn commit(&mut self, through: &[Position]) -> Result<(), TransportError> {
-        if self.each {
+        if matches!(self.reading, Reading::Sized { .. }) {
             for position in through {
-                if let Some(acker) = self.unacked.remove(&(position.offset.max(0) as u64)) {
-                    acker.ack().await.map_err(|e| TransportError::Commit {
-                        topic: self.topic.to_string(),
-                        reason: e.to_string(),
-                    })?;
+                if let Some(delivered) = self.unacked.remove(&(position.offset.max(0) as u64)) {
+                    delivered
+                        .acker
+                        .ack()
+                        .await
+                        .map_err(|e| TransportError::Commit {
+                            topic: self.topic.to_string(),
+                            reason: e.to_string(),
+                        })?;
                 }
             }
             return Ok(());
@@ -662,25 +765,32 @@ impl Source for JetStreamSource {
         };
         let rest = self.unacked.split_off(&(newest + 1));
         let covered = std::mem::replace(&mut self.unacked, rest);
-        if let Some((_, acker)) = covered.into_iter().next_back() {
-            acker.ack().await.map_err(|e| TransportError::Commit {
-                topic: self.topic.to_string(),
-                reason: e.to_string(),
-            })?;
+        if let Some((_, delivered)) = covered.into_iter().next_back() {
+            delivered
+                .acker
+                .ack()
+                .await
+                .map_err(|e| TransportError::Commit {
+                    topic: self.topic.to_string(),
+                    reason: e.to_string(),
+                })?;
         }
         Ok(())
     }
 
     async fn keep_alive(&mut self, positions: &[Position]) -> Result<(), TransportError> {
+        let alive_until = tokio::time::Instant::now() + self.ack_wait;
         for position in positions {
-            if let Some(acker) = self.unacked.get(&(position.offset.max(0) as u64)) {
-                acker
+            if let Some(delivered) = self.unacked.get_mut(&(position.offset.max(0) as u64)) {
+                delivered
+                    .acker
                     .ack_with(jetstream::AckKind::Progress)
                     .await
                     .map_err(|e| TransportError::Commit {
                         topic: self.topic.to_string(),
                         reason: e.to_string(),
                     })?;
+                delivered.alive_until = alive_until;
             }
         }
         Ok(())
