@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 use weir::graph::NodeContext;
 use weir::store::memory::MemoryStore;
+use weir::transport::kafka::{KafkaBroker, KafkaSettings};
 use weir::transport::nats::{NatsBroker, NatsSettings};
 use weir::transport::{publish_persistently, Assignment, Broker, Message, Outbound, Subscription};
 use weir::{
@@ -233,6 +234,82 @@ async fn nats_server_restarted_mid_stream_loses_no_input() {
     all_ids_read(&broker, &format!("{prefix}.out"), EVENTS).await;
     cancel.cancel();
     supervisor.shutdown().await;
+}
+
+/// Publishes `{"id": n}` for each id in bursts handed to the client together, so a broker
+/// storing each batch apart stores few; a burst that fails is sent again whole.
+async fn publish_id_bursts(broker: &Arc<dyn Broker>, topic: &str, ids: std::ops::Range<u64>) {
+    let sink = broker.sink();
+    let ids: Vec<u64> = ids.collect();
+    for burst in ids.chunks(50) {
+        loop {
+            let mut pending = Vec::new();
+            for id in burst {
+                let event = json!({"id": id});
+                match sink.enqueue(Outbound::new(topic, event.to_string())).await {
+                    Ok(ack) => pending.push(ack),
+                    Err(_) => break,
+                }
+            }
+            let sent = pending.len() == burst.len();
+            let acked = futures::future::join_all(pending).await;
+            if sent && acked.iter().all(Result::is_ok) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// Tansu keeps its data in S3 (a local moto server) here, so it can be restarted with
+/// what it stored, as a Kafka broker with its log on disk is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_broker_restarted_mid_stream_loses_no_input() {
+    const EVENTS: u64 = 400;
+    let s3 = Server::s3();
+    let mut server = Server::tansu_on_s3(&s3);
+    let broker: Arc<dyn Broker> = Arc::new(
+        KafkaBroker::connect(KafkaSettings {
+            brokers: format!("127.0.0.1:{}", server.port),
+            options: services::fast_group_options(),
+            retention: Some(services::TEST_RETENTION),
+            ..KafkaSettings::default()
+        })
+        .expect("kafka client"),
+    );
+    let prefix = services::unique("faults");
+    let input = format!("{prefix}.in");
+    let cancel = CancellationToken::new();
+    let supervisor = supervisor(broker.clone(), &cancel);
+    supervisor.spawn(padding_graph(&prefix)).unwrap();
+    publish_id_bursts(&broker, &input, 0..EVENTS / 2).await;
+    read_until(
+        &broker,
+        &format!("{prefix}.out"),
+        Duration::from_secs(60),
+        |seen| seen.len() >= 50,
+    )
+    .await;
+    let publisher = {
+        let broker = broker.clone();
+        let input = input.clone();
+        tokio::spawn(async move { publish_id_bursts(&broker, &input, EVENTS / 2..EVENTS).await })
+    };
+    let _server = tokio::task::spawn_blocking(move || {
+        server.restart();
+        server
+    })
+    .await
+    .unwrap();
+    publisher.await.unwrap();
+    all_ids_read(&broker, &format!("{prefix}.out"), EVENTS).await;
+    cancel.cancel();
+    supervisor.shutdown().await;
+    // Kafka consumers close on blocking threads, which the runtime waits for at its end:
+    // let them close while their broker still answers.
+    drop(supervisor);
+    drop(broker);
+    tokio::time::sleep(Duration::from_secs(2)).await;
 }
 
 /// `GET path` on a local HTTP server; the status code.

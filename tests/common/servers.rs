@@ -23,6 +23,7 @@ pub struct Server {
     name: &'static str,
     program: String,
     args: Vec<String>,
+    env: Vec<(String, String)>,
     pub port: u16,
     /// Its data, kept across restarts; removed with the server.
     pub dir: tempfile::TempDir,
@@ -85,6 +86,34 @@ impl Server {
     /// A Tansu broker (the one `scripts/services` installs) on a spare port, in memory,
     /// advertising `advertised` (default: its own port) and given `flags`.
     pub fn tansu(advertised: Option<u16>, flags: &[&str]) -> Self {
+        Self::tansu_on("memory://tansu/", Vec::new(), advertised, flags)
+    }
+
+    /// A Tansu broker keeping its topics and group offsets in the bucket `tansu` of an S3
+    /// server (see [`Server::s3`]), so a restart keeps them.
+    pub fn tansu_on_s3(s3: &Server) -> Self {
+        let env = [
+            ("AWS_ACCESS_KEY_ID", "weir"),
+            ("AWS_SECRET_ACCESS_KEY", "weir-test"),
+            ("AWS_DEFAULT_REGION", "eu-west-2"),
+            ("AWS_ALLOW_HTTP", "true"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .chain([(
+            "AWS_ENDPOINT".to_string(),
+            format!("http://127.0.0.1:{}", s3.port),
+        )])
+        .collect();
+        Self::tansu_on("memory://tansu/", env, None, &[])
+    }
+
+    fn tansu_on(
+        storage: &str,
+        env: Vec<(String, String)>,
+        advertised: Option<u16>,
+        flags: &[&str],
+    ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let port = spare_port();
         let program = Command::new("python3")
@@ -106,10 +135,42 @@ impl Server {
             "--advertised-listener-url".into(),
             format!("tcp://127.0.0.1:{}", advertised.unwrap_or(port)),
             "--storage-engine".into(),
-            "memory://tansu/".into(),
+            storage.into(),
         ];
         args.extend(flags.iter().map(|f| f.to_string()));
-        Self::start_new("tansu", program, args, port, dir)
+        let mut server = Self::new("tansu", program, args, port, dir);
+        server.env = env;
+        server.start();
+        server
+    }
+
+    /// A local S3 server (moto, which `scripts/services` installs) with an empty bucket
+    /// `tansu`. It keeps its objects in its own memory: restart the servers that use it,
+    /// not it.
+    pub fn s3() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = spare_port();
+        let args = ["-m", "moto.server", "-H", "127.0.0.1", "-p"]
+            .into_iter()
+            .map(String::from)
+            .chain([port.to_string()])
+            .collect();
+        let server = Self::start_new("moto", "python3".into(), args, port, dir);
+        // S3's CreateBucket: a PUT of the bucket's path (moto takes unsigned requests).
+        use std::io::{Read, Write};
+        let mut http = std::net::TcpStream::connect(("127.0.0.1", port)).expect("S3 server");
+        write!(
+            http,
+            "PUT /tansu HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+        .expect("request sent");
+        let mut answer = String::new();
+        let _ = http.read_to_string(&mut answer);
+        assert!(
+            answer.starts_with("HTTP/1.1 200"),
+            "bucket created on the S3 server: {answer}"
+        );
+        server
     }
 
     fn start_new(
@@ -119,16 +180,27 @@ impl Server {
         port: u16,
         dir: tempfile::TempDir,
     ) -> Self {
-        let mut server = Self {
+        let mut server = Self::new(name, program, args, port, dir);
+        server.start();
+        server
+    }
+
+    fn new(
+        name: &'static str,
+        program: String,
+        args: Vec<String>,
+        port: u16,
+        dir: tempfile::TempDir,
+    ) -> Self {
+        Self {
             name,
             program,
             args,
+            env: Vec::new(),
             port,
             dir,
             child: None,
-        };
-        server.start();
-        server
+        }
     }
 
     pub fn nats_url(&self) -> String {
@@ -153,6 +225,7 @@ impl Server {
             .expect("server log");
         let child = Command::new(&self.program)
             .args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(log.try_clone().expect("server log"))
             .stderr(log)
             .stdin(Stdio::null())
