@@ -36,6 +36,8 @@
 //!   a store never meet.
 //! - [`secret`]: passwords and tokens that never print, and server URLs shown without
 //!   their credentials.
+//! - [`testing`]: graphs and workflows under test on the memory backends: events piped
+//!   in, outputs read back, paused time, in-process workers.
 //! - [`cli`], [`shutdown`], [`metrics`], [`error`]: the binary's plumbing.
 
 pub mod accumulator;
@@ -57,6 +59,7 @@ pub mod shutdown;
 pub mod store;
 pub mod supervisor;
 pub mod tenant;
+pub mod testing;
 pub mod transport;
 pub mod wire;
 pub mod worker;

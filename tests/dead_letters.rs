@@ -58,7 +58,7 @@ async fn a_failing_fire_is_retried_with_backoff() {
     let (decl, runs) = failing_graph("retry", Some(2));
     let g = h.spawn(decl);
     g.wait_for_state(ReactorState::Live).await;
-    h.publish("retry.in", json!("bad").to_string().as_bytes())
+    h.pipe_bytes("retry.in", json!("bad").to_string().as_bytes())
         .await;
     eventually("fired on the third run", || async {
         h.outputs("retry.out") == vec![json!("bad")]
@@ -75,7 +75,8 @@ async fn a_fire_that_keeps_failing_is_dead_lettered_then_committed() {
     let g = h.spawn(decl);
     g.wait_for_state(ReactorState::Live).await;
     for v in ["good", "bad", "later"] {
-        h.publish("fails.in", json!(v).to_string().as_bytes()).await;
+        h.pipe_bytes("fails.in", json!(v).to_string().as_bytes())
+            .await;
     }
     eventually("later events still fire", || async {
         h.outputs("fails.out") == vec![json!("good"), json!("later")]
@@ -145,7 +146,8 @@ async fn an_output_too_large_to_publish_is_dead_lettered_and_the_graph_goes_on()
     let g = h.spawn(decl);
     g.wait_for_state(ReactorState::Live).await;
     for n in [10, 5000, 20] {
-        h.publish("large.in", json!(n).to_string().as_bytes()).await;
+        h.pipe_bytes("large.in", json!(n).to_string().as_bytes())
+            .await;
     }
     eventually("the small ones fire", || async {
         h.outputs("large.out").len() == 2

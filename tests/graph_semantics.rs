@@ -173,7 +173,7 @@ async fn sequential_backpressure_never_drops() {
     g.wait_for_state(ReactorState::Live).await;
     g.reactor().pause().await.unwrap();
     for i in 0..10 {
-        h.publish("bp.in", json!(i).to_string().as_bytes()).await;
+        h.pipe_bytes("bp.in", json!(i).to_string().as_bytes()).await;
     }
     eventually("queue full", || async {
         g.reactor().get_state().await.unwrap().sources["a"].queued == 2
@@ -511,7 +511,7 @@ async fn accumulator_restart_keeps_the_reactor_and_drops_replayed_duplicates() {
     g.wait_for_state(ReactorState::Live).await;
     g.reactor().pause().await.unwrap();
     for v in [json!(1), json!(2), json!("poison"), json!(3)] {
-        h.publish("restart.in", v.to_string().as_bytes()).await;
+        h.pipe_bytes("restart.in", v.to_string().as_bytes()).await;
     }
     eventually("restart recorded", || async {
         !h.store_recoveries().await.is_empty()
@@ -557,7 +557,7 @@ async fn offsets_are_committed_only_after_outputs_are_durable() {
     g.wait_for_state(ReactorState::Live).await;
     g.reactor().pause().await.unwrap();
     for i in 0..3 {
-        h.publish("durable.in", json!(i).to_string().as_bytes())
+        h.pipe_bytes("durable.in", json!(i).to_string().as_bytes())
             .await;
     }
     eventually("cached", || async { g.stats().boundaries == 3 }).await;
@@ -938,7 +938,8 @@ async fn stateful_accumulator_resumes_from_its_checkpoint() {
     ));
     g.wait_for_state(ReactorState::Live).await;
     for i in [1, 2, 3] {
-        h.publish("sum.in", json!(i).to_string().as_bytes()).await;
+        h.pipe_bytes("sum.in", json!(i).to_string().as_bytes())
+            .await;
     }
     eventually("fires", || async { h.outputs("sum.out").len() == 3 }).await;
     use weir::store::Store;
@@ -965,9 +966,9 @@ async fn undecodable_events_go_to_the_dead_letter_topic() {
         config(Criteria::WhenAny, Strategy::Sequential),
     ));
     g.wait_for_state(ReactorState::Live).await;
-    h.publish("dlq.in", b"1").await;
-    h.publish("dlq.in", b"{not json").await;
-    h.publish("dlq.in", b"2").await;
+    h.pipe_bytes("dlq.in", b"1").await;
+    h.pipe_bytes("dlq.in", b"{not json").await;
+    h.pipe_bytes("dlq.in", b"2").await;
     eventually("good events flow", || async {
         h.outputs("dlq.out").len() == 2
     })
@@ -1002,8 +1003,8 @@ async fn tenants_get_their_own_topics_and_keys() {
     let g = h.spawn(decl);
     assert_eq!(g.name(), "acme/prices");
     g.wait_for_state(ReactorState::Live).await;
-    h.publish("prices.in", b"1").await;
-    h.publish("acme.prices.in", b"2").await;
+    h.pipe_bytes("prices.in", b"1").await;
+    h.pipe_bytes("acme.prices.in", b"2").await;
     eventually("tenant output", || async {
         h.outputs("acme.prices.out").len() == 1
     })
@@ -1069,7 +1070,7 @@ async fn a_leased_graph_runs_once_and_fences_its_outputs() {
     let second = other.spawn(make()).unwrap();
     settle().await;
     assert_eq!(second.status(), GraphStatus::Standby);
-    h.publish("leased.in", b"1").await;
+    h.pipe_bytes("leased.in", b"1").await;
     eventually("output", || async { h.outputs("leased.out").len() == 1 }).await;
     let message = &h.broker.messages("leased.out")[0];
     assert_eq!(message.header("weir-fencing"), Some("1"));
@@ -1077,7 +1078,7 @@ async fn a_leased_graph_runs_once_and_fences_its_outputs() {
     assert!(h.supervisor.shutdown().await);
     second.wait_for_status(|s| *s == GraphStatus::Running).await;
     second.wait_for_state(ReactorState::Live).await;
-    h.publish("leased.in", b"2").await;
+    h.pipe_bytes("leased.in", b"2").await;
     eventually("output from the second node", || async {
         h.outputs("leased.out").len() == 2
     })

@@ -130,7 +130,7 @@ async fn stored_state(h: &Harness, graph: &str) -> Option<Value> {
 
 async fn publish_all(h: &Harness, topic: &str, values: &[Value]) {
     for v in values {
-        h.publish(topic, v.to_string().as_bytes()).await;
+        h.pipe_bytes(topic, v.to_string().as_bytes()).await;
     }
 }
 

@@ -28,13 +28,12 @@ fuzz_target!(|data: &[u8]| {
     let Some((&which, body)) = data.split_first() else {
         return;
     };
-    match which % 7 {
+    match which % 6 {
         0 => read::<BoundaryRecord>(body),
         1 => read::<CronTick>(body),
         2 => read::<TaskReadyEvent>(body),
         3 => read::<ExecutionResult>(body),
-        4 => read::<ReactorCommandRecord>(body),
-        5 => read::<JobMessage>(body),
+        4 => read::<JobMessage>(body),
         _ => read::<RecoveryEventRecord>(body),
     }
 });

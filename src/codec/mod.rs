@@ -12,8 +12,8 @@ pub mod records;
 
 pub use avro::{AvroCodec, AvroRecord};
 pub use records::{
-    BoundaryRecord, CronTick, ExecutionResult, JobMessage, PreparedTick, ReactorCommandRecord,
-    RecoveryEventRecord, TaskReadyEvent,
+    BoundaryRecord, CronTick, ExecutionResult, JobMessage, PreparedTick, RecoveryEventRecord,
+    TaskReadyEvent,
 };
 
 /// Why a message could not be encoded or decoded. Decoding errors are about the message,

@@ -121,19 +121,6 @@ pub struct ExecutionResult {
 avro_record!(ExecutionResult, "ExecutionResult", "execution_result.avsc");
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ReactorCommandRecord {
-    pub graph: String,
-    pub command: String,
-    pub cache: Option<String>,
-    pub request_id: Option<String>,
-}
-avro_record!(
-    ReactorCommandRecord,
-    "ReactorCommand",
-    "reactor_command.avsc"
-);
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobMessage {
     pub job_id: String,
     pub kind: String,
@@ -155,14 +142,13 @@ pub struct RecoveryEventRecord {
 avro_record!(RecoveryEventRecord, "RecoveryEvent", "recovery_event.avsc");
 
 /// The codecs of every record above, for tools that meet them on a topic.
-pub fn codecs() -> [&'static super::AvroCodec; 7] {
+pub fn codecs() -> [&'static super::AvroCodec; 6] {
     use super::avro::AvroRecord;
     [
         BoundaryRecord::codec(),
         CronTick::codec(),
         TaskReadyEvent::codec(),
         ExecutionResult::codec(),
-        ReactorCommandRecord::codec(),
         JobMessage::codec(),
         RecoveryEventRecord::codec(),
     ]
@@ -252,12 +238,6 @@ mod tests {
             worker_id: "w1".into(),
             finished_at_ms: 9,
             output: Some(r#"{"rows":3}"#.into()),
-        });
-        round_trip(ReactorCommandRecord {
-            graph: "prices".into(),
-            command: "fire_with".into(),
-            cache: Some(r#"{"a":1}"#.into()),
-            request_id: None,
         });
         round_trip(JobMessage {
             job_id: "j1".into(),
