@@ -1,6 +1,8 @@
 //! `weir run` configuration: a TOML file, every key overridable by an environment
 //! variable `WEIR__SECTION__KEY` (array entries by index: `WEIR__GRAPH__0__OUTPUT`).
-//! Unknown keys and bad values are errors naming the key. Defaults live in [`defaults`].
+//! Unknown keys and bad values are errors naming the key. A key defaults to what its
+//! domain type's `Default` (or constructor) says; [`defaults`] holds only those no domain
+//! type has.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -18,51 +20,29 @@ use crate::store::Store;
 use crate::supervisor::{default_node_id, Runtime, SupervisionPolicy};
 use crate::transport::{Broker, StartFrom};
 
-/// Every default of the configuration, in one place.
+/// The defaults of keys that no domain type holds: the `weir run` node's own choices.
+/// Every other key defaults to its domain type's `Default` (or constructor), read where
+/// the key is declared, so each default is written once.
 pub mod defaults {
-    pub const KAFKA_BROKERS: &str = "127.0.0.1:9092";
-    pub const NATS_URL: &str = "nats://127.0.0.1:4222";
     pub const REDIS_URL: &str = "redis://127.0.0.1:6379";
     pub const KEY_PREFIX: &str = "weir";
-    /// Where `weir graph` finds the admin API unless told otherwise; the documented
-    /// `[admin] listen` address. Neither listener runs unless configured.
-    pub const ADMIN_URL: &str = "http://127.0.0.1:9899";
-    /// Recovery events returned by `GET /recovery-events` without `limit`.
-    pub const RECOVERY_EVENTS_LIMIT: usize = 100;
-    pub const PARTITIONS: i32 = 1;
-    pub const REPLICATION: i32 = 1;
     pub const FUNCTION: &str = "snapshot";
-    pub const QUEUE_CAPACITY: usize = 1024;
-    pub const MAX_IN_FLIGHT: usize = 64;
-    pub const SNAPSHOT_INTERVAL_MS: u64 = 200;
-    pub const NODE_RETRIES: u32 = 3;
-    pub const NODE_RETRY_BACKOFF_MS: u64 = 100;
     pub const BATCH_SIZE: usize = 100;
     pub const BATCH_INTERVAL_MS: u64 = 1000;
-    pub const BACKOFF_BASE_MS: u64 = 1000;
-    pub const BACKOFF_MAX_MS: u64 = 60_000;
-    pub const MAX_FAILURES: u32 = 5;
-    pub const HEALTHY_RESET_MS: u64 = 60_000;
-    pub const SHUTDOWN_TIMEOUT_MS: u64 = 5000;
+    /// A node of `weir run` runs each graph under a lease, so that nodes sharing a
+    /// config never run one graph twice.
     pub const GRAPH_LEASE_TTL_MS: u64 = 10_000;
-    pub const FAILED_RETRY_MS: u64 = 300_000;
-    pub const CRON_SHARDS: u32 = 1;
-    pub const CRON_LEASE_TTL_MS: u64 = 3000;
-    pub const CRON_ORPHAN_AFTER_MS: u64 = 30_000;
-    pub const CRON_MAX_ATTEMPTS: u32 = 3;
     pub const CATCHUP_CAP: u32 = 100;
-    pub const TICK_TOPIC: &str = crate::wire::TICK_TOPIC;
     pub const TIMEZONE: &str = "UTC";
-    pub const EXECUTOR: &str = "default";
-    pub const TASK_MAX_ATTEMPTS: u32 = 3;
-    pub const TASK_TIMEOUT_MS: u64 = 30_000;
-    pub const TASK_BACKOFF_MS: u64 = 1000;
-    pub const NATS_ACK_WAIT_MS: u64 = 30_000;
     /// Seven days, Kafka's usual topic retention: weir's task and result streams would
     /// otherwise grow without end on JetStream.
     pub const RETENTION_MS: u64 = 7 * 24 * 60 * 60 * 1000;
-    pub const RESULTS_TOPIC: &str = crate::wire::RESULTS_TOPIC;
     pub const WORKER_CONCURRENCY: usize = 16;
+}
+
+/// Milliseconds of a default duration, for keys written in milliseconds.
+fn ms(duration: Duration) -> u64 {
+    duration.as_millis() as u64
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -181,14 +161,17 @@ pub struct WorkflowConfig {
     pub tasks: Vec<TaskConfig>,
 }
 
+fn task_defaults() -> crate::dispatch::TaskSpec {
+    crate::dispatch::TaskSpec::new("", "")
+}
 fn default_max_attempts() -> u32 {
-    defaults::TASK_MAX_ATTEMPTS
+    task_defaults().max_attempts
 }
 fn default_timeout_ms() -> u64 {
-    defaults::TASK_TIMEOUT_MS
+    ms(task_defaults().timeout)
 }
 fn default_backoff_ms() -> u64 {
-    defaults::TASK_BACKOFF_MS
+    ms(task_defaults().backoff)
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -253,8 +236,8 @@ pub struct DispatchConfig {
 impl Default for DispatchConfig {
     fn default() -> Self {
         Self {
-            default_executor: defaults::EXECUTOR.into(),
-            results_topic: defaults::RESULTS_TOPIC.into(),
+            default_executor: crate::dispatch::DEFAULT_EXECUTOR.into(),
+            results_topic: crate::dispatch::DispatchSettings::default().results_topic,
         }
     }
 }
@@ -273,12 +256,13 @@ pub struct CronConfig {
 
 impl Default for CronConfig {
     fn default() -> Self {
+        let scheduler = crate::cron::scheduler::SchedulerConfig::new("");
         Self {
             enabled: None,
-            shards: defaults::CRON_SHARDS,
-            lease_ttl_ms: defaults::CRON_LEASE_TTL_MS,
-            orphan_after_ms: defaults::CRON_ORPHAN_AFTER_MS,
-            max_attempts: defaults::CRON_MAX_ATTEMPTS,
+            shards: scheduler.shards,
+            lease_ttl_ms: ms(scheduler.lease_ttl),
+            orphan_after_ms: ms(scheduler.orphan_after),
+            max_attempts: scheduler.max_attempts,
         }
     }
 }
@@ -366,7 +350,7 @@ impl ScheduleConfig {
             }
             (None, Some(w)) => Target::Workflow(w.clone()),
             (Some(t), None) => Target::Topic(t.clone()),
-            (None, None) => Target::Topic(defaults::TICK_TOPIC.into()),
+            (None, None) => Target::Topic(crate::wire::TICK_TOPIC.into()),
         };
         let payload = match &self.payload {
             None => serde_json::Value::Object(Default::default()),
@@ -470,15 +454,17 @@ pub struct BrokerConfig {
 
 impl Default for BrokerConfig {
     fn default() -> Self {
+        let kafka = crate::transport::kafka::KafkaSettings::default();
+        let nats = crate::transport::nats::NatsSettings::default();
         Self {
             kind: BrokerKind::Memory,
-            brokers: defaults::KAFKA_BROKERS.into(),
-            url: defaults::NATS_URL.into(),
-            jetstream: true,
-            partitions: defaults::PARTITIONS,
-            replication: defaults::REPLICATION,
+            brokers: kafka.brokers,
+            url: nats.url,
+            jetstream: nats.jetstream,
+            partitions: kafka.partitions,
+            replication: kafka.replication,
             options: BTreeMap::new(),
-            ack_wait_ms: defaults::NATS_ACK_WAIT_MS,
+            ack_wait_ms: ms(nats.ack_wait),
             retention_ms: defaults::RETENTION_MS,
             user: None,
             password: None,
@@ -603,14 +589,15 @@ pub struct SupervisionConfig {
 
 impl Default for SupervisionConfig {
     fn default() -> Self {
+        let policy = SupervisionPolicy::default();
         Self {
-            backoff_base_ms: defaults::BACKOFF_BASE_MS,
-            backoff_max_ms: defaults::BACKOFF_MAX_MS,
-            max_failures: defaults::MAX_FAILURES,
-            healthy_reset_ms: defaults::HEALTHY_RESET_MS,
-            shutdown_timeout_ms: defaults::SHUTDOWN_TIMEOUT_MS,
+            backoff_base_ms: ms(policy.backoff_base),
+            backoff_max_ms: ms(policy.backoff_max),
+            max_failures: policy.max_failures,
+            healthy_reset_ms: ms(policy.healthy_reset),
+            shutdown_timeout_ms: ms(policy.shutdown_timeout),
             graph_lease_ttl_ms: defaults::GRAPH_LEASE_TTL_MS,
-            failed_retry_ms: defaults::FAILED_RETRY_MS,
+            failed_retry_ms: ms(policy.failed_retry),
         }
     }
 }
@@ -619,16 +606,16 @@ fn default_function() -> String {
     defaults::FUNCTION.into()
 }
 fn default_queue_capacity() -> usize {
-    defaults::QUEUE_CAPACITY
+    ReactorConfig::default().queue_capacity
 }
 fn default_max_in_flight() -> usize {
-    defaults::MAX_IN_FLIGHT
+    ReactorConfig::default().max_in_flight
 }
 fn default_snapshot_interval_ms() -> u64 {
-    defaults::SNAPSHOT_INTERVAL_MS
+    ms(ReactorConfig::default().snapshot_interval)
 }
 fn default_node_retries() -> u32 {
-    defaults::NODE_RETRIES
+    ReactorConfig::default().node_retries
 }
 fn default_batch_size() -> usize {
     defaults::BATCH_SIZE
@@ -1234,7 +1221,7 @@ impl GraphConfig {
             max_in_flight: self.max_in_flight,
             snapshot_interval: Duration::from_millis(self.snapshot_interval_ms),
             node_retries: self.node_retries,
-            node_retry_backoff: Duration::from_millis(defaults::NODE_RETRY_BACKOFF_MS),
+            ..ReactorConfig::default()
         });
         if let Some(t) = &self.tenant {
             builder = builder.tenant(t);
@@ -1404,7 +1391,7 @@ format = "json"
         assert_eq!(g.strategy, Strategy::Sequential);
         assert_eq!(g.criteria, Criteria::WhenAny);
         assert_eq!(g.accumulators[0].topic.as_deref(), Some("prices.a"));
-        assert_eq!(g.queue_capacity, defaults::QUEUE_CAPACITY);
+        assert_eq!(g.queue_capacity, ReactorConfig::default().queue_capacity);
         let decls = c.graphs(&FunctionRegistry::default()).unwrap();
         assert_eq!(decls[0].name, "prices");
     }
@@ -1488,7 +1475,7 @@ format = "json"
             crate::transport::memory::MemoryBroker::default(),
         ));
         let err = config
-            .check_handlers(defaults::EXECUTOR, &registry)
+            .check_handlers(crate::dispatch::DEFAULT_EXECUTOR, &registry)
             .unwrap_err()
             .to_string();
         assert!(err.contains("workflow[0].task[0].handler"), "{err}");

@@ -229,7 +229,7 @@ impl WorkflowDriver {
         let broker = MemoryBroker::default();
         let store = Arc::new(MemoryStore::new());
         let cancel = CancellationToken::new();
-        let executor = crate::config::defaults::EXECUTOR;
+        let executor = crate::dispatch::DEFAULT_EXECUTOR;
         let router = match Router::new(Vec::new(), executor) {
             Ok(router) => router,
             Err(e) => panic!("router: {e}"),

@@ -17,6 +17,10 @@ use serde_json::Value;
 
 use super::AdminError;
 
+/// Where `weir graph` finds the admin API unless told otherwise: the documented
+/// `[admin] listen` address. No listener runs unless configured.
+pub const DEFAULT_URL: &str = "http://127.0.0.1:9899";
+
 /// Longest one request may take, connection included.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 

@@ -126,7 +126,7 @@ impl Default for AdminState {
             tenant_tokens: Arc::from(Vec::new()),
             allowed_origins: Arc::from(Vec::new()),
             any_host: false,
-            cron_shards: crate::config::defaults::CRON_SHARDS,
+            cron_shards: crate::cron::scheduler::SchedulerConfig::new("").shards,
             metrics: None,
             shutdown: CancellationToken::new(),
             tasks: Vec::new(),

@@ -10,8 +10,9 @@ use serde_json::Value;
 
 use super::graphs::to_json;
 use super::{AdminState, ApiError, Scope};
-use crate::config::defaults::RECOVERY_EVENTS_LIMIT;
 
+/// Events one request returns without `limit`.
+const RECOVERY_EVENTS_LIMIT: usize = 100;
 /// Most events one request returns.
 const MAX_LIMIT: usize = 10_000;
 

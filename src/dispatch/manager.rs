@@ -102,7 +102,7 @@ pub struct DispatchSettings {
 impl Default for DispatchSettings {
     fn default() -> Self {
         Self {
-            results_topic: crate::config::defaults::RESULTS_TOPIC.into(),
+            results_topic: crate::wire::RESULTS_TOPIC.into(),
         }
     }
 }

@@ -14,5 +14,5 @@ pub mod workflow;
 
 pub use execution::{CronOrigin, Reported, RunStatus, TaskRecord, TaskStatus, WorkflowExecution};
 pub use manager::{DispatchError, DispatchSettings, Dispatcher};
-pub use router::{executor_topic, Route, RouteError, Router};
+pub use router::{executor_topic, Route, RouteError, Router, DEFAULT_EXECUTOR};
 pub use workflow::{TaskSpec, Workflow, WorkflowError};

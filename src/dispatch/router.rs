@@ -102,6 +102,9 @@ fn validate_executor(key: &str) -> Result<(), String> {
     }
 }
 
+/// The executor of namespaces no route matches, unless configured otherwise.
+pub const DEFAULT_EXECUTOR: &str = "default";
+
 /// Ordered rules plus the default executor.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Router {
