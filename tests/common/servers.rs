@@ -105,7 +105,7 @@ impl Server {
             format!("http://127.0.0.1:{}", s3.port),
         )])
         .collect();
-        Self::tansu_on("memory://tansu/", env, None, &[])
+        Self::tansu_on("s3://tansu/", env, None, &[])
     }
 
     fn tansu_on(
