@@ -15,7 +15,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::accumulator::AccumulatorSpec;
 use crate::admin::{AdminState, Listen};
-use crate::error::Error;
 use crate::graph::{GraphBuilder, GraphDeclaration, NodeContext, NodeError, NodeResult};
 use crate::metrics::StatsSnapshot;
 use crate::reactor::{Criteria, Strategy};
@@ -174,13 +173,28 @@ fn print_signal(out: &mut impl Write, payload: &[u8]) -> std::io::Result<()> {
     )
 }
 
+/// Why the demo could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    #[error(transparent)]
+    Graph(#[from] crate::graph::GraphBuildError),
+    #[error(transparent)]
+    Supervisor(#[from] crate::supervisor::SupervisorError),
+    #[error(transparent)]
+    Admin(#[from] crate::admin::AdminError),
+    #[error(transparent)]
+    Transport(#[from] crate::transport::TransportError),
+    #[error("writing the outputs: {0}")]
+    Io(#[from] std::io::Error),
+}
+
 /// Runs the demo until `options.duration` passes or `cancel` fires, printing each output
 /// and then the summary line. Returns the graph's counters.
 pub async fn run(
     options: DemoOptions,
     cancel: CancellationToken,
     out: &mut (impl Write + Send),
-) -> Result<StatsSnapshot, Error> {
+) -> Result<StatsSnapshot, DemoError> {
     let broker = MemoryBroker::default();
     let runtime = Runtime {
         broker: Arc::new(broker.clone()),
@@ -200,8 +214,7 @@ pub async fn run(
     let graph = supervisor.spawn(market_graph()?)?;
     let mut signals = broker
         .subscribe(&Subscription::new(SIGNALS_TOPIC, "weir.demo.printer"))
-        .await
-        .map_err(|e| Error::Usage(e.to_string()))?;
+        .await?;
 
     let generator_stop = CancellationToken::new();
     let generator = tokio::spawn(generate(

@@ -26,10 +26,10 @@
 //! - [`codec`]: Avro single-object encoding for weir's records (`schemas/`), JSON for
 //!   user events.
 //! - [`demo`]: the market-data example behind `weir demo`.
-//! - [`config`], [`run`]: the TOML file behind `weir run` (with `WEIR__…` overrides) and
-//!   the command itself.
+//! - [`config`]: the TOML file behind `weir run` (with `WEIR__…` overrides), validated,
+//!   and the backends it names, connected.
 //! - [`admin`]: the admin API (health, readiness, graphs, schedules, recovery events,
-//!   WebSocket commands) and `/metrics` over HTTP; `weir graph`, `tail`, `produce`.
+//!   WebSocket commands) and `/metrics` over HTTP, and its client.
 //! - [`wire`]: the names on the wire: headers, derived topics and subjects, consumer
 //!   groups, the dead-letter suffix.
 //! - [`tenant`]: names and topics qualified per tenant, so tenants sharing a broker and
@@ -38,22 +38,22 @@
 //!   their credentials.
 //! - [`testing`]: graphs and workflows under test on the memory backends: events piped
 //!   in, outputs read back, paused time, in-process workers.
-//! - [`cli`], [`shutdown`], [`metrics`], [`error`]: the binary's plumbing.
+//! - [`shutdown`], [`metrics`]: signals and metric names.
+//!
+//! The `weir` command line is an application over this library (`src/app/`, in the
+//! binary): its arguments, commands and exit statuses.
 
 pub mod accumulator;
 pub mod admin;
-pub mod cli;
 pub mod codec;
 pub mod config;
 pub mod cron;
 pub mod demo;
 pub mod dispatch;
-pub mod error;
 pub mod graph;
 pub mod lease;
 pub mod metrics;
 pub mod reactor;
-pub mod run;
 pub mod secret;
 pub mod shutdown;
 pub mod store;

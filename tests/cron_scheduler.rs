@@ -602,7 +602,7 @@ async fn missed_times_after_downtime_follow_the_catch_up_policy() {
         let fired: Vec<String> = ticks(&broker, "hourly.ticks")
             .iter()
             .map(|t| {
-                weir::cron::cli::format_instant(
+                weir::cron::format_instant(
                     chrono::DateTime::from_timestamp_millis(t.scheduled_time_ms).unwrap(),
                 )
             })

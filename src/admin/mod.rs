@@ -1,5 +1,5 @@
-//! The admin API and the metrics endpoint, over HTTP (axum), and the commands that talk
-//! to them (`weir graph`) or to topics directly (`weir tail`, `weir produce`).
+//! The admin API and the metrics endpoint, over HTTP (axum), and the client `weir graph`
+//! talks to it with.
 //!
 //! [`serve`] starts the listeners a [`Listen`] names. The metrics listener serves only
 //! `GET /metrics`; the admin listener serves every route:
@@ -40,7 +40,6 @@
 //! [`router`]; its handlers read the state through the accessors.
 
 mod auth;
-pub mod cli;
 pub mod client;
 pub mod error;
 pub mod graphs;

@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 
 use super::graphs::to_json;
 use super::{AdminState, ApiError, Scope};
-use crate::cron::cli::format_instant;
+use crate::cron::format_instant;
 use crate::cron::scheduler::{set_enabled, shard_of, RegisterError};
 use crate::cron::Schedule;
 use crate::store::Store;

@@ -65,7 +65,7 @@ pub enum Command {
         #[arg(long)]
         executor: String,
         /// Tasks run at once, at most; when full the worker stops fetching.
-        #[arg(long, default_value_t = crate::config::defaults::WORKER_CONCURRENCY, value_parser = parse_concurrency)]
+        #[arg(long, default_value_t = weir::config::defaults::WORKER_CONCURRENCY, value_parser = parse_concurrency)]
         concurrency: usize,
         /// Run one tenant's tasks: consumes <TENANT>.weir.tasks.<KEY> and reports on the
         /// tenant's results topic.
@@ -82,7 +82,7 @@ pub enum Command {
         #[command(subcommand)]
         command: GraphCommand,
         /// Base URL of the admin API.
-        #[arg(long, global = true, env = "WEIR_ADMIN", default_value = crate::admin::client::DEFAULT_URL)]
+        #[arg(long, global = true, env = "WEIR_ADMIN", default_value = weir::admin::client::DEFAULT_URL)]
         admin: String,
         /// Bearer token, if the admin API requires one.
         #[arg(long, global = true, env = "WEIR_ADMIN_TOKEN", hide_env_values = true)]
@@ -249,7 +249,7 @@ pub struct CronAddArgs {
     #[arg(long)]
     pub cron: String,
     /// IANA time zone.
-    #[arg(long, default_value = crate::config::defaults::TIMEZONE)]
+    #[arg(long, default_value = weir::config::defaults::TIMEZONE)]
     pub tz: String,
     /// Topic or subject for the ticks (default weir.cron.ticks).
     #[arg(long, conflicts_with = "workflow")]
@@ -264,7 +264,7 @@ pub struct CronAddArgs {
     #[arg(long, default_value = "skip")]
     pub catchup: String,
     /// Most missed times fired with `--catchup all`.
-    #[arg(long, default_value_t = crate::config::defaults::CATCHUP_CAP)]
+    #[arg(long, default_value_t = weir::config::defaults::CATCHUP_CAP)]
     pub catchup_cap: u32,
     /// allow | skip | buffer_one
     #[arg(long, default_value = "skip")]

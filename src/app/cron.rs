@@ -7,18 +7,14 @@ use std::sync::Arc;
 use chrono::{DateTime, TimeZone, Utc};
 use chrono_tz::Tz;
 
-use super::expr::CronExpr;
-use super::next::preview;
-use super::scheduler::{register, set_enabled, shard_of};
-use crate::cli::{CronAddArgs, CronCommand};
-use crate::config::{CatchUpKind, Config, ScheduleConfig};
-use crate::error::Error;
-use crate::store::Store;
-
-/// Formats an instant the way every weir command prints one: RFC 3339, UTC, `Z`.
-pub fn format_instant(t: DateTime<Utc>) -> String {
-    t.format("%Y-%m-%dT%H:%M:%SZ").to_string()
-}
+use crate::app::cli::{CronAddArgs, CronCommand};
+use crate::app::error::Error;
+use weir::config::{CatchUpKind, Config, ScheduleConfig};
+use weir::cron::expr::CronExpr;
+use weir::cron::format_instant;
+use weir::cron::next::preview;
+use weir::cron::scheduler::{register, set_enabled, shard_of};
+use weir::store::Store;
 
 async fn open(config: &Path) -> Result<(Config, Arc<dyn Store>), Error> {
     let config = Config::load(config)?;
@@ -34,7 +30,7 @@ fn parse_enum<T: serde::de::DeserializeOwned>(flag: &str, value: &str) -> Result
     })
 }
 
-fn store_error(e: crate::store::StoreError) -> Error {
+fn store_error(e: weir::store::StoreError) -> Error {
     Error::Store(e)
 }
 
@@ -92,10 +88,15 @@ pub async fn run(command: CronCommand, out: &mut impl Write) -> Result<(), Error
                 .get_schedule(&id)
                 .await
                 .map_err(store_error)?
-                .ok_or_else(|| Error::Usage(format!("no schedule {id:?}")))?;
+                .ok_or_else(|| Error::NotFound {
+                    what: "schedule",
+                    id: id.clone(),
+                })?;
             let next = next_fire(store.as_ref(), &id, config.cron.shards).await?;
-            let mut value =
-                serde_json::to_value(&schedule).map_err(|e| Error::Usage(e.to_string()))?;
+            let mut value = serde_json::to_value(&schedule).map_err(|source| Error::Json {
+                what: "the stored schedule",
+                source,
+            })?;
             value["next_fire"] = next.map(format_instant).into();
             writeln!(
                 out,
@@ -110,7 +111,10 @@ pub async fn run(command: CronCommand, out: &mut impl Write) -> Result<(), Error
                 .await
                 .map_err(store_error)?
             {
-                return Err(Error::Usage(format!("no schedule {id:?}")));
+                return Err(Error::NotFound {
+                    what: "schedule",
+                    id,
+                });
             }
             writeln!(out, "{id} removed")?;
         }
@@ -126,10 +130,10 @@ pub async fn run(command: CronCommand, out: &mut impl Write) -> Result<(), Error
     Ok(())
 }
 
-fn register_error(e: super::scheduler::RegisterError) -> Error {
+fn register_error(e: weir::cron::scheduler::RegisterError) -> Error {
     match e {
-        super::scheduler::RegisterError::Invalid(e) => Error::Schedule(e),
-        super::scheduler::RegisterError::Store(e) => Error::Store(e),
+        weir::cron::scheduler::RegisterError::Invalid(e) => Error::Schedule(e),
+        weir::cron::scheduler::RegisterError::Store(e) => Error::Store(e),
     }
 }
 
@@ -139,7 +143,10 @@ async fn toggle(config: &Path, id: &str, enabled: bool, out: &mut impl Write) ->
         .await
         .map_err(register_error)?;
     if !found {
-        return Err(Error::Usage(format!("no schedule {id:?}")));
+        return Err(Error::NotFound {
+            what: "schedule",
+            id: id.to_string(),
+        });
     }
     writeln!(out, "{id} {}", if enabled { "resumed" } else { "paused" })?;
     Ok(())
@@ -161,7 +168,7 @@ async fn next_fire(
         .and_then(|(_, ms)| Utc.timestamp_millis_opt(ms).single()))
 }
 
-fn schedule_from_args(args: &CronAddArgs) -> Result<super::Schedule, Error> {
+fn schedule_from_args(args: &CronAddArgs) -> Result<weir::cron::Schedule, Error> {
     let entry = ScheduleConfig {
         id: args.id.clone(),
         cron: args.cron.clone(),
@@ -182,8 +189,10 @@ fn schedule_from_args(args: &CronAddArgs) -> Result<super::Schedule, Error> {
         .schedule(0)
         .map_err(|e| Error::Usage(e.to_string().replace("schedule[0].", "")))?;
     if let Some(payload) = &args.payload {
-        schedule.payload = serde_json::from_str(payload)
-            .map_err(|e| Error::Usage(format!("--payload is not JSON: {e}")))?;
+        schedule.payload = serde_json::from_str(payload).map_err(|source| Error::Json {
+            what: "--payload is not JSON",
+            source,
+        })?;
     }
     Ok(schedule)
 }

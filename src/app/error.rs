@@ -1,8 +1,8 @@
 //! The binary's top-level error: what went wrong, mapped to an exit status.
 
-use crate::config::ConfigError;
-use crate::graph::GraphBuildError;
-use crate::supervisor::SupervisorError;
+use weir::config::ConfigError;
+use weir::graph::GraphBuildError;
+use weir::supervisor::SupervisorError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -13,58 +13,84 @@ pub enum Error {
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error(transparent)]
-    Schedule(#[from] crate::cron::ScheduleError),
+    Schedule(#[from] weir::cron::ScheduleError),
     #[error("store: {0}")]
-    Store(#[from] crate::store::StoreError),
+    Store(#[from] weir::store::StoreError),
     #[error(transparent)]
-    Cron(#[from] crate::cron::CronError),
+    Cron(#[from] weir::cron::CronError),
     #[error(transparent)]
-    Dispatch(#[from] crate::dispatch::DispatchError),
+    Dispatch(#[from] weir::dispatch::DispatchError),
     #[error(transparent)]
-    Worker(#[from] crate::worker::WorkerError),
+    Worker(#[from] weir::worker::WorkerError),
+    /// An argument that cannot be taken (a flag's value out of its range or form).
     #[error("invalid argument: {0}")]
     Usage(String),
+    /// Something a command was told to act on does not exist.
+    #[error("no {what} {id:?}")]
+    NotFound { what: &'static str, id: String },
+    /// JSON given or stored that does not parse or serialise.
+    #[error("{what}: {source}")]
+    Json {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
     /// Ctrl-C or SIGTERM came before the command was done.
     #[error("interrupted: {0}")]
     Interrupted(String),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
     #[error(transparent)]
-    Admin(#[from] crate::admin::AdminError),
+    Admin(#[from] weir::admin::AdminError),
     #[error(transparent)]
-    Transport(#[from] crate::transport::TransportError),
+    Transport(#[from] weir::transport::TransportError),
+    #[error(transparent)]
+    Demo(#[from] weir::demo::DemoError),
 }
 
 impl Error {
     /// 2 for bad input (as clap does for bad arguments), 130 when interrupted (as a
     /// shell reports Ctrl-C), 1 for everything else: unreachable infrastructure above all.
     pub fn exit_code(&self) -> i32 {
-        use crate::dispatch::DispatchError;
+        use weir::dispatch::DispatchError;
         match self {
-            Self::Usage(_) | Self::Graph(_) | Self::Schedule(_) | Self::Cron(_) => 2,
+            Self::Usage(_)
+            | Self::NotFound { .. }
+            | Self::Json { .. }
+            | Self::Graph(_)
+            | Self::Schedule(_)
+            | Self::Cron(_) => 2,
             Self::Dispatch(
                 DispatchError::UnknownWorkflow(_) | DispatchError::UnknownExecution(_),
             ) => 2,
             Self::Config(e) if !e.is_retryable() => 2,
-            Self::Admin(
-                crate::admin::AdminError::Url { .. }
-                | crate::admin::AdminError::Unprotected { .. }
-                | crate::admin::AdminError::Tls(_),
-            ) => 2,
+            Self::Admin(e) if is_bad_admin_setting(e) => 2,
+            Self::Demo(weir::demo::DemoError::Graph(_)) => 2,
+            Self::Demo(weir::demo::DemoError::Admin(e)) if is_bad_admin_setting(e) => 2,
             Self::Interrupted(_) => INTERRUPTED,
             _ => 1,
         }
     }
 }
 
+/// An admin API setting that cannot work, as opposed to a listener that cannot start.
+fn is_bad_admin_setting(e: &weir::admin::AdminError) -> bool {
+    matches!(
+        e,
+        weir::admin::AdminError::Url { .. }
+            | weir::admin::AdminError::Unprotected { .. }
+            | weir::admin::AdminError::Tls(_)
+    )
+}
+
 /// The exit status after Ctrl-C or SIGTERM.
 pub const INTERRUPTED: i32 = 130;
 
-impl From<crate::cron::scheduler::RegisterError> for Error {
-    fn from(e: crate::cron::scheduler::RegisterError) -> Self {
+impl From<weir::cron::scheduler::RegisterError> for Error {
+    fn from(e: weir::cron::scheduler::RegisterError) -> Self {
         match e {
-            crate::cron::scheduler::RegisterError::Invalid(e) => Self::Schedule(e),
-            crate::cron::scheduler::RegisterError::Store(e) => Self::Store(e),
+            weir::cron::scheduler::RegisterError::Invalid(e) => Self::Schedule(e),
+            weir::cron::scheduler::RegisterError::Store(e) => Self::Store(e),
         }
     }
 }

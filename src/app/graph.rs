@@ -8,12 +8,12 @@ use tokio::io::AsyncBufRead;
 use tokio::io::AsyncBufReadExt;
 use tokio_util::sync::CancellationToken;
 
-use super::client::{segment, AdminClient};
-use crate::cli::{GraphCommand, ProduceArgs, TailArgs};
-use crate::codec::records::decode_known;
-use crate::config::{BrokerKind, Config};
-use crate::error::Error;
-use crate::transport::{Assignment, Broker, Outbound, StartFrom, Subscription};
+use crate::app::cli::{GraphCommand, ProduceArgs, TailArgs};
+use crate::app::error::Error;
+use weir::admin::client::{segment, AdminClient};
+use weir::codec::records::decode_known;
+use weir::config::{BrokerKind, Config};
+use weir::transport::{Assignment, Broker, Outbound, StartFrom, Subscription};
 
 /// Runs one graph command and prints the API's JSON answer.
 pub async fn graph(
@@ -132,8 +132,8 @@ pub async fn produce(
 #[cfg(test)]
 mod tests {
     use super::render;
-    use crate::codec::avro::encode;
-    use crate::codec::CronTick;
+    use weir::codec::avro::encode;
+    use weir::codec::CronTick;
 
     #[test]
     fn payloads_render_as_one_line_each() {

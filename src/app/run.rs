@@ -7,11 +7,11 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-use crate::admin::AdminState;
-use crate::config::Config;
-use crate::error::Error;
-use crate::graph::FunctionRegistry;
-use crate::supervisor::Supervisor;
+use crate::app::error::Error;
+use weir::admin::AdminState;
+use weir::config::Config;
+use weir::graph::FunctionRegistry;
+use weir::supervisor::Supervisor;
 
 /// Runs until `cancel` fires, then stops every graph within the shutdown timeout.
 pub async fn run(
@@ -34,7 +34,7 @@ pub async fn run(
         config.supervision_policy(),
         cancel.clone(),
     ));
-    let scheduler_alive = crate::admin::health::Watched::new("cron scheduler");
+    let scheduler_alive = weir::admin::health::Watched::new("cron scheduler");
     let mut admin = AdminState::new()
         .with_supervisor(supervisor.clone())
         .with_runtime(&runtime)
@@ -45,17 +45,17 @@ pub async fn run(
     if config.cron_enabled() {
         admin = admin.with_task(scheduler_alive.clone());
     }
-    let servers = crate::admin::serve(admin, &config.listen(), cancel.clone()).await?;
+    let servers = weir::admin::serve(admin, &config.listen(), cancel.clone()).await?;
     let schedules = config.declared_schedules()?;
     let scheduler = if config.cron_enabled() {
         let settings = config.scheduler_config();
         for schedule in &schedules {
             let next =
-                crate::cron::scheduler::register(runtime.store.as_ref(), schedule, settings.shards)
+                weir::cron::scheduler::register(runtime.store.as_ref(), schedule, settings.shards)
                     .await?;
             info!(schedule = %schedule.id, next = ?next, "schedule registered");
         }
-        let scheduler = crate::cron::scheduler::Scheduler::new(
+        let scheduler = weir::cron::scheduler::Scheduler::new(
             runtime.store.clone(),
             runtime.broker.sink(),
             settings,

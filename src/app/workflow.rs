@@ -7,11 +7,11 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-use super::execution::RunStatus;
-use crate::cli::WorkflowCommand;
-use crate::config::Config;
-use crate::error::Error;
-use crate::worker::{HandlerRegistry, Worker, WorkerSettings};
+use crate::app::cli::WorkflowCommand;
+use crate::app::error::Error;
+use weir::config::Config;
+use weir::dispatch::RunStatus;
+use weir::worker::{HandlerRegistry, Worker, WorkerSettings};
 
 /// How often `weir workflow run --wait` looks at the execution.
 const WAIT_POLL: Duration = Duration::from_millis(100);
@@ -30,8 +30,10 @@ pub async fn run(
         } => {
             let context = match context {
                 None => serde_json::json!({}),
-                Some(text) => serde_json::from_str(&text)
-                    .map_err(|e| Error::Usage(format!("--context is not JSON: {e}")))?,
+                Some(text) => serde_json::from_str(&text).map_err(|source| Error::Json {
+                    what: "--context is not JSON",
+                    source,
+                })?,
             };
             let config = Config::load(&config)?;
             let runtime = config.runtime().await?;
@@ -63,7 +65,10 @@ pub async fn run(
                     writeln!(out, "{}", execution.summary())?;
                     Ok(())
                 }
-                None => Err(Error::Usage(format!("no workflow execution {id:?}"))),
+                None => Err(Error::NotFound {
+                    what: "workflow execution",
+                    id,
+                }),
             }
         }
     }
@@ -75,14 +80,14 @@ pub async fn worker(
     executor: String,
     concurrency: usize,
     tenant: Option<String>,
-    handlers: impl FnOnce(&crate::supervisor::Runtime) -> HandlerRegistry,
+    handlers: impl FnOnce(&weir::supervisor::Runtime) -> HandlerRegistry,
     cancel: CancellationToken,
 ) -> Result<(), Error> {
     // The executor key names a topic: reject a bad one before connecting anywhere.
-    crate::dispatch::Router::new(Vec::new(), &executor)
+    weir::dispatch::Router::new(Vec::new(), &executor)
         .map_err(|e| Error::Usage(format!("--executor: {e}")))?;
     if let Some(tenant) = &tenant {
-        crate::tenant::check(tenant).map_err(|e| Error::Usage(format!("--tenant: {e}")))?;
+        weir::tenant::check(tenant).map_err(|e| Error::Usage(format!("--tenant: {e}")))?;
     }
     let config = Config::load(config)?;
     let runtime = config.runtime().await?;
@@ -96,12 +101,12 @@ pub async fn worker(
         tenant,
     };
     // Health, readiness and metrics, before any metric handle exists.
-    let admin = crate::admin::AdminState::new()
+    let admin = weir::admin::AdminState::new()
         .with_runtime(&runtime)
         .with_token(config.admin.token.as_ref().map(|t| t.expose().to_string()))
         .with_tenant_tokens(config.admin.tenant_tokens())
         .with_allowed_origins(config.admin.allowed_origins.clone());
-    let servers = crate::admin::serve(admin, &config.listen(), cancel.clone()).await?;
+    let servers = weir::admin::serve(admin, &config.listen(), cancel.clone()).await?;
     info!(%executor, tenant = ?settings.tenant, concurrency, broker = runtime.broker.kind(), "worker running");
     let worker = Worker::new(
         runtime.broker.clone(),

@@ -4,12 +4,11 @@
 //! [`schedule`] is the schedule model and its validation, [`scheduler`] the elected
 //! per-shard master that fires them as CronTick messages.
 
-pub mod cli;
 pub mod expr;
 pub mod next;
 pub mod schedule;
 pub mod scheduler;
 
 pub use expr::{CronError, CronExpr};
-pub use next::{next_fire, preview};
+pub use next::{format_instant, next_fire, preview};
 pub use schedule::{CatchUp, Delivery, Overlap, Schedule, ScheduleError, Target};

@@ -105,6 +105,11 @@ fn gap_end(tz: Tz, local: NaiveDateTime) -> Option<DateTime<Utc>> {
     None
 }
 
+/// Formats an instant the way every weir command prints one: RFC 3339, UTC, `Z`.
+pub fn format_instant(t: DateTime<Utc>) -> String {
+    t.format("%Y-%m-%dT%H:%M:%SZ").to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,7 +6,6 @@
 //! result advances it; [`manager`] is the state manager that stores executions and
 //! publishes TaskReadyEvents.
 
-pub mod cli;
 pub mod execution;
 pub mod manager;
 pub mod router;
