@@ -1,0 +1,314 @@
+//! Firing what is due: claiming each tick's execution record in the store (fenced by
+//! the shard's lease), or, with the store away, firing `at_least_once` schedules from
+//! what this node knows.
+
+use super::*;
+
+impl Scheduler {
+    /// Fires what is due in the shards this node leads. Returns the earliest next fire.
+    pub(super) async fn fire_due(&mut self) -> Option<DateTime<Utc>> {
+        let mut earliest: Option<DateTime<Utc>> = None;
+        for shard in 0..self.shards.len() {
+            let Some(lease) = self.shards[shard].lease() else {
+                continue;
+            };
+            let store_up = self.holds(shard);
+            let next = if store_up {
+                match self.fire_shard_from_store(shard as u32, &lease).await {
+                    Ok(next) => next,
+                    Err(StoreError::Fenced { .. }) => {
+                        // A newer master holds the shard: this one is deposed.
+                        warn!(shard, "schedule master deposed; its writes were refused");
+                        crate::metrics::lease_dropped(LeaseRole::Cron);
+                        self.shards[shard] = Shard::default();
+                        continue;
+                    }
+                    Err(e) => {
+                        warn!(shard, error = %e, "store unreachable; firing at_least_once schedules from local state");
+                        self.fire_shard_locally(shard as u32, &lease).await
+                    }
+                }
+            } else {
+                self.fire_shard_locally(shard as u32, &lease).await
+            };
+            if let Some(n) = next {
+                earliest = Some(earliest.map_or(n, |e| e.min(n)));
+            }
+        }
+        earliest
+    }
+
+    pub(super) async fn fire_shard_from_store(
+        &mut self,
+        shard: u32,
+        lease: &Lease,
+    ) -> Result<Option<DateTime<Utc>>, StoreError> {
+        // Plan and claim a little ahead, so at the due instant only the publish remains.
+        let now = self.config.clock.now();
+        let horizon = now + chrono::Duration::from_std(LOOKAHEAD).unwrap_or_default();
+        let due = self
+            .bounded(
+                self.store
+                    .due_schedules(shard, horizon.timestamp_millis(), DUE_BATCH),
+            )
+            .await?;
+        // Load what is not cached yet, many at a time.
+        let missing: Vec<String> = due
+            .iter()
+            .filter(|(id, _)| !self.cache.contains_key(id))
+            .map(|(id, _)| id.clone())
+            .collect();
+        let store = self.store.clone();
+        let loading = futures::stream::iter(missing)
+            .map(|id| {
+                let store = store.clone();
+                async move {
+                    let found = store.get_schedule(&id).await;
+                    (id, found)
+                }
+            })
+            .buffer_unordered(CONCURRENCY)
+            .collect::<Vec<(String, Result<Option<Schedule>, StoreError>)>>();
+        let loaded = self.bounded(async { Ok(loading.await) }).await?;
+        for (id, found) in loaded {
+            if let Some(schedule) = found? {
+                match schedule.validate() {
+                    Ok((expr, tz)) => {
+                        self.cache.insert(id, (Cached { schedule, expr, tz }, None));
+                    }
+                    Err(e) => {
+                        warn!(schedule = %id, error = %e, "stored schedule is invalid; not firing it")
+                    }
+                }
+            }
+        }
+        // Plan every firing, claim them all in one round trip, publish the claimed ones
+        // concurrently, then record statuses and next fire times in one more.
+        let mut next_fires = Vec::with_capacity(due.len());
+        let mut planned: Vec<(String, Execution)> = Vec::new();
+        for (id, next_ms) in due {
+            let Some((cached, _)) = self.cache.get(&id) else {
+                next_fires.push((id, None));
+                continue;
+            };
+            let schedule = &cached.schedule;
+            if !schedule.enabled {
+                next_fires.push((id, None));
+                continue;
+            }
+            let last = Utc
+                .timestamp_millis_opt(next_ms - 1)
+                .single()
+                .unwrap_or(now);
+            // An at_least_once tick due within a failover (the previous master's lease
+            // running out, then an election) is late, not missed: it goes out whatever
+            // the catch-up policy says of downtime.
+            let recent = match schedule.delivery {
+                Delivery::AtLeastOnce => self.config.lease_ttl * 4 / 3 + LOOKAHEAD,
+                _ => Duration::ZERO,
+            };
+            let (times, next) =
+                schedule.due_and_next(&cached.expr, cached.tz, last, horizon, recent);
+            // Only workflow executions stay running; a topic tick completes on publish.
+            let mut busy = if schedule.overlap != Overlap::Allow
+                && matches!(schedule.target, Target::Workflow(_))
+            {
+                let recent = self.bounded(self.store.executions(&id, 10)).await?;
+                let running = recent.iter().any(|e| e.status == ExecutionStatus::Running);
+                let buffered = recent.iter().any(|e| e.status == ExecutionStatus::Buffered);
+                running.then_some(buffered)
+            } else {
+                None
+            };
+            for t in times {
+                let mut execution = self.execution(schedule, t, lease);
+                match (schedule.overlap, busy) {
+                    (Overlap::BufferOne, Some(false)) => {
+                        execution.status = ExecutionStatus::Buffered;
+                        busy = Some(true);
+                    }
+                    (_, Some(_)) => {
+                        execution.status = ExecutionStatus::Skipped;
+                        execution.error = Some("previous execution still running".into());
+                    }
+                    _ => {}
+                }
+                planned.push((id.clone(), execution));
+            }
+            next_fires.push((id, next.map(|t| t.timestamp_millis())));
+        }
+        let executions: Vec<Execution> = planned.iter().map(|(_, e)| e.clone()).collect();
+        let fence = Fence::from(lease);
+        let claims = self
+            .bounded(self.store.claim_executions(&executions, Some(&fence)))
+            .await?;
+        let mut claimed = Vec::with_capacity(planned.len());
+        for ((id, execution), won) in planned.into_iter().zip(claims) {
+            if won {
+                if execution.status == ExecutionStatus::Scheduled {
+                    claimed.push((id, execution));
+                }
+                continue;
+            }
+            // Claimed already. If a deposed master claimed it and died before emitting,
+            // an at_least_once tick must not wait for orphan recovery: take it over now.
+            let at_least_once = self
+                .cache
+                .get(&id)
+                .is_some_and(|(c, _)| c.schedule.delivery == Delivery::AtLeastOnce);
+            if !at_least_once {
+                continue;
+            }
+            if let Some(mut existing) = self
+                .bounded(self.store.get_execution(&id, execution.scheduled_ms))
+                .await?
+            {
+                if existing.status == ExecutionStatus::Scheduled
+                    && existing.fencing_token < lease.token
+                {
+                    existing.attempt += 1;
+                    existing.fencing_token = lease.token;
+                    existing.node_id = self.config.node_id.clone();
+                    claimed.push((id, existing));
+                }
+            }
+        }
+        claimed.sort_by_key(|(_, e)| e.scheduled_ms);
+        let mut fired = Vec::with_capacity(claimed.len());
+        let mut batch = Vec::new();
+        let mut pending = claimed.into_iter().peekable();
+        while let Some((id, execution)) = pending.next() {
+            let at = execution.scheduled_ms;
+            batch.push((id, execution));
+            if pending.peek().is_some_and(|(_, e)| e.scheduled_ms == at) {
+                continue;
+            }
+            // Build every message now, so at the instant only the emission time is
+            // written before each is handed to the broker client.
+            let mut ready = Vec::with_capacity(batch.len());
+            for (id, mut execution) in batch.drain(..) {
+                let Some((cached, _)) = self.cache.get(&id) else {
+                    continue;
+                };
+                match self.ready_tick(&cached.schedule, &execution) {
+                    Ok(tick) => ready.push((execution, tick)),
+                    Err(e) => {
+                        warn!(schedule = %id, error = %e, "tick cannot be encoded");
+                        execution.error = Some(e.to_string());
+                        fired.push(execution);
+                    }
+                }
+            }
+            let wait = at - self.config.clock.now().timestamp_millis();
+            if wait > 0 {
+                tokio::time::sleep(Duration::from_millis(wait as u64)).await;
+            }
+            fired.extend(self.emit(ready, shard).await);
+        }
+        self.bounded(
+            self.store
+                .record_fires(shard, &fired, &next_fires, Some(&fence)),
+        )
+        .await?;
+        for (id, next) in next_fires {
+            if let Some(entry) = self.cache.get_mut(&id) {
+                entry.1 = next.and_then(|ms| Utc.timestamp_millis_opt(ms).single());
+            }
+        }
+        let earliest = self.bounded(self.store.earliest_fire(shard)).await?;
+        Ok(earliest.and_then(|ms| Utc.timestamp_millis_opt(ms).single()))
+    }
+
+    /// The store is unreachable: fire `at_least_once` schedules this node knows.
+    pub(super) async fn fire_shard_locally(
+        &mut self,
+        shard: u32,
+        lease: &Lease,
+    ) -> Option<DateTime<Utc>> {
+        let now = self.config.clock.now();
+        let shards = self.config.shards;
+        let mut earliest = None;
+        let ids: Vec<String> = self.cache.keys().cloned().collect();
+        for id in ids {
+            if shard_of(&id, shards) != shard {
+                continue;
+            }
+            let Some((cached, next)) = self.cache.get(&id) else {
+                continue;
+            };
+            if cached.schedule.delivery != Delivery::AtLeastOnce || !cached.schedule.enabled {
+                continue;
+            }
+            let schedule = cached.schedule.clone();
+            let (expr, tz) = (cached.expr.clone(), cached.tz);
+            let mut next = *next;
+            while let Some(t) = next.filter(|t| *t <= now) {
+                self.fire_without_store(&schedule, t, lease).await;
+                next = schedule.next_after(&expr, tz, t);
+            }
+            if let Some(entry) = self.cache.get_mut(&id) {
+                entry.1 = next;
+            }
+            if let Some(n) = next {
+                earliest = Some(earliest.map_or(n, |e: DateTime<Utc>| e.min(n)));
+            }
+        }
+        earliest
+    }
+
+    pub(super) fn execution(
+        &self,
+        schedule: &Schedule,
+        scheduled: DateTime<Utc>,
+        lease: &Lease,
+    ) -> Execution {
+        Execution {
+            schedule_id: schedule.id.clone(),
+            scheduled_ms: scheduled.timestamp_millis(),
+            tick_id: tick_id(&schedule.id, scheduled),
+            status: ExecutionStatus::Scheduled,
+            attempt: 1,
+            max_attempts: self.config.max_attempts,
+            node_id: self.config.node_id.clone(),
+            fencing_token: lease.token,
+            updated_ms: self.config.clock.now().timestamp_millis(),
+            error: None,
+        }
+    }
+
+    /// The tick of an execution as a message, all but its emission time.
+    pub(super) fn ready_tick(
+        &self,
+        schedule: &Schedule,
+        execution: &Execution,
+    ) -> Result<ReadyTick, CodecError> {
+        let tick = CronTick {
+            schedule_id: schedule.id.clone(),
+            tick_id: execution.tick_id.clone(),
+            scheduled_time_ms: execution.scheduled_ms,
+            emitted_time_ms: 0,
+            fencing_token: execution.fencing_token as i64,
+            delivery: schedule.delivery.as_str().to_string(),
+            attempt: execution.attempt as i32,
+            payload: schedule.payload.to_string(),
+            node_id: self.config.node_id.clone(),
+            tenant: schedule.tenant.clone(),
+        };
+        let topic = match &schedule.target {
+            Target::Topic(t) => t.clone(),
+            Target::Workflow(w) => crate::dispatch::manager::workflow_start_topic(w),
+        };
+        let topic = match &schedule.tenant {
+            Some(tenant) => format!("{tenant}.{topic}"),
+            None => topic,
+        };
+        Ok(ReadyTick {
+            encoded: PreparedTick::new(&tick)?,
+            message: Outbound::new(topic, Bytes::new())
+                .key(schedule.id.clone().into_bytes())
+                .header(crate::wire::TICK_ID_HEADER, execution.tick_id.clone()),
+            delivery: schedule.delivery,
+            emitted: emitted_status(schedule),
+        })
+    }
+}

@@ -1,0 +1,120 @@
+//! Shard masters: the live nodes of the highest priority share the shards by
+//! rendezvous hashing; each master takes, renews or yields its shard's lease.
+
+use super::*;
+
+/// The node that masters a shard among equals: the one whose hash with the shard is
+/// highest (rendezvous hashing), so shards spread evenly and only the departed node's
+/// shards move when one leaves. Every node computes the same answer.
+pub fn shard_master(nodes: &[String], shard: u32) -> Option<&str> {
+    nodes
+        .iter()
+        .max_by_key(|node| {
+            let weight = mix(fnv1a(node.as_bytes()) ^ u64::from(shard).rotate_left(32));
+            (weight, node.as_str())
+        })
+        .map(String::as_str)
+}
+
+pub(super) fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        hash ^= u64::from(*b);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
+}
+
+/// SplitMix64's finaliser: spreads close inputs (one node, shard after shard) apart.
+pub(super) fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The shard a schedule belongs to (FNV-1a, stable across processes and versions).
+pub fn shard_of(id: &str, shards: u32) -> u32 {
+    (fnv1a(id.as_bytes()) % u64::from(shards.max(1))) as u32
+}
+
+impl Scheduler {
+    /// Registers this node, then per shard: renew, yield to a higher priority, or take
+    /// the lease if this node is the best live one.
+    pub(super) async fn elect(&mut self) {
+        let ttl = self.config.lease_ttl;
+        if let Err(e) = self
+            .bounded(
+                self.store
+                    .register_node(&self.config.node_id, self.config.priority, ttl),
+            )
+            .await
+        {
+            warn!(error = %e, "node registration failed");
+        }
+        // The live nodes of the highest priority share the shards; a lower one masters
+        // none while a higher one lives.
+        let candidates: Option<Vec<String>> = match self.bounded(self.store.live_nodes()).await {
+            Ok(nodes) => {
+                let top = nodes.iter().map(|(_, p)| *p).max();
+                Some(
+                    nodes
+                        .into_iter()
+                        .filter(|(_, p)| Some(*p) == top)
+                        .map(|(node, _)| node)
+                        .collect(),
+                )
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot list live nodes");
+                None
+            }
+        };
+        for i in 0..self.shards.len() {
+            let name = format!("cron:shard:{i}");
+            let me_best = candidates.as_ref().is_none_or(|nodes| {
+                shard_master(nodes, i as u32).is_none_or(|node| node == self.config.node_id)
+            });
+            if let Some(held) = self.shards[i].held.clone() {
+                if !me_best {
+                    info!(
+                        shard = i,
+                        "yielding the schedule master to a higher-priority node"
+                    );
+                    let _ = self.bounded(self.store.release_lease(&held.lease)).await;
+                    crate::metrics::lease_dropped(LeaseRole::Cron);
+                    self.shards[i] = Shard::default();
+                    continue;
+                }
+                // A confirmed renewal moves the deadline on from when it was sent.
+                let renewal = crate::lease::renew(self.store.as_ref(), &held, ttl);
+                match self.bounded(renewal).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        warn!(shard = i, "schedule master lease lost");
+                        crate::metrics::lease_dropped(LeaseRole::Cron);
+                        self.shards[i] = Shard::default();
+                    }
+                    // Keep the lease until its deadline; at_most_once stops firing
+                    // then, at_least_once carries on from local state.
+                    Err(e) => warn!(shard = i, error = %e, "lease renewal failed"),
+                }
+            } else if me_best {
+                let acquiring =
+                    crate::lease::acquire(self.store.as_ref(), &name, &self.config.node_id, ttl);
+                match self.bounded(acquiring).await {
+                    Ok(Some(held)) => {
+                        info!(
+                            shard = i,
+                            token = held.lease.token,
+                            "schedule master for shard"
+                        );
+                        crate::metrics::lease_acquired(LeaseRole::Cron);
+                        self.shards[i] = Shard { held: Some(held) };
+                    }
+                    Ok(None) => {}
+                    Err(e) => warn!(shard = i, error = %e, "cannot take the shard lease"),
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,279 @@
+//! The cron scheduler. Every node registers with its election priority; per shard, the
+//! live node with the highest priority holds the shard's lease (a lower-priority master
+//! yields) and fires that shard's due schedules. The loop sleeps until the earliest due
+//! time, a schedule change, or the next lease renewal; it never polls on a fixed period
+//! shorter than that.
+//!
+//! Each firing is an execution record keyed by (schedule, scheduled time), claimed with
+//! SET NX, then a [`CronTick`] published to the target. `at_most_once` schedules fire
+//! only while the lease is known valid; `at_least_once` ones keep firing from local
+//! state when the store is unreachable, with the same tick id so consumers can drop
+//! duplicates.
+//!
+//! Here: the settings and the loop. Beside it: `clock` (where the time comes from),
+//! `election` (shard masters and their leases), `register` (storing schedules),
+//! `claim` (what is due, claimed in the store or fired from local state), `emit`
+//! (ticks handed to the broker), `orphans` (claims never emitted, workflows never
+//! started) and `guard` (the consumers' [`TickGuard`]).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use chrono::{DateTime, TimeZone, Utc};
+use chrono_tz::Tz;
+use futures::StreamExt;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, info_span, warn, Instrument};
+
+use super::expr::CronExpr;
+use super::schedule::{Delivery, Overlap, Schedule, ScheduleError, Target};
+use crate::codec::{CodecError, CronTick, PreparedTick};
+use crate::metrics::LeaseRole;
+use crate::store::{Execution, ExecutionStatus, Fence, Lease, Store, StoreError};
+use crate::transport::{Outbound, Sink};
+
+/// Due schedules taken from the store per pass.
+const DUE_BATCH: usize = 10_000;
+/// How far ahead of their time due ticks are planned and claimed.
+const LOOKAHEAD: Duration = Duration::from_millis(250);
+/// Schedule loads in flight at once.
+const CONCURRENCY: usize = 1024;
+
+mod claim;
+mod clock;
+mod election;
+mod emit;
+mod guard;
+mod orphans;
+mod register;
+
+pub use clock::{Clock, SystemClock, TokioClock};
+pub use election::{shard_master, shard_of};
+use emit::{missed, ReadyTick};
+pub use guard::{TickGuard, TickVerdict};
+pub use register::{register, register_at, set_enabled, RegisterError};
+
+/// Scheduler settings; defaults give failover within a few seconds.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub node_id: String,
+    pub priority: i64,
+    pub shards: u32,
+    /// Shard lease TTL; renewed every third of it. Also the node registration TTL.
+    pub lease_ttl: Duration,
+    /// An execution still `scheduled` this long after its claim was never emitted (or a
+    /// workflow tick `running` this long whose execution never started): it is emitted
+    /// again, up to `max_attempts`, then marked failed.
+    pub orphan_after: Duration,
+    pub max_attempts: u32,
+    pub tenant: Option<String>,
+    pub clock: Arc<dyn Clock>,
+    /// Unfinished executions looked at per orphan sweep; successive sweeps carry on
+    /// where the last stopped, so a long index is walked a batch at a time.
+    pub sweep_batch: usize,
+}
+
+impl PartialEq for SchedulerConfig {
+    fn eq(&self, other: &Self) -> bool {
+        self.node_id == other.node_id
+            && self.priority == other.priority
+            && self.shards == other.shards
+            && self.lease_ttl == other.lease_ttl
+            && self.orphan_after == other.orphan_after
+            && self.max_attempts == other.max_attempts
+            && self.tenant == other.tenant
+            && self.sweep_batch == other.sweep_batch
+    }
+}
+
+impl SchedulerConfig {
+    pub fn new(node_id: impl Into<String>) -> Self {
+        Self {
+            node_id: node_id.into(),
+            priority: 0,
+            shards: 1,
+            lease_ttl: Duration::from_secs(3),
+            orphan_after: Duration::from_secs(30),
+            max_attempts: 3,
+            tenant: None,
+            clock: Arc::new(SystemClock),
+            sweep_batch: 10_000,
+        }
+    }
+}
+
+/// An emitted tick's execution: a topic tick is done once published; a workflow's runs
+/// until its workflow ends.
+fn emitted_status(schedule: &Schedule) -> ExecutionStatus {
+    match schedule.target {
+        Target::Topic(_) => ExecutionStatus::Completed,
+        Target::Workflow(_) => ExecutionStatus::Running,
+    }
+}
+
+/// A store call given at most `limit` (see [`Scheduler::bounded`]).
+async fn within<T>(
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
+        Err(StoreError::Unreachable(format!(
+            "no answer within {limit:?}"
+        )))
+    })
+}
+
+pub fn tick_id(schedule_id: &str, scheduled: DateTime<Utc>) -> String {
+    format!("{schedule_id}@{}", scheduled.timestamp_millis())
+}
+
+#[derive(Default)]
+struct Shard {
+    /// The shard's master lease, with its deadline, while this node holds it.
+    held: Option<crate::lease::Held>,
+}
+
+impl Shard {
+    fn lease(&self) -> Option<Lease> {
+        self.held.as_ref().map(|held| held.lease.clone())
+    }
+}
+
+struct Cached {
+    schedule: Schedule,
+    expr: CronExpr,
+    tz: Tz,
+}
+
+pub struct Scheduler {
+    store: Arc<dyn Store>,
+    sink: Arc<dyn Sink>,
+    config: SchedulerConfig,
+    shards: Vec<Shard>,
+    /// Schedules seen while the store was reachable, with their next fire time: what
+    /// `at_least_once` keeps firing from when it is not.
+    cache: HashMap<String, (Cached, Option<DateTime<Utc>>)>,
+    /// Where in the index of unfinished executions the next orphan sweep starts.
+    sweep_from: usize,
+}
+
+impl Scheduler {
+    pub fn new(store: Arc<dyn Store>, sink: Arc<dyn Sink>, config: SchedulerConfig) -> Self {
+        let shards = (0..config.shards.max(1))
+            .map(|_| Shard::default())
+            .collect();
+        Self {
+            store,
+            sink,
+            config,
+            shards,
+            cache: HashMap::new(),
+            sweep_from: 0,
+        }
+    }
+
+    /// Runs until cancelled, then releases the shard leases it holds.
+    pub async fn run(mut self, cancel: CancellationToken) {
+        let renew_every = self.config.lease_ttl / 3;
+        // Subscribed again whenever the feed ends (Redis restarted, the connection
+        // dropped); once it is, everything cached is read afresh, as a change may have
+        // been missed meanwhile.
+        let mut changes: Option<crate::store::ScheduleChanges> = None;
+        let mut next_subscribe = Instant::now();
+        let sweep_every = (self.config.orphan_after / 2).max(Duration::from_millis(100));
+        let mut next_election = Instant::now();
+        let mut next_sweep = Instant::now() + sweep_every;
+        loop {
+            if changes.is_none() && Instant::now() >= next_subscribe {
+                // Bounded: behind a partition the subscription may never answer, and
+                // this loop also fires at_least_once ticks from local state meanwhile.
+                match tokio::time::timeout(renew_every, self.store.watch_schedules()).await {
+                    Ok(Ok(c)) => {
+                        changes = Some(c);
+                        self.cache.clear();
+                    }
+                    Ok(Err(e)) => {
+                        warn!(error = %e, "cannot watch schedule changes; retrying");
+                        next_subscribe = Instant::now() + renew_every;
+                    }
+                    Err(_) => {
+                        warn!("no answer subscribing to schedule changes; retrying");
+                        next_subscribe = Instant::now() + renew_every;
+                    }
+                }
+            }
+            if Instant::now() >= next_election {
+                self.elect().await;
+                next_election = Instant::now() + renew_every;
+            }
+            if Instant::now() >= next_sweep {
+                if let Err(e) = self.recover_orphans().await {
+                    warn!(error = %e, "orphan recovery failed");
+                }
+                next_sweep = Instant::now() + sweep_every;
+            }
+            let next_due = self.fire_due().await;
+            let mut wake = next_election.min(next_sweep);
+            if changes.is_none() {
+                wake = wake.min(next_subscribe);
+            }
+            if let Some(due) = next_due {
+                let wait = (due - self.config.clock.now())
+                    .to_std()
+                    .unwrap_or_default()
+                    .saturating_sub(LOOKAHEAD);
+                wake = wake.min(Instant::now() + wait);
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = tokio::time::sleep_until(wake) => {}
+                changed = async {
+                    match &mut changes {
+                        Some(c) => c.changed().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    if changed {
+                        debug!("schedules changed");
+                        self.cache.clear();
+                    } else {
+                        // The cache stays, for firing at_least_once schedules while the
+                        // store is away; it is read afresh once subscribed again.
+                        warn!("the schedule change feed ended; subscribing again");
+                        changes = None;
+                        next_subscribe = Instant::now();
+                    }
+                }
+            }
+        }
+        let limit = self.config.lease_ttl / 3;
+        for shard in &mut self.shards {
+            if let Some(held) = shard.held.take() {
+                let _ = within(limit, self.store.release_lease(&held.lease)).await;
+                crate::metrics::lease_dropped(LeaseRole::Cron);
+            }
+        }
+        changes.take();
+    }
+
+    /// A store call, given at most a third of the lease TTL: behind a partition a call
+    /// may never be answered (the client reconnects and waits again), and the loop must
+    /// go on to fire at_least_once schedules from local state meanwhile.
+    async fn bounded<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        within(self.config.lease_ttl / 3, call).await
+    }
+
+    /// Whether this node surely holds the shard's lease: before its deadline.
+    fn holds(&self, shard: usize) -> bool {
+        self.shards[shard]
+            .held
+            .as_ref()
+            .is_some_and(|held| !held.deadline.passed())
+    }
+}

@@ -1,0 +1,160 @@
+//! Ticks claimed and never emitted, and workflow ticks whose workflow never started:
+//! emitted again, or settled.
+
+use super::*;
+
+impl Scheduler {
+    /// Executions claimed but never emitted (their master died between the claim and
+    /// the publish), and workflow ticks still `running` whose workflow execution never
+    /// started, are emitted again once they are older than `orphan_after`, until their
+    /// stored attempt cap; then they are marked failed. A `running` one whose workflow
+    /// ended takes its outcome. A `buffer_one` execution goes out once nothing of its
+    /// schedule is running.
+    pub(super) async fn recover_orphans(&mut self) -> Result<(), StoreError> {
+        let led: Vec<usize> = (0..self.shards.len()).filter(|&i| self.holds(i)).collect();
+        if led.is_empty() {
+            return Ok(());
+        }
+        let threshold = self.config.clock.now().timestamp_millis()
+            - self.config.orphan_after.as_millis() as i64;
+        // Only unfinished executions are looked at, found through the store's index, so
+        // a sweep costs nothing per schedule that is firing normally.
+        let batch = self.config.sweep_batch.max(1);
+        let found = self
+            .bounded(
+                self.store
+                    .open_executions(threshold, self.sweep_from, batch),
+            )
+            .await?;
+        // Executions that rightly stay open (running workflows, buffered ticks, other
+        // shards') would otherwise fill every batch and hide the rest: the next sweep
+        // starts after this one, and from the front once the end is reached. What
+        // leaves the index meanwhile only shifts the rest forward, to be met next pass.
+        self.sweep_from = if found.len() < batch {
+            0
+        } else {
+            self.sweep_from + found.len()
+        };
+        let mut open: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+        for (id, scheduled_ms) in found {
+            open.entry(id).or_default().push(scheduled_ms);
+        }
+        for (id, times) in open {
+            let shard = shard_of(&id, self.config.shards) as usize;
+            if !led.contains(&shard) {
+                continue;
+            }
+            let Some(lease) = self.shards[shard].lease() else {
+                continue;
+            };
+            // A master deposed meanwhile has its writes refused.
+            let fence = Fence::from(&lease);
+            let schedule = self.bounded(self.store.get_schedule(&id)).await?;
+            let recent = self.bounded(self.store.executions(&id, 10)).await?;
+            let mut running = recent.iter().any(|e| e.status == ExecutionStatus::Running);
+            for scheduled_ms in times {
+                let Some(mut execution) = self
+                    .bounded(self.store.get_execution(&id, scheduled_ms))
+                    .await?
+                else {
+                    continue;
+                };
+                let Some(schedule) = &schedule else {
+                    execution.status = ExecutionStatus::Failed;
+                    execution.error = Some("schedule removed before the tick was emitted".into());
+                    execution.updated_ms = self.config.clock.now().timestamp_millis();
+                    self.bounded(self.store.put_execution(&execution, Some(&fence)))
+                        .await?;
+                    continue;
+                };
+                if execution.status == ExecutionStatus::Buffered {
+                    if running {
+                        continue;
+                    }
+                    // The running execution ended: the buffered one goes now.
+                    execution.fencing_token = lease.token;
+                    if self.publish(schedule, &execution).await.is_ok() {
+                        execution.status = ExecutionStatus::Running;
+                        running = true;
+                    }
+                    execution.updated_ms = self.config.clock.now().timestamp_millis();
+                    self.bounded(self.store.put_execution(&execution, Some(&fence)))
+                        .await?;
+                    continue;
+                }
+                if execution.updated_ms > threshold {
+                    continue;
+                }
+                if execution.status == ExecutionStatus::Running {
+                    if !self.settle_running(schedule, &mut execution).await? {
+                        continue;
+                    }
+                    if execution.status != ExecutionStatus::Scheduled {
+                        self.bounded(self.store.put_execution(&execution, Some(&fence)))
+                            .await?;
+                        continue;
+                    }
+                }
+                if execution.status != ExecutionStatus::Scheduled {
+                    continue;
+                }
+                if schedule.delivery == Delivery::AtMostOnce {
+                    // Claimed and perhaps emitted by a master that died before recording
+                    // it: emitting it now could deliver it twice.
+                    warn!(schedule = %id, tick = %execution.tick_id, "at_most_once tick of a dead master marked missed");
+                    missed(&mut execution);
+                } else if execution.attempt >= execution.max_attempts {
+                    warn!(schedule = %id, tick = %execution.tick_id, attempts = execution.attempt, "execution failed: never emitted");
+                    execution.status = ExecutionStatus::Failed;
+                    execution.error =
+                        Some(format!("not emitted after {} attempts", execution.attempt));
+                } else {
+                    execution.attempt += 1;
+                    execution.fencing_token = lease.token;
+                    execution.node_id = self.config.node_id.clone();
+                    info!(schedule = %id, tick = %execution.tick_id, attempt = execution.attempt, "re-emitting orphaned execution");
+                    match self.publish(schedule, &execution).await {
+                        Ok(()) => {
+                            execution.status = emitted_status(schedule);
+                            execution.error = None;
+                        }
+                        Err(reason) => execution.error = Some(reason),
+                    }
+                }
+                execution.updated_ms = self.config.clock.now().timestamp_millis();
+                self.bounded(self.store.put_execution(&execution, Some(&fence)))
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A workflow tick `running` past the orphan threshold: its workflow execution
+    /// (whose id is the tick id) tells what happened. Ended: the record takes its
+    /// outcome. Never started (the tick was lost): the record goes back to `scheduled`
+    /// for re-emission. Still running: nothing to do. Returns whether it changed.
+    pub(super) async fn settle_running(
+        &self,
+        schedule: &Schedule,
+        execution: &mut Execution,
+    ) -> Result<bool, StoreError> {
+        if !matches!(schedule.target, Target::Workflow(_)) {
+            return Ok(false);
+        }
+        let run = self
+            .store
+            .get_workflow_execution(&execution.tick_id)
+            .await?;
+        execution.status = match run.map(|r| r.status) {
+            Some(crate::dispatch::RunStatus::Running) => return Ok(false),
+            Some(crate::dispatch::RunStatus::Completed) => ExecutionStatus::Completed,
+            Some(crate::dispatch::RunStatus::Failed) => ExecutionStatus::Failed,
+            None => {
+                info!(schedule = %schedule.id, tick = %execution.tick_id, "workflow tick never started its execution");
+                ExecutionStatus::Scheduled
+            }
+        };
+        execution.updated_ms = self.config.clock.now().timestamp_millis();
+        Ok(true)
+    }
+}
