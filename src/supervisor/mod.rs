@@ -174,7 +174,37 @@ impl GraphHandle {
     }
 }
 
-/// Runs graphs until its cancellation token fires.
+/// Runs graphs until its cancellation token fires: restarts what fails, with backoff,
+/// and records every recovery.
+///
+/// ```
+/// use serde_json::json;
+/// use tokio_util::sync::CancellationToken;
+/// use weir::{AccumulatorSpec, GraphBuilder, ReactorState, Runtime, SupervisionPolicy, Supervisor};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// // The embedded default: the memory broker and store.
+/// let supervisor = Supervisor::new(
+///     Runtime::embedded(),
+///     SupervisionPolicy::default(),
+///     CancellationToken::new(),
+/// );
+/// let graph = GraphBuilder::new("echo")
+///     .accumulator(AccumulatorSpec::passthrough("in"))
+///     .node("out", ["in"], |ctx: weir::NodeContext| async move {
+///         Ok(ctx.source("in").cloned())
+///     })
+///     .output("out", "echo.out")
+///     .build()
+///     .unwrap();
+/// let handle = supervisor.spawn(graph).unwrap();
+/// handle.wait_for_state(ReactorState::Live).await;
+/// handle.push("in", json!({"hello": "weir"})).await.unwrap();
+/// assert!(supervisor.graph("echo").is_some());
+/// assert!(supervisor.shutdown().await, "every graph stopped in time");
+/// # }
+/// ```
 pub struct Supervisor {
     runtime: Runtime,
     policy: SupervisionPolicy,

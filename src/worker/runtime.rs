@@ -74,6 +74,42 @@ impl WorkerSettings {
     }
 }
 
+/// Runs the tasks of one executor: reads its TaskReadyEvents, runs each task's handler
+/// (looked up by name in its [`HandlerRegistry`]) and reports every attempt.
+///
+/// ```
+/// use std::sync::Arc;
+/// use tokio_util::sync::CancellationToken;
+/// use weir::dispatch::{TaskSpec, Workflow, DEFAULT_EXECUTOR};
+/// use weir::store::memory::MemoryStore;
+/// use weir::transport::memory::MemoryBroker;
+/// use weir::transport::Broker;
+/// use weir::worker::{HandlerRegistry, Worker, WorkerSettings};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let broker = Arc::new(MemoryBroker::default());
+/// let etl = Workflow::new("etl", vec![TaskSpec::new("load", "builtin::echo")]).unwrap();
+/// let worker = Worker::new(
+///     broker.clone(),
+///     Arc::new(MemoryStore::new()),
+///     HandlerRegistry::with_builtins(broker.sink()),
+///     vec![etl],
+///     WorkerSettings {
+///         executor: DEFAULT_EXECUTOR.into(),
+///         concurrency: 8,
+///         worker_id: "worker-1".into(),
+///         results_topic: weir::wire::RESULTS_TOPIC.into(),
+///         tenant: None,
+///     },
+/// );
+/// let stop = CancellationToken::new();
+/// let running = tokio::spawn(worker.run(stop.clone()));
+/// // … a state manager publishes TaskReadyEvents to weir.tasks.default …
+/// stop.cancel();
+/// running.await.unwrap().unwrap();
+/// # }
+/// ```
 pub struct Worker {
     broker: Arc<dyn Broker>,
     shared: Arc<Shared>,
