@@ -1,0 +1,487 @@
+//! One supervised graph: its wiring, its incarnations (accumulators and reactor), the
+//! restarts and respawns between them, its failure budget, and its lease.
+
+use super::*;
+
+/// Sources and sinks of one graph, resolved against the runtime once.
+pub(super) struct GraphWiring {
+    pub(super) sources: Vec<Option<Arc<dyn SourceFactory>>>,
+    pub(super) dead_letter_topics: Vec<String>,
+    pub(super) outputs: Arc<[(String, Arc<dyn Sink>)]>,
+}
+
+impl GraphWiring {
+    pub(super) fn resolve(decl: &GraphDeclaration, runtime: &Runtime) -> Self {
+        let group = format!("weir.{}", decl.key().replace('/', "."));
+        let mut sources = Vec::new();
+        let mut dead_letter_topics = Vec::new();
+        for spec in &decl.accumulators {
+            let (source, default_dlq): (Option<Arc<dyn SourceFactory>>, String) = match &spec.source
+            {
+                SourceSpec::None => (
+                    None,
+                    decl.qualify_topic(&crate::wire::accumulator_dead_letter_topic(
+                        &decl.name, &spec.name,
+                    )),
+                ),
+                SourceSpec::Topic { topic, start } => {
+                    let topic = decl.qualify_topic(topic);
+                    let mut subscription = Subscription::new(topic.clone(), group.clone());
+                    subscription.start = *start;
+                    // One active instance per graph: read every partition directly.
+                    subscription.assignment = Assignment::All;
+                    let source = BrokerSource {
+                        broker: runtime.broker.clone(),
+                        subscription,
+                    };
+                    (
+                        Some(Arc::new(source)),
+                        crate::wire::dead_letter_topic(&topic),
+                    )
+                }
+                SourceSpec::Custom(factory) => (
+                    Some(factory.clone()),
+                    decl.qualify_topic(&crate::wire::accumulator_dead_letter_topic(
+                        &decl.name, &spec.name,
+                    )),
+                ),
+            };
+            sources.push(source);
+            dead_letter_topics.push(match &spec.dead_letter {
+                Some(t) => decl.qualify_topic(t),
+                None => default_dlq,
+            });
+        }
+        let outputs = decl
+            .outputs
+            .iter()
+            .map(|o| {
+                let sink = o.sink.clone().unwrap_or_else(|| runtime.broker.sink());
+                (decl.qualify_topic(&o.topic), sink)
+            })
+            .collect();
+        Self {
+            sources,
+            dead_letter_topics,
+            outputs,
+        }
+    }
+}
+
+pub(super) struct SupervisedGraph {
+    pub(super) decl: GraphDeclaration,
+    pub(super) wiring: GraphWiring,
+    pub(super) runtime: Runtime,
+    pub(super) policy: SupervisionPolicy,
+    pub(super) cancel: CancellationToken,
+    pub(super) stats: Arc<GraphStats>,
+    pub(super) commands: Arc<tokio::sync::Mutex<mpsc::Receiver<Command>>>,
+    pub(super) sockets: Vec<SocketReceiver>,
+    pub(super) health: Vec<Arc<watch::Sender<Health>>>,
+    pub(super) status: watch::Sender<GraphStatus>,
+    pub(super) state: watch::Sender<ReactorState>,
+    pub(super) restart: Arc<Notify>,
+}
+
+/// Consecutive failures, with the healthy-time reset. Waits on unreachable
+/// infrastructure are counted apart: they set the backoff, never the failure budget.
+#[derive(Default)]
+pub(super) struct FailureCount {
+    pub(super) count: u32,
+    pub(super) last: Option<Instant>,
+    pub(super) outages: u32,
+    pub(super) last_outage: Option<Instant>,
+}
+
+/// How one incarnation of the graph ended.
+pub(super) enum Ended {
+    Cancelled,
+    /// The reactor stopped; `retryable` when waiting may help (store or broker away).
+    ReactorFailed {
+        error: String,
+        retryable: bool,
+    },
+    Failed,
+    LeaseLost,
+    /// A restart command.
+    Restart,
+}
+
+/// Why the graph stopped running on this node.
+#[derive(PartialEq, Eq)]
+pub(super) enum Outcome {
+    Stop,
+    Failed,
+    Standby,
+}
+
+impl SupervisedGraph {
+    pub(super) async fn supervise(self) {
+        let name = self.decl.key();
+        info!(graph = %name, accumulators = self.decl.accumulators.len(), "graph starting");
+        let mut failures = FailureCount::default();
+        loop {
+            let lease = match self.policy.graph_lease_ttl {
+                Some(ttl) => match self.acquire_lease(ttl).await {
+                    Some(held) => Some((held, ttl)),
+                    None => break,
+                },
+                None => None,
+            };
+            let lost = CancellationToken::new();
+            let renewer = lease.clone().map(|(held, ttl)| {
+                tokio::spawn(crate::lease::keep(
+                    self.runtime.store.clone(),
+                    held,
+                    ttl,
+                    lost.clone(),
+                    self.cancel.clone(),
+                ))
+            });
+            let held = lease.as_ref().map(|(held, _)| held.clone());
+            let outcome = self.run_while_leased(&mut failures, &lost, held).await;
+            if lease.is_some() {
+                // Released below, or lost: either way no longer held.
+                crate::metrics::lease_dropped(LeaseRole::Graph);
+            }
+            if let Some(renewer) = renewer {
+                renewer.abort();
+            }
+            if let Some((held, _)) = &lease {
+                if outcome != Outcome::Standby {
+                    if let Err(e) = self.runtime.store.release_lease(&held.lease).await {
+                        warn!(graph = %name, error = %e, "lease not released; it will expire");
+                    }
+                }
+            }
+            match outcome {
+                Outcome::Stop => break,
+                Outcome::Failed => {
+                    self.state.send_replace(ReactorState::Failed);
+                    self.stats.state_changed(ReactorState::Failed);
+                    tokio::select! {
+                        _ = self.cancel.cancelled() => break,
+                        _ = tokio::time::sleep(self.policy.failed_retry) => {
+                            info!(graph = %name, "retrying the failed graph");
+                        }
+                        _ = self.restart.notified() => {
+                            info!(graph = %name, "restarting the failed graph on request");
+                        }
+                    }
+                    failures = FailureCount::default();
+                }
+                Outcome::Standby => warn!(graph = %name, "graph lease lost; standing by"),
+            }
+        }
+        self.status.send_replace(GraphStatus::Stopped);
+        info!(graph = %name, "graph stopped");
+    }
+
+    /// Waits until this process holds the graph's lease; `None` if cancelled first.
+    pub(super) async fn acquire_lease(
+        &self,
+        ttl: std::time::Duration,
+    ) -> Option<crate::lease::Held> {
+        self.status.send_replace(GraphStatus::Standby);
+        let name = format!("graph:{}", self.decl.key());
+        let retry = (ttl / 3).max(std::time::Duration::from_millis(50));
+        loop {
+            match crate::lease::acquire(
+                self.runtime.store.as_ref(),
+                &name,
+                &self.runtime.node_id,
+                ttl,
+            )
+            .await
+            {
+                Ok(Some(held)) => {
+                    info!(graph = %self.decl.key(), token = held.lease.token, "graph lease acquired");
+                    crate::metrics::lease_acquired(LeaseRole::Graph);
+                    return Some(held);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    warn!(graph = %self.decl.key(), error = %e, "cannot reach the store for the graph lease")
+                }
+            }
+            tokio::select! {
+                _ = self.cancel.cancelled() => return None,
+                _ = tokio::time::sleep(retry) => {}
+            }
+        }
+    }
+
+    /// Runs incarnations, restarting after failures, until stopped, failed or the lease
+    /// is lost.
+    pub(super) async fn run_while_leased(
+        &self,
+        failures: &mut FailureCount,
+        lost: &CancellationToken,
+        lease: Option<crate::lease::Held>,
+    ) -> Outcome {
+        loop {
+            match self.incarnation(failures, lost, lease.clone()).await {
+                Ended::Cancelled => return Outcome::Stop,
+                Ended::Failed => return Outcome::Failed,
+                Ended::LeaseLost => return Outcome::Standby,
+                Ended::Restart => info!(graph = %self.decl.key(), "restarting on request"),
+                Ended::ReactorFailed { error, retryable } => {
+                    let Some(delay) = self
+                        .failure(
+                            failures,
+                            "reactor",
+                            RecoveryAction::GraphRespawned,
+                            &error,
+                            retryable,
+                        )
+                        .await
+                    else {
+                        return Outcome::Failed;
+                    };
+                    self.status.send_replace(GraphStatus::Restarting {
+                        failures: failures.count,
+                    });
+                    if retryable {
+                        self.state.send_replace(ReactorState::Degraded);
+                        self.stats.state_changed(ReactorState::Degraded);
+                    }
+                    tokio::select! {
+                        _ = self.cancel.cancelled() => return Outcome::Stop,
+                        _ = lost.cancelled() => return Outcome::Standby,
+                        _ = self.restart.notified() => {}
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// Counts a failure and records it. Returns the backoff before the restart, or `None`
+    /// when the graph is now Failed. A `retryable` failure (store or broker unreachable)
+    /// is waited out with backoff and never counts toward Failed.
+    pub(super) async fn failure(
+        &self,
+        failures: &mut FailureCount,
+        component: &str,
+        action: RecoveryAction,
+        error: &str,
+        retryable: bool,
+    ) -> Option<std::time::Duration> {
+        let now = Instant::now();
+        let reset = |last: Option<Instant>| {
+            last.is_some_and(|last| now.duration_since(last) >= self.policy.healthy_reset)
+        };
+        if reset(failures.last) {
+            failures.count = 0;
+        }
+        if reset(failures.last_outage) {
+            failures.outages = 0;
+        }
+        if retryable {
+            failures.outages += 1;
+            failures.last_outage = Some(now);
+        } else {
+            failures.count += 1;
+            failures.last = Some(now);
+        }
+        let failed = !retryable && failures.count >= self.policy.max_failures;
+        let action = if failed {
+            RecoveryAction::GraphFailed
+        } else {
+            action
+        };
+        let event = RecoveryEvent {
+            graph: self.decl.key(),
+            component: component.to_string(),
+            action,
+            attempt: failures.count,
+            error: error.to_string(),
+            at_ms: now_ms(),
+            node_id: self.runtime.node_id.clone(),
+        };
+        if let Err(e) = self.runtime.store.record_recovery(&event).await {
+            warn!(graph = %event.graph, error = %e, "recovery event not recorded");
+        }
+        crate::metrics::recovery_recorded(&event.graph, action.as_str());
+        if failed {
+            error!(graph = %event.graph, %component, failures = failures.count, %error, "graph failed");
+            self.status.send_replace(GraphStatus::Failed {
+                error: format!("{component}: {error}"),
+            });
+            return None;
+        }
+        let delay = if retryable {
+            self.policy.backoff(failures.outages)
+        } else {
+            self.policy.backoff(failures.count)
+        };
+        warn!(graph = %event.graph, %component, failures = failures.count, retryable, ?delay, %error, "restarting after failure");
+        Some(delay)
+    }
+
+    /// Nested in the graph's span, so an accumulator's logs carry `graph` and `source`.
+    pub(super) fn source_span(&self, index: usize) -> tracing::Span {
+        info_span!("accumulator", source = %self.decl.accumulators[index].name)
+    }
+
+    pub(super) fn accumulator_task(
+        &self,
+        index: usize,
+        wiring: &Wiring,
+        lease: &Option<crate::lease::Held>,
+        cancel: &CancellationToken,
+    ) -> AccumulatorTask {
+        AccumulatorTask {
+            graph: Arc::from(self.decl.key().as_str()),
+            key: self.decl.key(),
+            index,
+            spec: self.decl.accumulators[index].clone(),
+            source: self.wiring.sources[index].clone(),
+            dead_letter_topic: self.wiring.dead_letter_topics[index].clone(),
+            dead_letters: self.runtime.broker.sink(),
+            store: self.runtime.store.clone(),
+            socket: self.sockets[index].clone(),
+            to_reactor: wiring.inputs.clone(),
+            permits: wiring.permits[index].clone(),
+            counters: wiring.counters[index].clone(),
+            lease: lease.clone(),
+            durable: wiring.durable[index].clone(),
+            health: self.health[index].clone(),
+            stats: self.stats.clone(),
+            cancel: cancel.clone(),
+        }
+    }
+
+    pub(super) async fn incarnation(
+        &self,
+        failures: &mut FailureCount,
+        lost: &CancellationToken,
+        lease: Option<crate::lease::Held>,
+    ) -> Ended {
+        let cancel = self.cancel.child_token();
+        let restored = Reactor::restore(
+            &self.decl,
+            self.wiring.outputs.clone(),
+            self.runtime.store.clone(),
+            self.stats.clone(),
+            self.state.clone(),
+            lease.clone(),
+        )
+        .await;
+        let (reactor, wiring) = match restored {
+            Ok(r) => r,
+            Err(e) => {
+                return Ended::ReactorFailed {
+                    error: e.to_string(),
+                    retryable: e.is_retryable(),
+                }
+            }
+        };
+        let commands = self.commands.clone();
+        let reactor_cancel = cancel.clone();
+        let mut reactor_task: JoinHandle<Result<(), ReactorError>> = tokio::spawn(
+            async move {
+                let mut commands = commands.lock_owned().await;
+                reactor.run(&mut commands, reactor_cancel).await
+            }
+            .instrument(info_span!("reactor")),
+        );
+        let mut accumulators = JoinSet::new();
+        let mut ids: HashMap<Id, usize> = HashMap::new();
+        for index in 0..self.decl.accumulators.len() {
+            let task = self.accumulator_task(index, &wiring, &lease, &cancel);
+            let handle = accumulators.spawn(task.run().instrument(self.source_span(index)));
+            ids.insert(handle.id(), index);
+        }
+        self.status.send_replace(GraphStatus::Running);
+
+        let ended = loop {
+            tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => break Ended::Cancelled,
+                _ = lost.cancelled() => break Ended::LeaseLost,
+                _ = self.restart.notified() => break Ended::Restart,
+                result = &mut reactor_task => {
+                    if self.cancel.is_cancelled() {
+                        break Ended::Cancelled;
+                    }
+                    let (error, retryable) = match result {
+                        Ok(Ok(())) => ("reactor exited".to_string(), false),
+                        Ok(Err(e)) => (e.to_string(), e.is_retryable()),
+                        Err(e) => (describe_join_error(e), false),
+                    };
+                    break Ended::ReactorFailed { error, retryable };
+                }
+                Some(result) = accumulators.join_next_with_id() => {
+                    if self.cancel.is_cancelled() {
+                        break Ended::Cancelled;
+                    }
+                    let (id, error, retryable) = match result {
+                        // Its reactor is gone: the reactor's end is what counts, once.
+                        Ok((id, Ok(()))) if wiring.inputs.is_closed() => {
+                            ids.remove(&id);
+                            continue;
+                        }
+                        Ok((id, Ok(()))) => (id, "accumulator exited".to_string(), false),
+                        Ok((id, Err(e))) => (id, e.to_string(), e.is_retryable()),
+                        Err(e) => (e.id(), describe_join_error(e), false),
+                    };
+                    let Some(index) = ids.remove(&id) else { continue };
+                    let name = self.decl.accumulators[index].name.clone();
+                    self.health[index].send_replace(Health::Disconnected);
+                    self.stats.health_changed(index, Health::Disconnected);
+                    let _ = wiring.inputs.send(ReactorInput::Health { source: index, health: Health::Disconnected }).await;
+                    let Some(delay) = self
+                        .failure(failures, &name, RecoveryAction::AccumulatorRestarted, &error, retryable)
+                        .await
+                    else {
+                        break Ended::Failed;
+                    };
+                    let task = self.accumulator_task(index, &wiring, &lease, &cancel);
+                    let restart_cancel = cancel.clone();
+                    let handle = accumulators.spawn(async move {
+                        tokio::select! {
+                            _ = restart_cancel.cancelled() => Ok(()),
+                            _ = tokio::time::sleep(delay) => task.run().await,
+                        }
+                    }.instrument(self.source_span(index)));
+                    ids.insert(handle.id(), index);
+                }
+            }
+        };
+
+        // Tear down this incarnation: stop accumulators first so their last boundaries
+        // reach the reactor, then let the reactor finish its in-flight fires.
+        cancel.cancel();
+        let limit = self.policy.shutdown_timeout;
+        let drained = tokio::time::timeout(limit, async {
+            while accumulators.join_next().await.is_some() {}
+            if !reactor_task.is_finished() {
+                let _ = (&mut reactor_task).await;
+            }
+        })
+        .await;
+        if drained.is_err() {
+            warn!(graph = %self.decl.key(), "tasks did not stop in time; aborting them");
+            accumulators.abort_all();
+            reactor_task.abort();
+            while accumulators.join_next().await.is_some() {}
+            let _ = reactor_task.await;
+        }
+        ended
+    }
+}
+
+pub(super) fn describe_join_error(e: JoinError) -> String {
+    if e.is_panic() {
+        let panic = e.into_panic();
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string());
+        format!("panicked: {message}")
+    } else {
+        "cancelled".to_string()
+    }
+}
