@@ -345,6 +345,7 @@ impl Broker for KafkaBroker {
                     broker: self.clone(),
                     every: tokio::time::interval_at(tokio::time::Instant::now() + every, every),
                     known: partitions.iter().copied().collect(),
+                    lookup: None,
                 })
             }
             _ => None,
@@ -519,14 +520,25 @@ async fn receive(
 }
 
 impl PartitionWatch {
+    /// Starts a lookup of the topic's partitions, unless one is under way.
+    fn look(&mut self, topic: &str) {
+        if self.lookup.is_none() {
+            let broker = self.broker.clone();
+            let topic = topic.to_string();
+            self.lookup = Some(tokio::spawn(
+                async move { broker.partitions_of(&topic).await },
+            ));
+        }
+    }
+
     /// Reads partitions the topic has gained from their beginning: everything in them
     /// was written after this source started.
-    async fn assign_added(
+    fn assign_added(
         &mut self,
         consumer: &StreamConsumer<GroupContext>,
         topic: &str,
+        partitions: Vec<i32>,
     ) -> Result<(), TransportError> {
-        let partitions = self.broker.partitions_of(topic).await?;
         let added: Vec<i32> = partitions
             .into_iter()
             .filter(|p| !self.known.contains(p))
@@ -546,6 +558,20 @@ impl PartitionWatch {
         self.known.extend(added);
         Ok(())
     }
+}
+
+/// The answer of a partition lookup under way, once there is one; the lookup is done
+/// with then.
+async fn looked_up(
+    lookup: &mut Option<tokio::task::JoinHandle<Result<Vec<i32>, TransportError>>>,
+    brokers: &str,
+) -> Result<Vec<i32>, TransportError> {
+    let Some(pending) = lookup else {
+        return std::future::pending().await;
+    };
+    let answer = pending.await;
+    *lookup = None;
+    answer.map_err(|e| unreachable(brokers, e))?
 }
 
 fn is_retryable(e: &KafkaError) -> bool {
@@ -598,6 +624,9 @@ struct PartitionWatch {
     broker: KafkaBroker,
     every: tokio::time::Interval,
     known: HashSet<i32>,
+    /// The metadata lookup under way: a task of its own, so a read that is dropped
+    /// (its caller had something else to do) does not lose it.
+    lookup: Option<tokio::task::JoinHandle<Result<Vec<i32>, TransportError>>>,
 }
 
 impl Drop for KafkaSource {
@@ -655,10 +684,14 @@ impl KafkaSource {
         loop {
             tokio::select! {
                 received = receive(consumer, &self.topic) => return received,
-                _ = watch.every.tick() => {}
-            }
-            if let Err(e) = watch.assign_added(consumer, &self.topic).await {
-                tracing::warn!(topic = %self.topic, error = %e, "cannot look for added partitions");
+                _ = watch.every.tick() => watch.look(&self.topic),
+                looked = looked_up(&mut watch.lookup, &watch.broker.inner.settings.brokers) => {
+                    let added = looked
+                        .and_then(|partitions| watch.assign_added(consumer, &self.topic, partitions));
+                    if let Err(e) = added {
+                        tracing::warn!(topic = %self.topic, error = %e, "cannot look for added partitions");
+                    }
+                }
             }
         }
     }
@@ -690,13 +723,17 @@ impl KafkaSource {
 #[async_trait]
 impl Source for KafkaSource {
     async fn next(&mut self) -> Result<Message, TransportError> {
-        if self.paused {
-            self.set_paused(false)?;
-        }
         self.forget_revoked();
+        // Fetching starts again only once what arrived while held is taken: resuming
+        // and pausing at every message would throw away what the client fetched.
         let message = match self.held.pop_front() {
             Some(held) => held,
-            None => self.receive().await?,
+            None => {
+                if self.paused {
+                    self.set_paused(false)?;
+                }
+                self.receive().await?
+            }
         };
         self.forget_revoked();
         if let Some(prefix) = &mut self.prefix {
@@ -708,12 +745,17 @@ impl Source for KafkaSource {
     /// Pauses the assigned partitions and goes on polling: a member that stops polling
     /// for `max.poll.interval.ms` is taken out of its group and its messages in progress
     /// go to another member, while a paused one fetches nothing it cannot take yet.
-    /// Pausing again after each arrival covers partitions assigned meanwhile.
     async fn hold(&mut self) -> Result<(), TransportError> {
-        self.set_paused(true)?;
+        if !self.paused {
+            self.set_paused(true)?;
+        }
         let message = self.receive().await?;
-        self.held.push_back(message);
+        // Revocations heard while receiving drop what was held of those partitions; the
+        // message just received belongs to the assignment since, so it stays.
         self.forget_revoked();
+        self.held.push_back(message);
+        // It arrived from a partition fetching despite the pause: one assigned since.
+        self.set_paused(true)?;
         Ok(())
     }
 

@@ -646,7 +646,6 @@ fn consume_error(topic: &str, reason: String) -> TransportError {
 impl JetStreamSource {
     /// The next message from the server, pulling more when there is room for them.
     async fn receive(&mut self) -> Result<Option<jetstream::Message>, TransportError> {
-        let now = tokio::time::Instant::now();
         let unacked = &mut self.unacked;
         match &mut self.reading {
             Reading::Continuous(messages) => match messages.next().await {
@@ -672,14 +671,27 @@ impl JetStreamSource {
                     }
                 }
                 if request.is_none() {
-                    // What the server has redelivered by now is no longer ours to count.
-                    unacked.retain(|_, d| d.alive_until > now);
-                    let room = prefetch.saturating_sub(unacked.len());
+                    // A message the server may have handed to another member by now (not
+                    // finished, not reported alive) takes no room; its acker stays, in
+                    // case its handler still finishes.
+                    let now = tokio::time::Instant::now();
+                    let held = unacked.values().filter(|d| d.alive_until > now).count();
+                    let room = prefetch.saturating_sub(held);
                     // Pull once half the room is free, so requests stay large; until
-                    // then the messages at hand keep the consumer busy, and a commit
-                    // (which ends this wait by ending the read) frees more.
-                    if room == 0 || (room < *prefetch / 2 && !unacked.is_empty()) {
-                        std::future::pending::<()>().await;
+                    // then the messages at hand keep the consumer busy. A commit frees
+                    // room by ending this read; so does a held message expiring, which
+                    // is when this wait looks again.
+                    if room == 0 || (room < *prefetch / 2 && held > 0) {
+                        let expiry = unacked
+                            .values()
+                            .map(|d| d.alive_until)
+                            .filter(|at| *at > now)
+                            .min();
+                        match expiry {
+                            Some(at) => tokio::time::sleep_until(at).await,
+                            None => std::future::pending::<()>().await,
+                        }
+                        continue;
                     }
                     let consumer = consumer.as_ref().clone();
                     *request = Some(Box::pin(async move {
