@@ -988,11 +988,16 @@ impl Config {
     pub fn check_handlers(
         &self,
         executor: &str,
+        tenant: Option<&str>,
         registry: &crate::worker::HandlerRegistry,
     ) -> Result<(), ConfigError> {
         let router = self.router()?;
         let mut errors = Vec::new();
         for (i, w) in self.workflows.iter().enumerate() {
+            // A worker reads its own tenant's task topic only.
+            if w.tenant.as_deref() != tenant {
+                continue;
+            }
             let workflow = w.workflow(i)?;
             for (j, t) in w.tasks.iter().enumerate() {
                 if router.executor(&workflow.namespace(&t.id)) != executor
@@ -1475,13 +1480,34 @@ format = "json"
             crate::transport::memory::MemoryBroker::default(),
         ));
         let err = config
-            .check_handlers(crate::dispatch::DEFAULT_EXECUTOR, &registry)
+            .check_handlers(crate::dispatch::DEFAULT_EXECUTOR, None, &registry)
             .unwrap_err()
             .to_string();
         assert!(err.contains("workflow[0].task[0].handler"), "{err}");
         assert!(err.contains("builtin::nope"), "{err}");
         assert!(!err.contains("task[1]"), "routed elsewhere: {err}");
-        assert!(config.check_handlers("elsewhere", &registry).is_err());
+        assert!(config.check_handlers("elsewhere", None, &registry).is_err());
+    }
+
+    #[test]
+    fn a_tenants_worker_needs_the_handlers_of_its_tenants_tasks_only() {
+        let text = format!(
+            "{SAMPLE}[[workflow]]\nname = \"w\"\ntenant = \"acme\"\n[[workflow.task]]\nid = \"t\"\nhandler = \"acme_only\"\n[[workflow]]\nname = \"v\"\n[[workflow.task]]\nid = \"t\"\nhandler = \"builtin::echo\"\n"
+        );
+        let config = parse(&text, &[]).unwrap();
+        let registry = crate::worker::HandlerRegistry::with_builtins(Arc::new(
+            crate::transport::memory::MemoryBroker::default(),
+        ));
+        let executor = crate::dispatch::DEFAULT_EXECUTOR;
+        assert!(config.check_handlers(executor, None, &registry).is_ok());
+        let err = config
+            .check_handlers(executor, Some("acme"), &registry)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("workflow[0].task[0].handler"), "{err}");
+        assert!(config
+            .check_handlers(executor, Some("globex"), &registry)
+            .is_ok());
     }
 
     #[test]

@@ -92,7 +92,7 @@ pub async fn worker(
     let config = Config::load(config)?;
     let runtime = config.runtime().await?;
     let registry = handlers(&runtime);
-    config.check_handlers(&executor, &registry)?;
+    config.check_handlers(&executor, tenant.as_deref(), &registry)?;
     let settings = WorkerSettings {
         executor: executor.clone(),
         concurrency,
