@@ -21,7 +21,7 @@
 //! - [`dispatch`]: workflows (DAGs of tasks), routing task namespaces to executor topics
 //!   by ordered glob rules, executions in the store, and the state manager publishing
 //!   TaskReadyEvents and applying results.
-//! - [`worker`]: task handlers by name, with the built-ins, and the worker runtime
+//! - [`worker`]: task handlers by name, with the built-ins, and the worker that runs them
 //!   (bounded concurrency, timeouts, retries, dead letters).
 //! - [`codec`]: Avro single-object encoding for weir's records (`schemas/`), JSON for
 //!   user events.

@@ -2,12 +2,12 @@
 //!
 //! Each accumulator has two input paths merged into one loop: the *socket* path (events
 //! pushed in-process or through the admin API) and an optional *source* path (a broker
-//! topic or a poll). [`kinds`] holds the built-in kinds, [`runtime`] the task that runs
+//! topic or a poll). [`kinds`] holds the built-in kinds, `task` the task that runs
 //! one accumulator, [`commit`] the rule for which source positions are safe to commit.
 
 pub mod commit;
 pub mod kinds;
-pub(crate) mod runtime;
+pub(crate) mod task;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -117,7 +117,7 @@ impl AccumulatorError {
 }
 
 /// Turns events into boundary values. Implementations are plain synchronous state
-/// machines: the runtime owns all I/O.
+/// machines: the accumulator task owns all I/O.
 pub trait Accumulator: Send + 'static {
     /// Restores user state from the last checkpoint (`None` on a first start).
     fn init(&mut self, state: Option<Value>) -> Result<(), AccumulatorError> {

@@ -18,7 +18,7 @@ use super::{
     Command, CommandError, FireReason, FireReport, ReactorConfig, ReactorInput, ReactorState,
     ReactorStatus, SourceStatus, Strategy,
 };
-use crate::accumulator::runtime::SourceCounters;
+use crate::accumulator::task::SourceCounters;
 use crate::accumulator::{Boundary, Health, PUSH_PARTITION};
 use crate::graph::{CompiledGraph, FireInput, GraphDeclaration};
 use crate::metrics::GraphStats;

@@ -28,7 +28,7 @@ use graph::{GraphWiring, SupervisedGraph};
 pub use handle::GraphHandle;
 pub use runtime::{default_node_id, Runtime};
 
-use crate::accumulator::runtime::{AccumulatorTask, SocketReceiver};
+use crate::accumulator::task::{AccumulatorTask, SocketReceiver};
 use crate::accumulator::{Health, SourceSpec};
 use crate::graph::GraphDeclaration;
 use crate::metrics::{GraphStats, LeaseRole, StatsSnapshot};
