@@ -200,29 +200,30 @@ async fn publish_ids(broker: &Arc<dyn Broker>, topic: &str, ids: std::ops::Range
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_server_restarted_mid_stream_loses_no_input() {
-    const EVENTS: u64 = 600;
-    let mut server = Server::nats("");
-    let nats = jetstream(&server).await;
-    let broker: Arc<dyn Broker> = nats.clone();
+/// Runs a graph on `broker`, restarts `server` (the broker's) once half the input is in
+/// and the graph fires, goes on publishing meanwhile, and reads every input's output.
+async fn restarted_mid_stream_loses_no_input(
+    broker: Arc<dyn Broker>,
+    mut server: Server,
+    events: u64,
+) {
     let prefix = services::unique("faults");
     let input = format!("{prefix}.in");
     let cancel = CancellationToken::new();
     let supervisor = supervisor(broker.clone(), &cancel);
     supervisor.spawn(padding_graph(&prefix)).unwrap();
-    publish_ids(&broker, &input, 0..EVENTS / 2).await;
+    publish_id_bursts(&broker, &input, 0..events / 2).await;
     read_until(
         &broker,
         &format!("{prefix}.out"),
-        Duration::from_secs(30),
+        Duration::from_secs(60),
         |seen| seen.len() >= 50,
     )
     .await;
     let publisher = {
         let broker = broker.clone();
         let input = input.clone();
-        tokio::spawn(async move { publish_ids(&broker, &input, EVENTS / 2..EVENTS).await })
+        tokio::spawn(async move { publish_id_bursts(&broker, &input, events / 2..events).await })
     };
     let _server = tokio::task::spawn_blocking(move || {
         server.restart();
@@ -231,9 +232,21 @@ async fn nats_server_restarted_mid_stream_loses_no_input() {
     .await
     .unwrap();
     publisher.await.unwrap();
-    all_ids_read(&broker, &format!("{prefix}.out"), EVENTS).await;
+    all_ids_read(&broker, &format!("{prefix}.out"), events).await;
     cancel.cancel();
     supervisor.shutdown().await;
+    // Kafka consumers close on blocking threads, which the runtime waits for at its end:
+    // let them close while their broker still answers.
+    drop(supervisor);
+    drop(broker);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_server_restarted_mid_stream_loses_no_input() {
+    let server = Server::nats("");
+    let broker: Arc<dyn Broker> = jetstream(&server).await;
+    restarted_mid_stream_loses_no_input(broker, server, 600).await;
 }
 
 /// Publishes `{"id": n}` for each id in bursts handed to the client together, so a broker
@@ -265,9 +278,8 @@ async fn publish_id_bursts(broker: &Arc<dyn Broker>, topic: &str, ids: std::ops:
 /// what it stored, as a Kafka broker with its log on disk is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_broker_restarted_mid_stream_loses_no_input() {
-    const EVENTS: u64 = 400;
     let s3 = Server::s3();
-    let mut server = Server::tansu_on_s3(&s3);
+    let server = Server::tansu_on_s3(&s3);
     let broker: Arc<dyn Broker> = Arc::new(
         KafkaBroker::connect(KafkaSettings {
             brokers: format!("127.0.0.1:{}", server.port),
@@ -277,39 +289,7 @@ async fn kafka_broker_restarted_mid_stream_loses_no_input() {
         })
         .expect("kafka client"),
     );
-    let prefix = services::unique("faults");
-    let input = format!("{prefix}.in");
-    let cancel = CancellationToken::new();
-    let supervisor = supervisor(broker.clone(), &cancel);
-    supervisor.spawn(padding_graph(&prefix)).unwrap();
-    publish_id_bursts(&broker, &input, 0..EVENTS / 2).await;
-    read_until(
-        &broker,
-        &format!("{prefix}.out"),
-        Duration::from_secs(60),
-        |seen| seen.len() >= 50,
-    )
-    .await;
-    let publisher = {
-        let broker = broker.clone();
-        let input = input.clone();
-        tokio::spawn(async move { publish_id_bursts(&broker, &input, EVENTS / 2..EVENTS).await })
-    };
-    let _server = tokio::task::spawn_blocking(move || {
-        server.restart();
-        server
-    })
-    .await
-    .unwrap();
-    publisher.await.unwrap();
-    all_ids_read(&broker, &format!("{prefix}.out"), EVENTS).await;
-    cancel.cancel();
-    supervisor.shutdown().await;
-    // Kafka consumers close on blocking threads, which the runtime waits for at its end:
-    // let them close while their broker still answers.
-    drop(supervisor);
-    drop(broker);
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    restarted_mid_stream_loses_no_input(broker, server, 400).await;
 }
 
 /// `GET path` on a local HTTP server; the status code.

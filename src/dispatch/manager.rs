@@ -21,7 +21,7 @@ use tracing::{debug, warn};
 
 use super::execution::{CronOrigin, Reported, RunStatus, WorkflowExecution};
 use super::router::{executor_topic, Router};
-use super::workflow::Workflow;
+use super::workflow::{split_namespace, Workflow};
 use crate::codec::avro::{decode, encode};
 use crate::codec::{CodecError, CronTick, ExecutionResult, TaskReadyEvent};
 use crate::store::{ExecutionStatus, Store, StoreError};
@@ -117,17 +117,6 @@ fn namespace_tenant(namespace: &str) -> Option<&str> {
         .split("::")
         .next()
         .and_then(crate::tenant::of_namespace_segment)
-}
-
-/// The key of the workflow a task namespace (`tenant::package::workflow::task`) names.
-fn namespace_workflow(namespace: &str) -> Option<String> {
-    let parts: Vec<&str> = namespace.split("::").collect();
-    match parts.as_slice() {
-        [tenant, _, workflow, task] if !workflow.is_empty() && !task.is_empty() => Some(
-            crate::tenant::key(crate::tenant::of_namespace_segment(tenant), workflow),
-        ),
-        _ => None,
-    }
 }
 
 /// Task execution id: the execution and the task.
@@ -492,6 +481,7 @@ impl Dispatcher {
         for workflow in self.workflows() {
             let results_topic = workflow.topic(&self.inner.settings.results_topic);
             let key = workflow.key();
+            let (tenant, name) = (workflow.tenant.clone(), workflow.name.clone());
             let results = broker
                 .subscribe(&Subscription::work_queue(
                     &results_topic,
@@ -507,13 +497,18 @@ impl Dispatcher {
                 RESULTS_IN_FLIGHT,
                 cancel.clone(),
                 move |message| {
-                    let (me, sink, stop, key) =
-                        (me.clone(), sink.clone(), stop.clone(), key.clone());
+                    let (me, sink, stop, tenant, name) = (
+                        me.clone(),
+                        sink.clone(),
+                        stop.clone(),
+                        tenant.clone(),
+                        name.clone(),
+                    );
                     async move {
                         let applied = match decode::<ExecutionResult>(&message.payload) {
-                            Ok(result) => match namespace_workflow(&result.namespace) {
+                            Ok(result) => match split_namespace(&result.namespace) {
                                 // Another workflow's group applies it.
-                                Some(named) if named != key => Ok(()),
+                                Some((t, w, _)) if t != tenant.as_deref() || w != name => Ok(()),
                                 Some(_) => {
                                     retrying(&stop, "apply result", || me.apply_result(&result))
                                         .await

@@ -14,4 +14,4 @@ pub mod workflow;
 pub use execution::{CronOrigin, Reported, RunStatus, TaskRecord, TaskStatus, WorkflowExecution};
 pub use manager::{DispatchError, DispatchSettings, Dispatcher};
 pub use router::{executor_topic, Route, RouteError, Router, DEFAULT_EXECUTOR};
-pub use workflow::{TaskSpec, Workflow, WorkflowError};
+pub use workflow::{split_namespace, TaskSpec, Workflow, WorkflowError};

@@ -249,6 +249,18 @@ impl Workflow {
     }
 }
 
+/// A task namespace as [`Workflow::namespace`] writes it,
+/// `tenant::package::workflow::task`, back to (tenant, workflow, task).
+pub fn split_namespace(namespace: &str) -> Option<(Option<&str>, &str, &str)> {
+    let parts: Vec<&str> = namespace.split("::").collect();
+    match parts.as_slice() {
+        [tenant, _, workflow, task] if !workflow.is_empty() && !task.is_empty() => {
+            Some((crate::tenant::of_namespace_segment(tenant), workflow, task))
+        }
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -339,5 +351,19 @@ mod tests {
             Workflow::new("w", vec![zero]),
             Err(WorkflowError::NoAttempts { .. })
         ));
+    }
+
+    #[test]
+    fn namespaces_name_workflow_and_task() {
+        assert_eq!(
+            split_namespace("public::default::etl::load"),
+            Some((None, "etl", "load"))
+        );
+        assert_eq!(
+            split_namespace("acme::default::etl::load"),
+            Some((Some("acme"), "etl", "load"))
+        );
+        assert_eq!(split_namespace("etl::load"), None);
+        assert_eq!(split_namespace("a::b::::t"), None);
     }
 }

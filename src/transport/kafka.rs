@@ -723,7 +723,10 @@ impl KafkaSource {
 #[async_trait]
 impl Source for KafkaSource {
     async fn next(&mut self) -> Result<Message, TransportError> {
-        self.forget_revoked();
+        if !self.held.is_empty() {
+            // Held messages of partitions lost meanwhile are their new owner's.
+            self.forget_revoked();
+        }
         // Fetching starts again only once what arrived while held is taken: resuming
         // and pausing at every message would throw away what the client fetched.
         let message = match self.held.pop_front() {

@@ -22,7 +22,7 @@ use super::handlers::{HandlerRegistry, TaskContext, TaskOutcome};
 use crate::codec::avro::{decode, encode};
 use crate::codec::{ExecutionResult, TaskReadyEvent};
 use crate::dispatch::manager::dead_letter;
-use crate::dispatch::{Reported, RunStatus, TaskStatus, Workflow};
+use crate::dispatch::{split_namespace, Reported, RunStatus, TaskStatus, Workflow};
 use crate::metrics as names;
 use crate::store::Store;
 use crate::transport::concurrent::consume_concurrently;
@@ -475,34 +475,4 @@ enum Report {
     Refused(String),
     /// Shutdown came first: the task will be delivered again.
     Stopped,
-}
-
-/// `tenant::package::workflow::task` → (tenant, workflow, task).
-fn split_namespace(namespace: &str) -> Option<(Option<&str>, &str, &str)> {
-    let parts: Vec<&str> = namespace.split("::").collect();
-    match parts.as_slice() {
-        [tenant, _, workflow, task] if !workflow.is_empty() && !task.is_empty() => {
-            Some((crate::tenant::of_namespace_segment(tenant), workflow, task))
-        }
-        _ => None,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::split_namespace;
-
-    #[test]
-    fn namespaces_name_workflow_and_task() {
-        assert_eq!(
-            split_namespace("public::default::etl::load"),
-            Some((None, "etl", "load"))
-        );
-        assert_eq!(
-            split_namespace("acme::default::etl::load"),
-            Some((Some("acme"), "etl", "load"))
-        );
-        assert_eq!(split_namespace("etl::load"), None);
-        assert_eq!(split_namespace("a::b::::t"), None);
-    }
 }
