@@ -10,7 +10,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use weir::dispatch::{DispatchSettings, Dispatcher, RunStatus, TaskSpec, Workflow};
 use weir::store::memory::MemoryStore;
-use weir::store::Store;
+use weir::store::prelude::*;
 use weir::transport::memory::MemoryBroker;
 use weir::transport::Broker;
 use weir::worker::{

@@ -16,7 +16,56 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::store::{Fence, Lease, Store};
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+use crate::store_error::StoreError;
+
+/// A held lease. The fencing token grows with every acquisition of the same name, so a
+/// consumer can reject work from a holder that has since lost the lease.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    pub name: String,
+    pub holder: String,
+    pub token: u64,
+}
+
+/// What a lease holder's write carries: the store refuses the write once the lease has
+/// been taken with a newer token, so a holder that lost its lease (paused past its TTL,
+/// cut off) cannot overwrite its successor's state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence {
+    pub lease: String,
+    pub token: u64,
+}
+
+impl From<&Lease> for Fence {
+    fn from(lease: &Lease) -> Self {
+        Self {
+            lease: lease.name.clone(),
+            token: lease.token,
+        }
+    }
+}
+
+/// Where leases are taken, renewed and released. Every acquisition of a name gets a
+/// larger fencing token than the one before.
+#[async_trait]
+pub trait LeaseStore: Send + Sync {
+    /// Takes the lease if it is free or expired; `None` if someone else holds it.
+    async fn acquire_lease(
+        &self,
+        name: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, StoreError>;
+
+    /// Extends a lease still held by the same holder with the same token.
+    async fn renew_lease(&self, lease: &Lease, ttl: Duration) -> Result<bool, StoreError>;
+
+    /// Releases the lease only if it is still this holder's (compare and set).
+    async fn release_lease(&self, lease: &Lease) -> Result<bool, StoreError>;
+}
 
 /// Random per process: two processes given the same node id by mistake are still two
 /// holders, and never share a lease.
@@ -76,10 +125,10 @@ impl Held {
 
     /// The fence a store write carries; refused here already once the deadline passed,
     /// since another node may hold the lease by then.
-    pub fn write_fence(&self) -> Result<Fence, crate::store::StoreError> {
+    pub fn write_fence(&self) -> Result<Fence, StoreError> {
         let fence = self.fence();
         if self.deadline.passed() {
-            return Err(crate::store::StoreError::Fenced {
+            return Err(StoreError::Fenced {
                 lease: fence.lease,
                 token: fence.token,
             });
@@ -90,11 +139,11 @@ impl Held {
 
 /// Takes the lease `name` for this process if it is free; `None` if another holds it.
 pub async fn acquire(
-    store: &dyn Store,
+    store: &dyn LeaseStore,
     name: &str,
     node_id: &str,
     ttl: Duration,
-) -> Result<Option<Held>, crate::store::StoreError> {
+) -> Result<Option<Held>, StoreError> {
     let sent = Instant::now();
     let lease = store.acquire_lease(name, &holder(node_id), ttl).await?;
     Ok(lease.map(|lease| Held {
@@ -106,11 +155,7 @@ pub async fn acquire(
 /// Renews a held lease once; true if the store confirmed it, moving the deadline on
 /// from the send time. A late confirmation may leave the deadline passed: the deadline,
 /// not this answer, says whether the holder may act.
-pub async fn renew(
-    store: &dyn Store,
-    held: &Held,
-    ttl: Duration,
-) -> Result<bool, crate::store::StoreError> {
+pub async fn renew(store: &dyn LeaseStore, held: &Held, ttl: Duration) -> Result<bool, StoreError> {
     let sent = Instant::now();
     let renewed = store.renew_lease(&held.lease, ttl).await?;
     if renewed {
@@ -122,7 +167,7 @@ pub async fn renew(
 /// Keeps a lease: renews it every third of the TTL, and cancels `lost` when it is
 /// taken over or its deadline passes unconfirmed.
 pub async fn keep(
-    store: Arc<dyn Store>,
+    store: Arc<dyn LeaseStore>,
     held: Held,
     ttl: Duration,
     lost: CancellationToken,
@@ -193,7 +238,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_kept_lease_is_lost_once_the_store_stops_confirming() {
-        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let store: Arc<dyn LeaseStore> = Arc::new(MemoryStore::new());
         let ttl = Duration::from_secs(3);
         let held = acquire(store.as_ref(), "g", "n1", ttl)
             .await

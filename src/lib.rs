@@ -3,42 +3,51 @@
 //! Accumulators consume topics and emit boundaries; a reactor per graph fires a compiled
 //! computation graph when its criteria are met and publishes the outputs back to topics.
 //!
-//! Layout:
-//! - [`graph`]: declaring a graph with [`graph::GraphBuilder`], compiling and validating
-//!   its node DAG, and the registry of named graph functions (`snapshot`).
-//! - [`accumulator`]: the [`accumulator::Accumulator`] trait, the built-in kinds
-//!   (passthrough, batch, polling, stateful), and the task running one accumulator with
-//!   its socket and source paths, health, and commit-after-durable checkpoints.
-//! - [`reactor`]: input cache (latest / sequential), dirty flags, criteria
-//!   (when_any / when_all), states, and commands through [`reactor::ReactorHandle`].
-//! - [`supervisor`]: runs graphs, restarts what fails with backoff, records recoveries.
-//! - [`transport`]: the broker seam ([`transport::Source`], [`transport::Sink`],
-//!   [`transport::Broker`]) and its backends; [`store`]: the state seam
-//!   ([`store::Store`]) and its backends. Memory backends are the embedded default.
-//! - [`lease`]: leases as their holders see them: one holder per process, the deadline
-//!   from the last confirmed renewal, the task that keeps a lease.
-//! - [`cron`]: schedules as data, next fire times with Vixie-cron DST rules.
+//! Layout, from the modules that wire things together down to the leaves (the modules
+//! depend on each other in that direction only; `tests/structure.rs` checks it):
+//! - [`config`]: the TOML file behind `weir run` (with `WEIR__…` overrides), validated,
+//!   and the backends it names, connected. [`admin`]: the admin API (health, readiness,
+//!   graphs, schedules, recovery events, WebSocket commands) and `/metrics` over HTTP,
+//!   and its client. [`demo`]: the market-data example behind `weir demo`.
+//!   [`testing`]: graphs and workflows under test on the memory backends: events piped
+//!   in, outputs read back, paused time, in-process workers.
+//! - [`supervisor`]: runs graphs on a [`Runtime`] (a broker, a store, a node id),
+//!   restarts what fails with backoff, records recoveries.
+//! - [`store`]: the [`store::Store`] bundle of every store role and its backends
+//!   (memory, the embedded default, and Redis), one file per role. Each role trait is
+//!   owned by the module that uses it: [`accumulator::CheckpointStore`],
+//!   [`reactor::CacheStore`], [`recovery::RecoveryLog`], [`lease::LeaseStore`],
+//!   [`cron::ScheduleStore`], [`dispatch::WorkflowStore`].
+//! - [`worker`]: task handlers by name, with the built-ins, and the worker that runs them
+//!   (bounded concurrency, timeouts, retries, dead letters).
+//! - [`cron`]: schedules as data, next fire times with Vixie-cron DST rules, and the
+//!   sharded scheduler that emits ticks.
 //! - [`dispatch`]: workflows (DAGs of tasks), routing task namespaces to executor topics
 //!   by ordered glob rules, executions in the store, and the state manager publishing
 //!   TaskReadyEvents and applying results.
-//! - [`worker`]: task handlers by name, with the built-ins, and the worker that runs them
-//!   (bounded concurrency, timeouts, retries, dead letters).
+//! - [`reactor`]: input cache (latest / sequential), dirty flags, criteria
+//!   (when_any / when_all), states, and commands through [`reactor::ReactorHandle`].
+//! - [`graph`]: declaring a graph with [`graph::GraphBuilder`] (its sources, node DAG and
+//!   firing rules), compiling and validating it, and the registry of named graph
+//!   functions (`snapshot`).
+//! - [`accumulator`]: the [`accumulator::Accumulator`] trait, the built-in kinds
+//!   (passthrough, batch, polling, stateful), and the task running one accumulator with
+//!   its socket and source paths, health, and commit-after-durable checkpoints.
+//! - [`lease`]: leases as their holders see them: one holder per process, the deadline
+//!   from the last confirmed renewal, the task that keeps a lease, fencing tokens.
+//! - [`recovery`]: what the supervisor did, kept for operators.
+//! - [`stats`]: what a running graph reports (reactor state, accumulator health, fire
+//!   reasons) and the counters behind its metrics.
 //! - [`codec`]: Avro single-object encoding for weir's records (`schemas/`), JSON for
 //!   user events.
-//! - [`demo`]: the market-data example behind `weir demo`.
-//! - [`config`]: the TOML file behind `weir run` (with `WEIR__…` overrides), validated,
-//!   and the backends it names, connected.
-//! - [`admin`]: the admin API (health, readiness, graphs, schedules, recovery events,
-//!   WebSocket commands) and `/metrics` over HTTP, and its client.
+//! - [`transport`]: the broker seam ([`transport::Source`], [`transport::Sink`],
+//!   [`transport::Broker`]) and its backends (memory, Kafka, NATS).
 //! - [`wire`]: the names on the wire: headers, derived topics and subjects, consumer
-//!   groups, the dead-letter suffix.
-//! - [`tenant`]: names and topics qualified per tenant, so tenants sharing a broker and
-//!   a store never meet.
-//! - [`secret`]: passwords and tokens that never print, and server URLs shown without
-//!   their credentials.
-//! - [`testing`]: graphs and workflows under test on the memory backends: events piped
-//!   in, outputs read back, paused time, in-process workers.
-//! - [`shutdown`], [`metrics`]: signals and metric names.
+//!   groups, the dead-letter suffix. [`tenant`]: names and topics qualified per tenant,
+//!   so tenants sharing a broker and a store never meet.
+//! - [`store_error`]: the error every store role returns. [`secret`]: passwords and
+//!   tokens that never print, and server URLs shown without their credentials.
+//!   [`shutdown`], [`metrics`]: signals and metric names.
 //!
 //! The `weir` command line is an application over this library (`src/app/`, in the
 //! binary): its arguments, commands and exit statuses.
@@ -54,15 +63,19 @@ pub mod graph;
 pub mod lease;
 pub mod metrics;
 pub mod reactor;
+pub mod recovery;
 pub mod secret;
 pub mod shutdown;
+pub mod stats;
 pub mod store;
+pub mod store_error;
 pub mod supervisor;
 pub mod tenant;
 pub mod testing;
 pub mod transport;
 pub mod wire;
 pub mod worker;
+mod write_behind;
 
 pub use accumulator::{Accumulator, AccumulatorSpec, Boundary, Event, Health};
 pub use graph::{GraphBuilder, GraphDeclaration, NodeContext, NodeError};

@@ -42,11 +42,10 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-use crate::dispatch::WorkflowExecution;
 use crate::dispatch::{DispatchError, DispatchSettings, Dispatcher, Router, RunStatus, Workflow};
+use crate::dispatch::{WorkflowExecution, WorkflowStore};
 use crate::graph::GraphDeclaration;
 use crate::store::memory::MemoryStore;
-use crate::store::Store;
 use crate::supervisor::{GraphHandle, Runtime, SupervisionPolicy, Supervisor};
 use crate::transport::memory::MemoryBroker;
 use crate::transport::{Broker, Outbound, Sink};

@@ -22,7 +22,8 @@ use tokio_util::sync::CancellationToken;
 use weir::admin::{AdminState, Listen};
 use weir::graph::FunctionRegistry;
 use weir::store::memory::MemoryStore;
-use weir::store::{RecoveryAction, RecoveryEvent, Store};
+use weir::store::prelude::*;
+use weir::store::{RecoveryAction, RecoveryEvent};
 use weir::transport::memory::MemoryBroker;
 use weir::{
     AccumulatorSpec, Criteria, GraphBuilder, GraphHandle, ReactorConfig, ReactorState, Runtime,

@@ -14,7 +14,8 @@ use weir::cron::scheduler::{
 };
 use weir::cron::{Delivery, Schedule, Target};
 use weir::store::memory::MemoryStore;
-use weir::store::{ExecutionStatus, Store};
+use weir::store::prelude::*;
+use weir::store::ExecutionStatus;
 use weir::transport::memory::MemoryBroker;
 
 fn ticks(broker: &MemoryBroker, topic: &str) -> Vec<CronTick> {

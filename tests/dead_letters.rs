@@ -187,7 +187,7 @@ trait Recoveries {
 
 impl Recoveries for Harness {
     async fn store_recoveries(&self) -> Vec<weir::store::RecoveryEvent> {
-        use weir::store::Store;
+        use weir::store::prelude::*;
         self.store.recovery_events(None, 100).await.unwrap()
     }
 }

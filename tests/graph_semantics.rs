@@ -353,7 +353,7 @@ trait Recoveries {
 
 impl Recoveries for Harness {
     async fn store_recoveries(&self) -> Vec<weir::store::RecoveryEvent> {
-        use weir::store::Store;
+        use weir::store::prelude::*;
         self.store.recovery_events(None, 100).await.unwrap()
     }
 }
@@ -569,7 +569,7 @@ async fn offsets_are_committed_only_after_outputs_are_durable() {
         h.broker.committed("durable.in", "weir.durable") == vec![3]
     })
     .await;
-    use weir::store::Store;
+    use weir::store::prelude::*;
     let checkpoint = h
         .store
         .load_checkpoint("durable", "a")
@@ -942,7 +942,7 @@ async fn stateful_accumulator_resumes_from_its_checkpoint() {
             .await;
     }
     eventually("fires", || async { h.outputs("sum.out").len() == 3 }).await;
-    use weir::store::Store;
+    use weir::store::prelude::*;
     eventually("checkpoint", || async {
         h.store
             .load_checkpoint("sum", "sum")

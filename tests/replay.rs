@@ -120,7 +120,7 @@ impl Source for BreakableSource {
 
 /// The state stored with accumulator `a`'s checkpoint.
 async fn stored_state(h: &Harness, graph: &str) -> Option<Value> {
-    use weir::store::Store;
+    use weir::store::prelude::*;
     h.store
         .load_checkpoint(graph, "a")
         .await

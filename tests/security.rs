@@ -20,7 +20,7 @@ use common::servers::Server;
 use common::services::unique;
 use weir::secret::Secret;
 use weir::store::redis::{RedisSettings, RedisStore};
-use weir::store::Store;
+use weir::store::Backend;
 use weir::transport::kafka::{KafkaBroker, KafkaSettings};
 use weir::transport::nats::{NatsAuth, NatsBroker, NatsSettings};
 use weir::transport::{Broker, Outbound, Subscription, TransportError};

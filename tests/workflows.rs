@@ -19,7 +19,8 @@ use weir::dispatch::manager::workflow_start_topic;
 use weir::dispatch::{
     DispatchSettings, Dispatcher, Route, Router, RunStatus, TaskSpec, Workflow, WorkflowExecution,
 };
-use weir::store::{ExecutionStatus, Store};
+use weir::store::prelude::*;
+use weir::store::ExecutionStatus;
 use weir::transport::{Broker, Outbound, Subscription};
 use weir::worker::{
     HandlerRegistry, TaskContext, TaskHandler, TaskOutcome, Worker, WorkerSettings,

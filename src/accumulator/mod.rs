@@ -5,6 +5,7 @@
 //! topic or a poll). [`kinds`] holds the built-in kinds, `task` the task that runs
 //! one accumulator, [`commit`] the rule for which source positions are safe to commit.
 
+pub mod checkpoint;
 pub mod commit;
 pub mod kinds;
 pub(crate) mod task;
@@ -17,6 +18,8 @@ use serde_json::Value;
 
 use crate::transport::{Position, SourceFactory, StartFrom};
 
+pub use crate::stats::Health;
+pub use checkpoint::{Checkpoint, CheckpointStore};
 pub use kinds::{Batch, Passthrough, PollSource, Stateful};
 
 /// Events pushed through the socket path sit in this pseudo-partition of their
@@ -50,45 +53,11 @@ pub struct Event {
     pub time_ms: i64,
 }
 
-/// Health of one accumulator, as the reactor and the supervisor see it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Health {
-    /// Loading its checkpoint.
-    Starting,
-    /// Checkpoint loaded, opening the source.
-    Connecting,
-    /// Source open, processing events.
-    Live,
-    /// The source failed; the supervisor restarts the accumulator.
-    Disconnected,
-    /// No source path: push-only, healthy by definition.
-    SocketOnly,
-}
-
-impl Health {
-    pub const ALL: [Self; 5] = [
-        Self::Starting,
-        Self::Connecting,
-        Self::Live,
-        Self::Disconnected,
-        Self::SocketOnly,
-    ];
-
-    /// The name used in JSON and as a metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Starting => "starting",
-            Self::Connecting => "connecting",
-            Self::Live => "live",
-            Self::Disconnected => "disconnected",
-            Self::SocketOnly => "socket_only",
-        }
-    }
-
-    pub fn is_healthy(self) -> bool {
-        matches!(self, Self::Live | Self::SocketOnly)
-    }
+/// What travels from accumulators (and the supervisor) to the reactor.
+#[derive(Debug)]
+pub(crate) enum ReactorInput {
+    Boundary { source: usize, boundary: Boundary },
+    Health { source: usize, health: Health },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -102,7 +71,7 @@ pub enum AccumulatorError {
     #[error("source {source_name} failed: {reason}")]
     Source { source_name: String, reason: String },
     #[error("store failed: {0}")]
-    Store(#[from] crate::store::StoreError),
+    Store(#[from] crate::store_error::StoreError),
 }
 
 impl AccumulatorError {

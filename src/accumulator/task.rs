@@ -12,15 +12,15 @@ use tokio::time::Interval;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use super::checkpoint::{Checkpoint, CheckpointStore};
 use super::commit::CommitTracker;
+use super::ReactorInput;
 use super::{
     Accumulator, AccumulatorError, AccumulatorSpec, Boundary, Event, Health, PUSH_PARTITION,
 };
-use crate::metrics::GraphStats;
-use crate::reactor::ReactorInput;
-use crate::store::behind::WriteBehind;
-use crate::store::{Checkpoint, Store};
+use crate::stats::GraphStats;
 use crate::transport::{now_ms, Message, Outbound, Position, Sink, Source, SourceFactory};
+use crate::write_behind::WriteBehind;
 
 pub(crate) type SocketReceiver = Arc<tokio::sync::Mutex<mpsc::Receiver<Value>>>;
 
@@ -80,7 +80,7 @@ pub(crate) struct AccumulatorTask {
     pub source: Option<Arc<dyn SourceFactory>>,
     pub dead_letter_topic: String,
     pub dead_letters: Arc<dyn Sink>,
-    pub store: Arc<dyn Store>,
+    pub store: Arc<dyn CheckpointStore>,
     pub socket: SocketReceiver,
     pub to_reactor: mpsc::Sender<ReactorInput>,
     pub permits: Option<Arc<Semaphore>>,

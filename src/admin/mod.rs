@@ -14,7 +14,7 @@
 //! | `GET /schedules`, `GET /schedules/{id}`, `POST /schedules/{id}/pause`, `/resume` | token | [`schedules`] |
 //! | `GET /recovery-events?graph=&limit=` | token | [`recovery`] |
 //!
-//! With a token configured, "token" routes need `Authorization: Bearer <token>` ([`auth`]).
+//! With a token configured, "token" routes need `Authorization: Bearer <token>` (see `auth`).
 //! A tenant's token (`[[admin.tokens]]`) admits its holder to that tenant's graphs,
 //! schedules, executions and recovery events only; the rest answer 404, as if absent.
 //! Within the tenant, names may leave the tenant out (`report` for `acme/report`).

@@ -14,7 +14,7 @@ use weir::cron::expr::CronExpr;
 use weir::cron::format_instant;
 use weir::cron::next::preview;
 use weir::cron::scheduler::{register, set_enabled, shard_of};
-use weir::store::Store;
+use weir::store::prelude::*;
 
 async fn open(config: &Path) -> Result<(Config, Arc<dyn Store>), Error> {
     let config = Config::load(config)?;

@@ -8,7 +8,9 @@ pub mod expr;
 pub mod next;
 pub mod schedule;
 pub mod scheduler;
+pub mod store;
 
 pub use expr::{CronError, CronExpr};
 pub use next::{format_instant, next_fire, preview};
 pub use schedule::{CatchUp, Delivery, Overlap, Schedule, ScheduleError, Target};
+pub use store::{CronStore, Execution, ExecutionStatus, ScheduleStore};

@@ -19,12 +19,13 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::execution::{CronOrigin, Reported, RunStatus, WorkflowExecution};
+use super::execution::{CronOrigin, Reported, WorkflowExecution};
 use super::router::{executor_topic, Router};
+use super::store::DispatchStore;
 use super::workflow::{split_namespace, Workflow};
 use crate::codec::avro::{decode, encode};
 use crate::codec::{CodecError, CronTick, ExecutionResult, TaskReadyEvent};
-use crate::store::{ExecutionStatus, Store, StoreError};
+use crate::store_error::StoreError;
 use crate::transport::concurrent::consume_concurrently;
 use crate::transport::{
     now_ms, publish_persistently, Broker, Message, Outbound, Sink, Subscription, TransportError,
@@ -130,7 +131,7 @@ pub struct Dispatcher {
 }
 
 struct Inner {
-    store: Arc<dyn Store>,
+    store: Arc<dyn DispatchStore>,
     sink: Arc<dyn Sink>,
     workflows: BTreeMap<String, Workflow>,
     router: Router,
@@ -143,7 +144,7 @@ struct Inner {
 
 impl Dispatcher {
     pub fn new(
-        store: Arc<dyn Store>,
+        store: Arc<dyn DispatchStore>,
         sink: Arc<dyn Sink>,
         workflows: Vec<Workflow>,
         router: Router,
@@ -447,22 +448,10 @@ impl Dispatcher {
         let Some(origin) = &execution.origin else {
             return Ok(());
         };
-        let store = &self.inner.store;
-        if let Some(mut cron) = store
-            .get_execution(&origin.schedule_id, origin.scheduled_ms)
-            .await?
-        {
-            cron.status = match execution.status {
-                RunStatus::Completed => ExecutionStatus::Completed,
-                _ => ExecutionStatus::Failed,
-            };
-            if execution.status == RunStatus::Failed {
-                cron.error = Some(format!("workflow execution {} failed", execution.id));
-            }
-            cron.updated_ms = now_ms();
-            // The state manager holds no shard lease: an unfenced write.
-            store.put_execution(&cron, None).await?;
-        }
+        self.inner
+            .store
+            .workflow_finished(origin, &execution.id, execution.status, now_ms())
+            .await?;
         Ok(())
     }
 

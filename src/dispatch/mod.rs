@@ -9,9 +9,11 @@
 pub mod execution;
 pub mod manager;
 pub mod router;
+pub mod store;
 pub mod workflow;
 
 pub use execution::{CronOrigin, Reported, RunStatus, TaskRecord, TaskStatus, WorkflowExecution};
 pub use manager::{DispatchError, DispatchSettings, Dispatcher};
 pub use router::{executor_topic, Route, RouteError, Router, DEFAULT_EXECUTOR};
+pub use store::{DispatchStore, TickOutcomes, WorkflowStore};
 pub use workflow::{split_namespace, TaskSpec, Workflow, WorkflowError};

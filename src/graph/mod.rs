@@ -2,6 +2,7 @@
 //! node DAG ([`dag`]), and named graph functions for config-only use ([`registry`]).
 
 pub mod dag;
+pub mod firing;
 pub mod registry;
 
 use std::future::Future;
@@ -12,10 +13,10 @@ use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
 use crate::accumulator::{AccumulatorSpec, Boundary};
-use crate::reactor::{Criteria, ReactorConfig, Strategy};
 use crate::transport::Sink;
 
 pub use dag::CompiledGraph;
+pub use firing::{Criteria, ReactorConfig, Strategy};
 pub use registry::FunctionRegistry;
 
 /// Everything one fire sees: the graph, the fire sequence number, whether the reactor

@@ -5,10 +5,13 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
+use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
 use super::{Criteria, Strategy};
 use crate::accumulator::Boundary;
+use crate::lease::Fence;
+use crate::store_error::StoreError;
 use crate::transport::Position;
 
 /// What the store keeps of a cache, so a respawned reactor resumes where it was.
@@ -260,6 +263,20 @@ impl InputCache {
 fn restored(mut boundary: Boundary) -> Arc<Boundary> {
     boundary.sequence = 0;
     Arc::new(boundary)
+}
+
+/// Where a reactor keeps its cache snapshot, one per graph.
+#[async_trait]
+pub trait CacheStore: Send + Sync {
+    async fn load_cache(&self, graph: &str) -> Result<Option<CacheSnapshot>, StoreError>;
+
+    /// Writes a cache snapshot, fenced as [`crate::accumulator::CheckpointStore::save_checkpoint`] is.
+    async fn save_cache(
+        &self,
+        graph: &str,
+        snapshot: &CacheSnapshot,
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError>;
 }
 
 #[cfg(test)]

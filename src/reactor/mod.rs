@@ -1,145 +1,23 @@
 //! The reactor: holds each source's boundaries in an input cache, decides when to fire
 //! (criteria over dirty flags), runs the compiled graph and publishes its outputs.
 //!
-//! [`cache`] is the input cache with its strategies, [`run`] the reactor task. Commands
+//! [`cache`] is the input cache with its strategies, `run` the reactor task. Commands
 //! reach a running reactor through a [`ReactorHandle`].
 
 pub mod cache;
 pub(crate) mod run;
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::accumulator::{Boundary, Health};
-
-pub use cache::{CacheSnapshot, SourceSnapshot};
+pub(crate) use crate::accumulator::ReactorInput;
+pub use crate::graph::firing::{Criteria, ReactorConfig, Strategy};
+pub use crate::stats::{FireReason, Health, ReactorState};
+pub use cache::{CacheSnapshot, CacheStore, SourceSnapshot};
 pub use run::ReactorError;
-
-/// When a reactor fires.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Criteria {
-    /// Any source has new data.
-    #[default]
-    WhenAny,
-    /// Every declared source has new data since the last fire. Flags start unset for all
-    /// declared sources, so nothing fires before each has emitted once.
-    WhenAll,
-}
-
-/// How the input cache holds boundaries.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Strategy {
-    /// Keep the newest boundary per source; intermediates may be skipped.
-    #[default]
-    Latest,
-    /// Queue every boundary per source (bounded); each fire takes the head of each queue
-    /// it consumes. A full queue holds back that source's accumulator; nothing is dropped.
-    Sequential,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ReactorState {
-    /// Restoring the cache.
-    Starting,
-    /// Some sources not yet healthy: receiving, not firing.
-    Warming,
-    Live,
-    /// A source disconnected after Live: firing, outputs flagged degraded. Also the
-    /// state while the graph waits out an unreachable store or broker.
-    Degraded,
-    /// The supervisor gave up after repeated failures; the graph is down until it is
-    /// retried (after `failed_retry`, or on a restart command).
-    Failed,
-}
-
-impl ReactorState {
-    pub const ALL: [Self; 5] = [
-        Self::Starting,
-        Self::Warming,
-        Self::Live,
-        Self::Degraded,
-        Self::Failed,
-    ];
-
-    /// The name used in JSON and as a metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Starting => "starting",
-            Self::Warming => "warming",
-            Self::Live => "live",
-            Self::Degraded => "degraded",
-            Self::Failed => "failed",
-        }
-    }
-}
-
-/// Why a reactor fired, as the `reason` label of `weir_fires_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FireReason {
-    /// The criteria were met.
-    Criteria = 0,
-    /// A ForceFire command.
-    Force = 1,
-    /// A FireWith command.
-    FireWith = 2,
-}
-
-impl FireReason {
-    pub const ALL: [Self; 3] = [Self::Criteria, Self::Force, Self::FireWith];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Criteria => "criteria",
-            Self::Force => "force",
-            Self::FireWith => "fire_with",
-        }
-    }
-}
-
-/// Reactor settings of one graph. Defaults in [`ReactorConfig::default`].
-#[derive(Debug, Clone, PartialEq)]
-pub struct ReactorConfig {
-    pub criteria: Criteria,
-    pub strategy: Strategy,
-    /// Per-source queue bound for [`Strategy::Sequential`].
-    pub queue_capacity: usize,
-    /// Fires whose outputs may await acknowledgement at once.
-    pub max_in_flight: usize,
-    /// Least time between cache snapshots to the store; zero snapshots after every batch.
-    pub snapshot_interval: Duration,
-    /// Times a fire whose graph failed is run again before its inputs are dead-lettered.
-    pub node_retries: u32,
-    /// Wait before the first retry of a failed fire; doubles with each retry.
-    pub node_retry_backoff: Duration,
-}
-
-impl Default for ReactorConfig {
-    fn default() -> Self {
-        Self {
-            criteria: Criteria::WhenAny,
-            strategy: Strategy::Latest,
-            queue_capacity: 1024,
-            max_in_flight: 64,
-            snapshot_interval: Duration::from_millis(200),
-            node_retries: 3,
-            node_retry_backoff: Duration::from_millis(100),
-        }
-    }
-}
-
-/// What travels from accumulators (and the supervisor) to the reactor.
-#[derive(Debug)]
-pub(crate) enum ReactorInput {
-    Boundary { source: usize, boundary: Boundary },
-    Health { source: usize, health: Health },
-}
 
 /// The outcome of a fire, as reported to the command that asked for it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::cache::{Consumed, InputCache, Inserted};
+use super::CacheStore;
 use super::{
     Command, CommandError, FireReason, FireReport, ReactorConfig, ReactorInput, ReactorState,
     ReactorStatus, SourceStatus, Strategy,
@@ -21,10 +22,10 @@ use super::{
 use crate::accumulator::task::SourceCounters;
 use crate::accumulator::{Boundary, Health, PUSH_PARTITION};
 use crate::graph::{CompiledGraph, FireInput, GraphDeclaration};
-use crate::metrics::GraphStats;
-use crate::store::behind::WriteBehind;
-use crate::store::{Store, StoreError};
+use crate::stats::GraphStats;
+use crate::store_error::StoreError;
 use crate::transport::{now_ms, Outbound, Sink, TransportError};
+use crate::write_behind::WriteBehind;
 
 /// Inputs drained per wakeup before criteria are evaluated, so a burst becomes one fire
 /// under the latest strategy instead of one fire per boundary.
@@ -106,7 +107,7 @@ impl Reactor {
     pub(crate) async fn restore(
         decl: &GraphDeclaration,
         outputs: Arc<[(String, Arc<dyn Sink>)]>,
-        store: Arc<dyn Store>,
+        store: Arc<dyn CacheStore>,
         stats: Arc<GraphStats>,
         state_tx: watch::Sender<ReactorState>,
         lease: Option<crate::lease::Held>,

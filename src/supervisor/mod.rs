@@ -31,9 +31,10 @@ pub use runtime::{default_node_id, Runtime};
 use crate::accumulator::task::{AccumulatorTask, SocketReceiver};
 use crate::accumulator::{Health, SourceSpec};
 use crate::graph::GraphDeclaration;
-use crate::metrics::{GraphStats, LeaseRole, StatsSnapshot};
+use crate::metrics::LeaseRole;
 use crate::reactor::run::{Reactor, Wiring};
 use crate::reactor::{Command, ReactorError, ReactorHandle, ReactorInput, ReactorState};
+use crate::stats::{GraphStats, StatsSnapshot};
 use crate::store::{RecoveryAction, RecoveryEvent, Store};
 use crate::transport::{
     now_ms, Assignment, Broker, BrokerSource, Sink, SourceFactory, Subscription,

@@ -22,9 +22,9 @@ use super::handlers::{HandlerRegistry, TaskContext, TaskOutcome};
 use crate::codec::avro::{decode, encode};
 use crate::codec::{ExecutionResult, TaskReadyEvent};
 use crate::dispatch::manager::dead_letter;
+use crate::dispatch::WorkflowStore;
 use crate::dispatch::{split_namespace, Reported, RunStatus, TaskStatus, Workflow};
 use crate::metrics as names;
-use crate::store::Store;
 use crate::transport::concurrent::consume_concurrently;
 use crate::transport::{
     now_ms, publish_persistently, Broker, Message, Outbound, Sink, Subscription, TransportError,
@@ -116,7 +116,7 @@ pub struct Worker {
 }
 
 struct Shared {
-    store: Arc<dyn Store>,
+    store: Arc<dyn WorkflowStore>,
     sink: Arc<dyn Sink>,
     handlers: HandlerRegistry,
     workflows: BTreeMap<String, Workflow>,
@@ -163,7 +163,7 @@ impl TaskMetrics {
 impl Worker {
     pub fn new(
         broker: Arc<dyn Broker>,
-        store: Arc<dyn Store>,
+        store: Arc<dyn WorkflowStore>,
         handlers: HandlerRegistry,
         workflows: Vec<Workflow>,
         settings: WorkerSettings,

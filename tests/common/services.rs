@@ -105,3 +105,24 @@ pub async fn redis(prefix: &str) -> Arc<RedisStore> {
             .expect("redis reachable (run scripts/services)"),
     )
 }
+
+/// Removes every Redis key under `prefix` (what a test's store created).
+pub async fn remove_redis_keys(prefix: &str) {
+    let client = redis::Client::open(redis_url()).expect("redis url");
+    let mut connection = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis reachable");
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
+        .query_async(&mut connection)
+        .await
+        .expect("KEYS");
+    if !keys.is_empty() {
+        let _: () = redis::cmd("DEL")
+            .arg(&keys)
+            .query_async(&mut connection)
+            .await
+            .expect("DEL");
+    }
+}

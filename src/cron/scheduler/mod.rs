@@ -31,8 +31,10 @@ use tracing::{debug, info, info_span, warn, Instrument};
 use super::expr::CronExpr;
 use super::schedule::{Delivery, Overlap, Schedule, ScheduleError, Target};
 use crate::codec::{CodecError, CronTick, PreparedTick};
+use crate::cron::store::{CronStore, Execution, ExecutionStatus, ScheduleChanges, ScheduleStore};
+use crate::lease::{Fence, Lease};
 use crate::metrics::LeaseRole;
-use crate::store::{Execution, ExecutionStatus, Fence, Lease, Store, StoreError};
+use crate::store_error::StoreError;
 use crate::transport::{Outbound, Sink};
 
 /// Due schedules taken from the store per pass.
@@ -149,7 +151,7 @@ struct Cached {
 }
 
 pub struct Scheduler {
-    store: Arc<dyn Store>,
+    store: Arc<dyn CronStore>,
     sink: Arc<dyn Sink>,
     config: SchedulerConfig,
     shards: Vec<Shard>,
@@ -161,7 +163,7 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn new(store: Arc<dyn Store>, sink: Arc<dyn Sink>, config: SchedulerConfig) -> Self {
+    pub fn new(store: Arc<dyn CronStore>, sink: Arc<dyn Sink>, config: SchedulerConfig) -> Self {
         let shards = (0..config.shards.max(1))
             .map(|_| Shard::default())
             .collect();
@@ -181,7 +183,7 @@ impl Scheduler {
         // Subscribed again whenever the feed ends (Redis restarted, the connection
         // dropped); once it is, everything cached is read afresh, as a change may have
         // been missed meanwhile.
-        let mut changes: Option<crate::store::ScheduleChanges> = None;
+        let mut changes: Option<ScheduleChanges> = None;
         let mut next_subscribe = Instant::now();
         let sweep_every = (self.config.orphan_after / 2).max(Duration::from_millis(100));
         let mut next_election = Instant::now();

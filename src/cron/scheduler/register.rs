@@ -12,7 +12,7 @@ pub enum RegisterError {
 
 /// Validates and stores a schedule, with its next fire time after now.
 pub async fn register(
-    store: &dyn Store,
+    store: &dyn ScheduleStore,
     schedule: &Schedule,
     shards: u32,
 ) -> Result<Option<DateTime<Utc>>, RegisterError> {
@@ -21,7 +21,7 @@ pub async fn register(
 
 /// [`register`] with the next fire time computed after `now`.
 pub async fn register_at(
-    store: &dyn Store,
+    store: &dyn ScheduleStore,
     schedule: &Schedule,
     shards: u32,
     now: DateTime<Utc>,
@@ -45,7 +45,7 @@ pub async fn register_at(
 
 /// Pauses or resumes a stored schedule. Returns false if there is no such schedule.
 pub async fn set_enabled(
-    store: &dyn Store,
+    store: &dyn ScheduleStore,
     id: &str,
     enabled: bool,
     shards: u32,

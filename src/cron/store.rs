@@ -1,0 +1,214 @@
+//! The cron scheduler's records (executions of schedules), and the store role that keeps
+//! them with the schedules, their fire times and the live nodes.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+use super::Schedule;
+use crate::dispatch::{CronOrigin, RunStatus, TickOutcomes, WorkflowStore};
+use crate::lease::{Fence, LeaseStore};
+use crate::store_error::StoreError;
+
+/// One firing of a schedule: at most one record per (schedule, scheduled time).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Execution {
+    pub schedule_id: String,
+    pub scheduled_ms: i64,
+    pub tick_id: String,
+    pub status: ExecutionStatus,
+    pub attempt: u32,
+    /// Emission attempts allowed before the execution is marked failed; stored with the
+    /// record so a new master applies the same cap.
+    pub max_attempts: u32,
+    pub node_id: String,
+    pub fencing_token: u64,
+    pub updated_ms: i64,
+    pub error: Option<String>,
+}
+
+impl Execution {
+    /// The execution's place in the index of unfinished executions: when it last
+    /// changed, or 0 for a buffered one (due a look at every sweep); `None` once it is
+    /// finished.
+    pub fn open_since(&self) -> Option<i64> {
+        match self.status {
+            ExecutionStatus::Scheduled | ExecutionStatus::Running => Some(self.updated_ms),
+            ExecutionStatus::Buffered => Some(0),
+            ExecutionStatus::Completed
+            | ExecutionStatus::Failed
+            | ExecutionStatus::Skipped
+            | ExecutionStatus::Missed => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExecutionStatus {
+    /// Claimed by a master; the tick is being emitted.
+    Scheduled,
+    /// The tick was emitted; its work is under way.
+    Running,
+    Completed,
+    Failed,
+    /// Not fired: the overlap policy dropped it.
+    Skipped,
+    /// Held back by `buffer_one` until the running execution ends.
+    Buffered,
+    /// An `at_most_once` tick that may or may not have gone out (its acknowledgement
+    /// failed, or its master died before recording it): never emitted again.
+    Missed,
+}
+
+/// Wakes a scheduler when schedules change.
+pub struct ScheduleChanges {
+    pub(crate) receiver: tokio::sync::mpsc::Receiver<()>,
+}
+
+impl ScheduleChanges {
+    /// Waits for the next change: true for a change, false once the feed has ended
+    /// (its connection dropped), after which the caller subscribes again.
+    pub async fn changed(&mut self) -> bool {
+        self.receiver.recv().await.is_some()
+    }
+}
+
+/// Where schedules, their next fire times, their executions and the live nodes are kept.
+#[async_trait]
+pub trait ScheduleStore: Send + Sync {
+    /// Creates or replaces a schedule and wakes the schedulers.
+    async fn put_schedule(&self, schedule: &Schedule) -> Result<(), StoreError>;
+
+    async fn get_schedule(&self, id: &str) -> Result<Option<Schedule>, StoreError>;
+
+    async fn list_schedules(&self) -> Result<Vec<Schedule>, StoreError>;
+
+    /// Removes a schedule and its pending fire time; false if there was none.
+    async fn delete_schedule(&self, id: &str, shard: u32) -> Result<bool, StoreError>;
+
+    /// Sets (or clears) a schedule's next fire time in its shard's sorted set.
+    async fn set_next_fire(
+        &self,
+        shard: u32,
+        id: &str,
+        at_ms: Option<i64>,
+    ) -> Result<(), StoreError>;
+
+    /// Schedules of a shard due at or before `until_ms`, earliest first.
+    async fn due_schedules(
+        &self,
+        shard: u32,
+        until_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(String, i64)>, StoreError>;
+
+    /// The earliest next fire time in a shard.
+    async fn earliest_fire(&self, shard: u32) -> Result<Option<i64>, StoreError>;
+
+    /// Creates the execution record if none exists for its (schedule, scheduled time):
+    /// true for the one caller that created it.
+    async fn claim_execution(&self, execution: &Execution) -> Result<bool, StoreError>;
+
+    /// [`ScheduleStore::claim_execution`] for many records in one round trip. With a `fence`
+    /// (a shard master's lease), refused once a newer master holds the shard.
+    async fn claim_executions(
+        &self,
+        executions: &[Execution],
+        fence: Option<&Fence>,
+    ) -> Result<Vec<bool>, StoreError>;
+
+    /// [`ScheduleStore::put_execution`] and [`ScheduleStore::set_next_fire`] for many records in one
+    /// round trip, fenced as [`ScheduleStore::claim_executions`] is.
+    async fn record_fires(
+        &self,
+        shard: u32,
+        executions: &[Execution],
+        next_fires: &[(String, Option<i64>)],
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError>;
+
+    /// Overwrites an execution record (status changes); with a `fence`, refused once a
+    /// newer master holds its shard.
+    async fn put_execution(
+        &self,
+        execution: &Execution,
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError>;
+
+    async fn get_execution(
+        &self,
+        schedule_id: &str,
+        scheduled_ms: i64,
+    ) -> Result<Option<Execution>, StoreError>;
+
+    /// Unfinished executions (scheduled or running) last changed at or before
+    /// `changed_by_ms`, and every buffered one, oldest change first, the first `skip`
+    /// passed over, at most `limit`, as (schedule id, scheduled time): what orphan
+    /// recovery looks at, without reading every schedule.
+    async fn open_executions(
+        &self,
+        changed_by_ms: i64,
+        skip: usize,
+        limit: usize,
+    ) -> Result<Vec<(String, i64)>, StoreError>;
+
+    /// Newest first.
+    async fn executions(
+        &self,
+        schedule_id: &str,
+        limit: usize,
+    ) -> Result<Vec<Execution>, StoreError>;
+
+    /// Announces a live node and its election priority for `ttl`.
+    async fn register_node(
+        &self,
+        node: &str,
+        priority: i64,
+        ttl: Duration,
+    ) -> Result<(), StoreError>;
+
+    /// Nodes whose registration has not expired, with their priorities.
+    async fn live_nodes(&self) -> Result<Vec<(String, i64)>, StoreError>;
+
+    /// A feed of schedule changes, to wake sleeping schedulers.
+    async fn watch_schedules(&self) -> Result<ScheduleChanges, StoreError>;
+}
+
+/// What the scheduler needs of a store: its own records, shard leases, and the workflow
+/// executions its ticks started (to settle orphaned ticks).
+pub trait CronStore: ScheduleStore + LeaseStore + WorkflowStore {}
+
+impl<T: ScheduleStore + LeaseStore + WorkflowStore> CronStore for T {}
+
+/// A workflow started by a tick has ended: the tick's execution record takes the
+/// outcome. Any store of schedules can do it; the state manager calls it without
+/// knowing of cron.
+#[async_trait]
+impl<T: ScheduleStore> TickOutcomes for T {
+    async fn workflow_finished(
+        &self,
+        origin: &CronOrigin,
+        execution_id: &str,
+        status: RunStatus,
+        at_ms: i64,
+    ) -> Result<(), StoreError> {
+        let Some(mut execution) = self
+            .get_execution(&origin.schedule_id, origin.scheduled_ms)
+            .await?
+        else {
+            return Ok(());
+        };
+        execution.status = match status {
+            RunStatus::Completed => ExecutionStatus::Completed,
+            _ => ExecutionStatus::Failed,
+        };
+        if status == RunStatus::Failed {
+            execution.error = Some(format!("workflow execution {execution_id} failed"));
+        }
+        execution.updated_ms = at_ms;
+        // The state manager holds no shard lease: an unfenced write.
+        self.put_execution(&execution, None).await
+    }
+}

@@ -1,0 +1,116 @@
+//! In-process store, the embedded default. State lives as long as the process.
+
+mod cache;
+mod checkpoint;
+mod lease;
+mod recovery;
+mod schedule;
+mod workflow;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::time::Instant;
+
+use super::{
+    Backend, CacheStore, Checkpoint, CheckpointStore, Execution, Fence, Lease, LeaseStore,
+    RecoveryEvent, RecoveryLog, ScheduleChanges, ScheduleStore, StoreError, WorkflowStore,
+};
+use crate::cron::Schedule;
+use crate::dispatch::WorkflowExecution;
+use crate::reactor::CacheSnapshot;
+
+/// Execution records kept per schedule.
+const EXECUTIONS_KEPT: usize = 1000;
+
+/// Recovery events kept per process; older ones are dropped first.
+const RECOVERY_EVENTS_KEPT: usize = 10_000;
+
+#[derive(Default)]
+pub struct MemoryStore {
+    state: Mutex<State>,
+    watchers: Mutex<Vec<tokio::sync::mpsc::Sender<()>>>,
+}
+
+#[derive(Default)]
+struct State {
+    checkpoints: HashMap<(String, String), Checkpoint>,
+    caches: HashMap<String, CacheSnapshot>,
+    recoveries: VecDeque<RecoveryEvent>,
+    leases: HashMap<String, HeldLease>,
+    fencing: HashMap<String, u64>,
+    schedules: std::collections::BTreeMap<String, Schedule>,
+    /// Per shard: (next fire ms, schedule id).
+    due: HashMap<u32, std::collections::BTreeSet<(i64, String)>>,
+    executions: HashMap<String, VecDeque<Execution>>,
+    /// Unfinished executions: (schedule id, scheduled ms) → [`Execution::open_since`].
+    open: HashMap<(String, i64), i64>,
+    nodes: HashMap<String, (i64, Instant)>,
+    workflows: HashMap<String, WorkflowExecution>,
+    published: HashMap<String, std::collections::BTreeSet<String>>,
+    /// Workflow execution deadlines: (deadline ms, execution id), and by id.
+    deadlines: std::collections::BTreeSet<(i64, String)>,
+    deadline_of: HashMap<String, i64>,
+}
+
+impl State {
+    fn track_open(open: &mut HashMap<(String, i64), i64>, execution: &Execution) {
+        let key = (execution.schedule_id.clone(), execution.scheduled_ms);
+        match execution.open_since() {
+            Some(since) => open.insert(key, since),
+            None => open.remove(&key),
+        };
+    }
+}
+
+struct HeldLease {
+    holder: String,
+    token: u64,
+    expires: Instant,
+}
+
+impl MemoryStore {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn notify_watchers(&self) {
+        let mut watchers = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
+        watchers.retain(|w| !w.is_closed());
+        for w in watchers.iter() {
+            // A full queue already holds a wake-up.
+            let _ = w.try_send(());
+        }
+    }
+}
+
+#[async_trait]
+#[async_trait]
+impl Backend for MemoryStore {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+/// Refuses a write whose lease has been taken with a newer token since.
+fn check_fence(state: &State, fence: Option<&Fence>) -> Result<(), StoreError> {
+    match fence {
+        Some(f) if state.fencing.get(&f.lease).is_some_and(|&t| t > f.token) => {
+            Err(StoreError::Fenced {
+                lease: f.lease.clone(),
+                token: f.token,
+            })
+        }
+        _ => Ok(()),
+    }
+}

@@ -1,0 +1,236 @@
+//! Schedules, their fire times and executions, and live nodes on the memory store.
+
+use super::*;
+
+#[async_trait]
+impl ScheduleStore for MemoryStore {
+    async fn put_schedule(&self, schedule: &Schedule) -> Result<(), StoreError> {
+        self.state()
+            .schedules
+            .insert(schedule.id.clone(), schedule.clone());
+        self.notify_watchers();
+        Ok(())
+    }
+
+    async fn get_schedule(&self, id: &str) -> Result<Option<Schedule>, StoreError> {
+        Ok(self.state().schedules.get(id).cloned())
+    }
+
+    async fn list_schedules(&self) -> Result<Vec<Schedule>, StoreError> {
+        Ok(self.state().schedules.values().cloned().collect())
+    }
+
+    async fn delete_schedule(&self, id: &str, shard: u32) -> Result<bool, StoreError> {
+        let existed = {
+            let mut state = self.state();
+            if let Some(set) = state.due.get_mut(&shard) {
+                set.retain(|(_, s)| s != id);
+            }
+            state.schedules.remove(id).is_some()
+        };
+        self.notify_watchers();
+        Ok(existed)
+    }
+
+    async fn set_next_fire(
+        &self,
+        shard: u32,
+        id: &str,
+        at_ms: Option<i64>,
+    ) -> Result<(), StoreError> {
+        let mut state = self.state();
+        let set = state.due.entry(shard).or_default();
+        set.retain(|(_, s)| s != id);
+        if let Some(at) = at_ms {
+            set.insert((at, id.to_string()));
+        }
+        Ok(())
+    }
+
+    async fn due_schedules(
+        &self,
+        shard: u32,
+        until_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(String, i64)>, StoreError> {
+        let state = self.state();
+        Ok(state
+            .due
+            .get(&shard)
+            .map(|set| {
+                set.iter()
+                    .take_while(|(at, _)| *at <= until_ms)
+                    .take(limit)
+                    .map(|(at, id)| (id.clone(), *at))
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+
+    async fn earliest_fire(&self, shard: u32) -> Result<Option<i64>, StoreError> {
+        Ok(self
+            .state()
+            .due
+            .get(&shard)
+            .and_then(|set| set.first().map(|(at, _)| *at)))
+    }
+
+    async fn claim_execution(&self, execution: &Execution) -> Result<bool, StoreError> {
+        let mut state = self.state();
+        let list = state
+            .executions
+            .entry(execution.schedule_id.clone())
+            .or_default();
+        if list
+            .iter()
+            .any(|e| e.scheduled_ms == execution.scheduled_ms)
+        {
+            return Ok(false);
+        }
+        let dropped = if list.len() == EXECUTIONS_KEPT {
+            list.pop_front()
+        } else {
+            None
+        };
+        list.push_back(execution.clone());
+        if let Some(old) = dropped {
+            state.open.remove(&(old.schedule_id, old.scheduled_ms));
+        }
+        State::track_open(&mut state.open, execution);
+        Ok(true)
+    }
+
+    async fn claim_executions(
+        &self,
+        executions: &[Execution],
+        fence: Option<&Fence>,
+    ) -> Result<Vec<bool>, StoreError> {
+        check_fence(&self.state(), fence)?;
+        let mut claimed = Vec::with_capacity(executions.len());
+        for e in executions {
+            claimed.push(self.claim_execution(e).await?);
+        }
+        Ok(claimed)
+    }
+
+    async fn record_fires(
+        &self,
+        shard: u32,
+        executions: &[Execution],
+        next_fires: &[(String, Option<i64>)],
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError> {
+        check_fence(&self.state(), fence)?;
+        for e in executions {
+            self.put_execution(e, None).await?;
+        }
+        for (id, at) in next_fires {
+            self.set_next_fire(shard, id, *at).await?;
+        }
+        Ok(())
+    }
+
+    async fn put_execution(
+        &self,
+        execution: &Execution,
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError> {
+        let mut state = self.state();
+        check_fence(&state, fence)?;
+        let list = state
+            .executions
+            .entry(execution.schedule_id.clone())
+            .or_default();
+        match list
+            .iter_mut()
+            .find(|e| e.scheduled_ms == execution.scheduled_ms)
+        {
+            Some(e) => *e = execution.clone(),
+            None => list.push_back(execution.clone()),
+        }
+        State::track_open(&mut state.open, execution);
+        Ok(())
+    }
+
+    async fn open_executions(
+        &self,
+        changed_by_ms: i64,
+        skip: usize,
+        limit: usize,
+    ) -> Result<Vec<(String, i64)>, StoreError> {
+        let state = self.state();
+        let mut open: Vec<(i64, &(String, i64))> = state
+            .open
+            .iter()
+            .filter(|(_, since)| **since <= changed_by_ms)
+            .map(|(key, since)| (*since, key))
+            .collect();
+        open.sort();
+        Ok(open
+            .into_iter()
+            .skip(skip)
+            .take(limit)
+            .map(|(_, key)| key.clone())
+            .collect())
+    }
+
+    async fn get_execution(
+        &self,
+        schedule_id: &str,
+        scheduled_ms: i64,
+    ) -> Result<Option<Execution>, StoreError> {
+        Ok(self
+            .state()
+            .executions
+            .get(schedule_id)
+            .and_then(|l| l.iter().find(|e| e.scheduled_ms == scheduled_ms).cloned()))
+    }
+
+    async fn executions(
+        &self,
+        schedule_id: &str,
+        limit: usize,
+    ) -> Result<Vec<Execution>, StoreError> {
+        let state = self.state();
+        let mut list: Vec<Execution> = state
+            .executions
+            .get(schedule_id)
+            .map(|l| l.iter().cloned().collect())
+            .unwrap_or_default();
+        list.sort_by_key(|e| std::cmp::Reverse(e.scheduled_ms));
+        list.truncate(limit);
+        Ok(list)
+    }
+
+    async fn register_node(
+        &self,
+        node: &str,
+        priority: i64,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.state()
+            .nodes
+            .insert(node.to_string(), (priority, Instant::now() + ttl));
+        Ok(())
+    }
+
+    async fn live_nodes(&self) -> Result<Vec<(String, i64)>, StoreError> {
+        let now = Instant::now();
+        let mut state = self.state();
+        state.nodes.retain(|_, (_, expires)| *expires > now);
+        Ok(state
+            .nodes
+            .iter()
+            .map(|(n, (p, _))| (n.clone(), *p))
+            .collect())
+    }
+
+    async fn watch_schedules(&self) -> Result<ScheduleChanges, StoreError> {
+        let (tx, receiver) = tokio::sync::mpsc::channel(1);
+        self.watchers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(tx);
+        Ok(ScheduleChanges { receiver })
+    }
+}

@@ -1,0 +1,345 @@
+//! Redis store. Values are JSON; leases are a key holding `holder|token` with a TTL,
+//! the token coming from a per-lease counter that only grows (the fencing token).
+//! Keys start with the configured prefix (`weir` by default).
+
+mod cache;
+mod checkpoint;
+mod lease;
+mod recovery;
+mod schedule;
+mod workflow;
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{AsyncCommands, IntoConnectionInfo, Script};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::{
+    Backend, CacheStore, Checkpoint, CheckpointStore, Execution, Fence, Lease, LeaseStore,
+    RecoveryEvent, RecoveryLog, ScheduleChanges, ScheduleStore, StoreError, WorkflowStore,
+};
+use crate::cron::Schedule;
+use crate::dispatch::{RunStatus, WorkflowExecution};
+use crate::reactor::CacheSnapshot;
+use crate::secret::{redact_url, scrub, Secret};
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+#[derive(Clone)]
+pub struct RedisStore {
+    client: redis::Client,
+    connection: ConnectionManager,
+    prefix: String,
+    url: String,
+}
+
+// Lua scripts are built once: building one computes the SHA-1 it is invoked by.
+
+/// Writes of a lease holder (a graph's checkpoints and snapshots, a shard master's
+/// execution records), made only while no newer holder has the lease.
+/// KEYS: the lease's token counter. ARGV: the writer's token, then operations, each
+/// `SET key value`, `ZADD key score member` or `ZREM key member`.
+static FENCED_WRITES: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local newest = tonumber(redis.call('GET', KEYS[1]) or '0')
+if newest > tonumber(ARGV[1]) then
+  return 0
+end
+local i = 2
+while i <= #ARGV do
+  local op = ARGV[i]
+  if op == 'SET' then
+    redis.call('SET', ARGV[i + 1], ARGV[i + 2])
+    i = i + 3
+  elseif op == 'ZADD' then
+    redis.call('ZADD', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
+    i = i + 4
+  else
+    redis.call('ZREM', ARGV[i + 1], ARGV[i + 2])
+    i = i + 3
+  end
+end
+return 1
+"#,
+    )
+});
+
+/// One write of a batch: `SET key value`, `ZADD key score member`, `ZREM key member`.
+enum Write {
+    Set(String, String),
+    Zadd(String, i64, String),
+    Zrem(String, String),
+}
+
+fn store_error(operation: &'static str, e: redis::RedisError) -> StoreError {
+    if e.is_io_error() || e.is_connection_refusal() || e.is_timeout() || e.is_connection_dropped() {
+        StoreError::Unreachable(format!("redis {operation}: {e}"))
+    } else {
+        StoreError::Operation {
+            operation,
+            reason: e.to_string(),
+        }
+    }
+}
+
+/// Where Redis is and how to prove who we are to it.
+#[derive(Clone, Default)]
+pub struct RedisSettings {
+    /// `redis://` or `rediss://` (TLS), possibly with `user:password@`.
+    pub url: String,
+    /// Take precedence over the URL's.
+    pub username: Option<String>,
+    pub password: Option<Secret>,
+    /// PEM files: the CA to trust instead of the system's roots, and a client
+    /// certificate with its key for servers that verify clients.
+    pub tls_ca_file: Option<PathBuf>,
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for RedisSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisSettings")
+            .field("url", &redact_url(&self.url))
+            .field("username", &self.username)
+            .field("password", &self.password)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
+            .finish()
+    }
+}
+
+impl RedisSettings {
+    fn client(&self) -> Result<redis::Client, String> {
+        let (_, in_url) = crate::secret::split_credentials(&self.url);
+        let secrets: Vec<Secret> = self
+            .password
+            .iter()
+            .cloned()
+            .chain(in_url.password)
+            .collect();
+        let scrubbed =
+            |e: &dyn std::fmt::Display| scrub(&e.to_string(), &secrets.iter().collect::<Vec<_>>());
+        let mut info = self
+            .url
+            .as_str()
+            .into_connection_info()
+            .map_err(|e| format!("invalid URL: {}", scrubbed(&e)))?;
+        if let Some(username) = &self.username {
+            info.redis.username = Some(username.clone());
+        }
+        if let Some(password) = &self.password {
+            info.redis.password = Some(password.expose().to_string());
+        }
+        let read = |key: &str, path: &PathBuf| {
+            std::fs::read(path).map_err(|e| format!("cannot read {key} {}: {e}", path.display()))
+        };
+        let root_cert = match &self.tls_ca_file {
+            Some(path) => Some(read("tls_ca_file", path)?),
+            None => None,
+        };
+        let client_tls = match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+                client_cert: read("tls_cert_file", cert)?,
+                client_key: read("tls_key_file", key)?,
+            }),
+            (None, None) => None,
+            _ => return Err("tls_cert_file and tls_key_file go together".into()),
+        };
+        if root_cert.is_none() && client_tls.is_none() {
+            return redis::Client::open(info).map_err(|e| scrubbed(&e));
+        }
+        if !matches!(info.addr, redis::ConnectionAddr::TcpTls { .. }) {
+            return Err("TLS files are set but the URL is not rediss://".into());
+        }
+        redis::Client::build_with_tls(
+            info,
+            redis::TlsCertificates {
+                client_tls,
+                root_cert,
+            },
+        )
+        .map_err(|e| format!("TLS setup: {}", scrubbed(&e)))
+    }
+}
+
+impl RedisStore {
+    /// Connects to a URL with no more settings than it carries itself.
+    pub async fn connect(url: &str, prefix: &str) -> Result<Self, StoreError> {
+        let settings = RedisSettings {
+            url: url.to_string(),
+            ..RedisSettings::default()
+        };
+        Self::connect_with(&settings, prefix).await
+    }
+
+    /// Connects (failing fast when Redis is down or refuses the credentials); reconnects
+    /// by itself afterwards.
+    pub async fn connect_with(settings: &RedisSettings, prefix: &str) -> Result<Self, StoreError> {
+        let url = redact_url(&settings.url);
+        let client = settings.client().map_err(|reason| StoreError::Operation {
+            operation: "open",
+            reason: format!("redis {url}: {reason}"),
+        })?;
+        let unreachable =
+            |reason: String| StoreError::Unreachable(format!("redis {url}: {reason}"));
+        // Fail fast on start; the manager below retries with backoff, which is right for
+        // a blip later on but would make a wrong URL hang at start.
+        tokio::time::timeout(CONNECT_TIMEOUT, client.get_multiplexed_async_connection())
+            .await
+            .map_err(|_| unreachable("connection timed out".into()))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(CONNECT_TIMEOUT)
+            .set_response_timeout(CONNECT_TIMEOUT)
+            .set_number_of_retries(3)
+            .set_max_delay(500);
+        let pubsub_client = client.clone();
+        let connection = tokio::time::timeout(
+            2 * CONNECT_TIMEOUT,
+            ConnectionManager::new_with_config(client, config),
+        )
+        .await
+        .map_err(|_| unreachable("connection timed out".into()))?
+        .map_err(|e| unreachable(e.to_string()))?;
+        Ok(Self {
+            client: pubsub_client,
+            connection,
+            prefix: prefix.to_string(),
+            url,
+        })
+    }
+
+    /// The server's URL, without its password.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Runs `writes` in one round trip: fenced, as one script refused whole once a
+    /// newer token of the fence's lease exists; else as a pipeline.
+    async fn apply_writes(
+        &self,
+        operation: &'static str,
+        writes: Vec<Write>,
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError> {
+        let mut c = self.connection.clone();
+        let Some(fence) = fence else {
+            let mut pipe = redis::pipe();
+            for w in writes {
+                match w {
+                    Write::Set(key, value) => pipe.set(key, value).ignore(),
+                    Write::Zadd(key, score, member) => pipe.zadd(key, member, score).ignore(),
+                    Write::Zrem(key, member) => pipe.zrem(key, member).ignore(),
+                };
+            }
+            return pipe
+                .query_async::<()>(&mut c)
+                .await
+                .map_err(|e| store_error(operation, e));
+        };
+        let mut script = FENCED_WRITES.key(self.key(&["fence", &fence.lease]));
+        script.arg(fence.token);
+        for w in writes {
+            match w {
+                Write::Set(key, value) => script.arg("SET").arg(key).arg(value),
+                Write::Zadd(key, score, member) => {
+                    script.arg("ZADD").arg(key).arg(score).arg(member)
+                }
+                Write::Zrem(key, member) => script.arg("ZREM").arg(key).arg(member),
+            };
+        }
+        let written: i64 = script
+            .invoke_async(&mut c)
+            .await
+            .map_err(|e| store_error(operation, e))?;
+        if written == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::Fenced {
+                lease: fence.lease.clone(),
+                token: fence.token,
+            })
+        }
+    }
+
+    fn key(&self, parts: &[&str]) -> String {
+        let mut key = self.prefix.clone();
+        for p in parts {
+            key.push(':');
+            key.push_str(p);
+        }
+        key
+    }
+
+    async fn get_json<T: DeserializeOwned>(&self, key: String) -> Result<Option<T>, StoreError> {
+        let mut c = self.connection.clone();
+        let raw: Option<String> = c.get(&key).await.map_err(|e| store_error("GET", e))?;
+        raw.map(|text| {
+            serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
+                key,
+                reason: e.to_string(),
+            })
+        })
+        .transpose()
+    }
+
+    async fn set_json<T: Serialize>(&self, key: String, value: &T) -> Result<(), StoreError> {
+        let text = serde_json::to_string(value).map_err(|e| StoreError::Operation {
+            operation: "encode",
+            reason: e.to_string(),
+        })?;
+        let mut c = self.connection.clone();
+        c.set::<_, _, ()>(key, text)
+            .await
+            .map_err(|e| store_error("SET", e))
+    }
+
+    /// [`Self::set_json`], refused once the fence's lease has a newer token.
+    async fn set_fenced_json<T: Serialize>(
+        &self,
+        key: String,
+        value: &T,
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError> {
+        match fence {
+            None => self.set_json(key, value).await,
+            Some(_) => {
+                let write = Write::Set(key, Self::encode(value)?);
+                self.apply_writes("fenced SET", vec![write], fence).await
+            }
+        }
+    }
+
+    fn encode<T: Serialize>(value: &T) -> Result<String, StoreError> {
+        serde_json::to_string(value).map_err(|e| StoreError::Operation {
+            operation: "encode",
+            reason: e.to_string(),
+        })
+    }
+}
+
+#[async_trait]
+#[async_trait]
+impl Backend for RedisStore {
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let mut c = self.connection.clone();
+        redis::cmd("PING")
+            .query_async::<String>(&mut c)
+            .await
+            .map(|_| ())
+            .map_err(|e| store_error("PING", e))
+    }
+}

@@ -1,0 +1,419 @@
+//! Schedules, their fire times and executions, and live nodes on the Redis store.
+
+use super::*;
+
+/// Execution records kept per schedule.
+const EXECUTIONS_KEPT: isize = 1000;
+
+/// An open-index member is `schedule@scheduled_ms`; the schedule id may itself hold
+/// an `@`, the time never does.
+fn open_member_prefix(schedule_id: &str) -> String {
+    format!("{schedule_id}@")
+}
+
+/// Claims an execution (SET NX), adds it to its schedule's history and, while
+/// unfinished, to the open index; an execution that falls out of the history is deleted
+/// with its index entry, so records do not outlive the history that lists them.
+/// Refused (-1) when a fence token is given and a newer one exists.
+/// KEYS: record, history, open index, lease token counter. ARGV: record JSON, scheduled
+/// ms, executions kept, record key prefix, index member prefix, index score ('' when
+/// finished), fence token ('' for none).
+static CLAIM_EXECUTION: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if ARGV[7] ~= '' and tonumber(redis.call('GET', KEYS[4]) or '0') > tonumber(ARGV[7]) then
+  return -1
+end
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX') then
+  return 0
+end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[2])
+if ARGV[6] ~= '' then
+  redis.call('ZADD', KEYS[3], ARGV[6], ARGV[5] .. ARGV[2])
+end
+local excess = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[3])
+if excess > 0 then
+  local dropped = redis.call('ZPOPMIN', KEYS[2], excess)
+  for i = 1, #dropped, 2 do
+    redis.call('DEL', ARGV[4] .. dropped[i])
+    redis.call('ZREM', KEYS[3], ARGV[5] .. dropped[i])
+  end
+end
+return 1
+"#,
+    )
+});
+
+impl RedisStore {
+    fn execution_key(&self, schedule_id: &str, scheduled_ms: i64) -> String {
+        self.key(&["exec", schedule_id, &scheduled_ms.to_string()])
+    }
+
+    /// Sorted set of unfinished executions, scored by [`Execution::open_since`].
+    fn open_index(&self) -> String {
+        self.key(&["exec", "open"])
+    }
+
+    /// Writing an execution record, with the open index kept in step with its status.
+    fn execution_writes(&self, execution: &Execution) -> Result<Vec<Write>, StoreError> {
+        let member = format!(
+            "{}{}",
+            open_member_prefix(&execution.schedule_id),
+            execution.scheduled_ms
+        );
+        let record = Write::Set(
+            self.execution_key(&execution.schedule_id, execution.scheduled_ms),
+            Self::encode(execution)?,
+        );
+        let index = match execution.open_since() {
+            Some(since) => Write::Zadd(self.open_index(), since, member),
+            None => Write::Zrem(self.open_index(), member),
+        };
+        Ok(vec![record, index])
+    }
+
+    fn changes_channel(&self) -> String {
+        self.key(&["sched", "changed"])
+    }
+}
+
+#[async_trait]
+impl ScheduleStore for RedisStore {
+    async fn put_schedule(&self, schedule: &Schedule) -> Result<(), StoreError> {
+        let text = Self::encode(schedule)?;
+        let mut c = self.connection.clone();
+        redis::pipe()
+            .atomic()
+            .set(self.key(&["sched", &schedule.id]), text)
+            .sadd(self.key(&["sched", "ids"]), &schedule.id)
+            .publish(self.changes_channel(), &schedule.id)
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(|e| store_error("put schedule", e))
+    }
+
+    async fn get_schedule(&self, id: &str) -> Result<Option<Schedule>, StoreError> {
+        self.get_json(self.key(&["sched", id])).await
+    }
+
+    async fn list_schedules(&self) -> Result<Vec<Schedule>, StoreError> {
+        let mut c = self.connection.clone();
+        let ids: Vec<String> = c
+            .smembers(self.key(&["sched", "ids"]))
+            .await
+            .map_err(|e| store_error("SMEMBERS", e))?;
+        let mut schedules = Vec::with_capacity(ids.len());
+        for chunk in ids.chunks(500) {
+            let keys: Vec<String> = chunk.iter().map(|id| self.key(&["sched", id])).collect();
+            let raw: Vec<Option<String>> = redis::cmd("MGET")
+                .arg(&keys)
+                .query_async(&mut c)
+                .await
+                .map_err(|e| store_error("MGET", e))?;
+            for (key, text) in keys.into_iter().zip(raw) {
+                if let Some(text) = text {
+                    schedules.push(serde_json::from_str(&text).map_err(|e| {
+                        StoreError::Corrupt {
+                            key,
+                            reason: e.to_string(),
+                        }
+                    })?);
+                }
+            }
+        }
+        schedules.sort_by(|a: &Schedule, b| a.id.cmp(&b.id));
+        Ok(schedules)
+    }
+
+    async fn delete_schedule(&self, id: &str, shard: u32) -> Result<bool, StoreError> {
+        let mut c = self.connection.clone();
+        let (deleted,): (i64,) = redis::pipe()
+            .atomic()
+            .del(self.key(&["sched", id]))
+            .srem(self.key(&["sched", "ids"]), id)
+            .ignore()
+            .zrem(self.key(&["sched", "due", &shard.to_string()]), id)
+            .ignore()
+            .publish(self.changes_channel(), id)
+            .ignore()
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("delete schedule", e))?;
+        Ok(deleted > 0)
+    }
+
+    async fn set_next_fire(
+        &self,
+        shard: u32,
+        id: &str,
+        at_ms: Option<i64>,
+    ) -> Result<(), StoreError> {
+        let key = self.key(&["sched", "due", &shard.to_string()]);
+        let mut c = self.connection.clone();
+        match at_ms {
+            Some(at) => c.zadd::<_, _, _, ()>(key, id, at).await,
+            None => c.zrem::<_, _, ()>(key, id).await,
+        }
+        .map_err(|e| store_error("ZADD", e))
+    }
+
+    async fn due_schedules(
+        &self,
+        shard: u32,
+        until_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(String, i64)>, StoreError> {
+        let mut c = self.connection.clone();
+        c.zrangebyscore_limit_withscores(
+            self.key(&["sched", "due", &shard.to_string()]),
+            "-inf",
+            until_ms,
+            0,
+            limit as isize,
+        )
+        .await
+        .map_err(|e| store_error("ZRANGEBYSCORE", e))
+    }
+
+    async fn earliest_fire(&self, shard: u32) -> Result<Option<i64>, StoreError> {
+        let mut c = self.connection.clone();
+        let first: Vec<(String, i64)> = c
+            .zrange_withscores(self.key(&["sched", "due", &shard.to_string()]), 0, 0)
+            .await
+            .map_err(|e| store_error("ZRANGE", e))?;
+        Ok(first.first().map(|(_, at)| *at))
+    }
+
+    async fn claim_execution(&self, execution: &Execution) -> Result<bool, StoreError> {
+        let claims = self
+            .claim_executions(std::slice::from_ref(execution), None)
+            .await?;
+        Ok(claims.first().copied().unwrap_or(false))
+    }
+
+    async fn claim_executions(
+        &self,
+        executions: &[Execution],
+        fence: Option<&Fence>,
+    ) -> Result<Vec<bool>, StoreError> {
+        if executions.is_empty() {
+            return Ok(Vec::new());
+        }
+        let fence_key = match fence {
+            Some(f) => self.key(&["fence", &f.lease]),
+            None => self.key(&["fence", "none"]),
+        };
+        let token = fence.map(|f| f.token.to_string()).unwrap_or_default();
+        let open = self.open_index();
+        let mut pipe = redis::pipe();
+        // Loading the script first lets the pipeline invoke it by hash on any server.
+        pipe.load_script(&CLAIM_EXECUTION).ignore();
+        for e in executions {
+            let ms = e.scheduled_ms.to_string();
+            let mut claim = CLAIM_EXECUTION.key(self.execution_key(&e.schedule_id, e.scheduled_ms));
+            claim
+                .key(self.key(&["exec", "hist", &e.schedule_id]))
+                .key(&open)
+                .key(&fence_key)
+                .arg(Self::encode(e)?)
+                .arg(&ms)
+                .arg(EXECUTIONS_KEPT)
+                .arg(format!("{}:", self.key(&["exec", &e.schedule_id])))
+                .arg(open_member_prefix(&e.schedule_id))
+                .arg(e.open_since().map(|s| s.to_string()).unwrap_or_default())
+                .arg(&token);
+            pipe.invoke_script(&claim);
+        }
+        let mut c = self.connection.clone();
+        let replies: Vec<i64> = pipe
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("claim executions", e))?;
+        if let (Some(fence), true) = (fence, replies.contains(&-1)) {
+            return Err(StoreError::Fenced {
+                lease: fence.lease.clone(),
+                token: fence.token,
+            });
+        }
+        Ok(replies.into_iter().map(|r| r == 1).collect())
+    }
+
+    async fn record_fires(
+        &self,
+        shard: u32,
+        executions: &[Execution],
+        next_fires: &[(String, Option<i64>)],
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError> {
+        if executions.is_empty() && next_fires.is_empty() {
+            return Ok(());
+        }
+        let due = self.key(&["sched", "due", &shard.to_string()]);
+        let mut writes = Vec::with_capacity(executions.len() * 2 + next_fires.len());
+        for e in executions {
+            writes.extend(self.execution_writes(e)?);
+        }
+        for (id, at) in next_fires {
+            writes.push(match at {
+                Some(at) => Write::Zadd(due.clone(), *at, id.clone()),
+                None => Write::Zrem(due.clone(), id.clone()),
+            });
+        }
+        self.apply_writes("record fires", writes, fence).await
+    }
+
+    async fn put_execution(
+        &self,
+        execution: &Execution,
+        fence: Option<&Fence>,
+    ) -> Result<(), StoreError> {
+        let writes = self.execution_writes(execution)?;
+        self.apply_writes("put execution", writes, fence).await
+    }
+
+    async fn open_executions(
+        &self,
+        changed_by_ms: i64,
+        skip: usize,
+        limit: usize,
+    ) -> Result<Vec<(String, i64)>, StoreError> {
+        let mut c = self.connection.clone();
+        let members: Vec<String> = c
+            .zrangebyscore_limit(
+                self.open_index(),
+                "-inf",
+                changed_by_ms,
+                skip as isize,
+                limit as isize,
+            )
+            .await
+            .map_err(|e| store_error("ZRANGEBYSCORE", e))?;
+        Ok(members
+            .iter()
+            .filter_map(|m| {
+                let (schedule, ms) = m.rsplit_once('@')?;
+                Some((schedule.to_string(), ms.parse().ok()?))
+            })
+            .collect())
+    }
+
+    async fn get_execution(
+        &self,
+        schedule_id: &str,
+        scheduled_ms: i64,
+    ) -> Result<Option<Execution>, StoreError> {
+        self.get_json(self.execution_key(schedule_id, scheduled_ms))
+            .await
+    }
+
+    async fn executions(
+        &self,
+        schedule_id: &str,
+        limit: usize,
+    ) -> Result<Vec<Execution>, StoreError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let mut c = self.connection.clone();
+        let times: Vec<i64> = c
+            .zrevrange(
+                self.key(&["exec", "hist", schedule_id]),
+                0,
+                limit as isize - 1,
+            )
+            .await
+            .map_err(|e| store_error("ZREVRANGE", e))?;
+        if times.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = times
+            .iter()
+            .map(|t| self.execution_key(schedule_id, *t))
+            .collect();
+        let raw: Vec<Option<String>> = redis::cmd("MGET")
+            .arg(&keys)
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("MGET", e))?;
+        keys.into_iter()
+            .zip(raw)
+            .filter_map(|(key, text)| text.map(|t| (key, t)))
+            .map(|(key, text)| {
+                serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
+                    key,
+                    reason: e.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    async fn register_node(
+        &self,
+        node: &str,
+        priority: i64,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let mut c = self.connection.clone();
+        redis::pipe()
+            .cmd("SET")
+            .arg(self.key(&["node", node]))
+            .arg(priority)
+            .arg("PX")
+            .arg(ttl.as_millis().max(1) as u64)
+            .sadd(self.key(&["nodes"]), node)
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(|e| store_error("register node", e))
+    }
+
+    async fn live_nodes(&self) -> Result<Vec<(String, i64)>, StoreError> {
+        let mut c = self.connection.clone();
+        let nodes: Vec<String> = c
+            .smembers(self.key(&["nodes"]))
+            .await
+            .map_err(|e| store_error("SMEMBERS", e))?;
+        if nodes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = nodes.iter().map(|n| self.key(&["node", n])).collect();
+        let priorities: Vec<Option<i64>> = redis::cmd("MGET")
+            .arg(&keys)
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("MGET", e))?;
+        let mut live = Vec::new();
+        for (node, priority) in nodes.into_iter().zip(priorities) {
+            match priority {
+                Some(p) => live.push((node, p)),
+                None => {
+                    let _: Result<(), _> = c.srem(self.key(&["nodes"]), &node).await;
+                }
+            }
+        }
+        Ok(live)
+    }
+
+    async fn watch_schedules(&self) -> Result<ScheduleChanges, StoreError> {
+        let mut pubsub = self
+            .client
+            .get_async_pubsub()
+            .await
+            .map_err(|e| store_error("SUBSCRIBE", e))?;
+        pubsub
+            .subscribe(self.changes_channel())
+            .await
+            .map_err(|e| store_error("SUBSCRIBE", e))?;
+        let (tx, receiver) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(async move {
+            use futures::StreamExt;
+            let mut messages = pubsub.on_message();
+            while messages.next().await.is_some() {
+                if tx.is_closed() {
+                    return;
+                }
+                let _ = tx.try_send(());
+            }
+        });
+        Ok(ScheduleChanges { receiver })
+    }
+}

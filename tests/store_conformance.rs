@@ -1,0 +1,545 @@
+//! One conformance suite per store role, run against every backend: each case is its own
+//! test, named `<backend>::<role>::<case>`, so a failure names both. The memory store
+//! always runs; Redis runs with `--features it` (started by `scripts/services`), each
+//! case under a key prefix of its own that is removed when the case passes.
+
+mod common;
+
+use std::sync::Arc;
+
+use weir::store::Store;
+
+/// A store opened for one case.
+pub struct Opened {
+    pub store: Arc<dyn Store>,
+    /// Redis key prefix to remove afterwards.
+    prefix: Option<String>,
+}
+
+impl Opened {
+    async fn clean_up(self) {
+        #[cfg(feature = "it")]
+        if let Some(prefix) = self.prefix {
+            common::services::remove_redis_keys(&prefix).await;
+        }
+        #[cfg(not(feature = "it"))]
+        let _ = self.prefix;
+    }
+}
+
+pub async fn memory() -> Opened {
+    Opened {
+        store: Arc::new(weir::store::memory::MemoryStore::new()),
+        prefix: None,
+    }
+}
+
+#[cfg(feature = "it")]
+pub async fn redis() -> Opened {
+    let prefix = common::services::unique("weirtest");
+    Opened {
+        store: common::services::redis(&prefix).await,
+        prefix: Some(prefix),
+    }
+}
+
+/// Every case of every role, as tests against the store `$open` returns.
+macro_rules! store_conformance {
+    ($backend:ident: $open:path) => {
+        mod $backend {
+            store_conformance!(@role $open; checkpoint:
+                round_trip,
+                a_deposed_holders_writes_are_refused);
+            store_conformance!(@role $open; cache:
+                round_trip,
+                a_deposed_holders_writes_are_refused);
+            store_conformance!(@role $open; recovery:
+                newest_first_and_filtered_by_graph);
+            store_conformance!(@role $open; lease:
+                held_by_one_renewed_and_released_by_its_holder_only,
+                expiry_hands_over_with_a_larger_token);
+            store_conformance!(@role $open; schedule:
+                schedules_and_fire_times_round_trip,
+                executions_are_claimed_once_and_indexed_while_open,
+                a_deposed_masters_execution_writes_are_refused,
+                live_nodes_expire);
+            store_conformance!(@role $open; workflow:
+                executions_are_created_once_and_updated_by_version,
+                deadlines_fall_due_earliest_first,
+                published_tasks_accumulate_per_execution);
+            store_conformance!(@role $open; backend:
+                answers_a_ping);
+        }
+    };
+    (@role $open:path; $role:ident: $($case:ident),+) => {
+        mod $role {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    let opened = $open().await;
+                    crate::cases::$role::$case(opened.store.clone()).await;
+                    opened.clean_up().await;
+                }
+            )+
+        }
+    };
+}
+
+store_conformance!(memory_store: crate::memory);
+#[cfg(feature = "it")]
+store_conformance!(redis_store: crate::redis);
+
+mod cases {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use weir::store::{Fence, Lease, Store, StoreError};
+
+    /// Takes a lease, gives it up and lets another holder take it: the fences of the
+    /// deposed holder and of its successor.
+    pub async fn deposed_and_current(store: &dyn Store, name: &str) -> (Fence, Fence) {
+        let ttl = Duration::from_secs(60);
+        let old = store.acquire_lease(name, "n1", ttl).await.unwrap().unwrap();
+        assert!(store.release_lease(&old).await.unwrap());
+        let new = store.acquire_lease(name, "n2", ttl).await.unwrap().unwrap();
+        (Fence::from(&old), Fence::from(&new))
+    }
+
+    fn is_fenced<T: std::fmt::Debug>(result: &Result<T, StoreError>) -> bool {
+        matches!(result, Err(StoreError::Fenced { .. }))
+    }
+
+    pub mod checkpoint {
+        use super::*;
+        use weir::store::Checkpoint;
+        use weir::transport::Position;
+
+        pub fn sample(token: Option<u64>) -> Checkpoint {
+            Checkpoint {
+                positions: vec![
+                    Position {
+                        partition: 0,
+                        offset: 41,
+                    },
+                    Position {
+                        partition: 2,
+                        offset: 7,
+                    },
+                ],
+                state: Some(serde_json::json!({"sum": 3})),
+                token,
+            }
+        }
+
+        pub async fn round_trip(store: Arc<dyn Store>) {
+            assert_eq!(store.load_checkpoint("g", "a").await.unwrap(), None);
+            store
+                .save_checkpoint("g", "a", &sample(None), None)
+                .await
+                .unwrap();
+            assert_eq!(
+                store.load_checkpoint("g", "a").await.unwrap(),
+                Some(sample(None))
+            );
+            assert_eq!(store.load_checkpoint("g", "b").await.unwrap(), None);
+            assert_eq!(store.load_checkpoint("h", "a").await.unwrap(), None);
+        }
+
+        pub async fn a_deposed_holders_writes_are_refused(store: Arc<dyn Store>) {
+            let (stale, current) = deposed_and_current(store.as_ref(), "g-lease").await;
+            let refused = store
+                .save_checkpoint("g", "a", &sample(Some(stale.token)), Some(&stale))
+                .await;
+            assert!(is_fenced(&refused), "{refused:?}");
+            assert!(!refused.unwrap_err().is_retryable());
+            assert_eq!(store.load_checkpoint("g", "a").await.unwrap(), None);
+            let kept = sample(Some(current.token));
+            store
+                .save_checkpoint("g", "a", &kept, Some(&current))
+                .await
+                .unwrap();
+            assert_eq!(store.load_checkpoint("g", "a").await.unwrap(), Some(kept));
+        }
+    }
+
+    pub mod cache {
+        use super::*;
+        use weir::reactor::{CacheSnapshot, SourceSnapshot};
+        use weir::transport::Position;
+
+        fn sample() -> CacheSnapshot {
+            let mut snapshot = CacheSnapshot {
+                fires: 9,
+                ..Default::default()
+            };
+            let position = Position {
+                partition: 0,
+                offset: 3,
+            };
+            snapshot.sources.insert(
+                "a".into(),
+                SourceSnapshot {
+                    seen: vec![position],
+                    dirty: true,
+                    current: Some(weir::Boundary {
+                        source: Arc::from("a"),
+                        sequence: 0,
+                        positions: vec![position],
+                        event_time_ms: 1,
+                        emit_time_ms: 2,
+                        value: serde_json::json!([1, 2]),
+                    }),
+                    queue: Vec::new(),
+                },
+            );
+            snapshot
+        }
+
+        pub async fn round_trip(store: Arc<dyn Store>) {
+            assert_eq!(store.load_cache("g").await.unwrap(), None);
+            store.save_cache("g", &sample(), None).await.unwrap();
+            assert_eq!(store.load_cache("g").await.unwrap(), Some(sample()));
+            assert_eq!(store.load_cache("h").await.unwrap(), None);
+        }
+
+        pub async fn a_deposed_holders_writes_are_refused(store: Arc<dyn Store>) {
+            let (stale, current) = deposed_and_current(store.as_ref(), "g-lease").await;
+            let refused = store.save_cache("g", &sample(), Some(&stale)).await;
+            assert!(is_fenced(&refused), "{refused:?}");
+            assert_eq!(store.load_cache("g").await.unwrap(), None);
+            store
+                .save_cache("g", &sample(), Some(&current))
+                .await
+                .unwrap();
+            assert_eq!(store.load_cache("g").await.unwrap(), Some(sample()));
+        }
+    }
+
+    pub mod recovery {
+        use super::*;
+        use weir::store::{RecoveryAction, RecoveryEvent};
+
+        pub async fn newest_first_and_filtered_by_graph(store: Arc<dyn Store>) {
+            for (graph, attempt) in [("g", 1), ("other", 1), ("g", 2)] {
+                let event = RecoveryEvent {
+                    graph: graph.to_string(),
+                    component: "reactor".into(),
+                    action: RecoveryAction::GraphRespawned,
+                    attempt,
+                    error: "boom".into(),
+                    at_ms: 10,
+                    node_id: "n1".into(),
+                };
+                store.record_recovery(&event).await.unwrap();
+            }
+            let mine = store.recovery_events(Some("g"), 10).await.unwrap();
+            assert_eq!(
+                mine.iter().map(|e| e.attempt).collect::<Vec<_>>(),
+                vec![2, 1]
+            );
+            assert!(mine.iter().all(|e| e.graph == "g"));
+            assert_eq!(store.recovery_events(Some("g"), 1).await.unwrap().len(), 1);
+            let all = store.recovery_events(None, 100).await.unwrap();
+            assert_eq!(all.len(), 3);
+            assert!(all.iter().any(|e| e.graph == "other"));
+        }
+    }
+
+    pub mod lease {
+        use super::*;
+
+        pub async fn held_by_one_renewed_and_released_by_its_holder_only(store: Arc<dyn Store>) {
+            let ttl = Duration::from_secs(60);
+            let first = store
+                .acquire_lease("l", "n1", ttl)
+                .await
+                .unwrap()
+                .expect("free lease");
+            assert!(store.acquire_lease("l", "n2", ttl).await.unwrap().is_none());
+            assert!(store.renew_lease(&first, ttl).await.unwrap());
+            let impostor = Lease {
+                holder: "n2".into(),
+                ..first.clone()
+            };
+            assert!(!store.renew_lease(&impostor, ttl).await.unwrap());
+            assert!(!store.release_lease(&impostor).await.unwrap());
+            assert!(store.release_lease(&first).await.unwrap());
+            let second = store
+                .acquire_lease("l", "n2", ttl)
+                .await
+                .unwrap()
+                .expect("released");
+            assert!(second.token > first.token, "fencing token grows");
+            assert!(!store.renew_lease(&first, ttl).await.unwrap());
+        }
+
+        pub async fn expiry_hands_over_with_a_larger_token(store: Arc<dyn Store>) {
+            let ttl = Duration::from_millis(300);
+            let first = store.acquire_lease("l", "n1", ttl).await.unwrap().unwrap();
+            tokio::time::sleep(ttl + Duration::from_millis(200)).await;
+            let second = store
+                .acquire_lease("l", "n2", ttl)
+                .await
+                .unwrap()
+                .expect("expired");
+            assert!(second.token > first.token);
+            assert!(!store.renew_lease(&first, ttl).await.unwrap());
+            assert!(!store.release_lease(&first).await.unwrap());
+            assert!(store.renew_lease(&second, ttl).await.unwrap());
+        }
+    }
+
+    pub mod schedule {
+        use super::*;
+        use weir::cron::Schedule;
+        use weir::store::{Execution, ExecutionStatus};
+
+        fn execution(scheduled_ms: i64, status: ExecutionStatus) -> Execution {
+            Execution {
+                schedule_id: "s".into(),
+                scheduled_ms,
+                tick_id: format!("s@{scheduled_ms}"),
+                status,
+                attempt: 1,
+                max_attempts: 3,
+                node_id: "n1".into(),
+                fencing_token: 1,
+                updated_ms: scheduled_ms + 100,
+                error: None,
+            }
+        }
+
+        pub async fn schedules_and_fire_times_round_trip(store: Arc<dyn Store>) {
+            let schedule = Schedule::new("s", "* * * * * *", "UTC");
+            assert_eq!(store.get_schedule("s").await.unwrap(), None);
+            store.put_schedule(&schedule).await.unwrap();
+            assert_eq!(
+                store.get_schedule("s").await.unwrap(),
+                Some(schedule.clone())
+            );
+            assert_eq!(store.list_schedules().await.unwrap(), vec![schedule]);
+            store.set_next_fire(0, "s", Some(5_000)).await.unwrap();
+            assert!(store.due_schedules(0, 4_999, 10).await.unwrap().is_empty());
+            assert!(store.due_schedules(1, 9_999, 10).await.unwrap().is_empty());
+            assert_eq!(
+                store.due_schedules(0, 5_000, 10).await.unwrap(),
+                [("s".to_string(), 5_000)]
+            );
+            assert_eq!(store.earliest_fire(0).await.unwrap(), Some(5_000));
+            assert_eq!(store.earliest_fire(1).await.unwrap(), None);
+            assert!(store.delete_schedule("s", 0).await.unwrap());
+            assert!(!store.delete_schedule("s", 0).await.unwrap());
+            assert_eq!(store.get_schedule("s").await.unwrap(), None);
+            assert_eq!(store.earliest_fire(0).await.unwrap(), None);
+        }
+
+        pub async fn executions_are_claimed_once_and_indexed_while_open(store: Arc<dyn Store>) {
+            let claims = store
+                .claim_executions(
+                    &[
+                        execution(1000, ExecutionStatus::Scheduled),
+                        execution(2000, ExecutionStatus::Buffered),
+                        execution(3000, ExecutionStatus::Skipped),
+                    ],
+                    None,
+                )
+                .await
+                .unwrap();
+            assert_eq!(claims, [true, true, true]);
+            assert!(!store
+                .claim_execution(&execution(1000, ExecutionStatus::Scheduled))
+                .await
+                .unwrap());
+            let open = |by: i64| {
+                let store = store.clone();
+                async move { store.open_executions(by, 0, 100).await.unwrap() }
+            };
+            let s = || "s".to_string();
+            // Buffered ones are always listed; the others once unchanged since `by`.
+            assert_eq!(open(1100).await, [(s(), 2000), (s(), 1000)]);
+            assert_eq!(open(1099).await, [(s(), 2000)]);
+            assert_eq!(
+                store.open_executions(i64::MAX, 0, 1).await.unwrap().len(),
+                1
+            );
+            assert_eq!(
+                store.open_executions(i64::MAX, 1, 5).await.unwrap(),
+                [(s(), 1000)]
+            );
+            assert!(store
+                .open_executions(i64::MAX, 2, 5)
+                .await
+                .unwrap()
+                .is_empty());
+            store
+                .put_execution(&execution(1000, ExecutionStatus::Completed), None)
+                .await
+                .unwrap();
+            let mut running = execution(2000, ExecutionStatus::Running);
+            running.updated_ms = 5000;
+            store.record_fires(0, &[running], &[], None).await.unwrap();
+            assert!(open(4999).await.is_empty());
+            assert_eq!(open(5000).await, [(s(), 2000)]);
+            // History beyond its cap is dropped, oldest first, with its index entries.
+            let later: Vec<Execution> = (0..1000)
+                .map(|i| execution(10_000 + i, ExecutionStatus::Skipped))
+                .collect();
+            store.claim_executions(&later, None).await.unwrap();
+            let history = store.executions("s", 2000).await.unwrap();
+            assert_eq!(history.len(), 1000);
+            assert_eq!(history[0].scheduled_ms, 10_999, "newest first");
+            assert_eq!(store.get_execution("s", 1000).await.unwrap(), None);
+            assert_eq!(store.get_execution("s", 2000).await.unwrap(), None);
+            assert!(open(i64::MAX).await.is_empty());
+        }
+
+        pub async fn a_deposed_masters_execution_writes_are_refused(store: Arc<dyn Store>) {
+            let (stale, current) = deposed_and_current(store.as_ref(), "shard-0").await;
+            let claimed = store
+                .claim_executions(
+                    &[execution(50_000, ExecutionStatus::Scheduled)],
+                    Some(&stale),
+                )
+                .await;
+            assert!(is_fenced(&claimed), "{claimed:?}");
+            assert_eq!(store.get_execution("s", 50_000).await.unwrap(), None);
+            let refused = store
+                .record_fires(
+                    0,
+                    &[execution(50_000, ExecutionStatus::Running)],
+                    &[("s".to_string(), Some(60_000))],
+                    Some(&stale),
+                )
+                .await;
+            assert!(is_fenced(&refused), "{refused:?}");
+            assert_eq!(store.get_execution("s", 50_000).await.unwrap(), None);
+            assert_eq!(store.earliest_fire(0).await.unwrap(), None, "refused whole");
+            let put = store
+                .put_execution(&execution(50_000, ExecutionStatus::Running), Some(&stale))
+                .await;
+            assert!(is_fenced(&put), "{put:?}");
+            assert_eq!(
+                store
+                    .claim_executions(
+                        &[execution(50_000, ExecutionStatus::Scheduled)],
+                        Some(&current)
+                    )
+                    .await
+                    .unwrap(),
+                [true]
+            );
+            store
+                .put_execution(
+                    &execution(50_000, ExecutionStatus::Completed),
+                    Some(&current),
+                )
+                .await
+                .unwrap();
+            assert_eq!(
+                store
+                    .get_execution("s", 50_000)
+                    .await
+                    .unwrap()
+                    .map(|e| e.status),
+                Some(ExecutionStatus::Completed)
+            );
+        }
+
+        pub async fn live_nodes_expire(store: Arc<dyn Store>) {
+            store
+                .register_node("brief", 1, Duration::from_millis(300))
+                .await
+                .unwrap();
+            store
+                .register_node("lasting", 7, Duration::from_secs(60))
+                .await
+                .unwrap();
+            let mut live = store.live_nodes().await.unwrap();
+            live.sort();
+            assert_eq!(live, [("brief".to_string(), 1), ("lasting".to_string(), 7)]);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            assert_eq!(
+                store.live_nodes().await.unwrap(),
+                [("lasting".to_string(), 7)]
+            );
+        }
+    }
+
+    pub mod workflow {
+        use super::*;
+        use weir::dispatch::{RunStatus, WorkflowExecution};
+
+        pub async fn executions_are_created_once_and_updated_by_version(store: Arc<dyn Store>) {
+            let mut execution = WorkflowExecution {
+                id: "x".into(),
+                workflow: "w".into(),
+                status: RunStatus::Running,
+                context: serde_json::json!({"n": 1}),
+                tasks: Default::default(),
+                origin: None,
+                created_ms: 1,
+                updated_ms: 1,
+                version: 1,
+            };
+            assert_eq!(store.get_workflow_execution("x").await.unwrap(), None);
+            assert!(store.create_workflow_execution(&execution).await.unwrap());
+            assert!(!store.create_workflow_execution(&execution).await.unwrap());
+            execution.status = RunStatus::Completed;
+            execution.version = 2;
+            assert!(store.update_workflow_execution(&execution).await.unwrap());
+            // A second writer that read version 1 too loses.
+            assert!(!store.update_workflow_execution(&execution).await.unwrap());
+            assert_eq!(
+                store.get_workflow_execution("x").await.unwrap(),
+                Some(execution)
+            );
+        }
+
+        pub async fn deadlines_fall_due_earliest_first(store: Arc<dyn Store>) {
+            store.set_workflow_deadline("late", 2_000).await.unwrap();
+            store.set_workflow_deadline("early", 5_000).await.unwrap();
+            store.set_workflow_deadline("early", 1_000).await.unwrap();
+            let due = |until| {
+                let store = store.clone();
+                async move { store.due_workflow_deadlines(until, 10).await.unwrap() }
+            };
+            assert_eq!(due(1_500).await, ["early"]);
+            assert_eq!(due(3_000).await, ["early", "late"]);
+            store.clear_workflow_deadline("early").await.unwrap();
+            assert_eq!(due(i64::MAX).await, ["late"]);
+            store.clear_workflow_deadline("late").await.unwrap();
+            assert!(due(i64::MAX).await.is_empty());
+        }
+
+        pub async fn published_tasks_accumulate_per_execution(store: Arc<dyn Store>) {
+            assert!(store.published_tasks("x").await.unwrap().is_empty());
+            let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+            store
+                .mark_tasks_published("x", &names(&["a", "b"]))
+                .await
+                .unwrap();
+            store
+                .mark_tasks_published("x", &names(&["b", "c"]))
+                .await
+                .unwrap();
+            store.mark_tasks_published("x", &[]).await.unwrap();
+            let published: Vec<String> = store
+                .published_tasks("x")
+                .await
+                .unwrap()
+                .into_iter()
+                .collect();
+            assert_eq!(published, ["a", "b", "c"]);
+            assert!(store.published_tasks("y").await.unwrap().is_empty());
+        }
+    }
+
+    pub mod backend {
+        use super::*;
+
+        pub async fn answers_a_ping(store: Arc<dyn Store>) {
+            store.ping().await.unwrap();
+            assert!(["memory", "redis"].contains(&store.kind()));
+        }
+    }
+}
