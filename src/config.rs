@@ -60,14 +60,16 @@ pub enum ConfigError {
     Invalid { key: String, message: String },
     #[error("invalid configuration:\n{}", .0.iter().map(|e| format!("  - {e}")).collect::<Vec<_>>().join("\n"))]
     Many(Vec<ConfigError>),
-    #[error("cannot connect: {0}")]
-    Connect(String),
+    #[error("cannot connect to the broker: {0}")]
+    Broker(#[source] crate::transport::TransportError),
+    #[error("cannot connect to the store: {0}")]
+    Store(#[source] crate::store::StoreError),
 }
 
 impl ConfigError {
     /// Only a failed connection may succeed on a retry; bad config stays bad.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::Connect(_))
+        matches!(self, Self::Broker(_) | Self::Store(_))
     }
 }
 
@@ -1135,7 +1137,6 @@ impl Config {
 
     /// Connects to the configured broker only (for commands that need no store).
     pub async fn connect_broker(&self) -> Result<Arc<dyn Broker>, ConfigError> {
-        let connect = |e: &dyn std::fmt::Display| ConfigError::Connect(e.to_string());
         Ok(match self.broker.kind {
             BrokerKind::Memory => Arc::new(crate::transport::memory::MemoryBroker::new(
                 self.broker.partitions as usize,
@@ -1150,8 +1151,8 @@ impl Config {
                         retention: self.broker.retention(),
                     },
                 )
-                .map_err(|e| connect(&e))?;
-                broker.ping().await.map_err(|e| connect(&e))?;
+                .map_err(ConfigError::Broker)?;
+                broker.ping().await.map_err(ConfigError::Broker)?;
                 Arc::new(broker)
             }
             BrokerKind::Nats => Arc::new(
@@ -1173,7 +1174,7 @@ impl Config {
                     },
                 })
                 .await
-                .map_err(|e| connect(&e))?,
+                .map_err(ConfigError::Broker)?,
             ),
         })
     }
@@ -1195,7 +1196,7 @@ impl Config {
                     &self.store.prefix,
                 )
                 .await
-                .map_err(|e| ConfigError::Connect(e.to_string()))?,
+                .map_err(ConfigError::Store)?,
             ),
         })
     }

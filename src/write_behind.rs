@@ -135,7 +135,10 @@ mod tests {
                     .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
                     .is_ok()
                 {
-                    return Err(StoreError::Unreachable("down".into()));
+                    return Err(StoreError::Unreachable {
+                        what: "test store".into(),
+                        source: "down".into(),
+                    });
                 }
                 into.lock().unwrap().push(*v);
                 Ok(())
@@ -166,7 +169,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_flush_is_bounded_while_the_store_is_away() {
         let mut behind = WriteBehind::spawn("test", |_: Arc<u32>| async {
-            Err(StoreError::Unreachable("down".into()))
+            Err(StoreError::Unreachable {
+                what: "test store".into(),
+                source: "down".into(),
+            })
         });
         behind.submit(1);
         assert!(!behind.flush(Duration::from_secs(1)).await);

@@ -489,7 +489,7 @@ impl weir::transport::Sink for Unacknowledged {
     ) -> Result<weir::transport::Position, weir::transport::TransportError> {
         Err(weir::transport::TransportError::Publish {
             topic: message.topic,
-            reason: "no acknowledgement".into(),
+            source: "no acknowledgement".into(),
             retryable: true,
         })
     }

@@ -118,7 +118,7 @@ impl Sink for SizeLimited {
         if message.payload.len() > self.limit {
             return Err(TransportError::Publish {
                 topic: message.topic,
-                reason: "message too large".into(),
+                source: "message too large".into(),
                 retryable: false,
             });
         }

@@ -274,7 +274,7 @@ impl Source for OneThenFail {
         self.fail.notified().await;
         Err(TransportError::Unreachable {
             broker: "flaky".into(),
-            reason: "connection reset".into(),
+            source: "connection reset".into(),
         })
     }
     async fn commit(&mut self, _: &[Position]) -> Result<(), TransportError> {
@@ -738,7 +738,7 @@ impl SourceFactory for Unreachable {
         self.opens.fetch_add(1, Ordering::SeqCst);
         Err(TransportError::Unreachable {
             broker: "away".into(),
-            reason: "connection refused".into(),
+            source: "connection refused".into(),
         })
     }
 }

@@ -107,7 +107,7 @@ impl Source for BreakableSource {
             biased;
             _ = self.fail.notified() => Err(TransportError::Unreachable {
                 broker: "test".into(),
-                reason: "connection reset".into(),
+                source: "connection reset".into(),
             }),
             message = self.inner.next() => message,
         }

@@ -68,8 +68,18 @@ pub enum AccumulatorError {
     /// The stored state does not fit this accumulator.
     #[error("checkpoint state unusable: {0}")]
     BadCheckpoint(String),
-    #[error("source {source_name} failed: {reason}")]
-    Source { source_name: String, reason: String },
+    #[error("source {source_name} failed: {source}")]
+    Source {
+        source_name: String,
+        #[source]
+        source: crate::transport::TransportError,
+    },
+    #[error("dead-letter publish to {topic} failed: {source}")]
+    DeadLetter {
+        topic: String,
+        #[source]
+        source: crate::transport::TransportError,
+    },
     #[error("store failed: {0}")]
     Store(#[from] crate::store_error::StoreError),
 }
@@ -79,7 +89,7 @@ impl AccumulatorError {
     pub fn is_retryable(&self) -> bool {
         match self {
             Self::Rejected(_) | Self::BadCheckpoint(_) => false,
-            Self::Source { .. } => true,
+            Self::Source { .. } | Self::DeadLetter { .. } => true,
             Self::Store(e) => e.is_retryable(),
         }
     }

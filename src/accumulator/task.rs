@@ -165,7 +165,7 @@ impl AccumulatorTask {
                     self.set_health(Health::Disconnected).await;
                     return Err(AccumulatorError::Source {
                         source_name: factory.describe(),
-                        reason: e.to_string(),
+                        source: e,
                     });
                 }
             }
@@ -226,7 +226,7 @@ impl AccumulatorTask {
                         self.set_health(Health::Disconnected).await;
                         return Err(AccumulatorError::Source {
                             source_name: self.source.as_ref().map(|s| s.describe()).unwrap_or_default(),
-                            reason: e.to_string(),
+                            source: e,
                         });
                     }
                 },
@@ -382,9 +382,9 @@ impl AccumulatorTask {
         self.dead_letters
             .publish(outbound)
             .await
-            .map_err(|e| AccumulatorError::Source {
-                source_name: self.dead_letter_topic.clone(),
-                reason: format!("dead-letter publish failed: {e}"),
+            .map_err(|source| AccumulatorError::DeadLetter {
+                topic: self.dead_letter_topic.clone(),
+                source,
             })?;
         warn!(graph = %self.graph, accumulator = %self.spec.name, topic = %self.dead_letter_topic, %reason, "event dead-lettered");
         self.stats.dead_lettered();

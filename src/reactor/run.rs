@@ -423,7 +423,7 @@ impl Reactor {
                 if lease.as_ref().is_some_and(|held| held.deadline.passed()) {
                     return Err(TransportError::Publish {
                         topic,
-                        reason: "the graph's lease deadline passed".into(),
+                        source: "the graph's lease deadline passed".into(),
                         retryable: true,
                     });
                 }

@@ -167,7 +167,7 @@ mod tests {
                 }),
                 2 => Err(TransportError::Consume {
                     topic: "t".into(),
-                    reason: "broker away".into(),
+                    source: "broker away".into(),
                     retryable: true,
                 }),
                 _ => std::future::pending().await,

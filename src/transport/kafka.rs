@@ -22,8 +22,8 @@ use rdkafka::util::Timeout;
 use rdkafka::{Offset, TopicPartitionList};
 
 use super::{
-    Acks, Assignment, Broker, FinishedPrefix, Message, Outbound, PendingAck, Position, Sink,
-    Source, StartFrom, Subscription, TransportError,
+    Acks, Assignment, BoxError, Broker, FinishedPrefix, Message, Outbound, PendingAck, Position,
+    Sink, Source, StartFrom, Subscription, TransportError,
 };
 
 /// How long a publish may wait for room in the producer's queue.
@@ -135,10 +135,10 @@ struct Inner {
     setup: super::setup::SetupGate,
 }
 
-fn unreachable(brokers: &str, e: impl std::fmt::Display) -> TransportError {
+fn unreachable(brokers: &str, e: impl Into<BoxError>) -> TransportError {
     TransportError::Unreachable {
         broker: format!("kafka {brokers}"),
-        reason: e.to_string(),
+        source: e.into(),
     }
 }
 
@@ -438,7 +438,7 @@ impl Sink for KafkaBroker {
         let publish_error = |topic: &str, e: &KafkaError| TransportError::Publish {
             topic: topic.to_string(),
             retryable: is_retryable(e),
-            reason: e.to_string(),
+            source: e.clone().into(),
         };
         // The client's queue is bounded: while it is full, wait for room, as long as a
         // publish may take.
@@ -477,7 +477,7 @@ impl Sink for KafkaBroker {
                 Ok(Err((e, _))) => Err(publish_error(&topic, &e)),
                 Err(_) => Err(TransportError::Publish {
                     topic,
-                    reason: "the producer was dropped before the broker acknowledged".into(),
+                    source: "the producer was dropped before the broker acknowledged".into(),
                     retryable: true,
                 }),
             }
@@ -493,7 +493,7 @@ async fn receive(
     let message = consumer.recv().await.map_err(|e| TransportError::Consume {
         topic: topic.to_string(),
         retryable: is_retryable(&e),
-        reason: e.to_string(),
+        source: e.into(),
     })?;
     let headers = message
         .headers()
@@ -702,10 +702,11 @@ impl KafkaSource {
         let failed = |e: KafkaError| TransportError::Consume {
             topic: self.topic.to_string(),
             retryable: true,
-            reason: format!(
+            source: format!(
                 "cannot {} partitions: {e}",
                 if pause { "pause" } else { "resume" }
-            ),
+            )
+            .into(),
         };
         let assigned = consumer.assignment().map_err(failed)?;
         if assigned.count() > 0 {
@@ -780,14 +781,14 @@ impl Source for KafkaSource {
             list.add_partition_offset(&self.topic, p.partition, Offset::Offset(p.offset + 1))
                 .map_err(|e| TransportError::Commit {
                     topic: self.topic.to_string(),
-                    reason: e.to_string(),
+                    source: e.into(),
                 })?;
         }
         self.consumer()?
             .commit(&list, CommitMode::Async)
             .map_err(|e| TransportError::Commit {
                 topic: self.topic.to_string(),
-                reason: e.to_string(),
+                source: e.into(),
             })
     }
 }

@@ -125,10 +125,11 @@ impl MemoryBroker {
         if let Some(limit) = self.inner.max_message_bytes {
             if message.payload.len() > limit {
                 return Err(TransportError::Publish {
-                    reason: format!(
+                    source: format!(
                         "message of {} bytes is larger than the broker takes ({limit})",
                         message.payload.len()
-                    ),
+                    )
+                    .into(),
                     topic: message.topic,
                     retryable: false,
                 });
@@ -225,7 +226,7 @@ impl Broker for MemoryBroker {
                     if *p < 0 || *p as usize >= next.len() {
                         return Err(TransportError::Consume {
                             topic: subscription.topic.clone(),
-                            reason: format!("partition {p} does not exist"),
+                            source: format!("partition {p} does not exist").into(),
                             retryable: false,
                         });
                     }
@@ -346,7 +347,7 @@ impl Source for MemorySource {
             if p >= committed.len() {
                 return Err(TransportError::Commit {
                     topic: self.topic.name.to_string(),
-                    reason: format!("partition {} does not exist", position.partition),
+                    source: format!("partition {} does not exist", position.partition).into(),
                 });
             }
             committed[p] = committed[p].max(position.offset + 1);

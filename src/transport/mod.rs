@@ -157,31 +157,69 @@ impl Subscription {
     }
 }
 
+/// The cause a backend error keeps: the client's own error, or a message where the
+/// client had none.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A broker operation failed. Each variant keeps the client's error as its `source`.
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
-    #[error("broker {broker} unreachable: {reason}")]
-    Unreachable { broker: String, reason: String },
-    #[error("publish to {topic} failed: {reason}")]
+    #[error("broker {broker} unreachable: {source}")]
+    Unreachable {
+        broker: String,
+        #[source]
+        source: BoxError,
+    },
+    #[error("publish to {topic} failed: {source}")]
     Publish {
         topic: String,
-        reason: String,
+        #[source]
+        source: BoxError,
         retryable: bool,
     },
-    #[error("consume from {topic} failed: {reason}")]
+    #[error("consume from {topic} failed: {source}")]
     Consume {
         topic: String,
-        reason: String,
+        #[source]
+        source: BoxError,
         retryable: bool,
     },
-    #[error("commit on {topic} failed: {reason}")]
-    Commit { topic: String, reason: String },
+    #[error("commit on {topic} failed: {source}")]
+    Commit {
+        topic: String,
+        #[source]
+        source: BoxError,
+    },
+    /// The name breaks the broker's rules (`reason` says which); no cause to keep.
     #[error("invalid topic or subject {topic:?}: {reason}")]
     InvalidTopic { topic: String, reason: String },
     #[error("source on {topic} is closed")]
     Closed { topic: String },
 }
 
+/// The class of a [`TransportError`], for callers that branch on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportErrorKind {
+    Unreachable,
+    Publish,
+    Consume,
+    Commit,
+    InvalidTopic,
+    Closed,
+}
+
 impl TransportError {
+    pub fn kind(&self) -> TransportErrorKind {
+        match self {
+            Self::Unreachable { .. } => TransportErrorKind::Unreachable,
+            Self::Publish { .. } => TransportErrorKind::Publish,
+            Self::Consume { .. } => TransportErrorKind::Consume,
+            Self::Commit { .. } => TransportErrorKind::Commit,
+            Self::InvalidTopic { .. } => TransportErrorKind::InvalidTopic,
+            Self::Closed { .. } => TransportErrorKind::Closed,
+        }
+    }
+
     /// Whether the same call may succeed later (the broker came back, a leader moved).
     pub fn is_retryable(&self) -> bool {
         match self {

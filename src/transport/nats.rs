@@ -19,8 +19,8 @@ use futures::{StreamExt, TryStreamExt};
 use crate::secret::{redact_urls, scrub, split_credentials, Secret, UrlCredentials};
 
 use super::{
-    Acks, Assignment, Broker, Message, Outbound, PendingAck, Position, Sink, Source, StartFrom,
-    Subscription, TransportError,
+    Acks, Assignment, BoxError, Broker, Message, Outbound, PendingAck, Position, Sink, Source,
+    StartFrom, Subscription, TransportError,
 };
 
 /// How long a sole reader's durable consumer may go without pulling before the server
@@ -201,7 +201,7 @@ impl NatsBroker {
         .collect();
         let failed = |reason: String| TransportError::Unreachable {
             broker: format!("nats {shown}"),
-            reason: scrub(&reason, &secrets.iter().collect::<Vec<_>>()),
+            source: scrub(&reason, &secrets.iter().collect::<Vec<_>>()).into(),
         };
         let client = settings
             .auth
@@ -226,10 +226,10 @@ impl NatsBroker {
         })
     }
 
-    fn unreachable(&self, e: impl std::fmt::Display) -> TransportError {
+    fn unreachable(&self, e: impl Into<BoxError>) -> TransportError {
         TransportError::Unreachable {
             broker: format!("nats {}", self.inner.url),
-            reason: e.to_string(),
+            source: e.into(),
         }
     }
 
@@ -548,12 +548,11 @@ impl Sink for NatsBroker {
         let Outbound { topic, payload, .. } = message;
         // A message larger than the server takes fails the same way however often it
         // is sent.
-        let publish_error =
-            |topic: &str, e: &dyn std::fmt::Display, too_large: bool| TransportError::Publish {
-                topic: topic.to_string(),
-                reason: e.to_string(),
-                retryable: !too_large,
-            };
+        let publish_error = |topic: &str, e: BoxError, too_large: bool| TransportError::Publish {
+            topic: topic.to_string(),
+            source: e,
+            retryable: !too_large,
+        };
         match &self.inner.jetstream {
             Some(js) => {
                 let turn = self.inner.setup.enter(&topic).await;
@@ -564,12 +563,16 @@ impl Sink for NatsBroker {
                 let ack = js
                     .publish_with_headers(topic.clone(), headers, payload)
                     .await
-                    .map_err(|e| publish_error(&topic, &e, jetstream_too_large(&e)))?;
+                    .map_err(|e| {
+                        let too_large = jetstream_too_large(&e);
+                        publish_error(&topic, e.into(), too_large)
+                    })?;
                 drop(turn);
                 Ok(Box::pin(async move {
-                    let ack = ack
-                        .await
-                        .map_err(|e| publish_error(&topic, &e, jetstream_too_large(&e)))?;
+                    let ack = ack.await.map_err(|e| {
+                        let too_large = jetstream_too_large(&e);
+                        publish_error(&topic, e.into(), too_large)
+                    })?;
                     Ok(Position {
                         partition: 0,
                         offset: ack.sequence as i64,
@@ -584,7 +587,7 @@ impl Sink for NatsBroker {
                     .map_err(|e| {
                         let too_large =
                             e.kind() == async_nats::client::PublishErrorKind::MaxPayloadExceeded;
-                        publish_error(&topic, &e, too_large)
+                        publish_error(&topic, e.into(), too_large)
                     })?;
                 Ok(Box::pin(futures::future::ready(Ok(Position {
                     partition: 0,
@@ -638,7 +641,7 @@ enum Reading {
 fn consume_error(topic: &str, reason: String) -> TransportError {
     TransportError::Consume {
         topic: topic.to_string(),
-        reason,
+        source: reason.into(),
         retryable: true,
     }
 }
@@ -760,7 +763,7 @@ impl Source for JetStreamSource {
                         .await
                         .map_err(|e| TransportError::Commit {
                             topic: self.topic.to_string(),
-                            reason: e.to_string(),
+                            source: e,
                         })?;
                 }
             }
@@ -784,7 +787,7 @@ impl Source for JetStreamSource {
                 .await
                 .map_err(|e| TransportError::Commit {
                     topic: self.topic.to_string(),
-                    reason: e.to_string(),
+                    source: e,
                 })?;
         }
         Ok(())
@@ -800,7 +803,7 @@ impl Source for JetStreamSource {
                     .await
                     .map_err(|e| TransportError::Commit {
                         topic: self.topic.to_string(),
-                        reason: e.to_string(),
+                        source: e,
                     })?;
                 delivered.alive_until = alive_until;
             }
@@ -839,7 +842,7 @@ impl Source for CoreSource {
                     if self.client.connection_state() == async_nats::connection::State::Disconnected {
                         return Err(TransportError::Unreachable {
                             broker: format!("nats {}", self.url),
-                            reason: "the connection dropped".into(),
+                            source: "the connection dropped".into(),
                         });
                     }
                 }

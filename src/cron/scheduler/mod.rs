@@ -122,9 +122,10 @@ async fn within<T>(
     call: impl std::future::Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
     tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
-        Err(StoreError::Unreachable(format!(
-            "no answer within {limit:?}"
-        )))
+        Err(StoreError::Unreachable {
+            what: "store".into(),
+            source: format!("no answer within {limit:?}").into(),
+        })
     })
 }
 

@@ -28,6 +28,7 @@ use crate::cron::Schedule;
 use crate::dispatch::{RunStatus, WorkflowExecution};
 use crate::reactor::CacheSnapshot;
 use crate::secret::{redact_url, scrub, Secret};
+use crate::store_error::BoxError;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -80,11 +81,14 @@ enum Write {
 
 fn store_error(operation: &'static str, e: redis::RedisError) -> StoreError {
     if e.is_io_error() || e.is_connection_refusal() || e.is_timeout() || e.is_connection_dropped() {
-        StoreError::Unreachable(format!("redis {operation}: {e}"))
+        StoreError::Unreachable {
+            what: format!("redis {operation}"),
+            source: e.into(),
+        }
     } else {
         StoreError::Operation {
             operation,
-            reason: e.to_string(),
+            source: e.into(),
         }
     }
 }
@@ -187,16 +191,18 @@ impl RedisStore {
         let url = redact_url(&settings.url);
         let client = settings.client().map_err(|reason| StoreError::Operation {
             operation: "open",
-            reason: format!("redis {url}: {reason}"),
+            source: format!("redis {url}: {reason}").into(),
         })?;
-        let unreachable =
-            |reason: String| StoreError::Unreachable(format!("redis {url}: {reason}"));
+        let unreachable = |source: BoxError| StoreError::Unreachable {
+            what: format!("redis {url}"),
+            source,
+        };
         // Fail fast on start; the manager below retries with backoff, which is right for
         // a blip later on but would make a wrong URL hang at start.
         tokio::time::timeout(CONNECT_TIMEOUT, client.get_multiplexed_async_connection())
             .await
             .map_err(|_| unreachable("connection timed out".into()))?
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|e| unreachable(e.into()))?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(CONNECT_TIMEOUT)
             .set_response_timeout(CONNECT_TIMEOUT)
@@ -209,7 +215,7 @@ impl RedisStore {
         )
         .await
         .map_err(|_| unreachable("connection timed out".into()))?
-        .map_err(|e| unreachable(e.to_string()))?;
+        .map_err(|e| unreachable(e.into()))?;
         Ok(Self {
             client: pubsub_client,
             connection,
@@ -286,7 +292,7 @@ impl RedisStore {
         raw.map(|text| {
             serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
                 key,
-                reason: e.to_string(),
+                source: e.into(),
             })
         })
         .transpose()
@@ -295,7 +301,7 @@ impl RedisStore {
     async fn set_json<T: Serialize>(&self, key: String, value: &T) -> Result<(), StoreError> {
         let text = serde_json::to_string(value).map_err(|e| StoreError::Operation {
             operation: "encode",
-            reason: e.to_string(),
+            source: e.into(),
         })?;
         let mut c = self.connection.clone();
         c.set::<_, _, ()>(key, text)
@@ -322,7 +328,7 @@ impl RedisStore {
     fn encode<T: Serialize>(value: &T) -> Result<String, StoreError> {
         serde_json::to_string(value).map_err(|e| StoreError::Operation {
             operation: "encode",
-            reason: e.to_string(),
+            source: e.into(),
         })
     }
 }

@@ -10,7 +10,7 @@ impl RecoveryLog for RedisStore {
     async fn record_recovery(&self, event: &RecoveryEvent) -> Result<(), StoreError> {
         let text = serde_json::to_string(event).map_err(|e| StoreError::Operation {
             operation: "encode",
-            reason: e.to_string(),
+            source: e.into(),
         })?;
         let per_graph = self.key(&["recovery", &event.graph]);
         let all = self.key(&["recovery"]);
@@ -47,7 +47,7 @@ impl RecoveryLog for RedisStore {
             .map(|text| {
                 serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
                     key: key.clone(),
-                    reason: e.to_string(),
+                    source: e.into(),
                 })
             })
             .collect()

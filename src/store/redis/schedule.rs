@@ -115,7 +115,7 @@ impl ScheduleStore for RedisStore {
                     schedules.push(serde_json::from_str(&text).map_err(|e| {
                         StoreError::Corrupt {
                             key,
-                            reason: e.to_string(),
+                            source: e.into(),
                         }
                     })?);
                 }
@@ -341,7 +341,7 @@ impl ScheduleStore for RedisStore {
             .map(|(key, text)| {
                 serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
                     key,
-                    reason: e.to_string(),
+                    source: e.into(),
                 })
             })
             .collect()

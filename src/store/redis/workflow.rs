@@ -56,7 +56,7 @@ impl WorkflowStore for RedisStore {
         raw.map(|text| {
             serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
                 key,
-                reason: e.to_string(),
+                source: e.into(),
             })
         })
         .transpose()
