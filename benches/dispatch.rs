@@ -33,7 +33,7 @@ use weir::codec::avro::decode;
 use weir::codec::{ExecutionResult, TaskReadyEvent};
 use weir::config::Config;
 use weir::dispatch::manager::workflow_start_topic;
-use weir::dispatch::{executor_topic, Dispatcher};
+use weir::dispatch::{executor_topic, StateManager};
 use weir::transport::{Assignment, Broker, Outbound, Subscription};
 
 /// Starts (and bare-loop publishes) awaiting acknowledgement at once.
@@ -291,10 +291,10 @@ async fn wait_until(what: &str, workers: &mut Workers, mut done: impl FnMut() ->
 }
 
 /// Starts `count` executions, `WINDOW` at once; returns their ids.
-async fn start_many(dispatcher: &Dispatcher, workflow: &str, count: usize) -> Vec<String> {
+async fn start_many(manager: &StateManager, workflow: &str, count: usize) -> Vec<String> {
     futures::stream::iter(0..count)
         .map(|_| async {
-            dispatcher
+            manager
                 .start(workflow, serde_json::json!({}))
                 .await
                 .expect("start execution")
@@ -330,28 +330,24 @@ fn percentile(sorted: &[i64], q: f64) -> f64 {
 }
 
 /// The connections of one setup, with the state manager running in this process.
-struct StateManager {
+struct RunningManager {
     runtime: weir::supervisor::Runtime,
-    dispatcher: Dispatcher,
+    manager: StateManager,
     cancel: CancellationToken,
     task: tokio::task::JoinHandle<Result<(), weir::dispatch::DispatchError>>,
     /// A panicking run still stops its state manager.
     _stop: tokio_util::sync::DropGuard,
 }
 
-impl StateManager {
+impl RunningManager {
     async fn start(setup: &Setup) -> Self {
         let runtime = setup.config.runtime().await.expect("connect");
-        let dispatcher = setup.config.dispatcher(&runtime).expect("dispatcher");
+        let manager = setup.config.state_manager(&runtime).expect("state manager");
         let cancel = CancellationToken::new();
-        let task = tokio::spawn(
-            dispatcher
-                .clone()
-                .run(runtime.broker.clone(), cancel.clone()),
-        );
+        let task = tokio::spawn(manager.clone().run(runtime.broker.clone(), cancel.clone()));
         Self {
             runtime,
-            dispatcher,
+            manager,
             _stop: cancel.clone().drop_guard(),
             cancel,
             task,
@@ -375,8 +371,8 @@ async fn scenario(
     finished: &Arc<AtomicU64>,
 ) -> Run {
     let setup = Setup::new(kind, dir);
-    let manager = StateManager::start(&setup).await;
-    let (runtime, dispatcher, cancel) = (&manager.runtime, &manager.dispatcher, &manager.cancel);
+    let running = RunningManager::start(&setup).await;
+    let (runtime, manager, cancel) = (&running.runtime, &running.manager, &running.cancel);
     let mut workers = Workers::spawn(bin, &setup.path, &setup.executor, count, dir);
 
     // Ready: every worker process has reported a result.
@@ -392,7 +388,7 @@ async fn scenario(
     while seen.workers.lock().unwrap().len() < count {
         workers.check();
         assert!(Instant::now() < deadline, "workers not ready after 120 s");
-        start_many(dispatcher, &setup.name, 16).await;
+        start_many(manager, &setup.name, 16).await;
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     results_reader.abort();
@@ -413,7 +409,7 @@ async fn scenario(
     let tasks: usize = env("WEIR_BENCH_TASKS", 200_000);
     let before = finished.load(Ordering::Relaxed);
     let began = Instant::now();
-    start_many(dispatcher, &setup.name, tasks).await;
+    start_many(manager, &setup.name, tasks).await;
     let target = before + tasks as u64;
     wait_until("throughput phase", &mut workers, || {
         finished.load(Ordering::Relaxed) >= target
@@ -453,9 +449,9 @@ async fn scenario(
     let mut starts = tokio::task::JoinSet::new();
     for i in 0..paced {
         tokio::time::sleep_until(start + period * i as u32).await;
-        let (dispatcher, name) = (dispatcher.clone(), setup.name.clone());
+        let (manager, name) = (manager.clone(), setup.name.clone());
         starts.spawn(async move {
-            dispatcher
+            manager
                 .start(&name, serde_json::json!({}))
                 .await
                 .expect("start execution")
@@ -493,7 +489,7 @@ async fn scenario(
     }
     let worker_rss = workers.peak_rss();
     drop(workers);
-    manager.stop(&setup).await;
+    running.stop(&setup).await;
     Run {
         workers: count,
         tasks_per_second,
@@ -513,13 +509,13 @@ async fn backlog(
     finished: &Arc<AtomicU64>,
 ) -> Backlog {
     let setup = Setup::new(kind, dir);
-    let manager = StateManager::start(&setup).await;
-    let dispatcher = &manager.dispatcher;
+    let running = RunningManager::start(&setup).await;
+    let manager = &running.manager;
     let began = Instant::now();
     let mut queued = 0;
     while queued < size {
         let chunk = (size - queued).min(50_000);
-        start_many(dispatcher, &setup.name, chunk).await;
+        start_many(manager, &setup.name, chunk).await;
         queued += chunk;
         eprintln!(
             "{kind} backlog: {queued} queued, {:.0}/s",
@@ -549,7 +545,7 @@ async fn backlog(
     let drain = first.elapsed();
     let worker_rss = workers.peak_rss();
     drop(workers);
-    manager.stop(&setup).await;
+    running.stop(&setup).await;
     Backlog {
         size,
         enqueue_per_second,

@@ -8,7 +8,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
-use weir::dispatch::{DispatchSettings, Dispatcher, RunStatus, TaskSpec, Workflow};
+use weir::dispatch::{DispatchSettings, RunStatus, StateManager, TaskSpec, Workflow};
 use weir::store::memory::MemoryStore;
 use weir::store::prelude::*;
 use weir::transport::memory::MemoryBroker;
@@ -49,7 +49,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let router = weir::dispatch::Router::new(Vec::new(), "default")?;
 
     // The state manager: publishes ready tasks and applies their results.
-    let dispatcher = Dispatcher::new(
+    let dispatcher = StateManager::new(
         store.clone(),
         broker.sink(),
         vec![workflow.clone()],

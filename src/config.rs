@@ -1068,11 +1068,11 @@ impl Config {
     }
 
     /// The workflow state manager over the runtime's store and broker.
-    pub fn dispatcher(
+    pub fn state_manager(
         &self,
         runtime: &Runtime,
-    ) -> Result<crate::dispatch::Dispatcher, ConfigError> {
-        Ok(crate::dispatch::Dispatcher::new(
+    ) -> Result<crate::dispatch::StateManager, ConfigError> {
+        Ok(crate::dispatch::StateManager::new(
             runtime.store.clone(),
             runtime.broker.sink(),
             self.workflows()?,

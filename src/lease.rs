@@ -164,37 +164,74 @@ pub async fn renew(store: &dyn LeaseStore, held: &Held, ttl: Duration) -> Result
     Ok(renewed)
 }
 
+/// What a keeper does once a lease's deadline passes unconfirmed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AtDeadline {
+    /// Gives the lease up: `lost` is cancelled and the holder stops (a graph).
+    GiveUp,
+    /// Holds on and goes on renewing; only a takeover cancels `lost`. The holder decides
+    /// what it may still do without a sure lease (a cron shard fires its
+    /// `at_least_once` schedules from local state while the store is away).
+    HoldOn,
+}
+
 /// Keeps a lease: renews it every third of the TTL, and cancels `lost` when it is
-/// taken over or its deadline passes unconfirmed.
+/// taken over, or (with [`AtDeadline::GiveUp`]) when its deadline passes unconfirmed.
+/// Stops when `cancel` fires.
 pub async fn keep(
     store: Arc<dyn LeaseStore>,
     held: Held,
     ttl: Duration,
+    at_deadline: AtDeadline,
     lost: CancellationToken,
     cancel: CancellationToken,
 ) {
     let period = ttl / 3;
+    let give_up = at_deadline == AtDeadline::GiveUp;
+    // Whether the passed deadline was reported (holding on).
+    let mut past_deadline = false;
     loop {
+        let next = Instant::now() + period;
+        let wake = if held.deadline.passed() {
+            next
+        } else {
+            next.min(held.deadline.at())
+        };
         tokio::select! {
             _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep_until(held.deadline.at()) => {
-                if held.deadline.passed() {
-                    warn!(lease = %held.lease.name, "lease deadline passed unconfirmed");
-                    lost.cancel();
-                    return;
+            _ = tokio::time::sleep_until(wake) => {}
+        }
+        if held.deadline.passed() && !past_deadline {
+            warn!(lease = %held.lease.name, "lease deadline passed unconfirmed");
+            if give_up {
+                lost.cancel();
+                return;
+            }
+            past_deadline = true;
+        }
+        // A renewal may take until the deadline, or a period once it has passed.
+        let answer_by = held.deadline.at().max(Instant::now() + period);
+        let renewal = tokio::time::timeout_at(
+            if give_up {
+                held.deadline.at()
+            } else {
+                answer_by
+            },
+            renew(store.as_ref(), &held, ttl),
+        );
+        match renewal.await {
+            Ok(Ok(true)) if !held.deadline.passed() => {
+                if past_deadline {
+                    warn!(lease = %held.lease.name, "lease confirmed again");
+                    past_deadline = false;
                 }
             }
-            _ = tokio::time::sleep(period) => {}
-        }
-        let renewal =
-            tokio::time::timeout_at(held.deadline.at(), renew(store.as_ref(), &held, ttl));
-        match renewal.await {
-            Ok(Ok(true)) if !held.deadline.passed() => {}
-            Ok(Ok(true)) => {
+            Ok(Ok(true)) if give_up => {
                 warn!(lease = %held.lease.name, "lease renewal confirmed after its deadline");
                 lost.cancel();
                 return;
             }
+            Ok(Ok(true)) => {}
             Ok(Ok(false)) => {
                 warn!(lease = %held.lease.name, "lease taken over");
                 lost.cancel();
@@ -202,11 +239,12 @@ pub async fn keep(
             }
             // Unconfirmed: the deadline stays where it was and decides.
             Ok(Err(e)) => warn!(lease = %held.lease.name, error = %e, "lease renewal failed"),
-            Err(_) => {
+            Err(_) if give_up => {
                 warn!(lease = %held.lease.name, "lease renewal unanswered by its deadline");
                 lost.cancel();
                 return;
             }
+            Err(_) => warn!(lease = %held.lease.name, "lease renewal unanswered"),
         }
     }
 }
@@ -249,6 +287,7 @@ mod tests {
             store.clone(),
             held.clone(),
             ttl,
+            AtDeadline::GiveUp,
             lost.clone(),
             cancel.clone(),
         ));
@@ -260,5 +299,92 @@ mod tests {
         assert!(other.is_some());
         tokio::time::timeout(ttl, lost.cancelled()).await.unwrap();
         keeper.await.unwrap();
+    }
+
+    /// A lease store that can be cut off.
+    struct Flaky {
+        inner: MemoryStore,
+        down: std::sync::atomic::AtomicBool,
+    }
+
+    impl Flaky {
+        fn check(&self) -> Result<(), StoreError> {
+            if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(StoreError::Unreachable {
+                    what: "test store".into(),
+                    source: "cut off".into(),
+                });
+            }
+            Ok(())
+        }
+    }
+
+    #[async_trait]
+    impl LeaseStore for Flaky {
+        async fn acquire_lease(
+            &self,
+            name: &str,
+            holder: &str,
+            ttl: Duration,
+        ) -> Result<Option<Lease>, StoreError> {
+            self.check()?;
+            self.inner.acquire_lease(name, holder, ttl).await
+        }
+
+        async fn renew_lease(&self, lease: &Lease, ttl: Duration) -> Result<bool, StoreError> {
+            self.check()?;
+            self.inner.renew_lease(lease, ttl).await
+        }
+
+        async fn release_lease(&self, lease: &Lease) -> Result<bool, StoreError> {
+            self.check()?;
+            self.inner.release_lease(lease).await
+        }
+    }
+
+    /// Keeps a lease on a store that is cut off after a while and back 10 s later;
+    /// returns whether `lost` was cancelled while it was away, and after.
+    async fn cut_off_for_a_while(at_deadline: AtDeadline) -> (bool, bool) {
+        let store = Arc::new(Flaky {
+            inner: MemoryStore::new(),
+            down: false.into(),
+        });
+        let ttl = Duration::from_secs(3);
+        let held = acquire(store.as_ref(), "g", "n1", ttl)
+            .await
+            .unwrap()
+            .unwrap();
+        let (lost, cancel) = (CancellationToken::new(), CancellationToken::new());
+        let keeper = tokio::spawn(keep(
+            store.clone(),
+            held.clone(),
+            ttl,
+            at_deadline,
+            lost.clone(),
+            cancel.clone(),
+        ));
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(!lost.is_cancelled(), "renewed while the store answered");
+        store.down.store(true, std::sync::atomic::Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(held.deadline.passed());
+        let while_away = lost.is_cancelled();
+        store.down.store(false, std::sync::atomic::Ordering::SeqCst);
+        // The store let the lease expire meanwhile: the next renewal is refused.
+        tokio::time::sleep(ttl).await;
+        let after = lost.is_cancelled();
+        cancel.cancel();
+        keeper.await.unwrap();
+        (while_away, after)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn giving_up_loses_the_lease_at_its_deadline() {
+        assert_eq!(cut_off_for_a_while(AtDeadline::GiveUp).await, (true, true));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn holding_on_loses_the_lease_only_once_the_store_says_so() {
+        assert_eq!(cut_off_for_a_while(AtDeadline::HoldOn).await, (false, true));
     }
 }

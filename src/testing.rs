@@ -42,7 +42,7 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-use crate::dispatch::{DispatchError, DispatchSettings, Dispatcher, Router, RunStatus, Workflow};
+use crate::dispatch::{DispatchError, DispatchSettings, Router, RunStatus, StateManager, Workflow};
 use crate::dispatch::{WorkflowExecution, WorkflowStore};
 use crate::graph::GraphDeclaration;
 use crate::store::memory::MemoryStore;
@@ -214,7 +214,7 @@ pub async fn settle() {
 pub struct WorkflowDriver {
     pub broker: MemoryBroker,
     pub store: Arc<MemoryStore>,
-    dispatcher: Dispatcher,
+    state_manager: StateManager,
     cancel: CancellationToken,
 }
 
@@ -233,7 +233,7 @@ impl WorkflowDriver {
             Ok(router) => router,
             Err(e) => panic!("router: {e}"),
         };
-        let dispatcher = Dispatcher::new(
+        let state_manager = StateManager::new(
             store.clone(),
             broker.sink(),
             workflows.clone(),
@@ -241,7 +241,7 @@ impl WorkflowDriver {
             DispatchSettings::default(),
         );
         tokio::spawn(
-            dispatcher
+            state_manager
                 .clone()
                 .run(Arc::new(broker.clone()), cancel.clone()),
         );
@@ -263,7 +263,7 @@ impl WorkflowDriver {
         Self {
             broker,
             store,
-            dispatcher,
+            state_manager,
             cancel,
         }
     }
@@ -274,7 +274,7 @@ impl WorkflowDriver {
         workflow: &str,
         context: Value,
     ) -> Result<WorkflowExecution, DispatchError> {
-        let id = self.dispatcher.start(workflow, context).await?;
+        let id = self.state_manager.start(workflow, context).await?;
         for _ in 0..60_000 {
             if let Some(execution) = self.store.get_workflow_execution(&id).await? {
                 if execution.status != RunStatus::Running {
@@ -286,9 +286,9 @@ impl WorkflowDriver {
         panic!("workflow execution {id} did not end within a minute");
     }
 
-    /// The dispatcher, to start executions without waiting for them.
-    pub fn dispatcher(&self) -> &Dispatcher {
-        &self.dispatcher
+    /// The state manager, to start executions without waiting for them.
+    pub fn state_manager(&self) -> &StateManager {
+        &self.state_manager
     }
 }
 

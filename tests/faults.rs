@@ -383,7 +383,7 @@ async fn redis_stopped_for_45_seconds_stalls_no_fire_and_loses_no_input() {
     )
     .unwrap();
     let executor = format!("{prefix}x");
-    let dispatcher = weir::dispatch::Dispatcher::new(
+    let manager = weir::dispatch::StateManager::new(
         runtime.store.clone(),
         broker.sink(),
         vec![flow.clone()],
@@ -392,7 +392,7 @@ async fn redis_stopped_for_45_seconds_stalls_no_fire_and_loses_no_input() {
             results_topic: format!("{prefix}.results"),
         },
     );
-    tokio::spawn(dispatcher.clone().run(broker.clone(), cancel.clone()));
+    tokio::spawn(manager.clone().run(broker.clone(), cancel.clone()));
     tokio::spawn(
         weir::worker::Worker::new(
             broker.clone(),
@@ -410,13 +410,13 @@ async fn redis_stopped_for_45_seconds_stalls_no_fire_and_loses_no_input() {
         .run(cancel.clone()),
     );
     let starts = {
-        let (dispatcher, name) = (dispatcher.clone(), flow.name.clone());
+        let (manager, name) = (manager.clone(), flow.name.clone());
         tokio::spawn(async move {
             let mut started = Vec::new();
             let begun = Instant::now();
             while begun.elapsed() < OUTAGE + Duration::from_secs(10) {
                 // Refused while Redis is down: the caller sees the error.
-                if let Ok(id) = dispatcher.start(&name, json!({"n": started.len()})).await {
+                if let Ok(id) = manager.start(&name, json!({"n": started.len()})).await {
                     started.push(id);
                 }
                 tokio::time::sleep(Duration::from_millis(500)).await;
@@ -508,7 +508,7 @@ async fn redis_stopped_for_45_seconds_stalls_no_fire_and_loses_no_input() {
     for id in &started {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let execution = dispatcher.execution(id).await.ok().flatten();
+            let execution = manager.execution(id).await.ok().flatten();
             if execution
                 .as_ref()
                 .is_some_and(|e| e.status == weir::dispatch::RunStatus::Completed)

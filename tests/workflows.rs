@@ -17,7 +17,7 @@ use weir::cron::scheduler::{register, Scheduler, SchedulerConfig};
 use weir::cron::{Schedule, Target};
 use weir::dispatch::manager::workflow_start_topic;
 use weir::dispatch::{
-    DispatchSettings, Dispatcher, Route, Router, RunStatus, TaskSpec, Workflow, WorkflowExecution,
+    DispatchSettings, Route, Router, RunStatus, StateManager, TaskSpec, Workflow, WorkflowExecution,
 };
 use weir::store::prelude::*;
 use weir::store::ExecutionStatus;
@@ -58,8 +58,8 @@ impl Env {
         format!("weir.results.{}", self.prefix)
     }
 
-    fn dispatcher(&self, workflows: &[Workflow], router: Router) -> Dispatcher {
-        Dispatcher::new(
+    fn new_state_manager(&self, workflows: &[Workflow], router: Router) -> StateManager {
+        StateManager::new(
             self.store.clone(),
             self.broker.sink(),
             workflows.to_vec(),
@@ -70,15 +70,15 @@ impl Env {
         )
     }
 
-    /// Runs the state manager; returns a dispatcher to start executions with.
-    fn state_manager(&self, workflows: &[Workflow], router: Router) -> Dispatcher {
-        let dispatcher = self.dispatcher(workflows, router);
+    /// Runs the state manager; returns it, to start executions with.
+    fn state_manager(&self, workflows: &[Workflow], router: Router) -> StateManager {
+        let manager = self.new_state_manager(workflows, router);
         tokio::spawn(
-            dispatcher
+            manager
                 .clone()
                 .run(self.broker.clone(), self.cancel.clone()),
         );
-        dispatcher
+        manager
     }
 
     fn worker(
@@ -217,7 +217,7 @@ async fn routing_sends_each_namespace_to_its_executor(env: &Env) {
     )
     .unwrap();
     let workflows = [w.clone()];
-    let dispatcher = env.state_manager(&workflows, router);
+    let manager = env.state_manager(&workflows, router);
     for (executor, mark) in [(&a, "a"), (&b, "b")] {
         let recorder = Arc::new(Recorder {
             mark: mark.into(),
@@ -230,7 +230,7 @@ async fn routing_sends_each_namespace_to_its_executor(env: &Env) {
             &workflows,
         );
     }
-    let id = dispatcher.start(&w.name, json!({})).await.unwrap();
+    let id = manager.start(&w.name, json!({})).await.unwrap();
     let done = env.finished(&id, WAIT).await;
     assert_eq!(done.status, RunStatus::Completed, "{}", done.summary());
     assert_eq!(done.context["ran_billing"], "a");
@@ -250,7 +250,7 @@ async fn concurrency_never_exceeds_the_limit(env: &Env) {
     let tasks: Vec<TaskSpec> = (0..8).map(|i| task(&format!("t{i}"), "slow")).collect();
     let w = flow(&env.name("wide"), tasks);
     let workflows = [w.clone()];
-    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
     let recorder = Arc::new(Recorder {
         sleep: Duration::from_millis(200),
         ..Recorder::default()
@@ -261,7 +261,7 @@ async fn concurrency_never_exceeds_the_limit(env: &Env) {
         with(env.builtins(), "slow", recorder.clone()),
         &workflows,
     );
-    let id = dispatcher.start(&w.name, json!({})).await.unwrap();
+    let id = manager.start(&w.name, json!({})).await.unwrap();
     let done = env.finished(&id, WAIT).await;
     assert_eq!(done.status, RunStatus::Completed);
     let (_, most) = *recorder.running.lock().unwrap();
@@ -280,10 +280,10 @@ async fn a_task_failing_twice_completes_on_the_third_attempt(env: &Env) {
         }],
     );
     let workflows = [w.clone()];
-    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
     env.worker(&executor, 4, env.builtins(), &workflows);
     let started = Instant::now();
-    let id = dispatcher
+    let id = manager
         .start(&w.name, json!({"fail_times": 2}))
         .await
         .unwrap();
@@ -317,9 +317,9 @@ async fn a_task_failing_past_its_attempts_is_dead_lettered_and_fails_its_workflo
         ],
     );
     let workflows = [w.clone()];
-    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
     env.worker(&executor, 4, env.builtins(), &workflows);
-    let id = dispatcher
+    let id = manager
         .start(&w.name, json!({"fail_times": 5}))
         .await
         .unwrap();
@@ -357,14 +357,14 @@ async fn a_result_too_large_to_publish_fails_its_task_and_is_dead_lettered(env: 
     let executor = env.name("huge");
     let w = flow(&env.name("huge"), vec![task("big", "huge")]);
     let workflows = [w.clone()];
-    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
     env.worker(
         &executor,
         4,
         with(env.builtins(), "huge", Arc::new(Huge)),
         &workflows,
     );
-    let id = dispatcher.start(&w.name, json!({})).await.unwrap();
+    let id = manager.start(&w.name, json!({})).await.unwrap();
     let done = env.finished(&id, WAIT).await;
     assert_eq!(done.status, RunStatus::Failed, "{}", done.summary());
     assert_eq!(done.summary()["tasks"]["big"]["status"], "failed");
@@ -383,9 +383,9 @@ async fn a_workflow_running_past_its_timeout_fails(env: &Env) {
     let w = flow(&env.name("slowflow"), vec![task("nap", "builtin::sleep")])
         .with_timeout(Duration::from_secs(1));
     let workflows = [w.clone()];
-    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
     env.worker(&executor, 4, env.builtins(), &workflows);
-    let id = dispatcher
+    let id = manager
         .start(&w.name, json!({"sleep_ms": 8000}))
         .await
         .unwrap();
@@ -421,9 +421,9 @@ async fn a_retrying_task_frees_its_slot_during_the_backoff(env: &Env) {
     );
     let quick = flow(&env.name("quick"), vec![task("quick", "builtin::echo")]);
     let workflows = [flaky.clone(), quick.clone()];
-    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
     env.worker(&executor, 1, env.builtins(), &workflows);
-    let slow = dispatcher
+    let slow = manager
         .start(&flaky.name, json!({"fail_times": 1}))
         .await
         .unwrap();
@@ -440,7 +440,7 @@ async fn a_retrying_task_frees_its_slot_during_the_backoff(env: &Env) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let fast = dispatcher.start(&quick.name, json!({})).await.unwrap();
+    let fast = manager.start(&quick.name, json!({})).await.unwrap();
     let fast = env.finished(&fast, WAIT).await;
     let slow = env.finished(&slow, WAIT).await;
     assert_eq!(fast.status, RunStatus::Completed);
@@ -463,9 +463,9 @@ async fn a_task_no_worker_can_run_is_dead_lettered_after_its_deliveries(env: &En
         }],
     );
     let workflows = [w.clone()];
-    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
     env.worker(&executor, 2, env.builtins(), &workflows);
-    let id = dispatcher.start(&w.name, json!({})).await.unwrap();
+    let id = manager.start(&w.name, json!({})).await.unwrap();
     let done = env.finished(&id, WAIT).await;
     assert_eq!(done.status, RunStatus::Failed);
     let dead = env
@@ -490,7 +490,7 @@ async fn a_diamond_runs_in_dependency_order(env: &Env) {
         ],
     );
     let workflows = [w.clone()];
-    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
     let recorder = Arc::new(Recorder {
         sleep: Duration::from_millis(100),
         mark: "x".into(),
@@ -502,7 +502,7 @@ async fn a_diamond_runs_in_dependency_order(env: &Env) {
         with(env.builtins(), "rec", recorder.clone()),
         &workflows,
     );
-    let id = dispatcher.start(&w.name, json!({"seed": 1})).await.unwrap();
+    let id = manager.start(&w.name, json!({"seed": 1})).await.unwrap();
     let done = env.finished(&id, WAIT).await;
     assert_eq!(done.status, RunStatus::Completed);
     let spans: BTreeMap<String, (Instant, Instant)> = recorder
@@ -638,12 +638,12 @@ async fn a_start_stored_but_never_published_is_published_once(env: &Env) {
     let executor = env.name("stalled");
     let w = flow(&env.name("stalled"), vec![task("first", "builtin::echo")]);
     let router = Router::new(Vec::new(), &executor).unwrap();
-    let dispatcher = env.dispatcher(std::slice::from_ref(&w), router.clone());
+    let manager = env.new_state_manager(std::slice::from_ref(&w), router.clone());
     let long_ago = weir::transport::now_ms() - 60_000;
     let id = env.name("stalled-run");
     let (stalled, _) = WorkflowExecution::start(&id, &w, json!({}), None, &router, long_ago);
     assert!(env.store.create_workflow_execution(&stalled).await.unwrap());
-    assert!(!dispatcher
+    assert!(!manager
         .start_with_id(&w.name, &id, json!({}), None)
         .await
         .unwrap());
@@ -659,7 +659,7 @@ async fn a_start_stored_but_never_published_is_published_once(env: &Env) {
         .unwrap()
         .contains("first"));
     // Recorded now: a further repeat publishes nothing.
-    dispatcher
+    manager
         .start_with_id(&w.name, &id, json!({}), None)
         .await
         .unwrap();
@@ -678,7 +678,7 @@ async fn a_start_stored_but_never_published_is_published_once(env: &Env) {
         .create_workflow_execution(&just_stored)
         .await
         .unwrap());
-    let pending = dispatcher
+    let pending = manager
         .start_with_id(&w.name, &fresh, json!({}), None)
         .await
         .expect_err("its first publish may still be under way");
@@ -749,7 +749,7 @@ async fn a_task_read_ahead_behind_a_long_one_runs_once(env: &Env, tasks: usize) 
     let executor = env.name("long");
     let w = flow(&env.name("long"), vec![task("slow", "slow")]);
     let workflows = [w.clone()];
-    let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
     let counter = Arc::new(RunCounter {
         sleep: Duration::from_secs(8),
         ..RunCounter::default()
@@ -764,7 +764,7 @@ async fn a_task_read_ahead_behind_a_long_one_runs_once(env: &Env, tasks: usize) 
     }
     let mut ids = Vec::new();
     for _ in 0..tasks {
-        ids.push(dispatcher.start(&w.name, json!({})).await.unwrap());
+        ids.push(manager.start(&w.name, json!({})).await.unwrap());
     }
     for id in &ids {
         let done = env.finished(id, WAIT).await;
@@ -901,7 +901,7 @@ mod nats {
             }],
         );
         let workflows = [w.clone()];
-        let dispatcher = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+        let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
         env.worker(&executor, 4, env.builtins(), &workflows);
         let able = Arc::new(Recorder {
             mark: "able".into(),
@@ -915,7 +915,7 @@ mod nats {
         );
         let mut ids = Vec::new();
         for _ in 0..8 {
-            ids.push(dispatcher.start(&w.name, json!({})).await.unwrap());
+            ids.push(manager.start(&w.name, json!({})).await.unwrap());
         }
         for id in ids {
             let done = env.finished(&id, WAIT).await;

@@ -68,11 +68,11 @@ pub async fn run(
     let state_manager = if config.workflows.is_empty() {
         None
     } else {
-        let dispatcher = config.dispatcher(&runtime)?;
+        let manager = config.state_manager(&runtime)?;
         let broker = runtime.broker.clone();
         let cancel = cancel.clone();
         Some(tokio::spawn(async move {
-            if let Err(e) = dispatcher.run(broker, cancel.clone()).await {
+            if let Err(e) = manager.run(broker, cancel.clone()).await {
                 tracing::error!(error = %e, "workflow state manager stopped");
                 cancel.cancel();
             }

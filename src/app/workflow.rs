@@ -37,15 +37,15 @@ pub async fn run(
             };
             let config = Config::load(&config)?;
             let runtime = config.runtime().await?;
-            let dispatcher = config.dispatcher(&runtime)?;
-            let id = dispatcher.start(&name, context).await?;
+            let manager = config.state_manager(&runtime)?;
+            let id = manager.start(&name, context).await?;
             if !wait {
                 writeln!(out, "{id}")?;
                 return Ok(());
             }
             eprintln!("execution {id} started");
             loop {
-                if let Some(execution) = dispatcher.execution(&id).await? {
+                if let Some(execution) = manager.execution(&id).await? {
                     if execution.status != RunStatus::Running {
                         writeln!(out, "{}", execution.summary())?;
                         return Ok(());

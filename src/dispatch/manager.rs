@@ -125,8 +125,9 @@ pub fn task_execution_id(execution: &str, task: &str) -> String {
     format!("{execution}/{task}")
 }
 
+/// The workflow state manager (see the module documentation). Clones share it.
 #[derive(Clone)]
-pub struct Dispatcher {
+pub struct StateManager {
     inner: Arc<Inner>,
 }
 
@@ -142,7 +143,7 @@ struct Inner {
     recent: std::sync::Mutex<std::collections::HashMap<String, WorkflowExecution>>,
 }
 
-impl Dispatcher {
+impl StateManager {
     pub fn new(
         store: Arc<dyn DispatchStore>,
         sink: Arc<dyn Sink>,

@@ -13,7 +13,11 @@ pub mod store;
 pub mod workflow;
 
 pub use execution::{CronOrigin, Reported, RunStatus, TaskRecord, TaskStatus, WorkflowExecution};
-pub use manager::{DispatchError, DispatchSettings, Dispatcher};
+pub use manager::{DispatchError, DispatchSettings, StateManager};
+
+/// The state manager's former name.
+#[deprecated(note = "renamed `StateManager`")]
+pub type Dispatcher = StateManager;
 pub use router::{executor_topic, Route, RouteError, Router, DEFAULT_EXECUTOR};
 pub use store::{DispatchStore, TickOutcomes, WorkflowStore};
 pub use workflow::{split_namespace, TaskSpec, Workflow, WorkflowError};

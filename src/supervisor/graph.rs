@@ -134,6 +134,7 @@ impl SupervisedGraph {
                     self.runtime.store.clone(),
                     held,
                     ttl,
+                    crate::lease::AtDeadline::GiveUp,
                     lost.clone(),
                     self.cancel.clone(),
                 ))

@@ -100,41 +100,27 @@ impl Scheduler {
                 .timestamp_millis_opt(next_ms - 1)
                 .single()
                 .unwrap_or(now);
-            // An at_least_once tick due within a failover (the previous master's lease
-            // running out, then an election) is late, not missed: it goes out whatever
-            // the catch-up policy says of downtime.
-            let recent = match schedule.delivery {
-                Delivery::AtLeastOnce => self.config.lease_ttl * 4 / 3 + LOOKAHEAD,
-                _ => Duration::ZERO,
-            };
-            let (times, next) =
-                schedule.due_and_next(&cached.expr, cached.tz, last, horizon, recent);
-            // Only workflow executions stay running; a topic tick completes on publish.
-            let mut busy = if schedule.overlap != Overlap::Allow
-                && matches!(schedule.target, Target::Workflow(_))
-            {
+            let running = if plan::overlap_matters(schedule) {
                 let recent = self.bounded(self.store.executions(&id, 10)).await?;
-                let running = recent.iter().any(|e| e.status == ExecutionStatus::Running);
-                let buffered = recent.iter().any(|e| e.status == ExecutionStatus::Buffered);
-                running.then_some(buffered)
+                plan::Running::from_recent(&recent)
             } else {
-                None
+                plan::Running::Nothing
             };
-            for t in times {
-                let mut execution = self.execution(schedule, t, lease);
-                match (schedule.overlap, busy) {
-                    (Overlap::BufferOne, Some(false)) => {
-                        execution.status = ExecutionStatus::Buffered;
-                        busy = Some(true);
-                    }
-                    (_, Some(_)) => {
-                        execution.status = ExecutionStatus::Skipped;
-                        execution.error = Some("previous execution still running".into());
-                    }
-                    _ => {}
-                }
+            let scheduled = plan::plan(
+                schedule,
+                (&cached.expr, cached.tz),
+                last,
+                horizon,
+                self.config.lease_ttl,
+                running,
+            );
+            for firing in scheduled.firings {
+                let mut execution = self.execution(schedule, firing.at, lease);
+                execution.status = firing.status;
+                execution.error = firing.error;
                 planned.push((id.clone(), execution));
             }
+            let next = scheduled.next;
             next_fires.push((id, next.map(|t| t.timestamp_millis())));
         }
         let executions: Vec<Execution> = planned.iter().map(|(_, e)| e.clone()).collect();

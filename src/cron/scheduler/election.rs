@@ -1,5 +1,6 @@
 //! Shard masters: the live nodes of the highest priority share the shards by
-//! rendezvous hashing; each master takes, renews or yields its shard's lease.
+//! rendezvous hashing; each master takes or yields its shard's lease, and a
+//! `lease::keep` task renews it meanwhile.
 
 use super::*;
 
@@ -38,8 +39,9 @@ pub fn shard_of(id: &str, shards: u32) -> u32 {
 }
 
 impl Scheduler {
-    /// Registers this node, then per shard: renew, yield to a higher priority, or take
-    /// the lease if this node is the best live one.
+    /// Registers this node, then per shard: yield to a higher priority, drop a lease
+    /// taken over, or take the lease if this node is the best live one. Held leases are
+    /// renewed by their keepers, not here.
     pub(super) async fn elect(&mut self) {
         let ttl = self.config.lease_ttl;
         if let Err(e) = self
@@ -85,18 +87,11 @@ impl Scheduler {
                     self.shards[i] = Shard::default();
                     continue;
                 }
-                // A confirmed renewal moves the deadline on from when it was sent.
-                let renewal = crate::lease::renew(self.store.as_ref(), &held, ttl);
-                match self.bounded(renewal).await {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        warn!(shard = i, "schedule master lease lost");
-                        crate::metrics::lease_dropped(LeaseRole::Cron);
-                        self.shards[i] = Shard::default();
-                    }
-                    // Keep the lease until its deadline; at_most_once stops firing
-                    // then, at_least_once carries on from local state.
-                    Err(e) => warn!(shard = i, error = %e, "lease renewal failed"),
+                // Its keeper renews it; a takeover ends it.
+                if self.shards[i].lost.is_cancelled() {
+                    warn!(shard = i, "schedule master lease lost");
+                    crate::metrics::lease_dropped(LeaseRole::Cron);
+                    self.shards[i] = Shard::default();
                 }
             } else if me_best {
                 let acquiring =
@@ -109,7 +104,7 @@ impl Scheduler {
                             "schedule master for shard"
                         );
                         crate::metrics::lease_acquired(LeaseRole::Cron);
-                        self.shards[i] = Shard { held: Some(held) };
+                        self.shards[i] = Shard::kept(self.store.clone(), held, ttl);
                     }
                     Ok(None) => {}
                     Err(e) => warn!(shard = i, error = %e, "cannot take the shard lease"),

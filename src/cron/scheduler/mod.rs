@@ -12,7 +12,8 @@
 //!
 //! Here: the settings and the loop. Beside it: `clock` (where the time comes from),
 //! `election` (shard masters and their leases), `register` (storing schedules),
-//! `claim` (what is due, claimed in the store or fired from local state), `emit`
+//! `plan` (which due times fire, and how: a pure function), `claim` (what is due,
+//! claimed in the store or fired from local state), `emit`
 //! (ticks handed to the broker), `orphans` (claims never emitted, workflows never
 //! started) and `guard` (the consumers' [`TickGuard`]).
 
@@ -50,6 +51,7 @@ mod election;
 mod emit;
 mod guard;
 mod orphans;
+mod plan;
 mod register;
 
 pub use clock::{Clock, SystemClock, TokioClock};
@@ -137,9 +139,33 @@ pub fn tick_id(schedule_id: &str, scheduled: DateTime<Utc>) -> String {
 struct Shard {
     /// The shard's master lease, with its deadline, while this node holds it.
     held: Option<crate::lease::Held>,
+    /// Cancelled by the lease's keeper once another master has taken the lease.
+    lost: CancellationToken,
+    /// Stops the keeper when the shard is given up (dropped with it).
+    _keeper: Option<tokio_util::sync::DropGuard>,
 }
 
 impl Shard {
+    /// Keeps `held` renewed by a [`crate::lease::keep`] task that holds on past the
+    /// deadline: while the store is away the shard goes on firing `at_least_once`
+    /// schedules from local state; only a takeover ends it.
+    fn kept(store: Arc<dyn CronStore>, held: crate::lease::Held, ttl: Duration) -> Self {
+        let (lost, stop) = (CancellationToken::new(), CancellationToken::new());
+        tokio::spawn(crate::lease::keep(
+            store,
+            held.clone(),
+            ttl,
+            crate::lease::AtDeadline::HoldOn,
+            lost.clone(),
+            stop.clone(),
+        ));
+        Self {
+            held: Some(held),
+            lost,
+            _keeper: Some(stop.drop_guard()),
+        }
+    }
+
     fn lease(&self) -> Option<Lease> {
         self.held.as_ref().map(|held| held.lease.clone())
     }
@@ -254,7 +280,8 @@ impl Scheduler {
         }
         let limit = self.config.lease_ttl / 3;
         for shard in &mut self.shards {
-            if let Some(held) = shard.held.take() {
+            // Taken out first, which stops its keeper before the release.
+            if let Some(held) = std::mem::take(shard).held {
                 let _ = within(limit, self.store.release_lease(&held.lease)).await;
                 crate::metrics::lease_dropped(LeaseRole::Cron);
             }
