@@ -49,7 +49,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let router = weir::dispatch::Router::new(Vec::new(), "default")?;
 
     // The state manager: publishes ready tasks and applies their results.
-    let dispatcher = StateManager::new(
+    let manager = StateManager::new(
         store.clone(),
         broker.sink(),
         vec![workflow.clone()],
@@ -57,7 +57,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         DispatchSettings::default(),
     );
     tokio::spawn(
-        dispatcher
+        manager
             .clone()
             .run(Arc::new(broker.clone()), cancel.clone()),
     );
@@ -80,7 +80,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     tokio::spawn(worker.run(cancel.clone()));
 
-    let id = dispatcher
+    let id = manager
         .start("report", json!({ "text": "the quick brown fox" }))
         .await?;
     let done = loop {

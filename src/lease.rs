@@ -191,6 +191,11 @@ pub async fn keep(
     // Whether the passed deadline was reported (holding on).
     let mut past_deadline = false;
     loop {
+        if give_up && held.deadline.passed() {
+            warn!(lease = %held.lease.name, "lease deadline passed unconfirmed");
+            lost.cancel();
+            return;
+        }
         let next = Instant::now() + period;
         let wake = if held.deadline.passed() {
             next

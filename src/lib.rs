@@ -3,10 +3,11 @@
 //! Accumulators consume topics and emit boundaries; a reactor per graph fires a compiled
 //! computation graph when its criteria are met and publishes the outputs back to topics.
 //!
-//! Layout, from the modules that wire things together down to the leaves (the modules
-//! depend on each other in that direction only; `tests/structure.rs` checks it):
-//! - [`config`]: the TOML file behind `weir run` (with `WEIR__…` overrides), validated,
-//!   and the backends it names, connected. [`admin`]: the admin API (health, readiness,
+//! Layout, from the modules that wire things together down to the leaves (each imports
+//! only modules listed after it, and `tests/structure.rs` checks there is no import
+//! cycle):
+//! - [`config`]: the TOML file behind `weir run` (with `WEIR__…` overrides), validated
+//!   and turned into domain types; [`connect`]: the backends it names, connected. [`admin`]: the admin API (health, readiness,
 //!   graphs, schedules, recovery events, WebSocket commands) and `/metrics` over HTTP,
 //!   and its client. [`demo`]: the market-data example behind `weir demo`.
 //!   [`testing`]: graphs and workflows under test on the memory backends: events piped
@@ -56,6 +57,7 @@ pub mod accumulator;
 pub mod admin;
 pub mod codec;
 pub mod config;
+pub mod connect;
 pub mod cron;
 pub mod demo;
 pub mod dispatch;

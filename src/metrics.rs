@@ -1,6 +1,7 @@
-//! Metric names (Prometheus, `weir_*`, base units), the per-graph counters and gauges
-//! that feed them, and the process's Prometheus recorder. Labels stay low-cardinality:
-//! graph, source, reason, state, health, role; never keys or ids.
+//! Metric names (Prometheus, `weir_*`, base units) and the process's Prometheus
+//! recorder; the per-graph counters and gauges that feed them are in [`crate::stats`].
+//! Labels stay low-cardinality: graph, source, reason, state, health, role; never keys
+//! or ids.
 //!
 //! Metric handles bind to the recorder installed when they are created, so
 //! [`prometheus`] must run before graphs are spawned. Handles are created once per graph

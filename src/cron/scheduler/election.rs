@@ -82,9 +82,10 @@ impl Scheduler {
                         shard = i,
                         "yielding the schedule master to a higher-priority node"
                     );
+                    // Its keeper stops first, so no renewal follows the release.
+                    self.shards[i] = Shard::default();
                     let _ = self.bounded(self.store.release_lease(&held.lease)).await;
                     crate::metrics::lease_dropped(LeaseRole::Cron);
-                    self.shards[i] = Shard::default();
                     continue;
                 }
                 // Its keeper renews it; a takeover ends it.

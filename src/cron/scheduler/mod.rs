@@ -125,7 +125,7 @@ async fn within<T>(
 ) -> Result<T, StoreError> {
     tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
         Err(StoreError::Unreachable {
-            what: "store".into(),
+            what: "store call".into(),
             source: format!("no answer within {limit:?}").into(),
         })
     })
@@ -166,7 +166,11 @@ impl Shard {
         }
     }
 
+    /// The lease, unless its keeper found it taken over.
     fn lease(&self) -> Option<Lease> {
+        if self.lost.is_cancelled() {
+            return None;
+        }
         self.held.as_ref().map(|held| held.lease.clone())
     }
 }
@@ -280,8 +284,9 @@ impl Scheduler {
         }
         let limit = self.config.lease_ttl / 3;
         for shard in &mut self.shards {
-            // Taken out first, which stops its keeper before the release.
-            if let Some(held) = std::mem::take(shard).held {
+            // Taken out (and dropped) first, which stops its keeper before the release.
+            let held = std::mem::take(shard).held;
+            if let Some(held) = held {
                 let _ = within(limit, self.store.release_lease(&held.lease)).await;
                 crate::metrics::lease_dropped(LeaseRole::Cron);
             }
@@ -301,9 +306,11 @@ impl Scheduler {
 
     /// Whether this node surely holds the shard's lease: before its deadline.
     fn holds(&self, shard: usize) -> bool {
-        self.shards[shard]
-            .held
-            .as_ref()
-            .is_some_and(|held| !held.deadline.passed())
+        let shard = &self.shards[shard];
+        !shard.lost.is_cancelled()
+            && shard
+                .held
+                .as_ref()
+                .is_some_and(|held| !held.deadline.passed())
     }
 }

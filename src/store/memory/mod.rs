@@ -91,7 +91,6 @@ impl MemoryStore {
 }
 
 #[async_trait]
-#[async_trait]
 impl Backend for MemoryStore {
     fn kind(&self) -> &'static str {
         "memory"

@@ -334,7 +334,6 @@ impl RedisStore {
 }
 
 #[async_trait]
-#[async_trait]
 impl Backend for RedisStore {
     fn kind(&self) -> &'static str {
         "redis"

@@ -16,13 +16,16 @@ use crate::codec::AvroCodec;
 use crate::graph::{FunctionRegistry, GraphBuilder, GraphDeclaration};
 use crate::reactor::{Criteria, ReactorConfig, Strategy};
 use crate::secret::Secret;
-use crate::store::Store;
-use crate::supervisor::{default_node_id, Runtime, SupervisionPolicy};
-use crate::transport::{Broker, StartFrom};
+use crate::supervisor::{default_node_id, SupervisionPolicy};
+use crate::transport::StartFrom;
 
 /// The defaults of keys that no domain type holds: the `weir run` node's own choices.
 /// Every other key defaults to its domain type's `Default` (or constructor), read where
 /// the key is declared, so each default is written once.
+mod env;
+
+use env::{apply_override, override_key};
+
 pub mod defaults {
     pub const REDIS_URL: &str = "redis://127.0.0.1:6379";
     pub const KEY_PREFIX: &str = "weir";
@@ -1067,22 +1070,6 @@ impl Config {
             .collect()
     }
 
-    /// The workflow state manager over the runtime's store and broker.
-    pub fn state_manager(
-        &self,
-        runtime: &Runtime,
-    ) -> Result<crate::dispatch::StateManager, ConfigError> {
-        Ok(crate::dispatch::StateManager::new(
-            runtime.store.clone(),
-            runtime.broker.sink(),
-            self.workflows()?,
-            self.router()?,
-            crate::dispatch::DispatchSettings {
-                results_topic: self.dispatch.results_topic.clone(),
-            },
-        ))
-    }
-
     /// Whether `weir run` runs the cron scheduler.
     pub fn cron_enabled(&self) -> bool {
         self.cron.enabled.unwrap_or(!self.schedules.is_empty())
@@ -1108,17 +1095,6 @@ impl Config {
             .collect()
     }
 
-    /// Connects to the configured broker and store.
-    pub async fn runtime(&self) -> Result<Runtime, ConfigError> {
-        let broker = self.connect_broker().await?;
-        let store = self.store().await?;
-        Ok(Runtime {
-            broker,
-            store,
-            node_id: self.node_id(),
-        })
-    }
-
     /// Where the metrics and admin listeners run, if anywhere.
     pub fn listen(&self) -> crate::admin::Listen {
         crate::admin::Listen {
@@ -1133,72 +1109,6 @@ impl Config {
             },
             allow_unauthenticated: self.admin.allow_unauthenticated,
         }
-    }
-
-    /// Connects to the configured broker only (for commands that need no store).
-    pub async fn connect_broker(&self) -> Result<Arc<dyn Broker>, ConfigError> {
-        Ok(match self.broker.kind {
-            BrokerKind::Memory => Arc::new(crate::transport::memory::MemoryBroker::new(
-                self.broker.partitions as usize,
-            )),
-            BrokerKind::Kafka => {
-                let broker = crate::transport::kafka::KafkaBroker::connect(
-                    crate::transport::kafka::KafkaSettings {
-                        brokers: self.broker.brokers.clone(),
-                        partitions: self.broker.partitions,
-                        replication: self.broker.replication,
-                        options: self.broker.options.clone(),
-                        retention: self.broker.retention(),
-                    },
-                )
-                .map_err(ConfigError::Broker)?;
-                broker.ping().await.map_err(ConfigError::Broker)?;
-                Arc::new(broker)
-            }
-            BrokerKind::Nats => Arc::new(
-                crate::transport::nats::NatsBroker::connect(crate::transport::nats::NatsSettings {
-                    url: self.broker.url.clone(),
-                    jetstream: self.broker.jetstream,
-                    ack_wait: Duration::from_millis(self.broker.ack_wait_ms),
-                    retention: self.broker.retention(),
-                    auth: crate::transport::nats::NatsAuth {
-                        user: self.broker.user.clone(),
-                        password: self.broker.password.clone(),
-                        token: self.broker.token.clone(),
-                        nkey_seed_file: self.broker.nkey_seed_file.clone(),
-                        credentials_file: self.broker.credentials_file.clone(),
-                        tls_ca_file: self.broker.tls_ca_file.clone(),
-                        tls_cert_file: self.broker.tls_cert_file.clone(),
-                        tls_key_file: self.broker.tls_key_file.clone(),
-                        tls_required: self.broker.tls_required,
-                    },
-                })
-                .await
-                .map_err(ConfigError::Broker)?,
-            ),
-        })
-    }
-
-    /// Connects to the configured store only (for commands that need no broker).
-    pub async fn store(&self) -> Result<Arc<dyn Store>, ConfigError> {
-        Ok(match self.store.kind {
-            StoreKind::Memory => Arc::new(crate::store::memory::MemoryStore::new()),
-            StoreKind::Redis => Arc::new(
-                crate::store::redis::RedisStore::connect_with(
-                    &crate::store::redis::RedisSettings {
-                        url: self.store.url.clone(),
-                        username: self.store.username.clone(),
-                        password: self.store.password.clone(),
-                        tls_ca_file: self.store.tls_ca_file.clone(),
-                        tls_cert_file: self.store.tls_cert_file.clone(),
-                        tls_key_file: self.store.tls_key_file.clone(),
-                    },
-                    &self.store.prefix,
-                )
-                .await
-                .map_err(ConfigError::Store)?,
-            ),
-        })
     }
 
     /// The declared graphs, compiled.
@@ -1264,94 +1174,6 @@ impl GraphConfig {
             .build()
             .map_err(|e| invalid(format!("graph[{index}]"), e.to_string()))
     }
-}
-
-/// The key an override sets, as deserialization errors name it: `graph[0].output`.
-fn override_key(path: &str) -> String {
-    let mut key = String::new();
-    for segment in path.split("__").map(str::to_ascii_lowercase) {
-        if segment.parse::<usize>().is_ok() {
-            key.push_str(&format!("[{segment}]"));
-        } else {
-            if !key.is_empty() {
-                key.push('.');
-            }
-            key.push_str(&segment);
-        }
-    }
-    key
-}
-
-fn apply_override(
-    root: &mut toml::Value,
-    var: &str,
-    path: &str,
-    raw: &str,
-    as_text: bool,
-) -> Result<(), ConfigError> {
-    let segments: Vec<String> = path.split("__").map(|s| s.to_ascii_lowercase()).collect();
-    if segments.iter().any(String::is_empty) {
-        return Err(ConfigError::Env {
-            var: var.into(),
-            message: "expected WEIR__SECTION__KEY".into(),
-        });
-    }
-    // A value that parses as TOML (number, boolean, quoted string, array) is taken as
-    // such; anything else is a plain string.
-    let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
-        .ok()
-        .and_then(|mut t| t.remove("v"))
-        .filter(|_| !as_text)
-        .unwrap_or_else(|| toml::Value::String(raw.to_string()));
-    let mut at = root;
-    for (i, segment) in segments.iter().enumerate() {
-        let last = i + 1 == segments.len();
-        let key = segment.clone();
-        // `graph` and `accumulator` are arrays of tables in the file; an index selects one.
-        at = match at {
-            toml::Value::Table(table) => {
-                if last {
-                    table.insert(key, value);
-                    return Ok(());
-                }
-                let next_is_index = segments[i + 1].parse::<usize>().is_ok();
-                table.entry(key).or_insert_with(|| {
-                    if next_is_index {
-                        toml::Value::Array(Vec::new())
-                    } else {
-                        toml::Value::Table(toml::Table::new())
-                    }
-                })
-            }
-            toml::Value::Array(items) => {
-                let index: usize = segment.parse().map_err(|_| ConfigError::Env {
-                    var: var.into(),
-                    message: format!("{segment:?} is not an array index"),
-                })?;
-                if index >= items.len() {
-                    return Err(ConfigError::Env {
-                        var: var.into(),
-                        message: format!(
-                            "index {index} is past the {} declared entries",
-                            items.len()
-                        ),
-                    });
-                }
-                if last {
-                    items[index] = value;
-                    return Ok(());
-                }
-                &mut items[index]
-            }
-            _ => {
-                return Err(ConfigError::Env {
-                    var: var.into(),
-                    message: format!("{segment:?} is inside a value that is not a table"),
-                })
-            }
-        };
-    }
-    Ok(())
 }
 
 #[cfg(test)]
