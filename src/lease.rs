@@ -65,6 +65,9 @@ pub trait LeaseStore: Send + Sync {
 
     /// Releases the lease only if it is still this holder's (compare and set).
     async fn release_lease(&self, lease: &Lease) -> Result<bool, StoreError>;
+
+    /// Who holds the lease now, if anyone: for operators asking where something runs.
+    async fn current_lease(&self, name: &str) -> Result<Option<Lease>, StoreError>;
 }
 
 /// Random per process: two processes given the same node id by mistake are still two
@@ -344,6 +347,11 @@ mod tests {
         async fn release_lease(&self, lease: &Lease) -> Result<bool, StoreError> {
             self.check()?;
             self.inner.release_lease(lease).await
+        }
+
+        async fn current_lease(&self, name: &str) -> Result<Option<Lease>, StoreError> {
+            self.check()?;
+            self.inner.current_lease(name).await
         }
     }
 

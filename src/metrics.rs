@@ -53,6 +53,19 @@ pub const TASK_WAIT_SECONDS: &str = "weir_task_wait_seconds";
 /// Tasks a worker runs now, and how many it may run at once.
 pub const WORKER_CAPACITY_IN_USE: &str = "weir_worker_capacity_in_use";
 pub const WORKER_CAPACITY: &str = "weir_worker_capacity";
+/// Partitions of a `group` (`jobs.<type>`) this node owns now.
+pub const PARTITIONS_OWNED: &str = "weir_partitions_owned";
+/// Partitions this node took over, per `group`: each one a migration to it.
+pub const PARTITION_MIGRATIONS_TOTAL: &str = "weir_partition_migrations_total";
+/// From a partition's release by its previous owner to this node processing it.
+pub const PARTITION_HANDOVER_SECONDS: &str = "weir_partition_handover_seconds";
+/// Jobs of a `job_type` in this node's memory, in the partitions it owns.
+pub const JOBS_OWNED: &str = "weir_jobs_owned";
+/// Messages, starts and stops applied to jobs, per `job_type`.
+pub const JOB_MESSAGES_APPLIED_TOTAL: &str = "weir_job_messages_applied_total";
+pub const JOB_TIMEOUTS_FIRED_TOTAL: &str = "weir_job_timeouts_fired_total";
+/// Writes of job state to the store: one per batch of applied messages.
+pub const JOB_STORE_WRITES_TOTAL: &str = "weir_job_store_writes_total";
 
 /// Every metric weir exports, for checks that dashboards and alerts query real names.
 pub const ALL: &[&str] = &[
@@ -86,7 +99,30 @@ pub const ALL: &[&str] = &[
     TASK_WAIT_SECONDS,
     WORKER_CAPACITY_IN_USE,
     WORKER_CAPACITY,
+    PARTITIONS_OWNED,
+    PARTITION_MIGRATIONS_TOTAL,
+    PARTITION_HANDOVER_SECONDS,
+    JOBS_OWNED,
+    JOB_MESSAGES_APPLIED_TOTAL,
+    JOB_TIMEOUTS_FIRED_TOTAL,
+    JOB_STORE_WRITES_TOTAL,
 ];
+
+/// A partition of `group` was taken.
+pub(crate) fn partition_taken(group: &str) {
+    gauge!(PARTITIONS_OWNED, "group" => group.to_string()).increment(1.0);
+    counter!(PARTITION_MIGRATIONS_TOTAL, "group" => group.to_string()).increment(1);
+}
+
+/// A taken partition is processed again, `handover` after its previous owner released it.
+pub(crate) fn partition_resumed(group: &str, handover: std::time::Duration) {
+    metrics::histogram!(PARTITION_HANDOVER_SECONDS, "group" => group.to_string())
+        .record(handover.as_secs_f64());
+}
+
+pub(crate) fn partition_dropped(group: &str) {
+    gauge!(PARTITIONS_OWNED, "group" => group.to_string()).decrement(1.0);
+}
 
 /// What a lease is for, as the `role` label of the lease metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

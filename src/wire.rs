@@ -24,6 +24,13 @@ pub const TICK_ID_HEADER: &str = "weir-tick-id";
 pub const DELIVERIES_HEADER: &str = "weir-deliveries";
 /// The task namespace behind a message a task published.
 pub const NAMESPACE_HEADER: &str = "weir-namespace";
+/// The message key on brokers without keys of their own (NATS): a job id, a graph key.
+pub const KEY_HEADER: &str = "weir-key";
+/// What a message to a job is: `start`, `stop` or `message` (the default, when absent).
+pub const JOB_EVENT_HEADER: &str = "weir-job-event";
+/// The job type and id behind a job's output.
+pub const JOB_TYPE_HEADER: &str = "weir-job-type";
+pub const JOB_ID_HEADER: &str = "weir-job-id";
 
 /// Where what cannot be processed or published from `topic` goes: `<topic>.dlq`. A
 /// wildcard subject (`orders.>`) is no subject to publish to, and one under it would be
@@ -63,6 +70,16 @@ pub fn executor_topic(executor: &str) -> String {
 /// The topic a schedule's ticks go to when its target is a workflow.
 pub fn workflow_start_topic(workflow: &str) -> String {
     format!("weir.workflows.{workflow}.start")
+}
+
+/// The topic or subject of a job type's messages (`start`, `stop` and the jobs' own).
+pub fn job_topic(job_type: &str) -> String {
+    format!("weir.jobs.{job_type}")
+}
+
+/// The consumer group (durable) of a job type's partition owners.
+pub fn job_group(job_type: &str) -> String {
+    format!("weir-jobs-{job_type}")
 }
 
 /// The consumer group (durable) of an executor's workers.

@@ -57,7 +57,15 @@ macro_rules! store_conformance {
                 newest_first_and_filtered_by_graph);
             store_conformance!(@role $open; lease:
                 held_by_one_renewed_and_released_by_its_holder_only,
-                expiry_hands_over_with_a_larger_token);
+                expiry_hands_over_with_a_larger_token,
+                the_current_holder_is_shown_until_expiry);
+            store_conformance!(@role $open; membership:
+                members_are_sorted_and_expire,
+                a_member_that_leaves_is_gone_at_once);
+            store_conformance!(@role $open; jobs:
+                a_partition_batch_round_trips,
+                removed_jobs_lose_their_timeouts,
+                a_deposed_owners_batch_is_refused_whole);
             store_conformance!(@role $open; schedule:
                 schedules_and_fire_times_round_trip,
                 executions_are_claimed_once_and_indexed_while_open,
@@ -286,6 +294,152 @@ mod cases {
             assert!(!store.renew_lease(&first, ttl).await.unwrap());
             assert!(!store.release_lease(&first).await.unwrap());
             assert!(store.renew_lease(&second, ttl).await.unwrap());
+        }
+
+        pub async fn the_current_holder_is_shown_until_expiry(store: Arc<dyn Store>) {
+            let ttl = Duration::from_millis(300);
+            assert_eq!(store.current_lease("l").await.unwrap(), None);
+            let held = store
+                .acquire_lease("l", "n1#7", ttl)
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(store.current_lease("l").await.unwrap(), Some(held));
+            tokio::time::sleep(ttl + Duration::from_millis(200)).await;
+            assert_eq!(store.current_lease("l").await.unwrap(), None);
+        }
+    }
+
+    pub mod membership {
+        use super::*;
+
+        pub async fn members_are_sorted_and_expire(store: Arc<dyn Store>) {
+            let ttl = Duration::from_millis(300);
+            store.join_group("g", "b#1", ttl).await.unwrap();
+            store
+                .join_group("g", "a#1", Duration::from_secs(60))
+                .await
+                .unwrap();
+            store.join_group("other", "c#1", ttl).await.unwrap();
+            assert_eq!(store.group_members("g").await.unwrap(), ["a#1", "b#1"]);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            assert_eq!(store.group_members("g").await.unwrap(), ["a#1"]);
+            assert!(store.group_members("other").await.unwrap().is_empty());
+        }
+
+        pub async fn a_member_that_leaves_is_gone_at_once(store: Arc<dyn Store>) {
+            let ttl = Duration::from_secs(60);
+            store.join_group("g", "a#1", ttl).await.unwrap();
+            store.join_group("g", "b#1", ttl).await.unwrap();
+            store.leave_group("g", "a#1").await.unwrap();
+            assert_eq!(store.group_members("g").await.unwrap(), ["b#1"]);
+        }
+    }
+
+    pub mod jobs {
+        use super::*;
+        use serde_json::json;
+        use weir::store::{JobRecord, PartitionChanges};
+
+        fn record(id: &str, count: u64, timeout_at_ms: Option<i64>, position: i64) -> JobRecord {
+            JobRecord {
+                id: id.into(),
+                state: json!({ "count": count }),
+                timeout_at_ms,
+                partition: 2,
+                position,
+            }
+        }
+
+        async fn fence(store: &dyn Store) -> Fence {
+            let lease = store
+                .acquire_lease("jobs.t.2", "n1", Duration::from_secs(60))
+                .await
+                .unwrap()
+                .unwrap();
+            Fence::from(&lease)
+        }
+
+        pub async fn a_partition_batch_round_trips(store: Arc<dyn Store>) {
+            let fence = fence(store.as_ref()).await;
+            let empty = store.load_partition("t", 2).await.unwrap();
+            assert_eq!(empty.position, None);
+            let changes = PartitionChanges {
+                position: Some(41),
+                put: vec![record("a", 1, Some(5_000), 40), record("b", 2, None, 41)],
+                released: Some((fence.token, 1_234)),
+                ..Default::default()
+            };
+            store
+                .save_partition("t", 2, &changes, &fence)
+                .await
+                .unwrap();
+            let loaded = store.load_partition("t", 2).await.unwrap();
+            assert_eq!(loaded.position, Some(41));
+            assert_eq!(loaded.timeouts, [("a".to_string(), 5_000)]);
+            assert_eq!(loaded.released, Some((fence.token, 1_234)));
+            assert_eq!(
+                store
+                    .load_jobs("t", &["b".into(), "none".into(), "a".into()])
+                    .await
+                    .unwrap(),
+                [
+                    Some(record("b", 2, None, 41)),
+                    None,
+                    Some(record("a", 1, Some(5_000), 40))
+                ]
+            );
+            assert_eq!(store.list_jobs("t").await.unwrap(), ["a", "b"]);
+            assert!(store.list_jobs("other").await.unwrap().is_empty());
+            assert_eq!(store.load_partition("t", 3).await.unwrap().position, None);
+        }
+
+        pub async fn removed_jobs_lose_their_timeouts(store: Arc<dyn Store>) {
+            let fence = fence(store.as_ref()).await;
+            let put = PartitionChanges {
+                position: Some(1),
+                put: vec![
+                    record("a", 1, Some(5_000), 0),
+                    record("b", 1, Some(6_000), 1),
+                ],
+                ..Default::default()
+            };
+            store.save_partition("t", 2, &put, &fence).await.unwrap();
+            let change = PartitionChanges {
+                position: Some(3),
+                put: vec![record("b", 2, None, 3)],
+                removed: vec!["a".into()],
+                ..Default::default()
+            };
+            store.save_partition("t", 2, &change, &fence).await.unwrap();
+            let loaded = store.load_partition("t", 2).await.unwrap();
+            assert_eq!(loaded.position, Some(3));
+            assert!(loaded.timeouts.is_empty(), "{:?}", loaded.timeouts);
+            assert_eq!(store.list_jobs("t").await.unwrap(), ["b"]);
+            assert_eq!(store.load_jobs("t", &["a".into()]).await.unwrap(), [None]);
+        }
+
+        pub async fn a_deposed_owners_batch_is_refused_whole(store: Arc<dyn Store>) {
+            let (old, new) = deposed_and_current(store.as_ref(), "jobs.t.2").await;
+            let stale = PartitionChanges {
+                position: Some(9),
+                put: vec![record("a", 9, Some(1), 9)],
+                ..Default::default()
+            };
+            assert!(is_fenced(&store.save_partition("t", 2, &stale, &old).await));
+            let loaded = store.load_partition("t", 2).await.unwrap();
+            assert_eq!(loaded.position, None);
+            assert!(loaded.timeouts.is_empty());
+            assert!(store.list_jobs("t").await.unwrap().is_empty());
+            let current = PartitionChanges {
+                position: Some(9),
+                ..Default::default()
+            };
+            store.save_partition("t", 2, &current, &new).await.unwrap();
+            assert_eq!(
+                store.load_partition("t", 2).await.unwrap().position,
+                Some(9)
+            );
         }
     }
 

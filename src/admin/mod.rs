@@ -13,6 +13,7 @@
 //! | `GET /ws` | token | the graph commands over a WebSocket ([`ws`]) |
 //! | `GET /schedules`, `GET /schedules/{id}`, `POST /schedules/{id}/pause`, `/resume` | token | [`schedules`] |
 //! | `GET /recovery-events?graph=&limit=` | token | [`recovery`] |
+//! | `GET /jobs/{type}/{id}` | token | one job's state and owner ([`jobs`]) |
 //!
 //! With a token configured, "token" routes need `Authorization: Bearer <token>` (see `auth`).
 //! A tenant's token (`[[admin.tokens]]`) admits its holder to that tenant's graphs,
@@ -44,6 +45,7 @@ pub mod client;
 pub mod error;
 pub mod graphs;
 pub mod health;
+pub mod jobs;
 pub mod recovery;
 pub mod schedules;
 pub mod tls;
@@ -296,6 +298,7 @@ pub fn router(state: AdminState) -> Router {
         .merge(schedules::routes())
         .merge(recovery::routes())
         .merge(workflows::routes())
+        .merge(jobs::routes())
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,

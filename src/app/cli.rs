@@ -77,6 +77,11 @@ pub enum Command {
         #[command(subcommand)]
         command: WorkflowCommand,
     },
+    /// Distributed jobs: put, message, look up, list and remove jobs of a declared type.
+    Job {
+        #[command(subcommand)]
+        command: JobCommand,
+    },
     /// Graphs of a running weir, through its admin API; prints JSON.
     Graph {
         #[command(subcommand)]
@@ -126,6 +131,52 @@ pub enum WorkflowCommand {
     Status {
         #[arg(long, short)]
         config: PathBuf,
+        id: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum JobCommand {
+    /// Put a job: start it with a state (replacing one of the same id). Its owner applies
+    /// it shortly after.
+    Put {
+        #[arg(long, short)]
+        config: PathBuf,
+        /// The job type, as declared in [[job]].
+        job_type: String,
+        id: String,
+        /// Initial state, JSON (default `{}`).
+        #[arg(long)]
+        state: Option<String>,
+    },
+    /// Send a job a message.
+    Send {
+        #[arg(long, short)]
+        config: PathBuf,
+        job_type: String,
+        id: String,
+        /// The message, JSON.
+        #[arg(long)]
+        message: String,
+    },
+    /// Print a job as one JSON line: {"type", "id", "state", "owner", "status"}.
+    Get {
+        #[arg(long, short)]
+        config: PathBuf,
+        job_type: String,
+        id: String,
+    },
+    /// Print the ids of a type's jobs, one per line.
+    List {
+        #[arg(long, short)]
+        config: PathBuf,
+        job_type: String,
+    },
+    /// Stop a job and remove it.
+    Rm {
+        #[arg(long, short)]
+        config: PathBuf,
+        job_type: String,
         id: String,
     },
 }

@@ -64,6 +64,10 @@ impl Error {
                 DispatchError::UnknownWorkflow(_) | DispatchError::UnknownExecution(_),
             ) => 2,
             Self::Config(e) if !e.is_retryable() => 2,
+            // A name the broker cannot take, or a setup that cannot serve it.
+            Self::Transport(e) if e.kind() == weir::transport::TransportErrorKind::InvalidTopic => {
+                2
+            }
             Self::Admin(e) if is_bad_admin_setting(e) => 2,
             Self::Demo(weir::demo::DemoError::Graph(_)) => 2,
             Self::Demo(weir::demo::DemoError::Admin(e)) if is_bad_admin_setting(e) => 2,

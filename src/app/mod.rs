@@ -4,14 +4,15 @@
 //! - [`cli`]: the arguments (clap) and logging set-up.
 //! - [`run`]: `weir run`, wiring the backends a config names into graphs, cron, the
 //!   state manager and the admin API.
-//! - [`cron`], [`workflow`], [`graph`]: `weir cron`, `weir workflow` and `weir worker`,
-//!   and `weir graph`, `tail` and `produce`.
+//! - [`cron`], [`workflow`], [`graph`], [`job`]: `weir cron`, `weir workflow` and
+//!   `weir worker`, `weir graph`, `tail` and `produce`, and `weir job`.
 //! - [`error`]: every command's error, and the exit status it maps to.
 
 pub mod cli;
 pub mod cron;
 pub mod error;
 pub mod graph;
+pub mod job;
 pub mod run;
 pub mod workflow;
 
@@ -87,7 +88,15 @@ async fn execute(cli: Cli) -> Result<(), error::Error> {
             workflow::run(command, cancel, &mut std::io::stdout()).await
         }
         Command::Run { config } => match Config::load(&config) {
-            Ok(config) => run::run(config, &FunctionRegistry::default(), cancel).await,
+            Ok(config) => {
+                run::run(
+                    config,
+                    &FunctionRegistry::default(),
+                    &weir::jobs::JobHandlers::default(),
+                    cancel,
+                )
+                .await
+            }
             Err(e) => Err(e.into()),
         },
         Command::Graph {
@@ -105,6 +114,7 @@ async fn execute(cli: Cli) -> Result<(), error::Error> {
             )
             .await
         }
+        Command::Job { command } => job::run(command, &mut std::io::stdout()).await,
         Command::Tail(args) => graph::tail(&args, cancel, &mut std::io::stdout()).await,
         Command::Produce(args) => {
             let stdin = tokio::io::BufReader::new(tokio::io::stdin());

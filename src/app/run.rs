@@ -1,6 +1,6 @@
 //! `weir run`: the graphs of a config file, supervised until Ctrl-C or SIGTERM, with the
-//! cron scheduler when schedules are declared and the workflow state manager when
-//! workflows are.
+//! cron scheduler when schedules are declared, the workflow state manager when
+//! workflows are, and this node's share of the partitions of each declared job type.
 
 use std::sync::Arc;
 
@@ -11,16 +11,29 @@ use crate::app::error::Error;
 use weir::admin::AdminState;
 use weir::config::Config;
 use weir::graph::FunctionRegistry;
+use weir::jobs::{JobHandlers, JobsStore};
 use weir::supervisor::Supervisor;
 
 /// Runs until `cancel` fires, then stops every graph within the shutdown timeout.
 pub async fn run(
     config: Config,
     registry: &FunctionRegistry,
+    job_handlers: &JobHandlers,
     cancel: CancellationToken,
 ) -> Result<(), Error> {
     let graphs = config.graphs(registry)?;
+    let job_types = config.job_types(job_handlers)?;
     let runtime = config.runtime().await?;
+    // Each job type's topic, before anything runs: a broker that cannot hold one stops
+    // the node at once.
+    let mut job_topics = Vec::new();
+    for job_type in job_types {
+        let topic = runtime
+            .broker
+            .partitioned(&weir::wire::job_topic(&job_type.name), job_type.partitions)
+            .await?;
+        job_topics.push((job_type, topic));
+    }
     info!(
         node = %runtime.node_id,
         broker = runtime.broker.kind(),
@@ -78,10 +91,32 @@ pub async fn run(
             }
         }))
     };
+    let jobs: Vec<_> = job_topics
+        .into_iter()
+        .map(|(job_type, topic)| {
+            let store: Arc<dyn JobsStore> = runtime.store.clone();
+            tokio::spawn(weir::jobs::serve(
+                job_type,
+                topic,
+                runtime.broker.clone(),
+                store,
+                runtime.node_id.clone(),
+                cancel.clone(),
+            ))
+        })
+        .collect();
     for graph in graphs {
         supervisor.spawn(graph)?;
     }
     cancel.cancelled().await;
+    // Job partitions are handed over first: their next owners wait for them.
+    let handed_over = tokio::time::timeout(
+        weir::ownership::RELEASE_TIMEOUT + std::time::Duration::from_secs(5),
+        futures::future::join_all(jobs),
+    );
+    if handed_over.await.is_err() {
+        tracing::warn!("some job partitions were not handed over in time");
+    }
     if let Some(state_manager) = state_manager {
         let _ = tokio::time::timeout(std::time::Duration::from_secs(10), state_manager).await;
     }

@@ -41,6 +41,8 @@ pub mod defaults {
     /// otherwise grow without end on JetStream.
     pub const RETENTION_MS: u64 = 7 * 24 * 60 * 60 * 1000;
     pub const WORKER_CONCURRENCY: usize = 16;
+    /// How long a dead node's job partitions wait for a new owner.
+    pub const JOB_LEASE_TTL_MS: u64 = 6_000;
 }
 
 /// Milliseconds of a default duration, for keys written in milliseconds.
@@ -102,6 +104,68 @@ pub struct Config {
     #[serde(rename = "workflow")]
     pub workflows: Vec<WorkflowConfig>,
     pub dispatch: DispatchConfig,
+    #[serde(rename = "job")]
+    pub jobs: Vec<JobConfig>,
+}
+
+/// `[[job]]`: a job type this node serves.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobConfig {
+    #[serde(rename = "type")]
+    pub job_type: String,
+    /// A handler registered by name (`builtin::count`).
+    pub handler: String,
+    /// Partitions of the type's topic when weir creates it.
+    #[serde(default = "default_job_partitions")]
+    pub partitions: u32,
+    /// Where the handler's outputs go; dropped when absent.
+    #[serde(default)]
+    pub output: Option<String>,
+    /// How long a dead node's partitions wait for a new owner.
+    #[serde(default = "default_job_lease_ttl_ms")]
+    pub lease_ttl_ms: u64,
+}
+
+fn default_job_partitions() -> u32 {
+    crate::jobs::DEFAULT_PARTITIONS
+}
+
+fn default_job_lease_ttl_ms() -> u64 {
+    defaults::JOB_LEASE_TTL_MS
+}
+
+impl JobConfig {
+    /// The job type, with its handler from `handlers`.
+    pub fn job_type(
+        &self,
+        index: usize,
+        handlers: &crate::jobs::JobHandlers,
+    ) -> Result<crate::jobs::JobType, ConfigError> {
+        let handler = handlers.get(&self.handler).ok_or_else(|| {
+            invalid(
+                format!("job[{index}].handler"),
+                format!(
+                    "no job handler {:?} is registered (known: {})",
+                    self.handler,
+                    handlers.names().join(", ")
+                ),
+            )
+        })?;
+        let mut job_type = crate::jobs::JobType::new(&self.job_type, handler);
+        job_type.partitions = self.partitions;
+        job_type.output = self.output.clone();
+        job_type.lease_ttl = Duration::from_millis(self.lease_ttl_ms);
+        Ok(job_type)
+    }
+}
+
+/// Whether a job type's name can be a topic and subject token.
+fn valid_job_type(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
 /// `[metrics]`: a listener serving only `GET /metrics`.
@@ -857,6 +921,34 @@ impl Config {
         if let Err(e) = crate::dispatch::Router::new(Vec::new(), &self.dispatch.default_executor) {
             errors.push(invalid("dispatch.default_executor", e.to_string()));
         }
+        let mut job_types = std::collections::HashSet::new();
+        for (i, job) in self.jobs.iter().enumerate() {
+            let key = |field: &str| format!("job[{i}].{field}");
+            if !valid_job_type(&job.job_type) {
+                errors.push(invalid(
+                    key("type"),
+                    format!(
+                        "{:?} must be letters, digits, '_' or '-': it names the topic weir.jobs.<type>",
+                        job.job_type
+                    ),
+                ));
+            }
+            if !job_types.insert(job.job_type.as_str()) {
+                errors.push(invalid(
+                    key("type"),
+                    format!("job type {} is declared twice", job.job_type),
+                ));
+            }
+            if job.partitions == 0 {
+                errors.push(invalid(key("partitions"), "must be at least 1"));
+            }
+            if job.lease_ttl_ms == 0 {
+                errors.push(invalid(key("lease_ttl_ms"), "must be more than 0"));
+            }
+            if job.output.as_ref().is_some_and(|o| o.trim().is_empty()) {
+                errors.push(invalid(key("output"), "must name a topic or subject"));
+            }
+        }
         if self.cron.shards == 0 {
             errors.push(invalid("cron.shards", "must be at least 1"));
         }
@@ -1068,6 +1160,39 @@ impl Config {
             .enumerate()
             .map(|(i, w)| w.workflow(i))
             .collect()
+    }
+
+    /// The declared job types, with their handlers from `handlers`.
+    pub fn job_types(
+        &self,
+        handlers: &crate::jobs::JobHandlers,
+    ) -> Result<Vec<crate::jobs::JobType>, ConfigError> {
+        let mut errors = Vec::new();
+        let mut types = Vec::new();
+        for (i, job) in self.jobs.iter().enumerate() {
+            match job.job_type(i, handlers) {
+                Ok(t) => types.push(t),
+                Err(e) => errors.push(e),
+            }
+        }
+        match errors.len() {
+            0 => Ok(types),
+            1 => Err(errors.remove(0)),
+            _ => Err(ConfigError::Many(errors)),
+        }
+    }
+
+    /// The declaration of one job type.
+    pub fn job(&self, job_type: &str) -> Result<&JobConfig, ConfigError> {
+        self.jobs
+            .iter()
+            .find(|j| j.job_type == job_type)
+            .ok_or_else(|| {
+                invalid(
+                    "job",
+                    format!("no [[job]] of type {job_type:?} is declared"),
+                )
+            })
     }
 
     /// Whether `weir run` runs the cron scheduler.

@@ -2,8 +2,9 @@
 //!
 //! Each role trait belongs to the module that uses it: [`CheckpointStore`]
 //! (accumulators), [`CacheStore`] (reactors), [`RecoveryLog`] (the supervisor and the
-//! admin API), [`LeaseStore`] (the lease keeper), [`ScheduleStore`] (the cron scheduler)
-//! and [`WorkflowStore`] (the workflow state manager and workers). [`Store`] is their
+//! admin API), [`LeaseStore`] (the lease keeper), [`ScheduleStore`] (the cron scheduler),
+//! [`WorkflowStore`] (the workflow state manager and workers), [`JobStore`] (job
+//! partitions) and [`MembershipStore`] (partition owners). [`Store`] is their
 //! bundle, implemented for every type that plays them all, so a backend implements the
 //! roles and nothing else. Backends: [`memory`] (the embedded default) and [`redis`],
 //! each one file per role.
@@ -18,7 +19,9 @@ pub use crate::cron::store::{
     CronStore, Execution, ExecutionStatus, ScheduleChanges, ScheduleStore,
 };
 pub use crate::dispatch::store::{DispatchStore, TickOutcomes, WorkflowStore};
+pub use crate::jobs::store::{JobRecord, JobStore, PartitionChanges, PartitionSnapshot};
 pub use crate::lease::{Fence, Lease, LeaseStore};
+pub use crate::ownership::MembershipStore;
 pub use crate::reactor::cache::CacheStore;
 pub use crate::recovery::{RecoveryAction, RecoveryEvent, RecoveryLog};
 pub use crate::store_error::StoreError;
@@ -44,6 +47,9 @@ pub trait Store:
     + WorkflowStore
     + CronStore
     + DispatchStore
+    + JobStore
+    + MembershipStore
+    + crate::jobs::JobsStore
 {
 }
 
@@ -57,6 +63,9 @@ impl<T> Store for T where
         + WorkflowStore
         + CronStore
         + DispatchStore
+        + JobStore
+        + MembershipStore
+        + crate::jobs::JobsStore
 {
 }
 
@@ -64,7 +73,7 @@ impl<T> Store for T where
 /// `RedisStore`) directly: `use weir::store::prelude::*;`.
 pub mod prelude {
     pub use super::{
-        Backend, CacheStore, CheckpointStore, CronStore, DispatchStore, LeaseStore, RecoveryLog,
-        ScheduleStore, Store, TickOutcomes, WorkflowStore,
+        Backend, CacheStore, CheckpointStore, CronStore, DispatchStore, JobStore, LeaseStore,
+        MembershipStore, RecoveryLog, ScheduleStore, Store, TickOutcomes, WorkflowStore,
     };
 }

@@ -22,8 +22,8 @@ use rdkafka::util::Timeout;
 use rdkafka::{Offset, TopicPartitionList};
 
 use super::{
-    Acks, Assignment, BoxError, Broker, FinishedPrefix, Message, Outbound, PendingAck, Position,
-    Sink, Source, StartFrom, Subscription, TransportError,
+    Acks, Assignment, BoxError, Broker, FinishedPrefix, Message, Outbound, PartitionedTopic,
+    PendingAck, Position, Sink, Source, StartFrom, Subscription, TransportError,
 };
 
 /// How long a publish may wait for room in the producer's queue.
@@ -223,6 +223,12 @@ impl KafkaBroker {
 
     /// Creates the topic if it does not exist yet.
     pub async fn ensure_topic(&self, topic: &str) -> Result<(), TransportError> {
+        self.ensure_topic_with(topic, self.inner.settings.partitions)
+            .await
+    }
+
+    /// Creates the topic with `partitions` partitions if it does not exist yet.
+    async fn ensure_topic_with(&self, topic: &str, partitions: i32) -> Result<(), TransportError> {
         if self
             .inner
             .ensured
@@ -236,7 +242,7 @@ impl KafkaBroker {
         let retention_ms = settings.retention.map(|r| r.as_millis().to_string());
         let mut new_topic = NewTopic::new(
             topic,
-            settings.partitions,
+            partitions,
             TopicReplication::Fixed(settings.replication),
         );
         if let Some(retention_ms) = &retention_ms {
@@ -362,12 +368,11 @@ impl Broker for KafkaBroker {
                     .committed_offsets(wanted, Timeout::After(Duration::from_secs(10)))
                     .map_err(|e| unreachable(&settings.brokers, e))?;
                 let mut assignment = TopicPartitionList::new();
-                let resume_all = subscription.assignment == Assignment::All;
                 for element in committed.elements() {
                     let resume = subscription
                         .resume_after
                         .iter()
-                        .find(|p| resume_all && p.partition == element.partition());
+                        .find(|p| p.partition == element.partition());
                     let offset = match (resume, element.offset()) {
                         (Some(p), _) => Offset::Offset(p.offset + 1),
                         (None, Offset::Offset(o)) if o >= 0 => Offset::Offset(o),
@@ -401,6 +406,27 @@ impl Broker for KafkaBroker {
 
     fn sink(&self) -> Arc<dyn Sink> {
         Arc::new(self.clone())
+    }
+
+    async fn partitioned(
+        &self,
+        topic: &str,
+        partitions: u32,
+    ) -> Result<PartitionedTopic, TransportError> {
+        let wanted = i32::try_from(partitions.max(1)).unwrap_or(i32::MAX);
+        self.ensure_topic_with(topic, wanted).await?;
+        // A topic that existed before keeps its own count; every producer's partitioner
+        // spreads keys over that.
+        let found = self.partitions_of(topic).await?;
+        if found.len() != partitions as usize {
+            tracing::info!(
+                topic,
+                wanted = partitions,
+                found = found.len(),
+                "topic exists with another partition count; using it"
+            );
+        }
+        Ok(PartitionedTopic::native(topic, found.len() as u32))
     }
 
     async fn ping(&self) -> Result<(), TransportError> {

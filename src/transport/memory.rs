@@ -2,15 +2,14 @@
 //! positions. A group member reads every partition of its topic (one member per group).
 
 use std::collections::{HashMap, VecDeque};
-use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
 use tokio::sync::Notify;
 
 use super::{
-    now_ms, Acks, Assignment, Broker, FinishedPrefix, Message, Outbound, Position, Sink, Source,
-    StartFrom, Subscription, TransportError,
+    now_ms, Acks, Assignment, Broker, FinishedPrefix, Message, Outbound, PartitionedTopic,
+    Position, Sink, Source, StartFrom, Subscription, TransportError,
 };
 
 /// How many messages a source takes from the broker per lock.
@@ -72,6 +71,11 @@ impl MemoryBroker {
     }
 
     fn topic(&self, name: &str) -> Arc<Topic> {
+        self.topic_with(name, self.inner.partitions)
+    }
+
+    /// The topic, created with `partitions` partitions if it does not exist yet.
+    fn topic_with(&self, name: &str, partitions: usize) -> Arc<Topic> {
         let mut topics = lock(&self.inner.topics);
         topics
             .entry(name.to_string())
@@ -79,7 +83,7 @@ impl MemoryBroker {
                 Arc::new(Topic {
                     name: Arc::from(name),
                     log: Mutex::new(TopicLog {
-                        partitions: vec![Vec::new(); self.inner.partitions],
+                        partitions: vec![Vec::new(); partitions],
                         committed: HashMap::new(),
                         round_robin: 0,
                     }),
@@ -140,11 +144,8 @@ impl MemoryBroker {
             let mut log = lock(&topic.log);
             let count = log.partitions.len();
             let partition = match &message.key {
-                Some(key) => {
-                    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-                    key.hash(&mut hasher);
-                    (hasher.finish() % count as u64) as usize
-                }
+                // As librdkafka's default partitioner places keys.
+                Some(key) => (super::crc32(key) % count as u32) as usize,
                 None => {
                     log.round_robin = (log.round_robin + 1) % count;
                     log.round_robin
@@ -213,7 +214,7 @@ impl Broker for MemoryBroker {
             committed.clone()
         };
         let mut next = next;
-        if subscription.assignment == Assignment::All {
+        if subscription.assignment != Assignment::Group {
             for p in &subscription.resume_after {
                 if let Some(n) = next.get_mut(p.partition as usize) {
                     *n = p.offset + 1;
@@ -245,6 +246,17 @@ impl Broker for MemoryBroker {
             turn: 0,
             prefix: matches!(subscription.acks, Acks::Each { .. }).then(FinishedPrefix::default),
         }))
+    }
+
+    async fn partitioned(
+        &self,
+        topic: &str,
+        partitions: u32,
+    ) -> Result<PartitionedTopic, TransportError> {
+        validate_topic(topic)?;
+        let log = self.topic_with(topic, partitions.max(1) as usize);
+        let count = lock(&log.log).partitions.len();
+        Ok(PartitionedTopic::native(topic, count as u32))
     }
 
     fn sink(&self) -> Arc<dyn Sink> {

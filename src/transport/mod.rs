@@ -157,6 +157,117 @@ impl Subscription {
     }
 }
 
+/// A topic whose messages are spread over a fixed number of partitions by their key,
+/// each partition read by one owner at a time (the partitions of a job type).
+///
+/// A key's partition is `crc32(key) mod partitions` (CRC-32/ISO-HDLC, the one of zlib,
+/// Java's `CRC32` and Go's `crc32.ChecksumIEEE`): what librdkafka's default partitioner
+/// does on Kafka, and what a NATS producer outside weir computes to pick the subject.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionedTopic {
+    pub topic: String,
+    pub partitions: u32,
+    pub layout: PartitionLayout,
+}
+
+/// How a [`PartitionedTopic`]'s partitions appear on the broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PartitionLayout {
+    /// The broker's own partitions of the topic (Kafka, memory); the producer's
+    /// partitioner places each key.
+    Native,
+    /// One subject per partition, `<topic>.<partition>`, all captured by one stream
+    /// (NATS JetStream); the producer names the partition in the subject.
+    Subjects,
+}
+
+impl PartitionedTopic {
+    pub fn native(topic: &str, partitions: u32) -> Self {
+        Self {
+            topic: topic.to_string(),
+            partitions: partitions.max(1),
+            layout: PartitionLayout::Native,
+        }
+    }
+
+    pub fn subjects(topic: &str, partitions: u32) -> Self {
+        Self {
+            topic: topic.to_string(),
+            partitions: partitions.max(1),
+            layout: PartitionLayout::Subjects,
+        }
+    }
+
+    /// The partition of a key.
+    pub fn partition_of(&self, key: &[u8]) -> i32 {
+        (crc32(key) % self.partitions.max(1)) as i32
+    }
+
+    /// Where a message to `key` is published: the topic itself, or the subject of the
+    /// key's partition.
+    pub fn topic_for(&self, key: &[u8]) -> String {
+        match self.layout {
+            PartitionLayout::Native => self.topic.clone(),
+            PartitionLayout::Subjects => self.partition_topic(self.partition_of(key)),
+        }
+    }
+
+    /// A message to `key`.
+    pub fn outbound(&self, key: &str, payload: impl Into<Bytes>) -> Outbound {
+        Outbound::new(self.topic_for(key.as_bytes()), payload).key(key.to_string())
+    }
+
+    /// The topic or subject holding one partition.
+    fn partition_topic(&self, partition: i32) -> String {
+        match self.layout {
+            PartitionLayout::Native => self.topic.clone(),
+            PartitionLayout::Subjects => format!("{}.{partition}", self.topic),
+        }
+    }
+
+    /// Reads one partition alone, right after `resume_after` (an offset already
+    /// processed), else from the group's position or the earliest message.
+    pub fn subscription(
+        &self,
+        partition: i32,
+        group: &str,
+        resume_after: Option<i64>,
+    ) -> Subscription {
+        let (assignment, position_partition) = match self.layout {
+            PartitionLayout::Native => (Assignment::Partitions(vec![partition]), partition),
+            // A subject of its own: its positions are the stream's, in "partition" 0.
+            PartitionLayout::Subjects => (Assignment::All, 0),
+        };
+        Subscription {
+            assignment,
+            resume_after: resume_after
+                .map(|offset| Position {
+                    partition: position_partition,
+                    offset,
+                })
+                .into_iter()
+                .collect(),
+            ..Subscription::new(self.partition_topic(partition), group)
+        }
+    }
+}
+
+/// CRC-32/ISO-HDLC (reflected, polynomial 0xEDB88320), bit by bit: keys are short.
+pub fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &byte in bytes {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
 /// The cause a backend error keeps: the client's own error, or a message where the
 /// client had none.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -287,6 +398,15 @@ pub trait Broker: Send + Sync {
     ) -> Result<Box<dyn Source>, TransportError>;
 
     fn sink(&self) -> Arc<dyn Sink>;
+
+    /// Makes `topic` ready to be read partition by partition: created with `partitions`
+    /// partitions where the broker creates topics (a topic that exists keeps its own
+    /// count), or captured as one subject per partition.
+    async fn partitioned(
+        &self,
+        topic: &str,
+        partitions: u32,
+    ) -> Result<PartitionedTopic, TransportError>;
 
     /// Succeeds when the broker answers.
     async fn ping(&self) -> Result<(), TransportError>;
@@ -428,6 +548,26 @@ mod tests {
 
     fn at(partition: i32, offset: i64) -> Position {
         Position { partition, offset }
+    }
+
+    #[test]
+    fn keys_are_placed_by_crc32_as_librdkafka_and_zlib_do() {
+        assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+        assert_eq!(crc32(b""), 0);
+        let jobs = PartitionedTopic::subjects("weir.jobs.counter", 6);
+        // Python: zlib.crc32(b"job-1") % 6 == 5
+        assert_eq!(jobs.partition_of(b"job-1"), 5);
+        assert_eq!(jobs.topic_for(b"job-1"), "weir.jobs.counter.5");
+        let native = PartitionedTopic::native("weir.jobs.counter", 6);
+        assert_eq!(native.topic_for(b"job-1"), "weir.jobs.counter");
+        assert_eq!(
+            native.subscription(4, "g", Some(9)).assignment,
+            Assignment::Partitions(vec![4])
+        );
+        assert_eq!(
+            jobs.subscription(4, "g", Some(9)).resume_after,
+            vec![at(0, 9)]
+        );
     }
 
     #[test]

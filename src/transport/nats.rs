@@ -16,11 +16,14 @@ use async_nats::jetstream::{self, consumer, stream};
 use async_trait::async_trait;
 use futures::{StreamExt, TryStreamExt};
 
+use bytes::Bytes;
+
 use crate::secret::{redact_urls, scrub, split_credentials, Secret, UrlCredentials};
+use crate::wire::KEY_HEADER;
 
 use super::{
-    Acks, Assignment, BoxError, Broker, Message, Outbound, PendingAck, Position, Sink, Source,
-    StartFrom, Subscription, TransportError,
+    Acks, Assignment, BoxError, Broker, Message, Outbound, PartitionedTopic, PendingAck, Position,
+    Sink, Source, StartFrom, Subscription, TransportError,
 };
 
 /// How long a sole reader's durable consumer may go without pulling before the server
@@ -398,6 +401,14 @@ fn validate_subject(subject: &str) -> Result<(), TransportError> {
     Ok(())
 }
 
+/// The message key a publisher put in [`KEY_HEADER`].
+fn key_of(headers: &super::Headers) -> Option<Bytes> {
+    headers
+        .iter()
+        .find(|(name, _)| name == KEY_HEADER)
+        .map(|(_, value)| Bytes::from(value.clone()))
+}
+
 fn headers_of(message: &async_nats::Message) -> super::Headers {
     let Some(headers) = &message.headers else {
         return Vec::new();
@@ -524,6 +535,26 @@ impl Broker for NatsBroker {
         Arc::new(self.clone())
     }
 
+    async fn partitioned(
+        &self,
+        topic: &str,
+        partitions: u32,
+    ) -> Result<PartitionedTopic, TransportError> {
+        validate_subject(topic)?;
+        let Some(js) = &self.inner.jetstream else {
+            return Err(TransportError::InvalidTopic {
+                topic: topic.to_string(),
+                reason: "partitions are owned one reader at a time with positions kept, which \
+                         core NATS cannot do: enable JetStream (broker.jetstream = true)"
+                    .into(),
+            });
+        };
+        // One stream for every partition's subject, so the partitions share its limits
+        // and a later subscription to one partition finds it.
+        self.ensure_stream(js, &format!("{topic}.*")).await?;
+        Ok(PartitionedTopic::subjects(topic, partitions))
+    }
+
     async fn ping(&self) -> Result<(), TransportError> {
         self.inner
             .client
@@ -544,6 +575,10 @@ impl Sink for NatsBroker {
         let mut headers = async_nats::HeaderMap::new();
         for (name, value) in &message.headers {
             headers.insert(name.as_ref(), value.as_str());
+        }
+        // NATS messages have no key: it travels as a header, read back by every source.
+        if let Some(key) = &message.key {
+            headers.insert(KEY_HEADER, String::from_utf8_lossy(key).as_ref());
         }
         let Outbound { topic, payload, .. } = message;
         // A message larger than the server takes fails the same way however often it
@@ -746,7 +781,7 @@ impl Source for JetStreamSource {
                 partition: 0,
                 offset: sequence as i64,
             },
-            key: None,
+            key: key_of(&headers),
             payload: message.payload,
             headers,
             timestamp_ms,
@@ -851,14 +886,15 @@ impl Source for CoreSource {
         // Microseconds of the wall clock, bumped to stay increasing: ids of an earlier
         // run stay below.
         self.last_id = (self.last_id + 1).max(chrono::Utc::now().timestamp_micros());
+        let headers = headers_of(&message);
         Ok(Message {
             topic: self.topic.clone(),
             position: Position {
                 partition: 0,
                 offset: self.last_id,
             },
-            key: None,
-            headers: headers_of(&message),
+            key: key_of(&headers),
+            headers,
             payload: message.payload,
             timestamp_ms: super::now_ms(),
         })

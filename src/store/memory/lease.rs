@@ -59,6 +59,19 @@ impl LeaseStore for MemoryStore {
         }
     }
 
+    async fn current_lease(&self, name: &str) -> Result<Option<Lease>, StoreError> {
+        let state = self.state();
+        Ok(state
+            .leases
+            .get(name)
+            .filter(|held| held.expires > Instant::now())
+            .map(|held| Lease {
+                name: name.to_string(),
+                holder: held.holder.clone(),
+                token: held.token,
+            }))
+    }
+
     async fn release_lease(&self, lease: &Lease) -> Result<bool, StoreError> {
         let mut state = self.state();
         match state.leases.get(&lease.name) {

@@ -2,7 +2,9 @@
 
 mod cache;
 mod checkpoint;
+mod jobs;
 mod lease;
+mod membership;
 mod recovery;
 mod schedule;
 mod workflow;
@@ -15,8 +17,9 @@ use async_trait::async_trait;
 use tokio::time::Instant;
 
 use super::{
-    Backend, CacheStore, Checkpoint, CheckpointStore, Execution, Fence, Lease, LeaseStore,
-    RecoveryEvent, RecoveryLog, ScheduleChanges, ScheduleStore, StoreError, WorkflowStore,
+    Backend, CacheStore, Checkpoint, CheckpointStore, Execution, Fence, JobRecord, JobStore, Lease,
+    LeaseStore, MembershipStore, PartitionChanges, PartitionSnapshot, RecoveryEvent, RecoveryLog,
+    ScheduleChanges, ScheduleStore, StoreError, WorkflowStore,
 };
 use crate::cron::Schedule;
 use crate::dispatch::WorkflowExecution;
@@ -53,6 +56,19 @@ struct State {
     /// Workflow execution deadlines: (deadline ms, execution id), and by id.
     deadlines: std::collections::BTreeSet<(i64, String)>,
     deadline_of: HashMap<String, i64>,
+    /// Jobs by (type, id), and each (type, partition)'s position and timeouts.
+    jobs: HashMap<(String, String), JobRecord>,
+    job_partitions: HashMap<(String, i32), JobPartition>,
+    /// Group members and when their announcement expires.
+    members: HashMap<String, HashMap<String, Instant>>,
+}
+
+#[derive(Default)]
+struct JobPartition {
+    position: Option<i64>,
+    /// Pending timeouts: job id → due ms.
+    timeouts: HashMap<String, i64>,
+    released: Option<(u64, i64)>,
 }
 
 impl State {

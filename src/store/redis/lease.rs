@@ -86,6 +86,29 @@ impl LeaseStore for RedisStore {
         Ok(renewed == 1)
     }
 
+    async fn current_lease(&self, name: &str) -> Result<Option<Lease>, StoreError> {
+        let mut c = self.connection.clone();
+        let key = self.key(&["lease", name]);
+        let value: Option<String> = c.get(&key).await.map_err(|e| store_error("GET", e))?;
+        let Some(value) = value else {
+            return Ok(None);
+        };
+        let parsed = value
+            .rsplit_once('|')
+            .and_then(|(holder, token)| Some((holder, token.parse::<u64>().ok()?)));
+        match parsed {
+            Some((holder, token)) => Ok(Some(Lease {
+                name: name.to_string(),
+                holder: holder.to_string(),
+                token,
+            })),
+            None => Err(StoreError::Corrupt {
+                key,
+                source: format!("lease value {value:?} is not holder|token").into(),
+            }),
+        }
+    }
+
     async fn release_lease(&self, lease: &Lease) -> Result<bool, StoreError> {
         let mut c = self.connection.clone();
         let released: i64 = RELEASE

@@ -4,7 +4,9 @@
 
 mod cache;
 mod checkpoint;
+mod jobs;
 mod lease;
+mod membership;
 mod recovery;
 mod schedule;
 mod workflow;
@@ -21,8 +23,9 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::{
-    Backend, CacheStore, Checkpoint, CheckpointStore, Execution, Fence, Lease, LeaseStore,
-    RecoveryEvent, RecoveryLog, ScheduleChanges, ScheduleStore, StoreError, WorkflowStore,
+    Backend, CacheStore, Checkpoint, CheckpointStore, Execution, Fence, JobRecord, JobStore, Lease,
+    LeaseStore, MembershipStore, PartitionChanges, PartitionSnapshot, RecoveryEvent, RecoveryLog,
+    ScheduleChanges, ScheduleStore, StoreError, WorkflowStore,
 };
 use crate::cron::Schedule;
 use crate::dispatch::{RunStatus, WorkflowExecution};
@@ -45,7 +48,7 @@ pub struct RedisStore {
 /// Writes of a lease holder (a graph's checkpoints and snapshots, a shard master's
 /// execution records), made only while no newer holder has the lease.
 /// KEYS: the lease's token counter. ARGV: the writer's token, then operations, each
-/// `SET key value`, `ZADD key score member` or `ZREM key member`.
+/// `SET key value`, `ZADD key score member`, `ZREM key member` or `DEL key`.
 static FENCED_WRITES: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
@@ -62,6 +65,9 @@ while i <= #ARGV do
   elseif op == 'ZADD' then
     redis.call('ZADD', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
     i = i + 4
+  elseif op == 'DEL' then
+    redis.call('DEL', ARGV[i + 1])
+    i = i + 2
   else
     redis.call('ZREM', ARGV[i + 1], ARGV[i + 2])
     i = i + 3
@@ -72,11 +78,13 @@ return 1
     )
 });
 
-/// One write of a batch: `SET key value`, `ZADD key score member`, `ZREM key member`.
+/// One write of a batch: `SET key value`, `ZADD key score member`, `ZREM key member`,
+/// `DEL key`.
 enum Write {
     Set(String, String),
     Zadd(String, i64, String),
     Zrem(String, String),
+    Del(String),
 }
 
 fn store_error(operation: &'static str, e: redis::RedisError) -> StoreError {
@@ -245,6 +253,7 @@ impl RedisStore {
                     Write::Set(key, value) => pipe.set(key, value).ignore(),
                     Write::Zadd(key, score, member) => pipe.zadd(key, member, score).ignore(),
                     Write::Zrem(key, member) => pipe.zrem(key, member).ignore(),
+                    Write::Del(key) => pipe.del(key).ignore(),
                 };
             }
             return pipe
@@ -261,6 +270,7 @@ impl RedisStore {
                     script.arg("ZADD").arg(key).arg(score).arg(member)
                 }
                 Write::Zrem(key, member) => script.arg("ZREM").arg(key).arg(member),
+                Write::Del(key) => script.arg("DEL").arg(key),
             };
         }
         let written: i64 = script

@@ -1,0 +1,85 @@
+//! `weir job …`: jobs of a declared type, through the broker (put, send, rm) and the
+//! store (get, list).
+
+use std::io::Write;
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::app::cli::JobCommand;
+use crate::app::error::Error;
+use weir::config::Config;
+use weir::jobs::JobClient;
+
+pub async fn run(command: JobCommand, out: &mut impl Write) -> Result<(), Error> {
+    match command {
+        JobCommand::Put {
+            config,
+            job_type,
+            id,
+            state,
+        } => {
+            let state = match state {
+                Some(text) => json(&text, "--state is not JSON")?,
+                None => serde_json::json!({}),
+            };
+            client(&config, &job_type).await?.put(&id, &state).await?;
+        }
+        JobCommand::Send {
+            config,
+            job_type,
+            id,
+            message,
+        } => {
+            let message = json(&message, "--message is not JSON")?;
+            client(&config, &job_type)
+                .await?
+                .send(&id, &message)
+                .await?;
+        }
+        JobCommand::Rm {
+            config,
+            job_type,
+            id,
+        } => {
+            client(&config, &job_type).await?.stop(&id).await?;
+        }
+        JobCommand::Get {
+            config,
+            job_type,
+            id,
+        } => {
+            let store = Config::load(&config)?.store().await?;
+            let Some(view) = weir::jobs::view(store.as_ref(), &job_type, &id).await? else {
+                return Err(Error::NotFound {
+                    what: "job",
+                    id: format!("{job_type}/{id}"),
+                });
+            };
+            let line = serde_json::to_string(&view).map_err(|source| Error::Json {
+                what: "job",
+                source,
+            })?;
+            writeln!(out, "{line}")?;
+        }
+        JobCommand::List { config, job_type } => {
+            let store = Config::load(&config)?.store().await?;
+            for id in store.list_jobs(&job_type).await? {
+                writeln!(out, "{id}")?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn json(text: &str, what: &'static str) -> Result<Value, Error> {
+    serde_json::from_str(text).map_err(|source| Error::Json { what, source })
+}
+
+/// A client of a declared job type, on the config's broker.
+async fn client(config: &Path, job_type: &str) -> Result<JobClient, Error> {
+    let config = Config::load(config)?;
+    let partitions = config.job(job_type)?.partitions;
+    let broker = config.connect_broker().await?;
+    Ok(JobClient::new(broker.as_ref(), job_type, partitions).await?)
+}

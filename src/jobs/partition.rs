@@ -1,0 +1,523 @@
+//! The run loop of one owned partition of a job type: messages and timeouts applied to
+//! jobs in memory, written to the store in batches with the partition's position, then
+//! committed to the broker.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde_json::Value;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::store::{JobRecord, JobStore, PartitionChanges};
+use super::{JobEvent, JobHandler, JobType, Step, Timer};
+use crate::lease::Held;
+use crate::metrics;
+use crate::ownership::PartitionWork;
+use crate::store_error::StoreError;
+use crate::transport::{
+    now_ms, publish_persistently, Broker, Message, Outbound, PartitionedTopic, Position, Sink,
+    Source, TransportError,
+};
+use crate::wire;
+
+/// Applied messages written to the store in one go, at most.
+const MAX_BATCH: usize = 1024;
+/// How long an applied message may wait for its batch to be written.
+const LINGER: Duration = Duration::from_millis(5);
+
+/// Why a partition stopped serving and starts again from the store.
+#[derive(Debug, thiserror::Error)]
+enum ServeError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+}
+
+/// Runs the owned partitions of one job type.
+pub(crate) struct JobPartitions {
+    job_type: JobType,
+    topic: PartitionedTopic,
+    group: String,
+    ownership_group: String,
+    dead_letter_topic: String,
+    broker: Arc<dyn Broker>,
+    sink: Arc<dyn Sink>,
+    store: Arc<dyn JobStore>,
+}
+
+impl JobPartitions {
+    pub(crate) fn new(
+        job_type: JobType,
+        topic: PartitionedTopic,
+        broker: Arc<dyn Broker>,
+        store: Arc<dyn JobStore>,
+    ) -> Self {
+        Self {
+            group: wire::job_group(&job_type.name),
+            ownership_group: super::ownership_group(&job_type.name),
+            dead_letter_topic: wire::dead_letter_topic(&topic.topic),
+            sink: broker.sink(),
+            job_type,
+            topic,
+            broker,
+            store,
+        }
+    }
+}
+
+#[async_trait]
+impl PartitionWork for JobPartitions {
+    async fn run(
+        &self,
+        partition: i32,
+        held: Held,
+        release: CancellationToken,
+        lost: CancellationToken,
+    ) {
+        let mut pause = Duration::from_millis(100);
+        let mut first = true;
+        loop {
+            let serving = Serving::start(self, partition, &held, first);
+            first = false;
+            let failure = match serving.await {
+                Ok(mut serving) => match serving.serve(&release, &lost).await {
+                    Ok(()) => return,
+                    Err(e) => e,
+                },
+                Err(e) => e,
+            };
+            if let ServeError::Store(StoreError::Fenced { .. }) = failure {
+                warn!(job_type = %self.job_type.name, partition, "partition taken over; stopping");
+                return;
+            }
+            // What was applied but not written is read again from the last position
+            // written: nothing is lost, nothing applied twice.
+            warn!(job_type = %self.job_type.name, partition, error = %failure, "partition failed; starting again from the store");
+            tokio::select! {
+                _ = release.cancelled() => return,
+                _ = lost.cancelled() => return,
+                _ = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(Duration::from_secs(5));
+        }
+    }
+}
+
+/// One partition being served: its jobs in memory and what is not written yet.
+struct Serving<'a> {
+    jobs: &'a JobPartitions,
+    partition: i32,
+    held: &'a Held,
+    source: Box<dyn Source>,
+    /// The last position applied (written or not).
+    position: Option<i64>,
+    /// Jobs of the partition loaded so far.
+    cache: HashMap<String, JobRecord>,
+    /// Ids known to have no job.
+    absent: HashSet<String>,
+    /// Pending timeouts: (due ms, id).
+    timers: BTreeSet<(i64, String)>,
+    batch: Batch,
+}
+
+/// Applied, not yet written.
+#[derive(Default)]
+struct Batch {
+    /// Jobs changed: the id, and whether the job was removed.
+    changed: HashMap<String, bool>,
+    outputs: Vec<Outbound>,
+    /// The broker position to commit once written.
+    commit: Option<Position>,
+    applied: u64,
+    /// When the first change of the batch was made.
+    since: Option<Instant>,
+}
+
+impl Batch {
+    fn touch(&mut self, id: &str, removed: bool) {
+        self.changed.insert(id.to_string(), removed);
+        self.since.get_or_insert_with(Instant::now);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.changed.is_empty() && self.commit.is_none() && self.outputs.is_empty()
+    }
+}
+
+impl<'a> Serving<'a> {
+    /// Loads the partition's position and timeouts and opens its source right after the
+    /// position.
+    async fn start(
+        jobs: &'a JobPartitions,
+        partition: i32,
+        held: &'a Held,
+        first: bool,
+    ) -> Result<Serving<'a>, ServeError> {
+        let name = &jobs.job_type.name;
+        let snapshot = jobs.store.load_partition(name, partition).await?;
+        let subscription = jobs
+            .topic
+            .subscription(partition, &jobs.group, snapshot.position);
+        let source = jobs.broker.subscribe(&subscription).await?;
+        if first {
+            // A clean hand-over by the previous owner: the one token before ours.
+            if let Some((token, at_ms)) = snapshot.released {
+                if token + 1 == held.lease.token {
+                    let handover = Duration::from_millis((now_ms() - at_ms).max(0) as u64);
+                    metrics::partition_resumed(&jobs.ownership_group, handover);
+                }
+            }
+        }
+        info!(job_type = %name, partition, position = ?snapshot.position, timeouts = snapshot.timeouts.len(), "partition resumed");
+        Ok(Serving {
+            jobs,
+            partition,
+            held,
+            source,
+            position: snapshot.position,
+            cache: HashMap::new(),
+            absent: HashSet::new(),
+            timers: snapshot
+                .timeouts
+                .into_iter()
+                .map(|(id, due)| (due, id))
+                .collect(),
+            batch: Batch::default(),
+        })
+    }
+
+    fn handler(&self) -> &dyn JobHandler {
+        self.jobs.job_type.handler.as_ref()
+    }
+
+    async fn serve(
+        &mut self,
+        release: &CancellationToken,
+        lost: &CancellationToken,
+    ) -> Result<(), ServeError> {
+        loop {
+            let next_due = self.timers.first().map(|(due, _)| *due);
+            let due_at = next_due
+                .map(|due| Instant::now() + Duration::from_millis((due - now_ms()).max(0) as u64));
+            let flush_at = self.batch.since.map(|since| since + LINGER);
+            tokio::select! {
+                biased;
+                _ = lost.cancelled() => return Ok(()),
+                _ = release.cancelled() => {
+                    self.flush(true).await?;
+                    return Ok(());
+                }
+                _ = sleep_until(flush_at) => self.flush(false).await?,
+                _ = sleep_until(due_at) => self.fire_due().await?,
+                message = self.source.next() => {
+                    self.apply(message?).await?;
+                    if self.batch.applied as usize >= MAX_BATCH {
+                        self.flush(false).await?;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The job, loaded from the store the first time it is needed.
+    async fn job(&mut self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+        if let Some(record) = self.cache.get(id) {
+            return Ok(Some(record.clone()));
+        }
+        if self.absent.contains(id) {
+            return Ok(None);
+        }
+        let loaded = self
+            .jobs
+            .store
+            .load_jobs(&self.jobs.job_type.name, &[id.to_string()])
+            .await?
+            .into_iter()
+            .next()
+            .flatten();
+        match &loaded {
+            Some(record) => {
+                self.cache.insert(id.to_string(), record.clone());
+            }
+            None => {
+                self.absent.insert(id.to_string());
+            }
+        }
+        self.report_jobs();
+        Ok(loaded)
+    }
+
+    fn report_jobs(&self) {
+        ::metrics::gauge!(metrics::JOBS_OWNED, "job_type" => self.jobs.job_type.name.clone(), "partition" => self.partition.to_string())
+            .set(self.cache.len() as f64);
+    }
+
+    async fn apply(&mut self, message: Message) -> Result<(), ServeError> {
+        let offset = message.position.offset;
+        self.batch.commit = Some(message.position);
+        if self.position.is_some_and(|p| offset <= p) {
+            return Ok(());
+        }
+        self.position = Some(offset);
+        self.batch.since.get_or_insert_with(Instant::now);
+        let Some(id) = message
+            .key
+            .as_ref()
+            .and_then(|k| std::str::from_utf8(k).ok())
+            .filter(|id| !id.is_empty())
+            .map(str::to_string)
+        else {
+            return self
+                .dead_letter(&message, "no job id: the message key must be the job id")
+                .await;
+        };
+        let event = match message.header(wire::JOB_EVENT_HEADER) {
+            None | Some("message") => match serde_json::from_slice::<Value>(&message.payload) {
+                Ok(value) => JobEvent::Message(value),
+                Err(e) => {
+                    return self
+                        .dead_letter(&message, &format!("payload is not JSON: {e}"))
+                        .await
+                }
+            },
+            Some("start") => JobEvent::Start,
+            Some("stop") => JobEvent::Stop,
+            Some(other) => {
+                return self
+                    .dead_letter(
+                        &message,
+                        &format!(
+                            "{} {other:?} is none of start, stop, message",
+                            wire::JOB_EVENT_HEADER
+                        ),
+                    )
+                    .await
+            }
+        };
+        let record = self.job(&id).await?;
+        if let Some(record) = &record {
+            if record.partition == self.partition && offset <= record.position {
+                return Ok(());
+            }
+        }
+        let applied = match (&event, record) {
+            (JobEvent::Start, _) => {
+                let state = if message.payload.is_empty() {
+                    Value::Object(Default::default())
+                } else {
+                    match serde_json::from_slice::<Value>(&message.payload) {
+                        Ok(state) => state,
+                        Err(e) => {
+                            return self
+                                .dead_letter(&message, &format!("start state is not JSON: {e}"))
+                                .await
+                        }
+                    }
+                };
+                // A start replaces a job of the same id: its timeout goes with it.
+                self.handler()
+                    .handle(state, &JobEvent::Start)
+                    .map(|step| (step, None))
+            }
+            (JobEvent::Stop, None) => return Ok(()),
+            (_, Some(record)) => {
+                let pending = record.timeout_at_ms;
+                self.handler()
+                    .handle(record.state, &event)
+                    .map(|step| (step, pending))
+            }
+            // A message to a job never put starts it with an empty state first.
+            (_, None) => self
+                .handler()
+                .handle(Value::Object(Default::default()), &JobEvent::Start)
+                .and_then(|started| {
+                    let timeout = deadline(started.timer, None);
+                    self.handler()
+                        .handle(started.state, &event)
+                        .map(|mut step| {
+                            step.outputs.splice(0..0, started.outputs);
+                            (step, timeout)
+                        })
+                }),
+        };
+        match applied {
+            Ok((step, pending)) => {
+                self.record_step(&id, step, pending, Some(offset), event == JobEvent::Stop);
+                ::metrics::counter!(metrics::JOB_MESSAGES_APPLIED_TOTAL, "job_type" => self.jobs.job_type.name.clone())
+                    .increment(1);
+                Ok(())
+            }
+            Err(e) => {
+                self.dead_letter(&message, &format!("handler refused it: {e}"))
+                    .await
+            }
+        }
+    }
+
+    /// Keeps what a handler returned: the job's new record (or its removal), its timer
+    /// and its outputs, for the next write.
+    fn record_step(
+        &mut self,
+        id: &str,
+        step: Step,
+        pending: Option<i64>,
+        position: Option<i64>,
+        removed: bool,
+    ) {
+        if let Some(due) = pending {
+            self.timers.remove(&(due, id.to_string()));
+        }
+        for output in step.outputs {
+            if let Some(topic) = &self.jobs.job_type.output {
+                let payload = serde_json::json!({
+                    "type": self.jobs.job_type.name,
+                    "id": id,
+                    "output": output,
+                });
+                self.batch.outputs.push(
+                    Outbound::new(topic.clone(), payload.to_string())
+                        .key(id.to_string())
+                        .header(wire::JOB_TYPE_HEADER, self.jobs.job_type.name.clone())
+                        .header(wire::JOB_ID_HEADER, id.to_string()),
+                );
+            }
+        }
+        self.batch.applied += 1;
+        if removed {
+            self.cache.remove(id);
+            self.absent.insert(id.to_string());
+            self.batch.touch(id, true);
+            self.report_jobs();
+            return;
+        }
+        let timeout_at_ms = deadline(step.timer, pending);
+        if let Some(due) = timeout_at_ms {
+            self.timers.insert((due, id.to_string()));
+        }
+        let previous = self.cache.get(id).map(|r| r.position);
+        let record = JobRecord {
+            id: id.to_string(),
+            state: step.state,
+            timeout_at_ms,
+            partition: self.partition,
+            position: position.or(previous).unwrap_or(-1),
+        };
+        self.absent.remove(id);
+        self.cache.insert(id.to_string(), record);
+        self.batch.touch(id, false);
+        self.report_jobs();
+    }
+
+    /// Fires every timeout due by now.
+    async fn fire_due(&mut self) -> Result<(), ServeError> {
+        let now = now_ms();
+        while let Some((due, id)) = self.timers.first().cloned() {
+            if due > now {
+                break;
+            }
+            self.timers.remove(&(due, id.clone()));
+            let Some(record) = self.job(&id).await? else {
+                continue;
+            };
+            // A timeout replaced or cleared since it was loaded is no longer due.
+            if record.timeout_at_ms != Some(due) {
+                continue;
+            }
+            match self.handler().handle(record.state, &JobEvent::Timeout) {
+                Ok(step) => {
+                    self.record_step(&id, step, None, None, false);
+                    ::metrics::counter!(metrics::JOB_TIMEOUTS_FIRED_TOTAL, "job_type" => self.jobs.job_type.name.clone())
+                        .increment(1);
+                }
+                Err(e) => {
+                    warn!(job_type = %self.jobs.job_type.name, job = %id, error = %e, "handler refused a timeout; the job keeps its state without a timeout");
+                    if let Some(record) = self.cache.get_mut(&id) {
+                        record.timeout_at_ms = None;
+                        self.batch.touch(&id, false);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends a message no job can take to the type's dead-letter topic, so it is kept
+    /// and the partition goes on.
+    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), ServeError> {
+        let mut outbound =
+            Outbound::new(self.jobs.dead_letter_topic.clone(), message.payload.clone())
+                .header(wire::ERROR_HEADER, reason)
+                .header(wire::SOURCE_TOPIC_HEADER, message.topic.to_string())
+                .header(wire::PARTITION_HEADER, self.partition.to_string())
+                .header(wire::OFFSET_HEADER, message.position.offset.to_string());
+        outbound.key = message.key.clone();
+        let cancel = CancellationToken::new();
+        publish_persistently(self.jobs.sink.as_ref(), outbound, &cancel).await?;
+        warn!(job_type = %self.jobs.job_type.name, partition = self.partition, topic = %self.jobs.dead_letter_topic, %reason, "job message dead-lettered");
+        ::metrics::counter!(metrics::DEAD_LETTERS_TOTAL, "job_type" => self.jobs.job_type.name.clone())
+            .increment(1);
+        Ok(())
+    }
+
+    /// Publishes the batch's outputs, writes its jobs with the partition's position (and,
+    /// handing over, the release mark), then commits the position to the broker.
+    async fn flush(&mut self, releasing: bool) -> Result<(), ServeError> {
+        if self.batch.is_empty() && !releasing {
+            return Ok(());
+        }
+        let batch = std::mem::take(&mut self.batch);
+        let mut acks = Vec::with_capacity(batch.outputs.len());
+        for output in batch.outputs {
+            acks.push(self.jobs.sink.enqueue(output).await?);
+        }
+        for ack in acks {
+            ack.await?;
+        }
+        let mut changes = PartitionChanges {
+            position: self.position,
+            released: releasing.then(|| (self.held.lease.token, now_ms())),
+            ..Default::default()
+        };
+        for (id, removed) in batch.changed {
+            match (removed, self.cache.get(&id)) {
+                (false, Some(record)) => changes.put.push(record.clone()),
+                _ => changes.removed.push(id),
+            }
+        }
+        let fence = self.held.write_fence()?;
+        self.jobs
+            .store
+            .save_partition(&self.jobs.job_type.name, self.partition, &changes, &fence)
+            .await?;
+        ::metrics::counter!(metrics::JOB_STORE_WRITES_TOTAL, "job_type" => self.jobs.job_type.name.clone())
+            .increment(1);
+        if let Some(position) = batch.commit {
+            // The store has the position: a failed commit only means a replay, skipped.
+            if let Err(e) = self.source.commit(&[position]).await {
+                warn!(job_type = %self.jobs.job_type.name, partition = self.partition, error = %e, "cannot commit the partition's position; a restart skips what it reads again");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// When the job's timeout falls due after a handler's `timer`, given the pending one.
+fn deadline(timer: Timer, pending: Option<i64>) -> Option<i64> {
+    match timer {
+        Timer::Keep => pending,
+        Timer::Clear => None,
+        Timer::After(after) => Some(now_ms() + after.as_millis() as i64),
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,302 @@
+//! Partitions owned one node at a time, through leases: the scale-out of work that is
+//! split by key (the jobs of a type).
+//!
+//! Every node serving a group announces itself in the store ([`MembershipStore`]) and
+//! sees the live members, sorted. Partition `p` belongs to member `p mod members`: every
+//! node computes the same spread from the same list, so no coordinator is needed. A node
+//! takes the lease of each partition it should own once that lease is free, and runs the
+//! partition ([`PartitionWork`]) while it keeps the lease. A partition it should no
+//! longer own (a node joined) is handed over in order: its work is told to release (it
+//! finishes what is in flight, stores its state and commits its positions), and only
+//! once the work returned is the lease released, so the next owner starts from
+//! everything the last one did. A node that dies holds its leases until they expire;
+//! its writes are fenced by the lease tokens, so a node paused past its TTL cannot
+//! overwrite its successor's.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio_util::sync::{CancellationToken, DropGuard};
+use tokio_util::task::AbortOnDropHandle;
+use tracing::{info, warn};
+
+use crate::lease::{self, AtDeadline, Held, LeaseStore};
+use crate::store_error::StoreError;
+
+/// Where the members of a group announce themselves.
+#[async_trait]
+pub trait MembershipStore: Send + Sync {
+    /// Announces `member` of `group` as live for `ttl`.
+    async fn join_group(&self, group: &str, member: &str, ttl: Duration) -> Result<(), StoreError>;
+
+    /// Withdraws `member` at once, so the others take its partitions without waiting
+    /// for its announcement to expire.
+    async fn leave_group(&self, group: &str, member: &str) -> Result<(), StoreError>;
+
+    /// The members whose announcement has not expired, sorted.
+    async fn group_members(&self, group: &str) -> Result<Vec<String>, StoreError>;
+}
+
+/// What owning partitions needs of a store: leases and membership.
+pub trait OwnershipStore: LeaseStore + MembershipStore {}
+
+impl<T: LeaseStore + MembershipStore + ?Sized> OwnershipStore for T {}
+
+/// What runs an owned partition.
+#[async_trait]
+pub trait PartitionWork: Send + Sync + 'static {
+    /// Runs `partition` under the lease `held` until one of:
+    /// - `release`: the partition is handed over. Finish what is in flight, store the
+    ///   state, commit positions, then return; the lease is released after.
+    /// - `lost`: the lease is gone (taken over, or its deadline passed). Stop at once and
+    ///   write nothing more; writes still under way are refused by their fence.
+    ///
+    /// Failures are the work's to retry: it returns only when told to.
+    async fn run(
+        &self,
+        partition: i32,
+        held: Held,
+        release: CancellationToken,
+        lost: CancellationToken,
+    );
+}
+
+/// How long a handed-over partition's work may take to finish, by default.
+pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How a group's partitions are owned.
+#[derive(Debug, Clone)]
+pub struct OwnershipSettings {
+    /// The group's name, which names its leases (`<group>.<partition>`) and its members'
+    /// announcements: `jobs.<type>`.
+    pub group: String,
+    pub partitions: u32,
+    pub node_id: String,
+    /// Lease and membership TTL: how long a dead node's partitions wait for a new owner.
+    pub ttl: Duration,
+    /// How long a handed-over partition's work may take to finish before its lease is
+    /// released anyway (its writes stay fenced).
+    pub release_timeout: Duration,
+}
+
+impl OwnershipSettings {
+    pub fn new(group: impl Into<String>, partitions: u32, node_id: impl Into<String>) -> Self {
+        Self {
+            group: group.into(),
+            partitions: partitions.max(1),
+            node_id: node_id.into(),
+            ttl: Duration::from_secs(6),
+            release_timeout: RELEASE_TIMEOUT,
+        }
+    }
+
+    /// The lease of one partition.
+    pub fn lease_name(&self, partition: i32) -> String {
+        partition_lease(&self.group, partition)
+    }
+}
+
+/// The lease owning `partition` of `group`.
+pub fn partition_lease(group: &str, partition: i32) -> String {
+    format!("{group}.{partition}")
+}
+
+/// The partitions `member` should own among `members` (sorted): every `members.len()`th,
+/// from its place in the list. None when it is not a member.
+pub fn spread(partitions: u32, members: &[String], member: &str) -> Vec<i32> {
+    let Some(place) = members.iter().position(|m| m == member) else {
+        return Vec::new();
+    };
+    (0..partitions as usize)
+        .filter(|p| p % members.len() == place)
+        .map(|p| p as i32)
+        .collect()
+}
+
+/// A partition this node runs.
+struct Owned {
+    held: Held,
+    release: CancellationToken,
+    lost: CancellationToken,
+    /// Aborted when dropped: an owner that stops without handing over (its task is
+    /// aborted) leaves nothing running.
+    work: AbortOnDropHandle<()>,
+    /// Stops the lease keeper when the partition is dropped.
+    _keeper: DropGuard,
+}
+
+/// Owns this node's share of the group's partitions until `cancel` fires, then hands
+/// every partition over and leaves the group.
+pub async fn own(
+    store: Arc<dyn OwnershipStore>,
+    settings: OwnershipSettings,
+    work: Arc<dyn PartitionWork>,
+    cancel: CancellationToken,
+) {
+    let member = lease::holder(&settings.node_id);
+    let mut owned: BTreeMap<i32, Owned> = BTreeMap::new();
+    let period = settings.ttl / 3;
+    // Partitions due to this node that another still holds are looked at again soon:
+    // their owner is handing them over.
+    let retry = (settings.ttl / 24).max(Duration::from_millis(50));
+    loop {
+        let mut waiting = false;
+        match balance(&store, &settings, &member, &mut owned, &work).await {
+            Ok(pending) => waiting = pending,
+            Err(e) => warn!(group = %settings.group, error = %e, "cannot balance partitions"),
+        }
+        let pause = if waiting { retry } else { period };
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            _ = tokio::time::sleep(pause) => {}
+        }
+    }
+    if let Err(e) = store.leave_group(&settings.group, &member).await {
+        warn!(group = %settings.group, error = %e, "cannot leave the group; its members see it gone within the TTL");
+    }
+    let all: Vec<(i32, Owned)> = std::mem::take(&mut owned).into_iter().collect();
+    futures::future::join_all(
+        all.into_iter()
+            .map(|(partition, o)| hand_over(store.as_ref(), &settings, partition, o)),
+    )
+    .await;
+}
+
+/// One round: announce this node, drop what it should no longer own and take what it
+/// should. Returns whether a partition due to this node is still held elsewhere.
+async fn balance(
+    store: &Arc<dyn OwnershipStore>,
+    settings: &OwnershipSettings,
+    member: &str,
+    owned: &mut BTreeMap<i32, Owned>,
+    work: &Arc<dyn PartitionWork>,
+) -> Result<bool, StoreError> {
+    // Partitions whose lease was lost: their work has stopped.
+    let lost: Vec<i32> = owned
+        .iter()
+        .filter(|(_, o)| o.lost.is_cancelled() || o.work.is_finished())
+        .map(|(p, _)| *p)
+        .collect();
+    for partition in lost {
+        if let Some(o) = owned.remove(&partition) {
+            warn!(group = %settings.group, partition, "partition lost");
+            hand_over(store.as_ref(), settings, partition, o).await;
+        }
+    }
+    store
+        .join_group(&settings.group, member, settings.ttl)
+        .await?;
+    let mut members = store.group_members(&settings.group).await?;
+    if !members.iter().any(|m| m == member) {
+        members.push(member.to_string());
+        members.sort();
+    }
+    let due = spread(settings.partitions, &members, member);
+    let surplus: Vec<i32> = owned.keys().filter(|p| !due.contains(p)).copied().collect();
+    for partition in surplus {
+        if let Some(o) = owned.remove(&partition) {
+            info!(group = %settings.group, partition, "handing partition over");
+            hand_over(store.as_ref(), settings, partition, o).await;
+        }
+    }
+    let mut waiting = false;
+    for partition in due {
+        if owned.contains_key(&partition) {
+            continue;
+        }
+        let name = settings.lease_name(partition);
+        let Some(held) =
+            lease::acquire(store.as_ref(), &name, &settings.node_id, settings.ttl).await?
+        else {
+            waiting = true;
+            continue;
+        };
+        info!(group = %settings.group, partition, token = held.lease.token, "partition taken");
+        crate::metrics::partition_taken(&settings.group);
+        let release = CancellationToken::new();
+        let lost = CancellationToken::new();
+        let keeper_stop = CancellationToken::new();
+        let lease_store: Arc<dyn LeaseStore> = store.clone();
+        tokio::spawn(lease::keep(
+            lease_store,
+            held.clone(),
+            settings.ttl,
+            AtDeadline::GiveUp,
+            lost.clone(),
+            keeper_stop.clone(),
+        ));
+        let task = {
+            let work = work.clone();
+            let (held, release, lost) = (held.clone(), release.clone(), lost.clone());
+            tokio::spawn(async move { work.run(partition, held, release, lost).await })
+        };
+        owned.insert(
+            partition,
+            Owned {
+                held,
+                release,
+                lost,
+                work: AbortOnDropHandle::new(task),
+                _keeper: keeper_stop.drop_guard(),
+            },
+        );
+    }
+    Ok(waiting)
+}
+
+/// Lets a partition's work finish (bounded), stops its keeper, then releases its lease.
+async fn hand_over(
+    store: &dyn OwnershipStore,
+    settings: &OwnershipSettings,
+    partition: i32,
+    owned: Owned,
+) {
+    let Owned {
+        held,
+        release,
+        lost,
+        work,
+        _keeper,
+    } = owned;
+    release.cancel();
+    crate::metrics::partition_dropped(&settings.group);
+    if tokio::time::timeout(settings.release_timeout, work)
+        .await
+        .is_err()
+    {
+        // Dropping the work aborts it; its writes stay fenced.
+        warn!(group = %settings.group, partition, "partition work did not finish in time; its lease is released anyway");
+    }
+    drop(_keeper);
+    if !lost.is_cancelled() {
+        if let Err(e) = store.release_lease(&held.lease).await {
+            warn!(group = %settings.group, partition, error = %e, "cannot release the partition; it frees within the TTL");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn members(names: &[&str]) -> Vec<String> {
+        names.iter().map(|n| n.to_string()).collect()
+    }
+
+    #[test]
+    fn every_partition_has_exactly_one_member() {
+        for count in 1..5 {
+            let names: Vec<String> = (0..count).map(|i| format!("n{i}")).collect();
+            let mut seen = Vec::new();
+            for n in &names {
+                seen.extend(spread(6, &names, n));
+            }
+            seen.sort();
+            assert_eq!(seen, (0..6).collect::<Vec<_>>(), "{count} members");
+        }
+        assert_eq!(spread(6, &members(&["a", "b"]), "c"), Vec::<i32>::new());
+        assert_eq!(spread(6, &members(&["a", "b"]), "b"), vec![1, 3, 5]);
+    }
+}

@@ -1,0 +1,270 @@
+//! Distributed jobs on the memory backends, with several nodes in one process: messages
+//! applied exactly once across hand-overs, timeouts that fell due while a partition had
+//! no owner fired once, and malformed messages dead-lettered without stopping anything.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+use weir::jobs::{JobClient, JobHandlers, JobType, JobsStore};
+use weir::store::memory::MemoryStore;
+use weir::store::Store;
+use weir::transport::memory::MemoryBroker;
+use weir::transport::{Broker, Outbound, PartitionedTopic};
+
+const TYPE: &str = "counter";
+const PARTITIONS: u32 = 6;
+
+struct Cluster {
+    broker: Arc<dyn Broker>,
+    memory: MemoryBroker,
+    store: Arc<dyn Store>,
+    topic: PartitionedTopic,
+}
+
+/// A node serving the job type until its token is cancelled.
+struct Node {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Node {
+    /// Stops the node the way SIGTERM does: partitions handed over, then gone.
+    async fn stop(self) {
+        self.stop.cancel();
+        tokio::time::timeout(Duration::from_secs(20), self.task)
+            .await
+            .expect("node stops in time")
+            .unwrap();
+    }
+
+    /// Kills the node: its partitions keep their leases until they expire.
+    fn kill(self) {
+        self.task.abort();
+    }
+}
+
+impl Cluster {
+    async fn new() -> Self {
+        let memory = MemoryBroker::new(1);
+        let broker: Arc<dyn Broker> = Arc::new(memory.clone());
+        let topic = broker
+            .partitioned(&weir::wire::job_topic(TYPE), PARTITIONS)
+            .await
+            .unwrap();
+        Self {
+            broker,
+            memory,
+            store: Arc::new(MemoryStore::new()),
+            topic,
+        }
+    }
+
+    fn node(&self, id: &str) -> Node {
+        let mut job_type =
+            JobType::new(TYPE, JobHandlers::default().get("builtin::count").unwrap());
+        job_type.partitions = PARTITIONS;
+        job_type.lease_ttl = Duration::from_millis(600);
+        job_type.output = Some("counter.out".into());
+        let stop = CancellationToken::new();
+        let store: Arc<dyn JobsStore> = self.store.clone();
+        let task = tokio::spawn(weir::jobs::serve(
+            job_type,
+            self.topic.clone(),
+            self.broker.clone(),
+            store,
+            id.to_string(),
+            stop.clone(),
+        ));
+        Node { stop, task }
+    }
+
+    async fn client(&self) -> JobClient {
+        JobClient::new(self.broker.as_ref(), TYPE, PARTITIONS)
+            .await
+            .unwrap()
+    }
+
+    async fn state(&self, id: &str) -> Option<Value> {
+        weir::jobs::view(self.store.as_ref(), TYPE, id)
+            .await
+            .unwrap()
+            .map(|v| v.state)
+    }
+
+    /// Waits until every job's `count` is `expected`; panics with the stragglers.
+    async fn await_counts(&self, ids: &[String], expected: u64) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let mut behind = Vec::new();
+            for id in ids {
+                let count = self.state(id).await.and_then(|s| s["count"].as_u64());
+                if count != Some(expected) {
+                    behind.push((id.clone(), count));
+                }
+            }
+            if behind.is_empty() {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "jobs not at {expected}: {behind:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+async fn send_round(client: &JobClient, ids: &[String], round: u64) {
+    for id in ids {
+        client.send(id, &json!({ "round": round })).await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn every_message_is_applied_once_while_nodes_join_leave_and_die() {
+    let cluster = Cluster::new().await;
+    let client = cluster.client().await;
+    let ids: Vec<String> = (0..40).map(|i| format!("job-{i}")).collect();
+    for id in &ids {
+        client.put(id, &json!({})).await.unwrap();
+    }
+    let a = cluster.node("a");
+    for round in 0..10 {
+        send_round(&client, &ids, round).await;
+    }
+    cluster.await_counts(&ids, 10).await;
+    // b joins: a hands half of the partitions over while messages keep coming.
+    let b = cluster.node("b");
+    for round in 10..20 {
+        send_round(&client, &ids, round).await;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    cluster.await_counts(&ids, 20).await;
+    // c joins, then a dies without handing anything over.
+    let c = cluster.node("c");
+    for round in 20..25 {
+        send_round(&client, &ids, round).await;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    a.kill();
+    for round in 25..35 {
+        send_round(&client, &ids, round).await;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    cluster.await_counts(&ids, 35).await;
+    // A rolling stop: b leaves cleanly, c is left with everything.
+    b.stop().await;
+    for round in 35..40 {
+        send_round(&client, &ids, round).await;
+    }
+    cluster.await_counts(&ids, 40).await;
+    // Nothing more arrives later: each count stays exactly at 40.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    cluster.await_counts(&ids, 40).await;
+    c.stop().await;
+}
+
+#[tokio::test]
+async fn a_timeout_due_while_its_partition_had_no_owner_fires_once_on_the_next() {
+    let cluster = Cluster::new().await;
+    let client = cluster.client().await;
+    let a = cluster.node("a");
+    client
+        .put("ticker", &json!({ "every_ms": 1500 }))
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while cluster.state("ticker").await.is_none() {
+        assert!(tokio::time::Instant::now() < deadline, "job never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    a.kill();
+    // Several due times' worth without an owner (the lease expires after 600 ms).
+    tokio::time::sleep(Duration::from_millis(4000)).await;
+    assert_eq!(cluster.state("ticker").await.unwrap()["timeouts"], 0);
+    let b = cluster.node("b");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let timeouts = cluster.state("ticker").await.unwrap()["timeouts"]
+            .as_u64()
+            .unwrap();
+        if timeouts > 0 {
+            assert_eq!(
+                timeouts, 1,
+                "the missed due time fires once, not once per period"
+            );
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timeout never fired"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // It re-arms from the firing: the next one comes a period later.
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let timeouts = cluster.state("ticker").await.unwrap()["timeouts"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(timeouts, 2);
+    b.stop().await;
+}
+
+#[tokio::test]
+async fn malformed_messages_are_dead_lettered_and_the_partition_goes_on() {
+    let cluster = Cluster::new().await;
+    let client = cluster.client().await;
+    let node = cluster.node("a");
+    let topic = weir::wire::job_topic(TYPE);
+    let sink = cluster.broker.sink();
+    // No key, a payload that is not JSON, an unknown event.
+    sink.publish(Outbound::new(topic.clone(), "{}"))
+        .await
+        .unwrap();
+    sink.publish(cluster.topic.outbound("j", "not json"))
+        .await
+        .unwrap();
+    sink.publish(
+        cluster
+            .topic
+            .outbound("j", "{}")
+            .header(weir::wire::JOB_EVENT_HEADER, "explode"),
+    )
+    .await
+    .unwrap();
+    client.send("j", &json!(1)).await.unwrap();
+    client.send("j", &json!(2)).await.unwrap();
+    cluster.await_counts(&["j".to_string()], 2).await;
+    let dead = cluster
+        .memory
+        .messages(&weir::wire::dead_letter_topic(&topic));
+    assert_eq!(dead.len(), 3, "{dead:?}");
+    let reasons: Vec<&str> = dead
+        .iter()
+        .map(|m| m.header(weir::wire::ERROR_HEADER).unwrap())
+        .collect();
+    assert!(reasons.iter().any(|r| r.contains("job id")), "{reasons:?}");
+    assert!(
+        reasons.iter().any(|r| r.contains("not JSON")),
+        "{reasons:?}"
+    );
+    assert!(reasons.iter().any(|r| r.contains("explode")), "{reasons:?}");
+    // A stop outputs the final state and removes the job.
+    client.stop("j").await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while cluster.state("j").await.is_some() {
+        assert!(tokio::time::Instant::now() < deadline, "job never removed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let outputs = cluster.memory.messages("counter.out");
+    assert_eq!(outputs.len(), 1);
+    let output: Value = serde_json::from_slice(&outputs[0].payload).unwrap();
+    assert_eq!(
+        output,
+        json!({"type": TYPE, "id": "j", "output": {"count": 2}})
+    );
+    node.stop().await;
+}
