@@ -157,6 +157,8 @@ pub async fn own(
         warn!(group = %settings.group, error = %e, "cannot leave the group; its members see it gone within the TTL");
     }
     let all: Vec<(i32, Owned)> = std::mem::take(&mut owned).into_iter().collect();
+    let partitions: Vec<i32> = all.iter().map(|(p, _)| *p).collect();
+    info!(group = %settings.group, ?partitions, "stopping: handing partitions over");
     futures::future::join_all(
         all.into_iter()
             .map(|(partition, o)| hand_over(store.as_ref(), &settings, partition, o)),

@@ -1,0 +1,278 @@
+//! Distributed jobs across three `weir run` processes on real services (Kafka and NATS
+//! JetStream, Redis): 100 jobs × 50 messages through a SIGKILL, a node joining again and
+//! a rolling restart; every job ends with `count` exactly 50, and timeouts fire at most
+//! once per due time.
+#![cfg(feature = "it")]
+
+mod common;
+
+use std::io::Write;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::services;
+use serde_json::{json, Value};
+use weir::jobs::JobClient;
+use weir::store::Store;
+use weir::transport::Broker;
+
+const JOBS: usize = 100;
+const MESSAGES: u64 = 50;
+const TICKERS: usize = 10;
+const TICK_MS: u64 = 1000;
+const PARTITIONS: u32 = 6;
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Kafka,
+    Nats,
+}
+
+struct Cluster {
+    kind: Kind,
+    prefix: String,
+    job_type: String,
+    config: tempfile::NamedTempFile,
+    nodes: Vec<Option<Child>>,
+}
+
+impl Cluster {
+    fn new(kind: Kind) -> Self {
+        let prefix = services::unique("jobs");
+        let job_type = services::unique("counter");
+        let broker = match kind {
+            Kind::Kafka => services::kafka_table(),
+            Kind::Nats => services::nats_table(),
+        };
+        let text = format!(
+            r#"
+[broker]
+{broker}
+[store]
+kind = "redis"
+url = "{redis}"
+prefix = "{prefix}"
+[[job]]
+type = "{job_type}"
+handler = "builtin::count"
+partitions = {PARTITIONS}
+lease_ttl_ms = 3000
+"#,
+            redis = services::redis_url(),
+        );
+        let mut config = tempfile::NamedTempFile::new().unwrap();
+        config.write_all(text.as_bytes()).unwrap();
+        Self {
+            kind,
+            prefix,
+            job_type,
+            config,
+            nodes: vec![None, None, None],
+        }
+    }
+
+    fn start(&mut self, node: usize) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(std::env::temp_dir().join(format!("{}-n{node}.log", self.prefix)))
+            .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(["run", "--config"])
+            .arg(self.config.path())
+            .env("WEIR__NODE__ID", format!("n{node}"))
+            .env("WEIR_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("weir starts");
+        self.nodes[node] = Some(child);
+    }
+
+    fn kill(&mut self, node: usize) {
+        if let Some(mut child) = self.nodes[node].take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
+
+    /// SIGTERM, and waits for the node to hand its partitions over and exit.
+    fn terminate(&mut self, node: usize) {
+        let Some(mut child) = self.nodes[node].take() else {
+            return;
+        };
+        common::servers::signal(&child, "TERM");
+        let deadline = Instant::now() + Duration::from_secs(40);
+        while child.try_wait().unwrap().is_none() {
+            assert!(Instant::now() < deadline, "n{node} did not stop on SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    async fn broker(&self) -> Arc<dyn Broker> {
+        match self.kind {
+            Kind::Kafka => services::kafka(),
+            Kind::Nats => services::nats(true).await,
+        }
+    }
+
+    async fn store(&self) -> Arc<dyn Store> {
+        services::redis(&self.prefix).await
+    }
+
+    fn cli(&self, args: &[&str]) -> std::process::Output {
+        Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(["job"])
+            .args(args)
+            .arg("--config")
+            .arg(self.config.path())
+            .output()
+            .expect("weir job runs")
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for node in 0..self.nodes.len() {
+            self.kill(node);
+        }
+    }
+}
+
+async fn states(store: &dyn Store, job_type: &str, ids: &[String]) -> Vec<Option<Value>> {
+    store
+        .load_jobs(job_type, ids)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.map(|r| r.state))
+        .collect()
+}
+
+async fn await_counts(store: &dyn Store, job_type: &str, ids: &[String], within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let behind: Vec<(String, Option<Value>)> = ids
+            .iter()
+            .cloned()
+            .zip(states(store, job_type, ids).await)
+            .filter(|(_, s)| s.as_ref().and_then(|s| s["count"].as_u64()) != Some(MESSAGES))
+            .collect();
+        if behind.is_empty() {
+            return;
+        }
+        for (id, state) in &behind {
+            let count = state.as_ref().and_then(|s| s["count"].as_u64());
+            assert!(
+                count.is_none_or(|c| c <= MESSAGES),
+                "{id} applied a message twice: {state:?}"
+            );
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} jobs not at {MESSAGES}, e.g. {:?}",
+            behind.len(),
+            &behind[..behind.len().min(5)]
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn jobs_survive_kills_joins_and_rolling_restarts(kind: Kind) {
+    let mut cluster = Cluster::new(kind);
+    let broker = cluster.broker().await;
+    let store = cluster.store().await;
+    let client = JobClient::new(broker.as_ref(), &cluster.job_type, PARTITIONS)
+        .await
+        .unwrap();
+    for node in 0..3 {
+        cluster.start(node);
+    }
+    let ids: Vec<String> = (0..JOBS).map(|i| format!("job-{i}")).collect();
+    let tickers: Vec<String> = (0..TICKERS).map(|i| format!("ticker-{i}")).collect();
+    let started = Instant::now();
+    for id in &tickers {
+        client
+            .put(id, &json!({ "every_ms": TICK_MS }))
+            .await
+            .unwrap();
+    }
+    for id in &ids {
+        client.put(id, &json!({})).await.unwrap();
+    }
+    for round in 0..MESSAGES {
+        let message = json!({ "round": round });
+        futures::future::try_join_all(ids.iter().map(|id| client.send(id, &message)))
+            .await
+            .unwrap();
+        match round {
+            10 => cluster.kill(0),
+            20 => cluster.start(0),
+            30 => {
+                for node in [1, 2] {
+                    cluster.terminate(node);
+                    cluster.start(node);
+                }
+            }
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    await_counts(
+        store.as_ref(),
+        &cluster.job_type,
+        &ids,
+        Duration::from_secs(90),
+    )
+    .await;
+    // Nothing more is applied later.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    await_counts(store.as_ref(), &cluster.job_type, &ids, Duration::ZERO).await;
+    let elapsed = started.elapsed().as_millis() as u64;
+    for (id, state) in tickers
+        .iter()
+        .zip(states(store.as_ref(), &cluster.job_type, &tickers).await)
+    {
+        let timeouts = state.as_ref().and_then(|s| s["timeouts"].as_u64());
+        let most = elapsed / TICK_MS + 1;
+        assert!(
+            timeouts.is_some_and(|t| (1..=most).contains(&t)),
+            "{id}: {timeouts:?} timeouts in {elapsed} ms (at most {most})"
+        );
+    }
+    // The command line sees the same: one JSON line per job, every job listed.
+    let got = cluster.cli(&["get", &cluster.job_type, "job-7"]);
+    assert!(got.status.success(), "{got:?}");
+    let view: Value = serde_json::from_slice(&got.stdout).unwrap();
+    assert_eq!(view["type"], cluster.job_type.as_str());
+    assert_eq!(view["id"], "job-7");
+    assert_eq!(view["state"]["count"], MESSAGES);
+    assert_eq!(view["status"], "running");
+    assert!(
+        ["n0", "n1", "n2"].contains(&view["owner"].as_str().unwrap_or_default()),
+        "{view}"
+    );
+    let listed = cluster.cli(&["list", &cluster.job_type]);
+    assert!(listed.status.success(), "{listed:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&listed.stdout).lines().count(),
+        JOBS + TICKERS
+    );
+    let missing = cluster.cli(&["get", &cluster.job_type, "nobody"]);
+    assert_eq!(missing.status.code(), Some(2), "{missing:?}");
+    for node in 0..3 {
+        cluster.terminate(node);
+    }
+    services::remove_redis_keys(&cluster.prefix).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_jobs_survive_kills_joins_and_rolling_restarts() {
+    jobs_survive_kills_joins_and_rolling_restarts(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_jobs_survive_kills_joins_and_rolling_restarts() {
+    jobs_survive_kills_joins_and_rolling_restarts(Kind::Nats).await;
+}
