@@ -18,9 +18,15 @@
 //!   (memory, the embedded default, and Redis), one file per role. Each role trait is
 //!   owned by the module that uses it: [`accumulator::CheckpointStore`],
 //!   [`reactor::CacheStore`], [`recovery::RecoveryLog`], [`lease::LeaseStore`],
-//!   [`cron::ScheduleStore`], [`dispatch::WorkflowStore`].
+//!   [`cron::ScheduleStore`], [`dispatch::WorkflowStore`], [`jobs::JobStore`],
+//!   [`ownership::MembershipStore`].
 //! - [`worker`]: task handlers by name, with the built-ins, and the worker that runs them
 //!   (bounded concurrency, timeouts, retries, dead letters).
+//! - [`jobs`]: distributed jobs: handlers by name (`builtin::count`), the run loop of an
+//!   owned partition (state, timeouts and positions written together), the client
+//!   behind `weir job`, and the [`jobs::JobStore`] role.
+//! - [`ownership`]: partitions owned one node at a time through leases: membership, the
+//!   spread over live nodes, hand-over in order.
 //! - [`cron`]: schedules as data, next fire times with Vixie-cron DST rules, and the
 //!   sharded scheduler that emits ticks.
 //! - [`dispatch`]: workflows (DAGs of tasks), routing task namespaces to executor topics
