@@ -26,9 +26,7 @@ use weir::jobs::{JobClient, JobHandlers, JobType, JobsStore};
 use weir::lease::{Lease, LeaseStore};
 use weir::ownership::MembershipStore;
 use weir::store::redis::RedisStore;
-use weir::store::{
-    Fence, JobRecord, JobStore, PartitionChanges, PartitionSnapshot, StoreError,
-};
+use weir::store::{Fence, JobRecord, JobStore, PartitionChanges, PartitionSnapshot, StoreError};
 use weir::transport::{Broker, PartitionLayout};
 
 const PARTITIONS: u32 = 6;
@@ -123,12 +121,7 @@ impl LeaseStore for Counting {
 
 #[async_trait]
 impl MembershipStore for Counting {
-    async fn join_group(
-        &self,
-        group: &str,
-        member: &str,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
+    async fn join_group(&self, group: &str, member: &str, ttl: Duration) -> Result<(), StoreError> {
         self.count();
         self.inner.join_group(group, member, ttl).await
     }
@@ -211,9 +204,7 @@ async fn run(kind: &str, messages: usize, jobs: usize, redis_url: &str) {
             (id, position.expect("publish"))
         });
         if pending.len() >= WINDOW || n + 1 == total {
-            while let Some((id, position)) =
-                futures::StreamExt::next(&mut pending).await
-            {
+            while let Some((id, position)) = futures::StreamExt::next(&mut pending).await {
                 let partition = match topic.layout {
                     PartitionLayout::Native => position.partition,
                     PartitionLayout::Subjects => topic.partition_of(id.as_bytes()),
@@ -231,7 +222,10 @@ async fn run(kind: &str, messages: usize, jobs: usize, redis_url: &str) {
         inner: redis.clone(),
         calls: AtomicU64::new(0),
     });
-    let mut job = JobType::new(&job_type, JobHandlers::default().get("builtin::count").unwrap());
+    let mut job = JobType::new(
+        &job_type,
+        JobHandlers::default().get("builtin::count").unwrap(),
+    );
     job.partitions = PARTITIONS;
     let cancel = CancellationToken::new();
     let started = Instant::now();

@@ -19,12 +19,15 @@
 //!   owned by the module that uses it: [`accumulator::CheckpointStore`],
 //!   [`reactor::CacheStore`], [`recovery::RecoveryLog`], [`lease::LeaseStore`],
 //!   [`cron::ScheduleStore`], [`dispatch::WorkflowStore`], [`jobs::JobStore`],
-//!   [`ownership::MembershipStore`].
+//!   [`keyed::KeyedStore`], [`ownership::MembershipStore`].
 //! - [`worker`]: task handlers by name, with the built-ins, and the worker that runs them
 //!   (bounded concurrency, timeouts, retries, dead letters).
 //! - [`jobs`]: distributed jobs: handlers by name (`builtin::count`), the run loop of an
 //!   owned partition (state, timeouts and positions written together), the client
 //!   behind `weir job`, and the [`jobs::JobStore`] role.
+//! - [`keyed`]: keyed graphs, scaled out over the nodes: per owned partition, one loop
+//!   over every source's partition, one input cache per key, state and positions
+//!   written together; the [`keyed::KeyedStore`] role.
 //! - [`ownership`]: partitions owned one node at a time through leases: membership, the
 //!   spread over live nodes, hand-over in order.
 //! - [`cron`]: schedules as data, next fire times with Vixie-cron DST rules, and the
@@ -69,6 +72,7 @@ pub mod demo;
 pub mod dispatch;
 pub mod graph;
 pub mod jobs;
+pub mod keyed;
 pub mod lease;
 pub mod metrics;
 pub mod ownership;

@@ -14,6 +14,7 @@
 //! | `GET /schedules`, `GET /schedules/{id}`, `POST /schedules/{id}/pause`, `/resume` | token | [`schedules`] |
 //! | `GET /recovery-events?graph=&limit=` | token | [`recovery`] |
 //! | `GET /jobs/{type}/{id}` | token | one job's state and owner ([`jobs`]) |
+//! | `GET /graphs/{name}/keys/{key}` | token | one key of a keyed graph: state and owner ([`keys`]) |
 //!
 //! With a token configured, "token" routes need `Authorization: Bearer <token>` (see `auth`).
 //! A tenant's token (`[[admin.tokens]]`) admits its holder to that tenant's graphs,
@@ -46,6 +47,7 @@ pub mod error;
 pub mod graphs;
 pub mod health;
 pub mod jobs;
+pub mod keys;
 pub mod recovery;
 pub mod schedules;
 pub mod tls;
@@ -115,6 +117,8 @@ pub struct AdminState {
     shutdown: CancellationToken,
     /// Background tasks the process needs: readiness fails once one has stopped.
     tasks: Vec<health::Watched>,
+    /// Keyed graphs this process runs, by key (`tenant/name`), with their partitions.
+    keyed_graphs: Arc<std::collections::BTreeMap<String, u32>>,
 }
 
 impl Default for AdminState {
@@ -131,6 +135,7 @@ impl Default for AdminState {
             metrics: None,
             shutdown: CancellationToken::new(),
             tasks: Vec::new(),
+            keyed_graphs: Default::default(),
         }
     }
 }
@@ -189,6 +194,17 @@ impl AdminState {
     pub fn with_task(mut self, task: health::Watched) -> Self {
         self.tasks.push(task);
         self
+    }
+
+    /// Keyed graphs this process runs (`tenant/name` → partitions), for their keys' routes.
+    pub fn with_keyed_graphs(mut self, graphs: std::collections::BTreeMap<String, u32>) -> Self {
+        self.keyed_graphs = Arc::new(graphs);
+        self
+    }
+
+    /// The partitions of a keyed graph this process runs.
+    pub fn keyed_graph(&self, graph: &str) -> Option<u32> {
+        self.keyed_graphs.get(graph).copied()
     }
 
     /// Shards of the cron scheduler, so resuming a schedule files it in the right one.
@@ -299,6 +315,7 @@ pub fn router(state: AdminState) -> Router {
         .merge(recovery::routes())
         .merge(workflows::routes())
         .merge(jobs::routes())
+        .merge(keys::routes())
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,

@@ -185,9 +185,12 @@ pub enum JobCommand {
 pub enum GraphCommand {
     /// Every graph with its reactor state and status.
     List,
-    /// One graph's reactor: cached values, dirty flags, source health, paused.
+    /// One graph's reactor: cached values, dirty flags, source health, paused. With
+    /// `--key`, one key of a keyed graph: its state as stored and the node owning it.
     State {
         name: String,
+        #[arg(long)]
+        key: Option<String>,
     },
     /// Fire now with the current cache, whatever the criteria say.
     Fire {

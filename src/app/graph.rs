@@ -27,7 +27,15 @@ pub async fn graph(
     let path = |name: &str, action: &str| format!("/graphs/{}{action}", segment(name));
     let answer = match command {
         GraphCommand::List => client.get("/graphs").await?,
-        GraphCommand::State { name } => client.get(&path(&name, "")).await?,
+        GraphCommand::State { name, key: None } => client.get(&path(&name, "")).await?,
+        GraphCommand::State {
+            name,
+            key: Some(key),
+        } => {
+            client
+                .get(&path(&name, &format!("/keys/{}", segment(&key))))
+                .await?
+        }
         GraphCommand::Fire { name } => client.post(&path(&name, "/fire"), None).await?,
         GraphCommand::Pause { name } => client.post(&path(&name, "/pause"), None).await?,
         GraphCommand::Resume { name } => client.post(&path(&name, "/resume"), None).await?,

@@ -1,6 +1,7 @@
 //! `weir run`: the graphs of a config file, supervised until Ctrl-C or SIGTERM, with the
 //! cron scheduler when schedules are declared, the workflow state manager when
-//! workflows are, and this node's share of the partitions of each declared job type.
+//! workflows are, and this node's share of the partitions of each declared job type and
+//! keyed graph.
 
 use std::sync::Arc;
 
@@ -12,6 +13,7 @@ use weir::admin::AdminState;
 use weir::config::Config;
 use weir::graph::FunctionRegistry;
 use weir::jobs::{JobHandlers, JobsStore};
+use weir::keyed::KeyedGraphStore;
 use weir::supervisor::Supervisor;
 
 /// Runs until `cancel` fires, then stops every graph within the shutdown timeout.
@@ -21,9 +23,18 @@ pub async fn run(
     job_handlers: &JobHandlers,
     cancel: CancellationToken,
 ) -> Result<(), Error> {
-    let graphs = config.graphs(registry)?;
+    let (keyed_graphs, graphs): (Vec<_>, Vec<_>) = config
+        .graphs(registry)?
+        .into_iter()
+        .partition(|g| g.keyed.is_some());
     let job_types = config.job_types(job_handlers)?;
     let runtime = config.runtime().await?;
+    // Each keyed graph's sources, checked co-partitioned before anything runs.
+    let mut keyed = Vec::new();
+    for decl in keyed_graphs {
+        let topics = weir::keyed::topics(&decl, runtime.broker.as_ref()).await?;
+        keyed.push((decl, topics));
+    }
     // Each job type's topic, before anything runs: a broker that cannot hold one stops
     // the node at once.
     let mut job_topics = Vec::new();
@@ -54,7 +65,13 @@ pub async fn run(
         .with_token(config.admin.token.as_ref().map(|t| t.expose().to_string()))
         .with_tenant_tokens(config.admin.tenant_tokens())
         .with_allowed_origins(config.admin.allowed_origins.clone())
-        .with_cron_shards(config.cron.shards);
+        .with_cron_shards(config.cron.shards)
+        .with_keyed_graphs(
+            keyed
+                .iter()
+                .map(|(decl, topics)| (decl.key(), topics.partitions))
+                .collect(),
+        );
     if config.cron_enabled() {
         admin = admin.with_task(scheduler_alive.clone());
     }
@@ -105,17 +122,31 @@ pub async fn run(
             ))
         })
         .collect();
+    let keyed: Vec<_> = keyed
+        .into_iter()
+        .map(|(decl, topics)| {
+            let store: Arc<dyn KeyedGraphStore> = runtime.store.clone();
+            tokio::spawn(weir::keyed::serve(
+                decl,
+                topics,
+                runtime.broker.clone(),
+                store,
+                runtime.node_id.clone(),
+                cancel.clone(),
+            ))
+        })
+        .collect();
     for graph in graphs {
         supervisor.spawn(graph)?;
     }
     cancel.cancelled().await;
-    // Job partitions are handed over first: their next owners wait for them.
+    // Job and keyed graph partitions are handed over first: their next owners wait.
     let handed_over = tokio::time::timeout(
         weir::ownership::RELEASE_TIMEOUT + std::time::Duration::from_secs(5),
-        futures::future::join_all(jobs),
+        futures::future::join_all(jobs.into_iter().chain(keyed)),
     );
     if handed_over.await.is_err() {
-        tracing::warn!("some job partitions were not handed over in time");
+        tracing::warn!("some job or keyed graph partitions were not handed over in time");
     }
     if let Some(state_manager) = state_manager {
         let _ = tokio::time::timeout(std::time::Duration::from_secs(10), state_manager).await;

@@ -718,6 +718,17 @@ pub struct GraphConfig {
     pub node_retries: u32,
     #[serde(rename = "accumulator", default)]
     pub accumulators: Vec<AccumulatorConfig>,
+    /// Makes the graph keyed: a JSON pointer into each event (`/user`), or
+    /// `message_key`.
+    #[serde(default)]
+    pub key: Option<String>,
+    /// A keyed graph's partitions per source where weir makes them (NATS subjects,
+    /// topics it creates).
+    #[serde(default)]
+    pub partitions: Option<u32>,
+    /// Keys a keyed graph keeps in memory per node; the least recently used leave first.
+    #[serde(default)]
+    pub max_keys_in_memory: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -866,6 +877,43 @@ impl Config {
             }
             if g.max_in_flight == 0 {
                 errors.push(invalid(key("max_in_flight"), "must be at least 1"));
+            }
+            match &g.key {
+                Some(k) if crate::graph::KeySource::parse(k).is_none() => errors.push(invalid(
+                    key("key"),
+                    format!(
+                        "{k:?} is neither \"message_key\" nor a JSON pointer such as \"/user\""
+                    ),
+                )),
+                Some(_) => {
+                    if g.partitions == Some(0) {
+                        errors.push(invalid(key("partitions"), "must be at least 1"));
+                    }
+                    if g.max_keys_in_memory == Some(0) {
+                        errors.push(invalid(key("max_keys_in_memory"), "must be at least 1"));
+                    }
+                    for (j, a) in g.accumulators.iter().enumerate() {
+                        if a.topic.is_none() || a.kind != AccumulatorKind::Passthrough {
+                            errors.push(invalid(
+                                format!("graph[{i}].accumulator[{j}]"),
+                                "a keyed graph's accumulators are passthrough ones reading a topic",
+                            ));
+                        }
+                    }
+                }
+                None => {
+                    for field in [
+                        ("partitions", g.partitions.is_some()),
+                        ("max_keys_in_memory", g.max_keys_in_memory.is_some()),
+                    ] {
+                        if field.1 {
+                            errors.push(invalid(
+                                key(field.0),
+                                "applies to keyed graphs only: set key too",
+                            ));
+                        }
+                    }
+                }
             }
             for (j, a) in g.accumulators.iter().enumerate() {
                 let key = |field: &str| format!("graph[{i}].accumulator[{j}].{field}");
@@ -1241,10 +1289,11 @@ impl Config {
         &self,
         registry: &FunctionRegistry,
     ) -> Result<Vec<GraphDeclaration>, ConfigError> {
+        let lease_ttl = Duration::from_millis(self.supervision.graph_lease_ttl_ms);
         self.graphs
             .iter()
             .enumerate()
-            .map(|(i, g)| g.declaration(i, registry))
+            .map(|(i, g)| g.declaration(i, registry, lease_ttl))
             .collect()
     }
 }
@@ -1254,6 +1303,7 @@ impl GraphConfig {
         &self,
         index: usize,
         registry: &FunctionRegistry,
+        lease_ttl: Duration,
     ) -> Result<GraphDeclaration, ConfigError> {
         let mut builder = GraphBuilder::new(&self.name).reactor(ReactorConfig {
             criteria: self.criteria,
@@ -1266,6 +1316,25 @@ impl GraphConfig {
         });
         if let Some(t) = &self.tenant {
             builder = builder.tenant(t);
+        }
+        if let Some(key) = &self.key {
+            let source = crate::graph::KeySource::parse(key).ok_or_else(|| {
+                invalid(
+                    format!("graph[{index}].key"),
+                    format!(
+                        "{key:?} is neither \"message_key\" nor a JSON pointer such as \"/user\""
+                    ),
+                )
+            })?;
+            let mut keying = crate::graph::Keying::new(source);
+            keying.lease_ttl = lease_ttl;
+            if let Some(partitions) = self.partitions {
+                keying.partitions = partitions;
+            }
+            if let Some(max) = self.max_keys_in_memory {
+                keying.max_keys_in_memory = max;
+            }
+            builder = builder.keyed(keying);
         }
         for (j, a) in self.accumulators.iter().enumerate() {
             let mut spec = match a.kind {

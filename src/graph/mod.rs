@@ -12,7 +12,7 @@ use futures::future::BoxFuture;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
-use crate::accumulator::{AccumulatorSpec, Boundary};
+use crate::accumulator::{AccumulatorSpec, Boundary, SourceSpec};
 use crate::transport::Sink;
 
 pub use dag::CompiledGraph;
@@ -26,6 +26,8 @@ pub struct FireInput {
     pub graph: Arc<str>,
     pub fire: u64,
     pub degraded: bool,
+    /// The key fired for, in a keyed graph.
+    pub key: Option<Arc<str>>,
     pub(crate) names: Arc<[Arc<str>]>,
     pub(crate) values: Vec<Option<Arc<Boundary>>>,
 }
@@ -42,9 +44,16 @@ impl FireInput {
             graph,
             fire,
             degraded,
+            key: None,
             names,
             values,
         }
+    }
+
+    /// The same input, fired for one key of a keyed graph.
+    pub fn with_key(mut self, key: Arc<str>) -> Self {
+        self.key = Some(key);
+        self
     }
 
     /// The cached boundary of a source.
@@ -199,6 +208,55 @@ pub struct GraphDeclaration {
     pub reactor: ReactorConfig,
     pub graph: Arc<CompiledGraph>,
     pub outputs: Vec<OutputBinding>,
+    /// Set for a keyed graph: one reactor state per key, run by every node over the
+    /// partitions it owns.
+    pub keyed: Option<Keying>,
+}
+
+/// Where a keyed graph finds each event's key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    /// The broker message key (on NATS, the `weir-key` header).
+    MessageKey,
+    /// A JSON pointer into the event (`/user`); a string is the key as it is, any other
+    /// value its JSON text.
+    Pointer(String),
+}
+
+impl KeySource {
+    /// `message_key`, or a JSON pointer starting with `/`.
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "message_key" => Some(Self::MessageKey),
+            pointer if pointer.starts_with('/') => Some(Self::Pointer(pointer.to_string())),
+            _ => None,
+        }
+    }
+}
+
+/// How a keyed graph is split.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Keying {
+    pub key: KeySource,
+    /// Partitions per source where weir makes them (NATS subjects, topics it creates);
+    /// a Kafka topic that exists keeps its own count.
+    pub partitions: u32,
+    /// Keys kept in memory per node, at most; the least recently used leave first
+    /// (their state stays in the store).
+    pub max_keys_in_memory: usize,
+    /// Lease TTL of each partition: how long a dead node's partitions wait.
+    pub lease_ttl: std::time::Duration,
+}
+
+impl Keying {
+    pub fn new(key: KeySource) -> Self {
+        Self {
+            key,
+            partitions: 6,
+            max_keys_in_memory: 100_000,
+            lease_ttl: std::time::Duration::from_secs(6),
+        }
+    }
 }
 
 impl GraphDeclaration {
@@ -242,6 +300,7 @@ pub struct GraphBuilder {
     nodes: Vec<NodeDecl>,
     outputs: Vec<OutputBinding>,
     function_error: Option<GraphBuildError>,
+    keyed: Option<Keying>,
 }
 
 impl GraphBuilder {
@@ -254,7 +313,14 @@ impl GraphBuilder {
             nodes: Vec::new(),
             outputs: Vec::new(),
             function_error: None,
+            keyed: None,
         }
+    }
+
+    /// Makes the graph keyed: one reactor state per key, fired per key.
+    pub fn keyed(mut self, keying: Keying) -> Self {
+        self.keyed = Some(keying);
+        self
     }
 
     pub fn tenant(mut self, tenant: impl Into<String>) -> Self {
@@ -382,6 +448,26 @@ impl GraphBuilder {
                 reason: "queue_capacity and max_in_flight must be at least 1".into(),
             });
         }
+        if self.keyed.is_some() {
+            if let Some(a) = self
+                .accumulators
+                .iter()
+                .find(|a| a.kind != "passthrough" || !matches!(a.source, SourceSpec::Topic { .. }))
+            {
+                return Err(GraphBuildError::BadReactor {
+                    graph: self.name,
+                    reason: format!(
+                        "a keyed graph reads topics through passthrough accumulators; {} is {} {}",
+                        a.name,
+                        a.kind,
+                        match a.source {
+                            SourceSpec::Topic { .. } => "on a topic",
+                            _ => "without a topic",
+                        }
+                    ),
+                });
+            }
+        }
         let sources: Vec<String> = self.accumulators.iter().map(|a| a.name.clone()).collect();
         let graph = CompiledGraph::compile(&self.name, &sources, self.nodes, &self.outputs)?;
         Ok(GraphDeclaration {
@@ -391,6 +477,7 @@ impl GraphBuilder {
             reactor: self.reactor,
             graph: Arc::new(graph),
             outputs: self.outputs,
+            keyed: self.keyed,
         })
     }
 }

@@ -37,15 +37,19 @@ impl FunctionRegistry {
 }
 
 /// Emits every source's current value as one record:
-/// `{"graph", "fire", "degraded", "inputs": {source: value}}`.
+/// `{"graph", "fire", "degraded", "inputs": {source: value}}`, and `"key"` in a keyed
+/// graph.
 async fn snapshot(ctx: NodeContext) -> super::NodeResult {
     let fire = ctx.fire();
-    let record: Value = json!({
+    let mut record: Value = json!({
         "graph": &*fire.graph,
         "fire": fire.fire,
         "degraded": fire.degraded,
         "inputs": fire.inputs_json(),
     });
+    if let Some(key) = &fire.key {
+        record["key"] = Value::String(key.to_string());
+    }
     Ok(Some(record))
 }
 

@@ -4,7 +4,8 @@
 //! (accumulators), [`CacheStore`] (reactors), [`RecoveryLog`] (the supervisor and the
 //! admin API), [`LeaseStore`] (the lease keeper), [`ScheduleStore`] (the cron scheduler),
 //! [`WorkflowStore`] (the workflow state manager and workers), [`JobStore`] (job
-//! partitions) and [`MembershipStore`] (partition owners). [`Store`] is their
+//! partitions), [`KeyedStore`] (keyed graphs) and [`MembershipStore`] (partition
+//! owners). [`Store`] is their
 //! bundle, implemented for every type that plays them all, so a backend implements the
 //! roles and nothing else. Backends: [`memory`] (the embedded default) and [`redis`],
 //! each one file per role.
@@ -20,6 +21,7 @@ pub use crate::cron::store::{
 };
 pub use crate::dispatch::store::{DispatchStore, TickOutcomes, WorkflowStore};
 pub use crate::jobs::store::{JobRecord, JobStore, PartitionChanges, PartitionSnapshot};
+pub use crate::keyed::store::{KeyedChanges, KeyedStore};
 pub use crate::lease::{Fence, Lease, LeaseStore};
 pub use crate::ownership::MembershipStore;
 pub use crate::reactor::cache::CacheStore;
@@ -48,8 +50,10 @@ pub trait Store:
     + CronStore
     + DispatchStore
     + JobStore
+    + KeyedStore
     + MembershipStore
     + crate::jobs::JobsStore
+    + crate::keyed::KeyedGraphStore
 {
 }
 
@@ -64,8 +68,10 @@ impl<T> Store for T where
         + CronStore
         + DispatchStore
         + JobStore
+        + KeyedStore
         + MembershipStore
         + crate::jobs::JobsStore
+        + crate::keyed::KeyedGraphStore
 {
 }
 
@@ -73,7 +79,8 @@ impl<T> Store for T where
 /// `RedisStore`) directly: `use weir::store::prelude::*;`.
 pub mod prelude {
     pub use super::{
-        Backend, CacheStore, CheckpointStore, CronStore, DispatchStore, JobStore, LeaseStore,
-        MembershipStore, RecoveryLog, ScheduleStore, Store, TickOutcomes, WorkflowStore,
+        Backend, CacheStore, CheckpointStore, CronStore, DispatchStore, JobStore, KeyedStore,
+        LeaseStore, MembershipStore, RecoveryLog, ScheduleStore, Store, TickOutcomes,
+        WorkflowStore,
     };
 }

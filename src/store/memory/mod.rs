@@ -3,13 +3,14 @@
 mod cache;
 mod checkpoint;
 mod jobs;
+mod keyed;
 mod lease;
 mod membership;
 mod recovery;
 mod schedule;
 mod workflow;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -17,9 +18,10 @@ use async_trait::async_trait;
 use tokio::time::Instant;
 
 use super::{
-    Backend, CacheStore, Checkpoint, CheckpointStore, Execution, Fence, JobRecord, JobStore, Lease,
-    LeaseStore, MembershipStore, PartitionChanges, PartitionSnapshot, RecoveryEvent, RecoveryLog,
-    ScheduleChanges, ScheduleStore, StoreError, WorkflowStore,
+    Backend, CacheStore, Checkpoint, CheckpointStore, Execution, Fence, JobRecord, JobStore,
+    KeyedChanges, KeyedStore, Lease, LeaseStore, MembershipStore, PartitionChanges,
+    PartitionSnapshot, RecoveryEvent, RecoveryLog, ScheduleChanges, ScheduleStore, StoreError,
+    WorkflowStore,
 };
 use crate::cron::Schedule;
 use crate::dispatch::WorkflowExecution;
@@ -61,6 +63,14 @@ struct State {
     job_partitions: HashMap<(String, i32), JobPartition>,
     /// Group members and when their announcement expires.
     members: HashMap<String, HashMap<String, Instant>>,
+    /// Keyed graphs' state by (graph, partition).
+    keyed: HashMap<(String, i32), KeyedPartition>,
+}
+
+#[derive(Default)]
+struct KeyedPartition {
+    keys: HashMap<String, CacheSnapshot>,
+    positions: BTreeMap<String, i64>,
 }
 
 #[derive(Default)]

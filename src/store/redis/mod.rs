@@ -5,13 +5,14 @@
 mod cache;
 mod checkpoint;
 mod jobs;
+mod keyed;
 mod lease;
 mod membership;
 mod recovery;
 mod schedule;
 mod workflow;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -23,9 +24,10 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::{
-    Backend, CacheStore, Checkpoint, CheckpointStore, Execution, Fence, JobRecord, JobStore, Lease,
-    LeaseStore, MembershipStore, PartitionChanges, PartitionSnapshot, RecoveryEvent, RecoveryLog,
-    ScheduleChanges, ScheduleStore, StoreError, WorkflowStore,
+    Backend, CacheStore, Checkpoint, CheckpointStore, Execution, Fence, JobRecord, JobStore,
+    KeyedChanges, KeyedStore, Lease, LeaseStore, MembershipStore, PartitionChanges,
+    PartitionSnapshot, RecoveryEvent, RecoveryLog, ScheduleChanges, ScheduleStore, StoreError,
+    WorkflowStore,
 };
 use crate::cron::Schedule;
 use crate::dispatch::{RunStatus, WorkflowExecution};
@@ -48,7 +50,8 @@ pub struct RedisStore {
 /// Writes of a lease holder (a graph's checkpoints and snapshots, a shard master's
 /// execution records), made only while no newer holder has the lease.
 /// KEYS: the lease's token counter. ARGV: the writer's token, then operations, each
-/// `SET key value`, `ZADD key score member`, `ZREM key member` or `DEL key`.
+/// `SET key value`, `ZADD key score member`, `ZREM key member`, `DEL key` or
+/// `HSET key field value`.
 static FENCED_WRITES: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
@@ -68,6 +71,9 @@ while i <= #ARGV do
   elseif op == 'DEL' then
     redis.call('DEL', ARGV[i + 1])
     i = i + 2
+  elseif op == 'HSET' then
+    redis.call('HSET', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
+    i = i + 4
   else
     redis.call('ZREM', ARGV[i + 1], ARGV[i + 2])
     i = i + 3
@@ -79,12 +85,13 @@ return 1
 });
 
 /// One write of a batch: `SET key value`, `ZADD key score member`, `ZREM key member`,
-/// `DEL key`.
+/// `DEL key`, `HSET key field value`.
 enum Write {
     Set(String, String),
     Zadd(String, i64, String),
     Zrem(String, String),
     Del(String),
+    Hset(String, String, String),
 }
 
 fn store_error(operation: &'static str, e: redis::RedisError) -> StoreError {
@@ -254,6 +261,7 @@ impl RedisStore {
                     Write::Zadd(key, score, member) => pipe.zadd(key, member, score).ignore(),
                     Write::Zrem(key, member) => pipe.zrem(key, member).ignore(),
                     Write::Del(key) => pipe.del(key).ignore(),
+                    Write::Hset(key, field, value) => pipe.hset(key, field, value).ignore(),
                 };
             }
             return pipe
@@ -271,6 +279,7 @@ impl RedisStore {
                 }
                 Write::Zrem(key, member) => script.arg("ZREM").arg(key).arg(member),
                 Write::Del(key) => script.arg("DEL").arg(key),
+                Write::Hset(key, field, value) => script.arg("HSET").arg(key).arg(field).arg(value),
             };
         }
         let written: i64 = script

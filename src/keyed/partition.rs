@@ -1,0 +1,462 @@
+//! The run loop of one owned partition of a keyed graph: every source's partition read
+//! in one loop, each event fired through its key's input cache, and the keys' state
+//! written with the sources' positions once the batch's outputs are acknowledged.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::FutureExt;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::store::{KeyedChanges, KeyedStore};
+use super::KeyedTopics;
+use crate::accumulator::Boundary;
+use crate::graph::{FireInput, GraphDeclaration, Keying};
+use crate::lease::Held;
+use crate::ownership::PartitionWork;
+use crate::reactor::cache::{InputCache, Inserted};
+use crate::store_error::StoreError;
+use crate::transport::{
+    now_ms, publish_persistently, Broker, Message, Outbound, PendingAck, Position, Sink, Source,
+    TransportError,
+};
+use crate::wire;
+
+/// Events applied before their batch is written, at most.
+const MAX_BATCH: usize = 1024;
+/// How long an applied event may wait for its batch to be written.
+const LINGER: Duration = Duration::from_millis(5);
+
+#[derive(Debug, thiserror::Error)]
+enum ServeError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+}
+
+/// Runs the owned partitions of one keyed graph.
+pub(crate) struct KeyedPartitions {
+    decl: GraphDeclaration,
+    graph: Arc<str>,
+    keying: Keying,
+    topics: KeyedTopics,
+    names: Arc<[Arc<str>]>,
+    /// Per source: its dead-letter topic.
+    dead_letters: Vec<String>,
+    /// Per output binding: the topic, qualified for the tenant.
+    outputs: Vec<String>,
+    group: String,
+    broker: Arc<dyn Broker>,
+    sink: Arc<dyn Sink>,
+    store: Arc<dyn KeyedStore>,
+}
+
+impl KeyedPartitions {
+    pub(crate) fn new(
+        decl: GraphDeclaration,
+        keying: Keying,
+        topics: KeyedTopics,
+        broker: Arc<dyn Broker>,
+        store: Arc<dyn KeyedStore>,
+    ) -> Self {
+        let names: Arc<[Arc<str>]> = decl
+            .accumulators
+            .iter()
+            .map(|a| Arc::from(a.name()))
+            .collect();
+        let dead_letters = decl
+            .accumulators
+            .iter()
+            .zip(&topics.sources)
+            .map(|(a, t)| match &a.dead_letter {
+                Some(topic) => decl.qualify_topic(topic),
+                None => wire::dead_letter_topic(&t.topic),
+            })
+            .collect();
+        let outputs = decl
+            .outputs
+            .iter()
+            .map(|o| decl.qualify_topic(&o.topic))
+            .collect();
+        Self {
+            graph: Arc::from(decl.key()),
+            group: format!("weir.{}", decl.key().replace('/', ".")),
+            sink: broker.sink(),
+            names,
+            dead_letters,
+            outputs,
+            keying,
+            topics,
+            decl,
+            broker,
+            store,
+        }
+    }
+}
+
+#[async_trait]
+impl PartitionWork for KeyedPartitions {
+    async fn run(
+        &self,
+        partition: i32,
+        held: Held,
+        release: CancellationToken,
+        lost: CancellationToken,
+    ) {
+        let mut pause = Duration::from_millis(100);
+        loop {
+            let failure = match Serving::start(self, partition, &held).await {
+                Ok(mut serving) => match serving.serve(&release, &lost).await {
+                    Ok(()) => return,
+                    Err(e) => e,
+                },
+                Err(e) => e,
+            };
+            if let ServeError::Store(StoreError::Fenced { .. }) = failure {
+                warn!(graph = %self.graph, partition, "partition taken over; stopping");
+                return;
+            }
+            // Inputs not yet written are read again from the positions written.
+            warn!(graph = %self.graph, partition, error = %failure, "keyed partition failed; starting again from the store");
+            tokio::select! {
+                _ = release.cancelled() => return,
+                _ = lost.cancelled() => return,
+                _ = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(Duration::from_secs(5));
+        }
+    }
+}
+
+/// One key's reactor state in memory.
+struct KeyState {
+    cache: InputCache,
+    fires: u64,
+    /// When the key was last used, in events of this partition.
+    used: u64,
+}
+
+struct Serving<'a> {
+    graph: &'a KeyedPartitions,
+    partition: i32,
+    held: &'a Held,
+    fencing: String,
+    sources: Vec<Box<dyn Source>>,
+    /// Per source: the last position applied.
+    positions: Vec<Option<i64>>,
+    keys: HashMap<Arc<str>, KeyState>,
+    events: u64,
+    batch: Batch,
+}
+
+#[derive(Default)]
+struct Batch {
+    changed: HashSet<Arc<str>>,
+    acks: Vec<PendingAck>,
+    /// Per source: the broker position to commit once written.
+    commit: BTreeMap<usize, Position>,
+    applied: usize,
+    since: Option<Instant>,
+}
+
+impl<'a> Serving<'a> {
+    async fn start(
+        graph: &'a KeyedPartitions,
+        partition: i32,
+        held: &'a Held,
+    ) -> Result<Serving<'a>, ServeError> {
+        let stored = graph.store.load_positions(&graph.graph, partition).await?;
+        let mut sources = Vec::with_capacity(graph.names.len());
+        let mut positions = Vec::with_capacity(graph.names.len());
+        for (name, topic) in graph.names.iter().zip(&graph.topics.sources) {
+            let position = stored.get(&**name).copied();
+            let subscription = topic.subscription(partition, &graph.group, position);
+            sources.push(graph.broker.subscribe(&subscription).await?);
+            positions.push(position);
+        }
+        info!(graph = %graph.graph, partition, ?positions, "keyed partition resumed");
+        Ok(Serving {
+            graph,
+            partition,
+            held,
+            fencing: held.lease.token.to_string(),
+            sources,
+            positions,
+            keys: HashMap::new(),
+            events: 0,
+            batch: Batch::default(),
+        })
+    }
+
+    async fn serve(
+        &mut self,
+        release: &CancellationToken,
+        lost: &CancellationToken,
+    ) -> Result<(), ServeError> {
+        loop {
+            let flush_at = self.batch.since.map(|since| since + LINGER);
+            tokio::select! {
+                biased;
+                _ = lost.cancelled() => return Ok(()),
+                _ = release.cancelled() => {
+                    self.flush().await?;
+                    return Ok(());
+                }
+                _ = sleep_until(flush_at) => self.flush().await?,
+                (source, message) = futures::future::select_all(
+                    self.sources
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(i, s)| s.next().map(move |m| (i, m)).boxed()),
+                )
+                // The other sources' reads are dropped here, before the event is handled.
+                .map(|(first, _, _)| first) => {
+                    self.apply(source, message?).await?;
+                    if self.batch.applied >= MAX_BATCH
+                        || self.batch.acks.len() >= self.graph.decl.reactor.max_in_flight.max(MAX_BATCH)
+                    {
+                        self.flush().await?;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The key's state, from memory or the store.
+    async fn key_state(&mut self, key: &Arc<str>) -> Result<&mut KeyState, StoreError> {
+        if !self.keys.contains_key(key) {
+            let stored = self
+                .graph
+                .store
+                .load_keys(&self.graph.graph, self.partition, &[key.to_string()])
+                .await?
+                .into_iter()
+                .next()
+                .flatten();
+            let mut cache =
+                InputCache::new(self.graph.names.clone(), self.graph.decl.reactor.strategy);
+            let fires = match &stored {
+                Some(snapshot) => {
+                    cache.restore(snapshot);
+                    snapshot.fires
+                }
+                None => 0,
+            };
+            self.keys.insert(
+                key.clone(),
+                KeyState {
+                    cache,
+                    fires,
+                    used: 0,
+                },
+            );
+        }
+        self.events += 1;
+        let state = self
+            .keys
+            .get_mut(key)
+            .ok_or_else(|| StoreError::Operation {
+                operation: "keyed state",
+                source: "a key loaded a moment ago is gone".into(),
+            })?;
+        state.used = self.events;
+        Ok(state)
+    }
+
+    async fn apply(&mut self, source: usize, message: Message) -> Result<(), ServeError> {
+        let offset = message.position.offset;
+        self.batch.commit.insert(source, message.position);
+        self.batch.since.get_or_insert_with(Instant::now);
+        if self.positions[source].is_some_and(|p| offset <= p) {
+            return Ok(());
+        }
+        self.positions[source] = Some(offset);
+        self.batch.applied += 1;
+        let spec = &self.graph.decl.accumulators[source];
+        let value = match spec.format.decode(&message.payload) {
+            Ok(value) => value,
+            Err(e) => return self.dead_letter(source, &message, &e.to_string()).await,
+        };
+        let Some(key) = super::key_of(&self.graph.keying.key, message.key.as_deref(), &value)
+        else {
+            let reason = match &self.graph.keying.key {
+                crate::graph::KeySource::MessageKey => "the message has no key".to_string(),
+                crate::graph::KeySource::Pointer(p) => format!("the event has no key at {p}"),
+            };
+            return self.dead_letter(source, &message, &reason).await;
+        };
+        let key: Arc<str> = Arc::from(key);
+        let boundary = Boundary {
+            source: self.graph.names[source].clone(),
+            sequence: 0,
+            positions: vec![Position {
+                partition: self.partition,
+                offset,
+            }],
+            event_time_ms: message.timestamp_ms,
+            emit_time_ms: now_ms(),
+            value,
+        };
+        let criteria = self.graph.decl.reactor.criteria;
+        let state = self.key_state(&key).await?;
+        if state.cache.insert(source, boundary) == Inserted::Duplicate {
+            return Ok(());
+        }
+        let mut fires = Vec::new();
+        while state.cache.ready(criteria) {
+            let (values, _) = state.cache.take();
+            state.fires += 1;
+            fires.push((state.fires, values));
+        }
+        self.batch.changed.insert(key.clone());
+        for (fire, values) in fires {
+            self.fire(&key, fire, values).await?;
+        }
+        Ok(())
+    }
+
+    /// Runs the graph for one key and hands its outputs to the broker.
+    async fn fire(
+        &mut self,
+        key: &Arc<str>,
+        fire: u64,
+        values: Vec<Option<Arc<Boundary>>>,
+    ) -> Result<(), ServeError> {
+        let input = Arc::new(
+            FireInput::new(
+                self.graph.graph.clone(),
+                fire,
+                false,
+                self.graph.names.clone(),
+                values,
+            )
+            .with_key(key.clone()),
+        );
+        let outputs = match self.graph.decl.graph.run(input.clone()).await {
+            Ok(outputs) => outputs,
+            Err(e) => {
+                // Kept for an operator, with what the fire saw; the key goes on.
+                let reason = format!("node {} failed: {}", e.node, e.error.0);
+                warn!(graph = %self.graph.graph, key = %key, fire, %reason, "keyed fire failed");
+                let record = serde_json::json!({
+                    "graph": &*self.graph.graph,
+                    "key": &**key,
+                    "fire": fire,
+                    "inputs": input.inputs_json(),
+                });
+                let message = Outbound::new(self.graph.dead_letters[0].clone(), record.to_string())
+                    .key(key.to_string())
+                    .header(wire::ERROR_HEADER, reason)
+                    .header(wire::GRAPH_HEADER, self.graph.graph.to_string());
+                publish_persistently(self.graph.sink.as_ref(), message, &CancellationToken::new())
+                    .await?;
+                return Ok(());
+            }
+        };
+        for (topic, value) in self.graph.outputs.iter().zip(outputs) {
+            let Some(value) = value else { continue };
+            let message = Outbound::new(topic.clone(), value.to_string())
+                .key(key.to_string())
+                .header(wire::GRAPH_HEADER, self.graph.graph.to_string())
+                .header(wire::FIRE_HEADER, fire.to_string())
+                .header(wire::FENCING_HEADER, self.fencing.clone());
+            self.batch
+                .acks
+                .push(self.graph.sink.enqueue(message).await?);
+        }
+        Ok(())
+    }
+
+    async fn dead_letter(
+        &mut self,
+        source: usize,
+        message: &Message,
+        reason: &str,
+    ) -> Result<(), ServeError> {
+        let topic = self.graph.dead_letters[source].clone();
+        let mut outbound = Outbound::new(topic.clone(), message.payload.clone())
+            .header(wire::ERROR_HEADER, reason)
+            .header(wire::GRAPH_HEADER, self.graph.graph.to_string())
+            .header(
+                wire::ACCUMULATOR_HEADER,
+                self.graph.names[source].to_string(),
+            )
+            .header(wire::SOURCE_TOPIC_HEADER, message.topic.to_string())
+            .header(wire::PARTITION_HEADER, self.partition.to_string())
+            .header(wire::OFFSET_HEADER, message.position.offset.to_string());
+        outbound.key = message.key.clone();
+        publish_persistently(
+            self.graph.sink.as_ref(),
+            outbound,
+            &CancellationToken::new(),
+        )
+        .await?;
+        warn!(graph = %self.graph.graph, partition = self.partition, %topic, %reason, "event dead-lettered");
+        Ok(())
+    }
+
+    /// Awaits the batch's outputs, writes its keys with the sources' positions, commits
+    /// the positions, and lets cold keys leave memory.
+    async fn flush(&mut self) -> Result<(), ServeError> {
+        let batch = std::mem::take(&mut self.batch);
+        if batch.commit.is_empty() && batch.acks.is_empty() {
+            return Ok(());
+        }
+        for ack in batch.acks {
+            ack.await?;
+        }
+        let mut changes = KeyedChanges::default();
+        for key in &batch.changed {
+            if let Some(state) = self.keys.get(key) {
+                let snapshot = state.cache.snapshot(state.fires, std::iter::empty());
+                changes.keys.push((key.to_string(), snapshot));
+            }
+        }
+        for (i, position) in self.positions.iter().enumerate() {
+            if let Some(position) = position {
+                changes
+                    .positions
+                    .insert(self.graph.names[i].to_string(), *position);
+            }
+        }
+        let fence = self.held.write_fence()?;
+        self.graph
+            .store
+            .save_keys(&self.graph.graph, self.partition, &changes, &fence)
+            .await?;
+        for (source, position) in batch.commit {
+            if let Err(e) = self.sources[source].commit(&[position]).await {
+                warn!(graph = %self.graph.graph, partition = self.partition, error = %e, "cannot commit a source position; a restart skips what it reads again");
+            }
+        }
+        self.evict();
+        Ok(())
+    }
+
+    /// Drops the least recently used keys beyond the limit; their state is stored.
+    fn evict(&mut self) {
+        let limit = self.graph.keying.max_keys_in_memory.max(1);
+        if self.keys.len() <= limit {
+            return;
+        }
+        // Down to nine tenths, so eviction runs once per many new keys, not per key.
+        let keep = limit - limit / 10;
+        let mut used: Vec<u64> = self.keys.values().map(|s| s.used).collect();
+        let cut = self.keys.len() - keep;
+        used.select_nth_unstable(cut - 1);
+        let threshold = used[cut - 1];
+        self.keys.retain(|_, s| s.used > threshold);
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

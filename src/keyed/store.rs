@@ -1,0 +1,47 @@
+//! Where keyed graphs keep each key's reactor state: the [`KeyedStore`] role.
+
+use std::collections::BTreeMap;
+
+use async_trait::async_trait;
+
+use crate::lease::Fence;
+use crate::reactor::CacheSnapshot;
+use crate::store_error::StoreError;
+
+/// One batch of a partition's changes, written at once.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct KeyedChanges {
+    /// Each changed key's cache, dirty flags, queues and fire count.
+    pub keys: Vec<(String, CacheSnapshot)>,
+    /// Per source, the last position applied in the partition.
+    pub positions: BTreeMap<String, i64>,
+}
+
+/// Per graph and partition: every key's state, and how far each source was applied.
+#[async_trait]
+pub trait KeyedStore: Send + Sync {
+    /// The stored state of these keys, `None` for keys never stored, in the same order.
+    async fn load_keys(
+        &self,
+        graph: &str,
+        partition: i32,
+        keys: &[String],
+    ) -> Result<Vec<Option<CacheSnapshot>>, StoreError>;
+
+    /// Per source, the last position applied in the partition.
+    async fn load_positions(
+        &self,
+        graph: &str,
+        partition: i32,
+    ) -> Result<BTreeMap<String, i64>, StoreError>;
+
+    /// Writes a batch, all or nothing, refused whole once the fence's lease has a newer
+    /// token. Positions only move forward.
+    async fn save_keys(
+        &self,
+        graph: &str,
+        partition: i32,
+        changes: &KeyedChanges,
+        fence: &Fence,
+    ) -> Result<(), StoreError>;
+}

@@ -1,0 +1,56 @@
+//! Keyed graphs' per-key state on the memory store.
+
+use super::*;
+
+#[async_trait]
+impl KeyedStore for MemoryStore {
+    async fn load_keys(
+        &self,
+        graph: &str,
+        partition: i32,
+        keys: &[String],
+    ) -> Result<Vec<Option<CacheSnapshot>>, StoreError> {
+        let state = self.state();
+        let stored = state.keyed.get(&(graph.to_string(), partition));
+        Ok(keys
+            .iter()
+            .map(|k| stored.and_then(|s| s.keys.get(k)).cloned())
+            .collect())
+    }
+
+    async fn load_positions(
+        &self,
+        graph: &str,
+        partition: i32,
+    ) -> Result<BTreeMap<String, i64>, StoreError> {
+        let state = self.state();
+        Ok(state
+            .keyed
+            .get(&(graph.to_string(), partition))
+            .map(|s| s.positions.clone())
+            .unwrap_or_default())
+    }
+
+    async fn save_keys(
+        &self,
+        graph: &str,
+        partition: i32,
+        changes: &KeyedChanges,
+        fence: &Fence,
+    ) -> Result<(), StoreError> {
+        let mut state = self.state();
+        check_fence(&state, Some(fence))?;
+        let stored = state
+            .keyed
+            .entry((graph.to_string(), partition))
+            .or_default();
+        for (key, snapshot) in &changes.keys {
+            stored.keys.insert(key.clone(), snapshot.clone());
+        }
+        for (source, position) in &changes.positions {
+            let at = stored.positions.entry(source.clone()).or_insert(*position);
+            *at = (*at).max(*position);
+        }
+        Ok(())
+    }
+}

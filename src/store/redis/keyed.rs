@@ -1,0 +1,101 @@
+//! Keyed graphs' per-key state on the Redis store: per graph and partition a hash
+//! `keyed:<graph>:<p>` (key → JSON cache snapshot) and a hash
+//! `keyed:<graph>:<p>:positions` (source → last position applied).
+
+use super::*;
+
+impl RedisStore {
+    fn keyed_key(&self, graph: &str, partition: i32) -> String {
+        self.key(&["keyed", graph, &partition.to_string()])
+    }
+
+    fn keyed_positions_key(&self, graph: &str, partition: i32) -> String {
+        self.key(&["keyed", graph, &partition.to_string(), "positions"])
+    }
+}
+
+#[async_trait]
+impl KeyedStore for RedisStore {
+    async fn load_keys(
+        &self,
+        graph: &str,
+        partition: i32,
+        keys: &[String],
+    ) -> Result<Vec<Option<CacheSnapshot>>, StoreError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let hash = self.keyed_key(graph, partition);
+        let mut c = self.connection.clone();
+        let raw: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(&hash)
+            .arg(keys)
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("HMGET", e))?;
+        raw.into_iter()
+            .zip(keys)
+            .map(|(text, key)| {
+                text.map(|text| {
+                    serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
+                        key: format!("{hash} {key}"),
+                        source: e.into(),
+                    })
+                })
+                .transpose()
+            })
+            .collect()
+    }
+
+    async fn load_positions(
+        &self,
+        graph: &str,
+        partition: i32,
+    ) -> Result<BTreeMap<String, i64>, StoreError> {
+        let key = self.keyed_positions_key(graph, partition);
+        let mut c = self.connection.clone();
+        let raw: BTreeMap<String, String> = c
+            .hgetall(&key)
+            .await
+            .map_err(|e| store_error("HGETALL", e))?;
+        raw.into_iter()
+            .map(|(source, text)| match text.parse::<i64>() {
+                Ok(position) => Ok((source, position)),
+                Err(e) => Err(StoreError::Corrupt {
+                    key: format!("{key} {source}"),
+                    source: e.into(),
+                }),
+            })
+            .collect()
+    }
+
+    async fn save_keys(
+        &self,
+        graph: &str,
+        partition: i32,
+        changes: &KeyedChanges,
+        fence: &Fence,
+    ) -> Result<(), StoreError> {
+        let hash = self.keyed_key(graph, partition);
+        let mut writes = Vec::with_capacity(changes.keys.len() + 1);
+        for (key, snapshot) in &changes.keys {
+            writes.push(Write::Hset(
+                hash.clone(),
+                key.clone(),
+                Self::encode(snapshot)?,
+            ));
+        }
+        // Only the partition's owner writes them, under its fence and in order, so
+        // they only move forward.
+        let positions = self.keyed_positions_key(graph, partition);
+        for (source, position) in &changes.positions {
+            writes.push(Write::Hset(
+                positions.clone(),
+                source.clone(),
+                position.to_string(),
+            ));
+        }
+        self.apply_writes("save keyed partition", writes, Some(fence))
+            .await
+    }
+}
