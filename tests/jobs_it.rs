@@ -189,6 +189,9 @@ async fn jobs_survive_kills_joins_and_rolling_restarts(kind: Kind) {
     for node in 0..3 {
         cluster.start(node);
     }
+    let group = weir::jobs::ownership_group(&cluster.job_type);
+    let redis = services::redis(&cluster.prefix).await;
+    services::await_owners(&redis, &group, PARTITIONS, &["n0", "n1", "n2"]).await;
     let ids: Vec<String> = (0..JOBS).map(|i| format!("job-{i}")).collect();
     let tickers: Vec<String> = (0..TICKERS).map(|i| format!("ticker-{i}")).collect();
     let started = Instant::now();
@@ -207,8 +210,13 @@ async fn jobs_survive_kills_joins_and_rolling_restarts(kind: Kind) {
             .await
             .unwrap();
         match round {
+            // Under load, owning partitions.
             10 => cluster.kill(0),
-            20 => cluster.start(0),
+            // Back once its partitions went to the others: it takes some over again.
+            20 => {
+                services::await_owners(&redis, &group, PARTITIONS, &["n1", "n2"]).await;
+                cluster.start(0);
+            }
             30 => {
                 for node in [1, 2] {
                     cluster.terminate(node);

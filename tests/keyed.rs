@@ -191,7 +191,10 @@ async fn every_input_reaches_an_output_in_its_keys_order_across_joins_and_kills(
             repeats += 1;
             continue;
         }
-        assert!(seq > *highest, "{key}: input {seq} came out after {highest}");
+        assert!(
+            seq > *highest,
+            "{key}: input {seq} came out after {highest}"
+        );
         *highest = seq;
     }
     assert!(repeats <= 40 * 5, "{repeats} repeated outputs");

@@ -62,6 +62,9 @@ macro_rules! store_conformance {
             store_conformance!(@role $open; membership:
                 members_are_sorted_and_expire,
                 a_member_that_leaves_is_gone_at_once);
+            store_conformance!(@role $open; keyed:
+                keys_and_positions_round_trip,
+                a_deposed_owners_batch_is_refused_whole);
             store_conformance!(@role $open; jobs:
                 a_partition_batch_round_trips,
                 removed_jobs_lose_their_timeouts,
@@ -333,6 +336,73 @@ mod cases {
             store.join_group("g", "b#1", ttl).await.unwrap();
             store.leave_group("g", "a#1").await.unwrap();
             assert_eq!(store.group_members("g").await.unwrap(), ["b#1"]);
+        }
+    }
+
+    pub mod keyed {
+        use super::*;
+        use weir::reactor::CacheSnapshot;
+        use weir::store::KeyedChanges;
+
+        fn snapshot(fires: u64) -> CacheSnapshot {
+            CacheSnapshot {
+                fires,
+                ..Default::default()
+            }
+        }
+
+        pub async fn keys_and_positions_round_trip(store: Arc<dyn Store>) {
+            let lease = store
+                .acquire_lease("graph.g.1", "n1", Duration::from_secs(60))
+                .await
+                .unwrap()
+                .unwrap();
+            let fence = Fence::from(&lease);
+            assert!(store.load_positions("g", 1).await.unwrap().is_empty());
+            let changes = KeyedChanges {
+                keys: vec![("ann".into(), snapshot(3)), ("bob".into(), snapshot(1))],
+                positions: [("a".to_string(), 17), ("b".to_string(), 4)].into(),
+            };
+            store.save_keys("g", 1, &changes, &fence).await.unwrap();
+            let later = KeyedChanges {
+                keys: vec![("ann".into(), snapshot(4))],
+                positions: [("a".to_string(), 18)].into(),
+            };
+            store.save_keys("g", 1, &later, &fence).await.unwrap();
+            assert_eq!(
+                store
+                    .load_keys("g", 1, &["ann".into(), "cid".into(), "bob".into()])
+                    .await
+                    .unwrap(),
+                [Some(snapshot(4)), None, Some(snapshot(1))]
+            );
+            assert_eq!(
+                store.load_positions("g", 1).await.unwrap(),
+                [("a".to_string(), 18), ("b".to_string(), 4)].into()
+            );
+            assert_eq!(
+                store.load_keys("g", 2, &["ann".into()]).await.unwrap(),
+                [None]
+            );
+        }
+
+        pub async fn a_deposed_owners_batch_is_refused_whole(store: Arc<dyn Store>) {
+            let (old, new) = deposed_and_current(store.as_ref(), "graph.g.1").await;
+            let stale = KeyedChanges {
+                keys: vec![("ann".into(), snapshot(9))],
+                positions: [("a".to_string(), 99)].into(),
+            };
+            assert!(is_fenced(&store.save_keys("g", 1, &stale, &old).await));
+            assert_eq!(
+                store.load_keys("g", 1, &["ann".into()]).await.unwrap(),
+                [None]
+            );
+            assert!(store.load_positions("g", 1).await.unwrap().is_empty());
+            store.save_keys("g", 1, &stale, &new).await.unwrap();
+            assert_eq!(
+                store.load_keys("g", 1, &["ann".into()]).await.unwrap(),
+                [Some(snapshot(9))]
+            );
         }
     }
 

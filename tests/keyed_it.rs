@@ -1,0 +1,288 @@
+//! A keyed graph across three `weir run` processes on real services (Kafka and NATS
+//! JetStream, Redis): 1,000 keys under load, one node SIGKILLed and started again later.
+//! Every input reaches an output, each key's outputs keep its input order, and per key
+//! the fencing token never goes back.
+#![cfg(feature = "it")]
+
+mod common;
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::Write;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::services;
+use serde_json::{json, Value};
+use weir::transport::{Assignment, Broker, Message, PartitionedTopic, Subscription};
+
+const KEYS: usize = 1000;
+const ROUNDS: u64 = 20;
+const PARTITIONS: u32 = 6;
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Kafka,
+    Nats,
+}
+
+struct Cluster {
+    kind: Kind,
+    prefix: String,
+    graph: String,
+    input: String,
+    output: String,
+    admin_port: u16,
+    config: tempfile::NamedTempFile,
+    nodes: Vec<Option<Child>>,
+}
+
+impl Cluster {
+    fn new(kind: Kind) -> Self {
+        let prefix = services::unique("keyed");
+        let graph = format!("g{prefix}");
+        let input = format!("{prefix}.in");
+        let output = format!("{prefix}.out");
+        let broker = match kind {
+            Kind::Kafka => services::kafka_table(),
+            Kind::Nats => services::nats_table(),
+        };
+        let text = format!(
+            r#"
+[broker]
+{broker}
+[store]
+kind = "redis"
+url = "{redis}"
+prefix = "{prefix}"
+[supervision]
+graph_lease_ttl_ms = 3000
+[[graph]]
+name = "{graph}"
+key = "/user"
+criteria = "when_any"
+strategy = "sequential"
+function = "snapshot"
+output = "{output}"
+partitions = {PARTITIONS}
+max_keys_in_memory = 400
+[[graph.accumulator]]
+name = "a"
+topic = "{input}"
+format = "json"
+"#,
+            redis = services::redis_url(),
+        );
+        let mut config = tempfile::NamedTempFile::new().unwrap();
+        config.write_all(text.as_bytes()).unwrap();
+        Self {
+            kind,
+            prefix,
+            graph,
+            input,
+            output,
+            admin_port: common::servers::spare_port(),
+            config,
+            nodes: vec![None, None, None],
+        }
+    }
+
+    fn start(&mut self, node: usize) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(std::env::temp_dir().join(format!("{}-n{node}.log", self.prefix)))
+            .unwrap();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_weir"));
+        command
+            .args(["run", "--config"])
+            .arg(self.config.path())
+            .env("WEIR__NODE__ID", format!("n{node}"))
+            .env("WEIR_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log);
+        if node == 0 {
+            command.env(
+                "WEIR__ADMIN__LISTEN",
+                format!("127.0.0.1:{}", self.admin_port),
+            );
+        }
+        self.nodes[node] = Some(command.spawn().expect("weir starts"));
+    }
+
+    fn kill(&mut self, node: usize) {
+        if let Some(mut child) = self.nodes[node].take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
+
+    async fn broker(&self) -> Arc<dyn Broker> {
+        match self.kind {
+            Kind::Kafka => services::kafka(),
+            Kind::Nats => services::nats(true).await,
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for node in 0..self.nodes.len() {
+            self.kill(node);
+        }
+    }
+}
+
+/// Reads the output from its start until every (key, seq) sent has come out.
+async fn read_outputs(
+    broker: &Arc<dyn Broker>,
+    topic: &str,
+    sent: &HashSet<(String, u64)>,
+    within: Duration,
+) -> Vec<Message> {
+    let mut subscription = Subscription::new(topic, services::unique("reader"));
+    subscription.assignment = Assignment::All;
+    let mut source = broker.subscribe(&subscription).await.unwrap();
+    let mut read = Vec::new();
+    let mut positions = HashSet::new();
+    let mut covered = HashSet::new();
+    let deadline = Instant::now() + within;
+    while covered.len() < sent.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(
+            !left.is_zero(),
+            "{} of {} inputs came out",
+            covered.len(),
+            sent.len()
+        );
+        let Ok(next) = tokio::time::timeout(left, source.next()).await else {
+            continue;
+        };
+        let message = next.unwrap();
+        // Redelivered to this reader (it never acknowledges): one message, read once.
+        if !positions.insert((message.position.partition, message.position.offset)) {
+            continue;
+        }
+        let (key, seq) = identity(&message);
+        covered.insert((key, seq));
+        read.push(message);
+    }
+    read
+}
+
+fn identity(message: &Message) -> (String, u64) {
+    let value: Value = serde_json::from_slice(&message.payload).unwrap();
+    (
+        value["key"].as_str().unwrap().to_string(),
+        value["inputs"]["a"]["seq"].as_u64().unwrap(),
+    )
+}
+
+async fn keyed_graph_survives_a_kill_and_a_rejoin(kind: Kind) {
+    let mut cluster = Cluster::new(kind);
+    let broker = cluster.broker().await;
+    // Created with the graph's partitions before anything is produced.
+    let input: PartitionedTopic = broker
+        .partitioned(&cluster.input, PARTITIONS)
+        .await
+        .unwrap();
+    for node in 0..3 {
+        cluster.start(node);
+    }
+    let store = services::redis(&cluster.prefix).await;
+    let group = weir::keyed::ownership_group(&cluster.graph);
+    services::await_owners(&store, &group, PARTITIONS, &["n0", "n1", "n2"]).await;
+    let sink = broker.sink();
+    let users: Vec<String> = (0..KEYS).map(|i| format!("u{i}")).collect();
+    let mut sent = HashSet::new();
+    let mut seq = 0u64;
+    for round in 0..ROUNDS {
+        let mut batch = Vec::with_capacity(KEYS);
+        for user in &users {
+            seq += 1;
+            sent.insert((user.clone(), seq));
+            let event = json!({"user": user, "seq": seq});
+            batch.push(sink.publish(input.outbound(user, event.to_string())));
+        }
+        futures::future::try_join_all(batch).await.unwrap();
+        match round {
+            // Under load, owning partitions.
+            3 => cluster.kill(1),
+            // Back after its partitions went to the others.
+            12 => {
+                services::await_owners(&store, &group, PARTITIONS, &["n0", "n2"]).await;
+                cluster.start(1);
+            }
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let outputs = read_outputs(&broker, &cluster.output, &sent, Duration::from_secs(120)).await;
+    // Per key: first outputs in input order, repeats only of what came out before, and
+    // the fencing token never going back.
+    let mut per_key: BTreeMap<String, (u64, HashSet<u64>, u64)> = BTreeMap::new();
+    let mut repeats = 0;
+    for message in &outputs {
+        let (key, seq) = identity(message);
+        assert_eq!(
+            message.key.as_deref(),
+            Some(key.as_bytes()),
+            "output keyed by its key"
+        );
+        let token: u64 = message
+            .header(weir::wire::FENCING_HEADER)
+            .and_then(|t| t.parse().ok())
+            .expect("fencing header");
+        let (highest, seen, last_token) = per_key.entry(key.clone()).or_default();
+        assert!(
+            token >= *last_token,
+            "{key}: token {token} after {last_token}"
+        );
+        *last_token = token;
+        if !seen.insert(seq) {
+            repeats += 1;
+            continue;
+        }
+        assert!(
+            seq > *highest,
+            "{key}: input {seq} came out after {highest}"
+        );
+        *highest = seq;
+    }
+    // What can repeat is what the killed node had applied and not yet written: at most
+    // one batch per partition it owned.
+    assert!(
+        repeats <= 2 * 1024 * PARTITIONS as usize,
+        "{repeats} repeated outputs"
+    );
+    // The node that came back owns a share again.
+    services::await_owners(&store, &group, PARTITIONS, &["n0", "n1", "n2"]).await;
+    // Any node answers for any key, naming its owner.
+    let state = Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(["graph", "state", &cluster.graph, "--key", "u7", "--admin"])
+        .arg(format!("http://127.0.0.1:{}", cluster.admin_port))
+        .output()
+        .unwrap();
+    assert!(state.status.success(), "{state:?}");
+    let view: Value = serde_json::from_slice(&state.stdout).unwrap();
+    assert_eq!(view["key"], "u7");
+    assert!(
+        ["n0", "n1", "n2"].contains(&view["owner"].as_str().unwrap_or_default()),
+        "{view}"
+    );
+    assert!(view["state"]["fires"].as_u64().unwrap() >= ROUNDS, "{view}");
+    for node in 0..3 {
+        cluster.kill(node);
+    }
+    services::remove_redis_keys(&cluster.prefix).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_keyed_graph_survives_a_kill_and_a_rejoin() {
+    keyed_graph_survives_a_kill_and_a_rejoin(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_keyed_graph_survives_a_kill_and_a_rejoin() {
+    keyed_graph_survives_a_kill_and_a_rejoin(Kind::Nats).await;
+}
