@@ -363,12 +363,12 @@ mod cases {
                 keys: vec![("ann".into(), snapshot(3)), ("bob".into(), snapshot(1))],
                 positions: [("a".to_string(), 17), ("b".to_string(), 4)].into(),
             };
-            store.save_keys("g", 1, &changes, &fence).await.unwrap();
+            store.save_keys("g", 1, changes, &fence).await.unwrap();
             let later = KeyedChanges {
                 keys: vec![("ann".into(), snapshot(4))],
                 positions: [("a".to_string(), 18)].into(),
             };
-            store.save_keys("g", 1, &later, &fence).await.unwrap();
+            store.save_keys("g", 1, later, &fence).await.unwrap();
             assert_eq!(
                 store
                     .load_keys("g", 1, &["ann".into(), "cid".into(), "bob".into()])
@@ -392,13 +392,15 @@ mod cases {
                 keys: vec![("ann".into(), snapshot(9))],
                 positions: [("a".to_string(), 99)].into(),
             };
-            assert!(is_fenced(&store.save_keys("g", 1, &stale, &old).await));
+            assert!(is_fenced(
+                &store.save_keys("g", 1, stale.clone(), &old).await
+            ));
             assert_eq!(
                 store.load_keys("g", 1, &["ann".into()]).await.unwrap(),
                 [None]
             );
             assert!(store.load_positions("g", 1).await.unwrap().is_empty());
-            store.save_keys("g", 1, &stale, &new).await.unwrap();
+            store.save_keys("g", 1, stale, &new).await.unwrap();
             assert_eq!(
                 store.load_keys("g", 1, &["ann".into()]).await.unwrap(),
                 [Some(snapshot(9))]

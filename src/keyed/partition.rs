@@ -208,14 +208,7 @@ impl<'a> Serving<'a> {
                     return Ok(());
                 }
                 _ = sleep_until(flush_at) => self.flush().await?,
-                (source, message) = futures::future::select_all(
-                    self.sources
-                        .iter_mut()
-                        .enumerate()
-                        .map(|(i, s)| s.next().map(move |m| (i, m)).boxed()),
-                )
-                // The other sources' reads are dropped here, before the event is handled.
-                .map(|(first, _, _)| first) => {
+                (source, message) = next_message(&mut self.sources) => {
                     self.apply(source, message?).await?;
                     if self.batch.applied >= MAX_BATCH
                         || self.batch.acks.len() >= self.graph.decl.reactor.max_in_flight.max(MAX_BATCH)
@@ -427,7 +420,7 @@ impl<'a> Serving<'a> {
         let fence = self.held.write_fence()?;
         self.graph
             .store
-            .save_keys(&self.graph.graph, self.partition, &changes, &fence)
+            .save_keys(&self.graph.graph, self.partition, changes, &fence)
             .await?;
         for (source, position) in batch.commit {
             if let Err(e) = self.sources[source].commit(&[position]).await {
@@ -452,6 +445,22 @@ impl<'a> Serving<'a> {
         let threshold = used[cut - 1];
         self.keys.retain(|_, s| s.used > threshold);
     }
+}
+
+/// The next message of any source, with the source's index. The other sources' reads are
+/// dropped before it is handled; a source's read loses nothing when dropped.
+async fn next_message(sources: &mut [Box<dyn Source>]) -> (usize, Result<Message, TransportError>) {
+    if let [only] = sources {
+        return (0, only.next().await);
+    }
+    futures::future::select_all(
+        sources
+            .iter_mut()
+            .enumerate()
+            .map(|(i, s)| s.next().map(move |m| (i, m)).boxed()),
+    )
+    .map(|(first, _, _)| first)
+    .await
 }
 
 async fn sleep_until(at: Option<Instant>) {

@@ -35,7 +35,7 @@ impl KeyedStore for MemoryStore {
         &self,
         graph: &str,
         partition: i32,
-        changes: &KeyedChanges,
+        changes: KeyedChanges,
         fence: &Fence,
     ) -> Result<(), StoreError> {
         let mut state = self.state();
@@ -44,12 +44,10 @@ impl KeyedStore for MemoryStore {
             .keyed
             .entry((graph.to_string(), partition))
             .or_default();
-        for (key, snapshot) in &changes.keys {
-            stored.keys.insert(key.clone(), snapshot.clone());
-        }
-        for (source, position) in &changes.positions {
-            let at = stored.positions.entry(source.clone()).or_insert(*position);
-            *at = (*at).max(*position);
+        stored.keys.extend(changes.keys);
+        for (source, position) in changes.positions {
+            let at = stored.positions.entry(source).or_insert(position);
+            *at = (*at).max(position);
         }
         Ok(())
     }

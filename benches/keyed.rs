@@ -1,0 +1,171 @@
+//! A keyed graph against the same graph unkeyed, in one process on the memory broker
+//! and store, in one run: events per second, and memory per key.
+//!
+//! `cargo bench --bench keyed`. Environment: `WEIR_BENCH_EVENTS` (default 500000),
+//! `WEIR_BENCH_KEYS` (default 100000), `WEIR_BENCH_RUNS` (default 3).
+//!
+//! Both graphs read one topic (6 partitions), pre-filled with the same JSON events
+//! `{"user": "u<n mod keys>", "px": …}`, with `snapshot`, `sequential` and `when_any`:
+//! one fire and one output per event. The clock runs from the graph's start until its
+//! consumer group has committed the last event of every partition (commits follow the
+//! outputs). The unkeyed graph runs under the supervisor, one instance; the keyed one
+//! keeps a state per user, one node owning all partitions. Memory per key is the growth
+//! of the resident set over the keyed run, divided by the keys: each key's input cache in
+//! memory, and its stored copy in the memory store.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use weir::graph::{FunctionRegistry, KeySource, Keying};
+use weir::keyed::KeyedGraphStore;
+use weir::store::memory::MemoryStore;
+use weir::transport::memory::MemoryBroker;
+use weir::transport::Broker;
+use weir::{
+    AccumulatorSpec, Criteria, GraphBuilder, GraphDeclaration, Runtime, Strategy,
+    SupervisionPolicy, Supervisor,
+};
+
+const PARTITIONS: u32 = 6;
+
+/// The allocator of the `weir` binary, so both graphs allocate as they do in production.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn declaration(name: &str, topic: &str, keys: Option<usize>) -> GraphDeclaration {
+    let mut builder = GraphBuilder::new(name)
+        .criteria(Criteria::WhenAny)
+        .strategy(Strategy::Sequential)
+        .accumulator(AccumulatorSpec::passthrough("a").topic(topic));
+    if let Some(keys) = keys {
+        let mut keying = Keying::new(KeySource::Pointer("/user".into()));
+        keying.partitions = PARTITIONS;
+        keying.max_keys_in_memory = keys + 1;
+        builder = builder.keyed(keying);
+    }
+    builder
+        .function("snapshot", &FunctionRegistry::default(), "snapshot")
+        .output("snapshot", format!("{name}.out"))
+        .build()
+        .expect("graph")
+}
+
+/// Fills `topic` with `events` events over `keys` users; returns the last offset per
+/// partition.
+async fn fill(broker: &MemoryBroker, topic: &str, events: usize, keys: usize) -> Vec<i64> {
+    let partitioned = broker.partitioned(topic, PARTITIONS).await.expect("topic");
+    let sink = broker.sink();
+    let mut last = vec![-1i64; partitioned.partitions as usize];
+    for n in 0..events {
+        let user = format!("u{}", n % keys);
+        let event = json!({"user": user, "px": 100.0 + (n % 100) as f64 / 100.0, "n": n});
+        let at = sink
+            .publish(partitioned.outbound(&user, event.to_string()))
+            .await
+            .expect("publish");
+        let slot = &mut last[at.partition as usize];
+        *slot = (*slot).max(at.offset);
+    }
+    last
+}
+
+/// Waits until `group` has committed past every partition's last offset.
+async fn drained(broker: &MemoryBroker, topic: &str, group: &str, last: &[i64]) {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let committed = broker.committed(topic, group);
+        if committed.iter().zip(last).all(|(c, l)| *c > *l) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "stuck at {committed:?} of {last:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn resident_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |pages| pages * 4096)
+}
+
+async fn unkeyed(run: usize, events: usize, keys: usize) -> f64 {
+    let memory = MemoryBroker::new(1);
+    let topic = format!("plain{run}.in");
+    let last = fill(&memory, &topic, events, keys).await;
+    let runtime = Runtime {
+        broker: Arc::new(memory.clone()),
+        store: Arc::new(MemoryStore::new()),
+        node_id: "bench".into(),
+    };
+    let cancel = CancellationToken::new();
+    let supervisor = Supervisor::new(runtime, SupervisionPolicy::default(), cancel.clone());
+    let decl = declaration(&format!("plain{run}"), &topic, None);
+    let group = format!("weir.{}", decl.key());
+    let started = Instant::now();
+    supervisor.spawn(decl).expect("spawn");
+    drained(&memory, &topic, &group, &last).await;
+    let rate = events as f64 / started.elapsed().as_secs_f64();
+    cancel.cancel();
+    supervisor.shutdown().await;
+    rate
+}
+
+async fn keyed(run: usize, events: usize, keys: usize) -> (f64, f64) {
+    let memory = MemoryBroker::new(1);
+    let topic = format!("keyed{run}.in");
+    let last = fill(&memory, &topic, events, keys).await;
+    let broker: Arc<dyn Broker> = Arc::new(memory.clone());
+    let decl = declaration(&format!("keyed{run}"), &topic, Some(keys));
+    let group = format!("weir.{}", decl.key());
+    let topics = weir::keyed::topics(&decl, broker.as_ref())
+        .await
+        .expect("topics");
+    let store: Arc<dyn KeyedGraphStore> = Arc::new(MemoryStore::new());
+    let cancel = CancellationToken::new();
+    let before = resident_bytes();
+    let started = Instant::now();
+    let node = tokio::spawn(weir::keyed::serve(
+        decl,
+        topics,
+        broker,
+        store,
+        "bench".into(),
+        cancel.clone(),
+    ));
+    drained(&memory, &topic, &group, &last).await;
+    let rate = events as f64 / started.elapsed().as_secs_f64();
+    let per_key = resident_bytes().saturating_sub(before) as f64 / keys as f64;
+    cancel.cancel();
+    let _ = node.await;
+    (rate, per_key)
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
+    let events = env("WEIR_BENCH_EVENTS", 500_000usize);
+    let keys = env("WEIR_BENCH_KEYS", 100_000usize).max(1);
+    let runs = env("WEIR_BENCH_RUNS", 3usize).max(1);
+    for run in 0..runs {
+        let plain = unkeyed(run, events, keys).await;
+        let (keyed, per_key) = keyed(run, events, keys).await;
+        println!(
+            "keyed run {run}: {events} events over {keys} keys, one core: unkeyed {plain:.0} events/s, \
+             keyed {keyed:.0} events/s = {:.2} x unkeyed; resident memory per key {:.0} bytes",
+            keyed / plain,
+            per_key
+        );
+    }
+}
