@@ -1,9 +1,10 @@
 //! Partitions owned one node at a time, through leases: the scale-out of work that is
-//! split by key (the jobs of a type).
+//! split by key (the jobs of a type, a keyed graph).
 //!
 //! Every node serving a group announces itself in the store ([`MembershipStore`]) and
-//! sees the live members, sorted. Partition `p` belongs to member `p mod members`: every
-//! node computes the same spread from the same list, so no coordinator is needed. A node
+//! sees the live members. Partition `p` belongs to the `p mod n`-th of the `n` live node
+//! ids, sorted: every node computes the same spread from the same list, so no
+//! coordinator is needed. A node
 //! takes the lease of each partition it should own once that lease is free, and runs the
 //! partition ([`PartitionWork`]) while it keeps the lease. A partition it should no
 //! longer own (a node joined) is handed over in order: its work is told to release (it
@@ -22,7 +23,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{info, warn};
 
-use crate::lease::{self, AtDeadline, Held, LeaseStore};
+use crate::lease::{self, holder_node, AtDeadline, Held, LeaseStore};
 use crate::store_error::StoreError;
 
 /// Where the members of a group announce themselves.
@@ -53,7 +54,8 @@ pub trait PartitionWork: Send + Sync + 'static {
     /// - `lost`: the lease is gone (taken over, or its deadline passed). Stop at once and
     ///   write nothing more; writes still under way are refused by their fence.
     ///
-    /// Failures are the work's to retry: it returns only when told to.
+    /// Failures are the work's to retry: it returns when told to, or once it finds its
+    /// writes fenced (the partition has a newer owner).
     async fn run(
         &self,
         partition: i32,
@@ -103,16 +105,43 @@ pub fn partition_lease(group: &str, partition: i32) -> String {
     format!("{group}.{partition}")
 }
 
-/// The partitions `member` should own among `members` (sorted): every `members.len()`th,
-/// from its place in the list. None when it is not a member.
-pub fn spread(partitions: u32, members: &[String], member: &str) -> Vec<i32> {
-    let Some(place) = members.iter().position(|m| m == member) else {
+/// The partitions node `node` should own among the live `nodes` (sorted, distinct):
+/// every `nodes.len()`th, from its place in the list; none when it is not among them.
+pub fn spread(partitions: u32, nodes: &[String], node: &str) -> Vec<i32> {
+    let Some(place) = nodes.iter().position(|m| m == node) else {
         return Vec::new();
     };
     (0..partitions as usize)
-        .filter(|p| p % members.len() == place)
+        .filter(|p| p % nodes.len() == place)
         .map(|p| p as i32)
         .collect()
+}
+
+/// A token cancelled once either of two is: what a partition's work waits on when any
+/// reason to stop will do (a publish retried while the broker is away).
+pub struct Either {
+    pub token: CancellationToken,
+    _watch: AbortOnDropHandle<()>,
+}
+
+impl Either {
+    pub fn new(a: &CancellationToken, b: &CancellationToken) -> Self {
+        let token = CancellationToken::new();
+        let watch = {
+            let (a, b, token) = (a.clone(), b.clone(), token.clone());
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = a.cancelled() => {}
+                    _ = b.cancelled() => {}
+                }
+                token.cancel();
+            })
+        };
+        Self {
+            token,
+            _watch: AbortOnDropHandle::new(watch),
+        }
+    }
 }
 
 /// A partition this node runs.
@@ -190,18 +219,33 @@ async fn balance(
     store
         .join_group(&settings.group, member, settings.ttl)
         .await?;
-    let mut members = store.group_members(&settings.group).await?;
-    if !members.iter().any(|m| m == member) {
-        members.push(member.to_string());
-        members.sort();
-    }
-    let due = spread(settings.partitions, &members, member);
+    // Spread over node ids: a node restarted after a kill is announced twice (its old
+    // process until the announcement expires) but counts once.
+    let mut nodes: Vec<String> = store
+        .group_members(&settings.group)
+        .await?
+        .iter()
+        .map(|m| holder_node(m).to_string())
+        .collect();
+    nodes.push(settings.node_id.clone());
+    nodes.sort();
+    nodes.dedup();
+    let due = spread(settings.partitions, &nodes, &settings.node_id);
     let surplus: Vec<i32> = owned.keys().filter(|p| !due.contains(p)).copied().collect();
-    for partition in surplus {
-        if let Some(o) = owned.remove(&partition) {
-            info!(group = %settings.group, partition, "handing partition over");
-            hand_over(store.as_ref(), settings, partition, o).await;
-        }
+    let surplus: Vec<(i32, Owned)> = surplus
+        .into_iter()
+        .filter_map(|p| owned.remove(&p).map(|o| (p, o)))
+        .collect();
+    if !surplus.is_empty() {
+        let partitions: Vec<i32> = surplus.iter().map(|(p, _)| *p).collect();
+        info!(group = %settings.group, ?partitions, "handing partitions over");
+        // Together: each waits for its work to finish, which may take a while.
+        futures::future::join_all(
+            surplus
+                .into_iter()
+                .map(|(partition, o)| hand_over(store.as_ref(), settings, partition, o)),
+        )
+        .await;
     }
     let mut waiting = false;
     for partition in due {
@@ -264,12 +308,15 @@ async fn hand_over(
     } = owned;
     release.cancel();
     crate::metrics::partition_dropped(&settings.group);
-    if tokio::time::timeout(settings.release_timeout, work)
-        .await
-        .is_err()
-    {
+    match tokio::time::timeout(settings.release_timeout, work).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            warn!(group = %settings.group, partition, error = %e, "partition work failed");
+        }
         // Dropping the work aborts it; its writes stay fenced.
-        warn!(group = %settings.group, partition, "partition work did not finish in time; its lease is released anyway");
+        Err(_) => {
+            warn!(group = %settings.group, partition, "partition work did not finish in time; its lease is released anyway");
+        }
     }
     drop(_keeper);
     if !lost.is_cancelled() {

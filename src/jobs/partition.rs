@@ -16,11 +16,11 @@ use super::store::{JobRecord, JobStore, PartitionChanges};
 use super::{JobEvent, JobHandler, JobType, Step, Timer};
 use crate::lease::Held;
 use crate::metrics;
-use crate::ownership::PartitionWork;
+use crate::ownership::{Either, PartitionWork};
 use crate::store_error::StoreError;
 use crate::transport::{
-    now_ms, publish_persistently, Broker, Message, Outbound, PartitionedTopic, Position, Sink,
-    Source, TransportError,
+    now_ms, publish_persistently, Broker, Message, Outbound, PartitionLayout, PartitionedTopic,
+    Position, Sink, Source, TransportError,
 };
 use crate::wire;
 
@@ -82,7 +82,8 @@ impl PartitionWork for JobPartitions {
         let mut pause = Duration::from_millis(100);
         let mut first = true;
         loop {
-            let serving = Serving::start(self, partition, &held, first);
+            let stopping = Either::new(&release, &lost);
+            let serving = Serving::start(self, partition, &held, first, &stopping.token);
             first = false;
             let failure = match serving.await {
                 Ok(mut serving) => match serving.serve(&release, &lost).await {
@@ -113,6 +114,8 @@ struct Serving<'a> {
     jobs: &'a JobPartitions,
     partition: i32,
     held: &'a Held,
+    /// Cancelled on release or loss: ends a publish retried while the broker is away.
+    stopping: CancellationToken,
     source: Box<dyn Source>,
     /// The last position applied (written or not).
     position: Option<i64>,
@@ -157,6 +160,7 @@ impl<'a> Serving<'a> {
         partition: i32,
         held: &'a Held,
         first: bool,
+        stopping: &CancellationToken,
     ) -> Result<Serving<'a>, ServeError> {
         let name = &jobs.job_type.name;
         let snapshot = jobs.store.load_partition(name, partition).await?;
@@ -178,6 +182,7 @@ impl<'a> Serving<'a> {
             jobs,
             partition,
             held,
+            stopping: stopping.clone(),
             source,
             position: snapshot.position,
             cache: HashMap::new(),
@@ -213,7 +218,12 @@ impl<'a> Serving<'a> {
                     return Ok(());
                 }
                 _ = sleep_until(flush_at) => self.flush(false).await?,
-                _ = sleep_until(due_at) => self.fire_due().await?,
+                _ = sleep_until(due_at) => {
+                    self.fire_due().await?;
+                    if self.batch.applied as usize >= MAX_BATCH {
+                        self.flush(false).await?;
+                    }
+                }
                 message = self.source.next() => {
                     self.apply(message?).await?;
                     if self.batch.applied as usize >= MAX_BATCH {
@@ -299,12 +309,19 @@ impl<'a> Serving<'a> {
                     .await
             }
         };
-        let record = self.job(&id).await?;
-        if let Some(record) = &record {
-            if record.partition == self.partition && offset <= record.position {
-                return Ok(());
+        // On subjects the producer picks the partition: one that counts partitions
+        // differently would split a job's messages between two owners.
+        if self.jobs.topic.layout == PartitionLayout::Subjects {
+            let home = self.jobs.topic.partition_of(id.as_bytes());
+            if home != self.partition {
+                let reason = format!(
+                    "job {id} belongs to partition {home} of {}, not {}: producers and nodes disagree on the partition count",
+                    self.jobs.topic.partitions, self.partition
+                );
+                return self.dead_letter(&message, &reason).await;
             }
         }
+        let record = self.job(&id).await?;
         let applied = match (&event, record) {
             (JobEvent::Start, _) => {
                 let state = if message.payload.is_empty() {
@@ -413,19 +430,47 @@ impl<'a> Serving<'a> {
         self.report_jobs();
     }
 
-    /// Fires every timeout due by now.
+    /// Fires the timeouts due by now, at most a batch of them: the loop goes on to
+    /// write them and to look at its tokens before the next.
     async fn fire_due(&mut self) -> Result<(), ServeError> {
         let now = now_ms();
-        while let Some((due, id)) = self.timers.first().cloned() {
-            if due > now {
-                break;
+        let due: Vec<(i64, String)> = self
+            .timers
+            .iter()
+            .take_while(|(at, _)| *at <= now)
+            .take(MAX_BATCH)
+            .cloned()
+            .collect();
+        // Jobs not in memory yet, in one look-up.
+        let unknown: Vec<String> = due
+            .iter()
+            .map(|(_, id)| id.clone())
+            .filter(|id| !self.cache.contains_key(id) && !self.absent.contains(id))
+            .collect();
+        if !unknown.is_empty() {
+            let loaded = self
+                .jobs
+                .store
+                .load_jobs(&self.jobs.job_type.name, &unknown)
+                .await?;
+            for (id, record) in unknown.into_iter().zip(loaded) {
+                match record {
+                    Some(record) => self.cache.insert(id, record),
+                    None => {
+                        self.absent.insert(id);
+                        None
+                    }
+                };
             }
-            self.timers.remove(&(due, id.clone()));
-            let Some(record) = self.job(&id).await? else {
+            self.report_jobs();
+        }
+        for (at, id) in due {
+            self.timers.remove(&(at, id.clone()));
+            let Some(record) = self.cache.get(&id).cloned() else {
                 continue;
             };
             // A timeout replaced or cleared since it was loaded is no longer due.
-            if record.timeout_at_ms != Some(due) {
+            if record.timeout_at_ms != Some(at) {
                 continue;
             }
             match self.handler().handle(record.state, &JobEvent::Timeout) {
@@ -456,8 +501,7 @@ impl<'a> Serving<'a> {
                 .header(wire::PARTITION_HEADER, self.partition.to_string())
                 .header(wire::OFFSET_HEADER, message.position.offset.to_string());
         outbound.key = message.key.clone();
-        let cancel = CancellationToken::new();
-        publish_persistently(self.jobs.sink.as_ref(), outbound, &cancel).await?;
+        publish_persistently(self.jobs.sink.as_ref(), outbound, &self.stopping).await?;
         warn!(job_type = %self.jobs.job_type.name, partition = self.partition, topic = %self.jobs.dead_letter_topic, %reason, "job message dead-lettered");
         ::metrics::counter!(metrics::DEAD_LETTERS_TOTAL, "job_type" => self.jobs.job_type.name.clone())
             .increment(1);
@@ -470,6 +514,9 @@ impl<'a> Serving<'a> {
         if self.batch.is_empty() && !releasing {
             return Ok(());
         }
+        // Checked before the outputs leave too: a node paused past its lease publishes
+        // nothing more.
+        let fence = self.held.write_fence()?;
         let batch = std::mem::take(&mut self.batch);
         let mut acks = Vec::with_capacity(batch.outputs.len());
         for output in batch.outputs {
@@ -489,7 +536,6 @@ impl<'a> Serving<'a> {
                 _ => changes.removed.push(id),
             }
         }
-        let fence = self.held.write_fence()?;
         self.jobs
             .store
             .save_partition(&self.jobs.job_type.name, self.partition, &changes, &fence)

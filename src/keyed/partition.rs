@@ -17,12 +17,12 @@ use super::KeyedTopics;
 use crate::accumulator::Boundary;
 use crate::graph::{FireInput, GraphDeclaration, Keying};
 use crate::lease::Held;
-use crate::ownership::PartitionWork;
+use crate::ownership::{Either, PartitionWork};
 use crate::reactor::cache::{InputCache, Inserted};
 use crate::store_error::StoreError;
 use crate::transport::{
-    now_ms, publish_persistently, Broker, Message, Outbound, PendingAck, Position, Sink, Source,
-    TransportError,
+    now_ms, publish_persistently, Broker, Message, Outbound, PartitionLayout, PendingAck, Position,
+    Sink, Source, TransportError,
 };
 use crate::wire;
 
@@ -110,7 +110,8 @@ impl PartitionWork for KeyedPartitions {
     ) {
         let mut pause = Duration::from_millis(100);
         loop {
-            let failure = match Serving::start(self, partition, &held).await {
+            let stopping = Either::new(&release, &lost);
+            let failure = match Serving::start(self, partition, &held, &stopping.token).await {
                 Ok(mut serving) => match serving.serve(&release, &lost).await {
                     Ok(()) => return,
                     Err(e) => e,
@@ -145,6 +146,10 @@ struct Serving<'a> {
     graph: &'a KeyedPartitions,
     partition: i32,
     held: &'a Held,
+    /// Cancelled on release or loss: ends a publish retried while the broker is away.
+    stopping: CancellationToken,
+    /// The source read first next time: each in turn, so none starves the others.
+    first_source: usize,
     fencing: String,
     sources: Vec<Box<dyn Source>>,
     /// Per source: the last position applied.
@@ -169,6 +174,7 @@ impl<'a> Serving<'a> {
         graph: &'a KeyedPartitions,
         partition: i32,
         held: &'a Held,
+        stopping: &CancellationToken,
     ) -> Result<Serving<'a>, ServeError> {
         let stored = graph.store.load_positions(&graph.graph, partition).await?;
         let mut sources = Vec::with_capacity(graph.names.len());
@@ -184,6 +190,8 @@ impl<'a> Serving<'a> {
             graph,
             partition,
             held,
+            stopping: stopping.clone(),
+            first_source: 0,
             fencing: held.lease.token.to_string(),
             sources,
             positions,
@@ -208,11 +216,10 @@ impl<'a> Serving<'a> {
                     return Ok(());
                 }
                 _ = sleep_until(flush_at) => self.flush().await?,
-                (source, message) = next_message(&mut self.sources) => {
+                (source, message) = next_message(&mut self.sources, self.first_source) => {
+                    self.first_source = (source + 1) % self.sources.len();
                     self.apply(source, message?).await?;
-                    if self.batch.applied >= MAX_BATCH
-                        || self.batch.acks.len() >= self.graph.decl.reactor.max_in_flight.max(MAX_BATCH)
-                    {
+                    if self.batch.applied >= MAX_BATCH || self.batch.acks.len() >= MAX_BATCH {
                         self.flush().await?;
                     }
                 }
@@ -283,6 +290,19 @@ impl<'a> Serving<'a> {
             };
             return self.dead_letter(source, &message, &reason).await;
         };
+        // On subjects the producer picks the partition: one that counts partitions
+        // differently would split a key's state between two owners.
+        let topic = &self.graph.topics.sources[source];
+        if topic.layout == PartitionLayout::Subjects {
+            let home = topic.partition_of(key.as_bytes());
+            if home != self.partition {
+                let reason = format!(
+                    "key {key} belongs to partition {home} of {}, not {}: producers and nodes disagree on the partition count",
+                    topic.partitions, self.partition
+                );
+                return self.dead_letter(source, &message, &reason).await;
+            }
+        }
         let key: Arc<str> = Arc::from(key);
         let boundary = Boundary {
             source: self.graph.names[source].clone(),
@@ -346,11 +366,12 @@ impl<'a> Serving<'a> {
                     .key(key.to_string())
                     .header(wire::ERROR_HEADER, reason)
                     .header(wire::GRAPH_HEADER, self.graph.graph.to_string());
-                publish_persistently(self.graph.sink.as_ref(), message, &CancellationToken::new())
-                    .await?;
+                publish_persistently(self.graph.sink.as_ref(), message, &self.stopping).await?;
                 return Ok(());
             }
         };
+        // A node paused past its lease publishes nothing more.
+        self.held.write_fence()?;
         for (topic, value) in self.graph.outputs.iter().zip(outputs) {
             let Some(value) = value else { continue };
             let message = Outbound::new(topic.clone(), value.to_string())
@@ -383,12 +404,7 @@ impl<'a> Serving<'a> {
             .header(wire::PARTITION_HEADER, self.partition.to_string())
             .header(wire::OFFSET_HEADER, message.position.offset.to_string());
         outbound.key = message.key.clone();
-        publish_persistently(
-            self.graph.sink.as_ref(),
-            outbound,
-            &CancellationToken::new(),
-        )
-        .await?;
+        publish_persistently(self.graph.sink.as_ref(), outbound, &self.stopping).await?;
         warn!(graph = %self.graph.graph, partition = self.partition, %topic, %reason, "event dead-lettered");
         Ok(())
     }
@@ -447,16 +463,24 @@ impl<'a> Serving<'a> {
     }
 }
 
-/// The next message of any source, with the source's index. The other sources' reads are
-/// dropped before it is handled; a source's read loses nothing when dropped.
-async fn next_message(sources: &mut [Box<dyn Source>]) -> (usize, Result<Message, TransportError>) {
+/// The next message of any source, with the source's index, looking at `first` first
+/// when several are ready. The other sources' reads are dropped before it is handled; a
+/// source's read loses nothing when dropped.
+async fn next_message(
+    sources: &mut [Box<dyn Source>],
+    first: usize,
+) -> (usize, Result<Message, TransportError>) {
     if let [only] = sources {
         return (0, only.next().await);
     }
+    let start = first % sources.len();
+    let (before, from_first) = sources.split_at_mut(start);
     futures::future::select_all(
-        sources
+        from_first
             .iter_mut()
             .enumerate()
+            .map(|(i, s)| (start + i, s))
+            .chain(before.iter_mut().enumerate())
             .map(|(i, s)| s.next().map(move |m| (i, m)).boxed()),
     )
     .map(|(first, _, _)| first)

@@ -36,8 +36,8 @@ pub trait KeyedStore: Send + Sync {
     ) -> Result<BTreeMap<String, i64>, StoreError>;
 
     /// Writes a batch, all or nothing, refused whole once the fence's lease has a newer
-    /// token. Positions only move forward. Taken whole: a store in memory keeps it as it
-    /// is.
+    /// token. Only the partition's owner writes, in order, so its positions only move
+    /// forward. Taken whole: a store in memory keeps it as it is.
     async fn save_keys(
         &self,
         graph: &str,

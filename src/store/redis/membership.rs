@@ -1,16 +1,44 @@
 //! Group membership on the Redis store: `members:<group>`, a sorted set of members
-//! scored by when their announcement expires (ms, the announcing node's clock).
+//! scored by when their announcement expires, in ms of the Redis server's clock, so
+//! nodes whose clocks disagree still agree on who is live.
 
 use super::*;
+
+/// KEYS: the group's set. ARGV: the member, its TTL in ms.
+static JOIN: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+return 1
+"#,
+    )
+});
+
+/// KEYS: the group's set. Drops expired members, returns the others.
+static LIVE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+return redis.call('ZRANGE', KEYS[1], 0, -1)
+"#,
+    )
+});
 
 #[async_trait]
 impl MembershipStore for RedisStore {
     async fn join_group(&self, group: &str, member: &str, ttl: Duration) -> Result<(), StoreError> {
-        let expires = crate::transport::now_ms() + ttl.as_millis() as i64;
         let mut c = self.connection.clone();
-        c.zadd::<_, _, _, ()>(self.key(&["members", group]), member, expires)
+        JOIN.key(self.key(&["members", group]))
+            .arg(member)
+            .arg(ttl.as_millis().max(1) as u64)
+            .invoke_async::<i64>(&mut c)
             .await
-            .map_err(|e| store_error("ZADD", e))
+            .map(|_| ())
+            .map_err(|e| store_error("join group", e))
     }
 
     async fn leave_group(&self, group: &str, member: &str) -> Result<(), StoreError> {
@@ -21,17 +49,10 @@ impl MembershipStore for RedisStore {
     }
 
     async fn group_members(&self, group: &str) -> Result<Vec<String>, StoreError> {
-        let key = self.key(&["members", group]);
-        let now = crate::transport::now_ms();
         let mut c = self.connection.clone();
-        let (mut members,): (Vec<String>,) = redis::pipe()
-            .zrembyscore(&key, "-inf", now)
-            .ignore()
-            .cmd("ZRANGE")
-            .arg(&key)
-            .arg(0)
-            .arg(-1)
-            .query_async(&mut c)
+        let mut members: Vec<String> = LIVE
+            .key(self.key(&["members", group]))
+            .invoke_async(&mut c)
             .await
             .map_err(|e| store_error("group members", e))?;
         members.sort();

@@ -48,7 +48,9 @@ pub struct RedisStore {
 // Lua scripts are built once: building one computes the SHA-1 it is invoked by.
 
 /// Writes of a lease holder (a graph's checkpoints and snapshots, a shard master's
-/// execution records), made only while no newer holder has the lease.
+/// execution records, a job or keyed graph partition's batch), made only while no newer
+/// holder has the lease. The token counters must never be evicted (no `allkeys-*`
+/// eviction policy): a counter that started again would fence the new holder.
 /// KEYS: the lease's token counter. ARGV: the writer's token, then operations, each
 /// `SET key value`, `ZADD key score member`, `ZREM key member`, `DEL key` or
 /// `HSET key field value`.
@@ -74,9 +76,11 @@ while i <= #ARGV do
   elseif op == 'HSET' then
     redis.call('HSET', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
     i = i + 4
-  else
+  elseif op == 'ZREM' then
     redis.call('ZREM', ARGV[i + 1], ARGV[i + 2])
     i = i + 3
+  else
+    return redis.error_reply('unknown write ' .. tostring(op))
   end
 end
 return 1
