@@ -216,7 +216,7 @@ async fn throughput(kafka: &str, redis_url: &str, nodes: usize, events: usize, k
     let rate = events as f64 / started.elapsed().as_secs_f64();
     stop(children);
     common::remove_prefix(redis_url, &setup.prefix).await;
-    common::delete_topics(&broker, &[setup.input.clone()]).await;
+    common::delete_topics(&broker, std::slice::from_ref(&setup.input)).await;
     rate
 }
 
