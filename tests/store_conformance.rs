@@ -192,14 +192,14 @@ mod cases {
                 SourceSnapshot {
                     seen: vec![position],
                     dirty: true,
-                    current: Some(weir::Boundary {
+                    current: Some(Arc::new(weir::Boundary {
                         source: Arc::from("a"),
                         sequence: 0,
                         positions: vec![position],
                         event_time_ms: 1,
                         emit_time_ms: 2,
                         value: serde_json::json!([1, 2]),
-                    }),
+                    })),
                     queue: Vec::new(),
                 },
             );

@@ -206,20 +206,34 @@ impl<'a> Serving<'a> {
         release: &CancellationToken,
         lost: &CancellationToken,
     ) -> Result<(), ServeError> {
+        // Made once and polled again each turn: a new timer or token wait per event
+        // would cost more than the event.
+        let lost = lost.cancelled();
+        let release = release.cancelled();
+        let flush_timer = tokio::time::sleep(LINGER);
+        tokio::pin!(lost, release, flush_timer);
+        let mut timer_armed = false;
         loop {
-            let flush_at = self.batch.since.map(|since| since + LINGER);
+            if let (Some(since), false) = (self.batch.since, timer_armed) {
+                flush_timer.as_mut().reset(since + LINGER);
+                timer_armed = true;
+            }
             tokio::select! {
                 biased;
-                _ = lost.cancelled() => return Ok(()),
-                _ = release.cancelled() => {
+                _ = &mut lost => return Ok(()),
+                _ = &mut release => {
                     self.flush().await?;
                     return Ok(());
                 }
-                _ = sleep_until(flush_at) => self.flush().await?,
+                _ = &mut flush_timer, if timer_armed => {
+                    timer_armed = false;
+                    self.flush().await?;
+                }
                 (source, message) = next_message(&mut self.sources, self.first_source) => {
                     self.first_source = (source + 1) % self.sources.len();
                     self.apply(source, message?).await?;
                     if self.batch.applied >= MAX_BATCH || self.batch.acks.len() >= MAX_BATCH {
+                        timer_armed = false;
                         self.flush().await?;
                     }
                 }
@@ -485,11 +499,4 @@ async fn next_message(
     )
     .map(|(first, _, _)| first)
     .await
-}
-
-async fn sleep_until(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
 }

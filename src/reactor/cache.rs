@@ -30,8 +30,9 @@ pub struct SourceSnapshot {
     #[serde(default)]
     pub seen: Vec<Position>,
     pub dirty: bool,
-    pub current: Option<Boundary>,
-    pub queue: Vec<Boundary>,
+    /// Shared with the cache it was taken from: a snapshot copies no event.
+    pub current: Option<Arc<Boundary>>,
+    pub queue: Vec<Arc<Boundary>>,
 }
 
 /// Boundaries taken from the cache by one fire.
@@ -215,10 +216,10 @@ impl InputCache {
         fires: u64,
         unacknowledged: impl Iterator<Item = &'a Consumed>,
     ) -> CacheSnapshot {
-        let mut requeue: Vec<Vec<Boundary>> = vec![Vec::new(); self.slots.len()];
+        let mut requeue: Vec<Vec<Arc<Boundary>>> = vec![Vec::new(); self.slots.len()];
         for consumed in unacknowledged {
             for (i, b) in consumed {
-                requeue[*i].push((**b).clone());
+                requeue[*i].push(b.clone());
             }
         }
         let sources = self
@@ -234,16 +235,14 @@ impl InputCache {
                         .map(|(&partition, &offset)| Position { partition, offset })
                         .collect(),
                     dirty: slot.dirty,
-                    current: slot.current.as_deref().cloned(),
+                    current: slot.current.clone(),
                     queue: Vec::new(),
                 };
                 match self.strategy {
                     Strategy::Latest => stored.dirty |= !requeue.is_empty(),
                     Strategy::Sequential => {
                         stored.queue = requeue;
-                        stored
-                            .queue
-                            .extend(slot.queue.iter().map(|b| (**b).clone()));
+                        stored.queue.extend(slot.queue.iter().cloned());
                         stored.dirty = !stored.queue.is_empty();
                     }
                 }
@@ -260,7 +259,11 @@ impl InputCache {
 
 /// A boundary from a snapshot: already durable, so its sequence of another run must not
 /// count as progress in this one.
-fn restored(mut boundary: Boundary) -> Arc<Boundary> {
+fn restored(boundary: Arc<Boundary>) -> Arc<Boundary> {
+    if boundary.sequence == 0 {
+        return boundary;
+    }
+    let mut boundary = (*boundary).clone();
     boundary.sequence = 0;
     Arc::new(boundary)
 }
