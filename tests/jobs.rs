@@ -68,6 +68,8 @@ impl Cluster {
         job_type.partitions = PARTITIONS;
         job_type.lease_ttl = Duration::from_millis(600);
         job_type.output = Some("counter.out".into());
+        // Fewer than the jobs of a partition: some leave memory and come back.
+        job_type.max_jobs_in_memory = 4;
         let stop = CancellationToken::new();
         let store: Arc<dyn JobsStore> = self.store.clone();
         let task = tokio::spawn(weir::jobs::serve(

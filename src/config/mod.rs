@@ -125,6 +125,9 @@ pub struct JobConfig {
     /// How long a dead node's partitions wait for a new owner.
     #[serde(default = "default_job_lease_ttl_ms")]
     pub lease_ttl_ms: u64,
+    /// Jobs kept in memory per owned partition; the least recently used leave first.
+    #[serde(default)]
+    pub max_jobs_in_memory: Option<usize>,
 }
 
 fn default_job_partitions() -> u32 {
@@ -156,6 +159,9 @@ impl JobConfig {
         job_type.partitions = self.partitions;
         job_type.output = self.output.clone();
         job_type.lease_ttl = Duration::from_millis(self.lease_ttl_ms);
+        if let Some(max) = self.max_jobs_in_memory {
+            job_type.max_jobs_in_memory = max;
+        }
         Ok(job_type)
     }
 }
@@ -726,7 +732,7 @@ pub struct GraphConfig {
     /// topics it creates).
     #[serde(default)]
     pub partitions: Option<u32>,
-    /// Keys a keyed graph keeps in memory per node; the least recently used leave first.
+    /// Keys a keyed graph keeps in memory per owned partition; the least recently used leave first.
     #[serde(default)]
     pub max_keys_in_memory: Option<usize>,
 }
@@ -992,6 +998,9 @@ impl Config {
             }
             if job.lease_ttl_ms == 0 {
                 errors.push(invalid(key("lease_ttl_ms"), "must be more than 0"));
+            }
+            if job.max_jobs_in_memory == Some(0) {
+                errors.push(invalid(key("max_jobs_in_memory"), "must be at least 1"));
             }
             if job.output.as_ref().is_some_and(|o| o.trim().is_empty()) {
                 errors.push(invalid(key("output"), "must name a topic or subject"));

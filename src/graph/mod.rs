@@ -241,7 +241,7 @@ pub struct Keying {
     /// Partitions per source where weir makes them (NATS subjects, topics it creates);
     /// a Kafka topic that exists keeps its own count.
     pub partitions: u32,
-    /// Keys kept in memory per node, at most; the least recently used leave first
+    /// Keys kept in memory per owned partition, at most; the least recently used leave first
     /// (their state stays in the store).
     pub max_keys_in_memory: usize,
     /// Lease TTL of each partition: how long a dead node's partitions wait.

@@ -151,6 +151,9 @@ pub struct JobType {
     pub output: Option<String>,
     /// How long a dead node's partitions wait for a new owner.
     pub lease_ttl: Duration,
+    /// Jobs kept in memory per owned partition, at most; the least recently used leave
+    /// first (their state stays in the store).
+    pub max_jobs_in_memory: usize,
 }
 
 impl JobType {
@@ -161,6 +164,7 @@ impl JobType {
             partitions: DEFAULT_PARTITIONS,
             output: None,
             lease_ttl: Duration::from_secs(6),
+            max_jobs_in_memory: 100_000,
         }
     }
 }

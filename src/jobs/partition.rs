@@ -123,6 +123,10 @@ struct Serving<'a> {
     cache: HashMap<String, JobRecord>,
     /// Ids known to have no job.
     absent: HashSet<String>,
+    /// When each job in memory was last used, in events of this partition: the least
+    /// recently used leave memory first.
+    used: HashMap<String, u64>,
+    events: u64,
     /// Pending timeouts: (due ms, id).
     timers: BTreeSet<(i64, String)>,
     batch: Batch,
@@ -187,6 +191,8 @@ impl<'a> Serving<'a> {
             position: snapshot.position,
             cache: HashMap::new(),
             absent: HashSet::new(),
+            used: HashMap::new(),
+            events: 0,
             timers: snapshot
                 .timeouts
                 .into_iter()
@@ -236,6 +242,8 @@ impl<'a> Serving<'a> {
 
     /// The job, loaded from the store the first time it is needed.
     async fn job(&mut self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+        self.events += 1;
+        self.used.insert(id.to_string(), self.events);
         if let Some(record) = self.cache.get(id) {
             return Ok(Some(record.clone()));
         }
@@ -542,6 +550,7 @@ impl<'a> Serving<'a> {
             .await?;
         ::metrics::counter!(metrics::JOB_STORE_WRITES_TOTAL, "job_type" => self.jobs.job_type.name.clone())
             .increment(1);
+        self.evict();
         if let Some(position) = batch.commit {
             // The store has the position: a failed commit only means a replay, skipped.
             if let Err(e) = self.source.commit(&[position]).await {
@@ -549,6 +558,40 @@ impl<'a> Serving<'a> {
             }
         }
         Ok(())
+    }
+}
+
+impl Serving<'_> {
+    /// Lets the least recently used jobs leave memory once there are more than the
+    /// type's limit; their state is stored, and a message or timeout loads them again.
+    fn evict(&mut self) {
+        let limit = self.jobs.job_type.max_jobs_in_memory.max(1);
+        if self.absent.len() > limit {
+            self.absent.clear();
+        }
+        if self.cache.len() <= limit {
+            if self.used.len() > 2 * limit {
+                let cache = &self.cache;
+                self.used.retain(|id, _| cache.contains_key(id));
+            }
+            return;
+        }
+        // Down to nine tenths, so eviction runs once per many new jobs, not per job.
+        let keep = limit - limit / 10;
+        let mut used: Vec<u64> = self
+            .cache
+            .keys()
+            .map(|id| self.used.get(id).copied().unwrap_or(0))
+            .collect();
+        let cut = self.cache.len() - keep;
+        used.select_nth_unstable(cut - 1);
+        let threshold = used[cut - 1];
+        let used = &self.used;
+        self.cache
+            .retain(|id, _| used.get(id).is_some_and(|&u| u > threshold));
+        let cache = &self.cache;
+        self.used.retain(|id, _| cache.contains_key(id));
+        self.report_jobs();
     }
 }
 
