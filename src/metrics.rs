@@ -53,7 +53,7 @@ pub const TASK_WAIT_SECONDS: &str = "weir_task_wait_seconds";
 /// Tasks a worker runs now, and how many it may run at once.
 pub const WORKER_CAPACITY_IN_USE: &str = "weir_worker_capacity_in_use";
 pub const WORKER_CAPACITY: &str = "weir_worker_capacity";
-/// Partitions of a `group` (`jobs.<type>`) this node owns now.
+/// Partitions of a `group` (`jobs.<type>`, `graph.<name>`) this node owns now.
 pub const PARTITIONS_OWNED: &str = "weir_partitions_owned";
 /// Partitions this node took over, per `group`: each one a migration to it.
 pub const PARTITION_MIGRATIONS_TOTAL: &str = "weir_partition_migrations_total";

@@ -359,14 +359,17 @@ mod cases {
                 .unwrap();
             let fence = Fence::from(&lease);
             assert!(store.load_positions("g", 1).await.unwrap().is_empty());
+            assert_eq!(store.load_released("g", 1).await.unwrap(), None);
             let changes = KeyedChanges {
                 keys: vec![("ann".into(), snapshot(3)), ("bob".into(), snapshot(1))],
                 positions: [("a".to_string(), 17), ("b".to_string(), 4)].into(),
+                released: None,
             };
             store.save_keys("g", 1, changes, &fence).await.unwrap();
             let later = KeyedChanges {
                 keys: vec![("ann".into(), snapshot(4))],
                 positions: [("a".to_string(), 18)].into(),
+                released: Some((lease.token, 1_234)),
             };
             store.save_keys("g", 1, later, &fence).await.unwrap();
             assert_eq!(
@@ -384,6 +387,10 @@ mod cases {
                 store.load_keys("g", 2, &["ann".into()]).await.unwrap(),
                 [None]
             );
+            assert_eq!(
+                store.load_released("g", 1).await.unwrap(),
+                Some((lease.token, 1_234))
+            );
         }
 
         pub async fn a_deposed_owners_batch_is_refused_whole(store: Arc<dyn Store>) {
@@ -391,6 +398,7 @@ mod cases {
             let stale = KeyedChanges {
                 keys: vec![("ann".into(), snapshot(9))],
                 positions: [("a".to_string(), 99)].into(),
+                released: None,
             };
             assert!(is_fenced(
                 &store.save_keys("g", 1, stale.clone(), &old).await

@@ -185,6 +185,14 @@ impl<'a> Serving<'a> {
             sources.push(graph.broker.subscribe(&subscription).await?);
             positions.push(position);
         }
+        // After a clean hand-over by the previous owner (the one token before ours): how
+        // long the partition waited.
+        if let Some((token, at_ms)) = graph.store.load_released(&graph.graph, partition).await? {
+            if token + 1 == held.lease.token {
+                let waited = Duration::from_millis((now_ms() - at_ms).max(0) as u64);
+                crate::metrics::partition_resumed(&super::ownership_group(&graph.graph), waited);
+            }
+        }
         info!(graph = %graph.graph, partition, ?positions, "keyed partition resumed");
         Ok(Serving {
             graph,
@@ -222,19 +230,19 @@ impl<'a> Serving<'a> {
                 biased;
                 _ = &mut lost => return Ok(()),
                 _ = &mut release => {
-                    self.flush().await?;
+                    self.flush(true).await?;
                     return Ok(());
                 }
                 _ = &mut flush_timer, if timer_armed => {
                     timer_armed = false;
-                    self.flush().await?;
+                    self.flush(false).await?;
                 }
                 (source, message) = next_message(&mut self.sources, self.first_source) => {
                     self.first_source = (source + 1) % self.sources.len();
                     self.apply(source, message?).await?;
                     if self.batch.applied >= MAX_BATCH || self.batch.acks.len() >= MAX_BATCH {
                         timer_armed = false;
-                        self.flush().await?;
+                        self.flush(false).await?;
                     }
                 }
             }
@@ -425,15 +433,18 @@ impl<'a> Serving<'a> {
 
     /// Awaits the batch's outputs, writes its keys with the sources' positions, commits
     /// the positions, and lets cold keys leave memory.
-    async fn flush(&mut self) -> Result<(), ServeError> {
+    async fn flush(&mut self, releasing: bool) -> Result<(), ServeError> {
         let batch = std::mem::take(&mut self.batch);
-        if batch.commit.is_empty() && batch.acks.is_empty() {
+        if batch.commit.is_empty() && batch.acks.is_empty() && !releasing {
             return Ok(());
         }
         for ack in batch.acks {
             ack.await?;
         }
-        let mut changes = KeyedChanges::default();
+        let mut changes = KeyedChanges {
+            released: releasing.then(|| (self.held.lease.token, now_ms())),
+            ..Default::default()
+        };
         for key in &batch.changed {
             if let Some(state) = self.keys.get(key) {
                 let snapshot = state.cache.snapshot(state.fires, std::iter::empty());

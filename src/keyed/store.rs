@@ -15,6 +15,8 @@ pub struct KeyedChanges {
     pub keys: Vec<(String, CacheSnapshot)>,
     /// Per source, the last position applied in the partition.
     pub positions: BTreeMap<String, i64>,
+    /// Set by an owner handing the partition over: its lease token and the time (ms).
+    pub released: Option<(u64, i64)>,
 }
 
 /// Per graph and partition: every key's state, and how far each source was applied.
@@ -34,6 +36,13 @@ pub trait KeyedStore: Send + Sync {
         graph: &str,
         partition: i32,
     ) -> Result<BTreeMap<String, i64>, StoreError>;
+
+    /// The lease token and time (ms) of the partition's last clean hand-over, if any.
+    async fn load_released(
+        &self,
+        graph: &str,
+        partition: i32,
+    ) -> Result<Option<(u64, i64)>, StoreError>;
 
     /// Writes a batch, all or nothing, refused whole once the fence's lease has a newer
     /// token. Only the partition's owner writes, in order, so its positions only move

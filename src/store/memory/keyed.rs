@@ -31,6 +31,18 @@ impl KeyedStore for MemoryStore {
             .unwrap_or_default())
     }
 
+    async fn load_released(
+        &self,
+        graph: &str,
+        partition: i32,
+    ) -> Result<Option<(u64, i64)>, StoreError> {
+        let state = self.state();
+        Ok(state
+            .keyed
+            .get(&(graph.to_string(), partition))
+            .and_then(|s| s.released))
+    }
+
     async fn save_keys(
         &self,
         graph: &str,
@@ -45,6 +57,9 @@ impl KeyedStore for MemoryStore {
             .entry((graph.to_string(), partition))
             .or_default();
         stored.keys.extend(changes.keys);
+        if let Some(released) = changes.released {
+            stored.released = Some(released);
+        }
         for (source, position) in changes.positions {
             let at = stored.positions.entry(source).or_insert(position);
             *at = (*at).max(position);

@@ -71,6 +71,7 @@ struct State {
 struct KeyedPartition {
     keys: HashMap<String, CacheSnapshot>,
     positions: BTreeMap<String, i64>,
+    released: Option<(u64, i64)>,
 }
 
 #[derive(Default)]

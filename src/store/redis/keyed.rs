@@ -1,6 +1,7 @@
 //! Keyed graphs' per-key state on the Redis store: per graph and partition a hash
 //! `keyed:<graph>:<p>` (key → JSON cache snapshot) and a hash
-//! `keyed:<graph>:<p>:positions` (source → last position applied).
+//! `keyed:<graph>:<p>:positions` (source → last position applied), and
+//! `keyed:<graph>:<p>:released` (`token:ms` of the last clean hand-over).
 
 use super::*;
 
@@ -11,6 +12,10 @@ impl RedisStore {
 
     fn keyed_positions_key(&self, graph: &str, partition: i32) -> String {
         self.key(&["keyed", graph, &partition.to_string(), "positions"])
+    }
+
+    fn keyed_released_key(&self, graph: &str, partition: i32) -> String {
+        self.key(&["keyed", graph, &partition.to_string(), "released"])
     }
 }
 
@@ -69,6 +74,25 @@ impl KeyedStore for RedisStore {
             .collect()
     }
 
+    async fn load_released(
+        &self,
+        graph: &str,
+        partition: i32,
+    ) -> Result<Option<(u64, i64)>, StoreError> {
+        let key = self.keyed_released_key(graph, partition);
+        let mut c = self.connection.clone();
+        let text: Option<String> = c.get(&key).await.map_err(|e| store_error("GET", e))?;
+        text.map(|text| {
+            text.split_once(':')
+                .and_then(|(token, at)| Some((token.parse().ok()?, at.parse().ok()?)))
+                .ok_or_else(|| StoreError::Corrupt {
+                    key,
+                    source: format!("{text:?} is not token:ms").into(),
+                })
+        })
+        .transpose()
+    }
+
     async fn save_keys(
         &self,
         graph: &str,
@@ -93,6 +117,12 @@ impl KeyedStore for RedisStore {
                 positions.clone(),
                 source.clone(),
                 position.to_string(),
+            ));
+        }
+        if let Some((token, at)) = changes.released {
+            writes.push(Write::Set(
+                self.keyed_released_key(graph, partition),
+                format!("{token}:{at}"),
             ));
         }
         self.apply_writes("save keyed partition", writes, Some(fence))
