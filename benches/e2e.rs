@@ -3,10 +3,19 @@
 //! JetStream, with Redis as the store. In the same run, a bare client loop (consume →
 //! produce, no weir) over the same broker gives the baseline.
 //!
+//! Then the pre-filled comparison: the input is filled with `WEIR_BENCH_PREFILLED` (default
+//! 100000) JSON events of about 60 bytes first, then one process under test drains it
+//! while this one reads the output: the raw-client loop (rdkafka and async-nats directly,
+//! `e2e_parts/raw.rs`: this bench run again as a child) and `weir run` with the same
+//! graph, 4,096 outputs awaiting acknowledgement in both. The rate counts from the first
+//! output read to the last, so start-up (connecting, creating consumers) is left out of
+//! both.
+//!
 //! Run `scripts/services` first, then `cargo bench --bench e2e`. Environment:
 //! `WEIR_BENCH_EVENTS` (throughput phase, default 20000), `WEIR_BENCH_RATE` and
 //! `WEIR_BENCH_SECONDS` (latency phase, default 1000 events/s for 5 s),
-//! `WEIR_BENCH_BROKERS` (default `kafka,nats`).
+//! `WEIR_BENCH_PREFILLED` (0 skips that phase), `WEIR_BENCH_BROKERS` (default
+//! `kafka,nats`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -25,7 +34,13 @@ use weir::{
     Supervisor,
 };
 
+#[path = "e2e_parts/raw.rs"]
+mod raw;
+
 const WINDOW: usize = 256;
+
+/// Set in the child running a raw-client loop: `raw-kafka` or `raw-nats`.
+const ROLE: &str = "WEIR_BENCH_ROLE";
 
 fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
@@ -294,14 +309,185 @@ async fn run(kind: &str) {
     );
 }
 
+fn kafka_brokers() -> String {
+    std::env::var("WEIR_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+fn nats_url() -> String {
+    std::env::var("WEIR_TEST_NATS").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+fn redis_url() -> String {
+    std::env::var("WEIR_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// The process under test: this bench again as a raw-client loop, or `weir run`.
+fn process_under_test(
+    kind: &str,
+    with_weir: bool,
+    input: &str,
+    output: &str,
+    prefix: &str,
+    events: usize,
+    config: &mut tempfile::NamedTempFile,
+) -> std::process::Child {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    if !with_weir {
+        return Command::new(std::env::current_exe().expect("this bench"))
+            .arg("--bench")
+            .env(ROLE, format!("raw-{kind}"))
+            .env("WEIR_BENCH_INPUT", input)
+            .env("WEIR_BENCH_OUTPUT", output)
+            .env("WEIR_BENCH_PREFIX", prefix)
+            .env("WEIR_BENCH_COUNT", events.to_string())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("raw loop starts");
+    }
+    let broker = match kind {
+        "kafka" => format!("kind = \"kafka\"\nbrokers = \"{}\"", kafka_brokers()),
+        _ => format!("kind = \"nats\"\nurl = \"{}\"", nats_url()),
+    };
+    let text = format!(
+        r#"
+[broker]
+{broker}
+retention_ms = 3600000
+[store]
+kind = "redis"
+url = "{redis}"
+prefix = "{prefix}"
+[[graph]]
+name = "e2e"
+criteria = "when_any"
+strategy = "sequential"
+function = "snapshot"
+output = "{output}"
+max_in_flight = {awaited}
+[[graph.accumulator]]
+name = "a"
+topic = "{input}"
+"#,
+        redis = redis_url(),
+        awaited = raw::OUTPUTS_AWAITED,
+    );
+    config.write_all(text.as_bytes()).expect("config");
+    Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(["run", "--config"])
+        .arg(config.path())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("weir starts")
+}
+
+/// Fills a fresh input with `events` events, lets one process under test drain it, and
+/// reads its outputs here: outputs per second from the first to the last.
+async fn prefilled(kind: &str, broker: &Arc<dyn Broker>, events: usize, with_weir: bool) -> f64 {
+    let prefix = unique("pre");
+    let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
+    let sink = broker.sink();
+    let mut acks = FuturesOrdered::new();
+    for n in 0..events {
+        let event = json!({"id": n, "px": 101.25, "qty": 3, "side": "buy"});
+        acks.push_back(
+            sink.enqueue(Outbound::new(input.clone(), event.to_string()))
+                .await
+                .expect("fill"),
+        );
+        if acks.len() >= raw::OUTPUTS_AWAITED || n + 1 == events {
+            while let Some(ack) = acks.next().await {
+                ack.expect("filled");
+            }
+        }
+    }
+    // Reading first: on NATS this makes the output's stream before anything publishes.
+    let mut subscription = Subscription::new(&output, unique("reader"));
+    subscription.assignment = Assignment::All;
+    let mut source = broker.subscribe(&subscription).await.expect("reader");
+    let mut config = tempfile::NamedTempFile::new().expect("config file");
+    let mut child =
+        process_under_test(kind, with_weir, &input, &output, &prefix, events, &mut config);
+    let mut seen = std::collections::HashSet::new();
+    let mut first = None;
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while seen.len() < events {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let message = tokio::time::timeout(left, source.next())
+            .await
+            .expect("outputs in time")
+            .expect("read");
+        // A redelivery to this reader, which never acknowledges, counts once.
+        if seen.insert((message.position.partition, message.position.offset)) {
+            first.get_or_insert_with(Instant::now);
+        }
+    }
+    let took = first.map_or(Duration::ZERO, |f| f.elapsed());
+    let _ = child.kill();
+    let _ = child.wait();
+    remove_prefix(&prefix).await;
+    (events - 1) as f64 / took.as_secs_f64().max(1e-9)
+}
+
+async fn remove_prefix(prefix: &str) {
+    if let Ok(client) = redis::Client::open(redis_url()) {
+        if let Ok(mut c) = client.get_multiplexed_async_connection().await {
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg(format!("{prefix}:*"))
+                .query_async(&mut c)
+                .await
+                .unwrap_or_default();
+            if !keys.is_empty() {
+                let _: Result<i64, _> = redis::cmd("DEL").arg(&keys).query_async(&mut c).await;
+            }
+        }
+    }
+}
+
+/// The child's part: one raw-client loop, as the parent's environment says.
+async fn raw_role(role: &str) {
+    let var = |name: &str| std::env::var(name).expect(name);
+    let (input, output, prefix) = (
+        var("WEIR_BENCH_INPUT"),
+        var("WEIR_BENCH_OUTPUT"),
+        var("WEIR_BENCH_PREFIX"),
+    );
+    let events: usize = var("WEIR_BENCH_COUNT").parse().expect("count");
+    match role {
+        "raw-kafka" => raw::kafka(&kafka_brokers(), &input, &output, &prefix, events).await,
+        "raw-nats" => raw::nats(&nats_url(), &input, &output, &prefix, events).await,
+        other => panic!("unknown role {other}"),
+    }
+}
+
+async fn compare_prefilled(kind: &str, events: usize) {
+    let broker = broker(kind).await;
+    let raw = prefilled(kind, &broker, events, false).await;
+    let weir = prefilled(kind, &broker, events, true).await;
+    println!(
+        "{kind:5} pre-filled {events} events, {} outputs awaited: raw-client loop {raw:.0} ev/s, \
+         weir run {weir:.0} ev/s: weir/raw {:.2}",
+        raw::OUTPUTS_AWAITED,
+        weir / raw
+    );
+}
+
 #[tokio::main]
 async fn main() {
+    if let Ok(role) = std::env::var(ROLE) {
+        raw_role(&role).await;
+        return;
+    }
     // `cargo bench` passes `--bench`; `cargo test --benches` does not run this harness.
     if !std::env::args().any(|a| a == "--bench") {
         return;
     }
     let brokers = std::env::var("WEIR_BENCH_BROKERS").unwrap_or_else(|_| "kafka,nats".into());
+    let prefilled: usize = env("WEIR_BENCH_PREFILLED", 100_000);
     for kind in brokers.split(',') {
         run(kind.trim()).await;
+        if prefilled > 0 {
+            compare_prefilled(kind.trim(), prefilled).await;
+        }
     }
 }
