@@ -406,8 +406,15 @@ async fn prefilled(kind: &str, broker: &Arc<dyn Broker>, events: usize, with_wei
     subscription.assignment = Assignment::All;
     let mut source = broker.subscribe(&subscription).await.expect("reader");
     let mut config = tempfile::NamedTempFile::new().expect("config file");
-    let mut child =
-        process_under_test(kind, with_weir, &input, &output, &prefix, events, &mut config);
+    let mut child = process_under_test(
+        kind,
+        with_weir,
+        &input,
+        &output,
+        &prefix,
+        events,
+        &mut config,
+    );
     let mut seen = std::collections::HashSet::new();
     let mut first = None;
     let deadline = Instant::now() + Duration::from_secs(600);
