@@ -334,7 +334,7 @@ impl Broker for KafkaBroker {
         }
         let context = GroupContext::default();
         let revoked = context.revoked.clone();
-        let consumer: StreamConsumer<GroupContext> = config
+        let mut consumer: StreamConsumer<GroupContext> = config
             .create_with_context(context)
             .map_err(|e| unreachable(&settings.brokers, e))?;
         let direct = match &subscription.assignment {
@@ -364,9 +364,17 @@ impl Broker for KafkaBroker {
                 for p in &partitions {
                     wanted.add_partition(&subscription.topic, *p);
                 }
-                let committed = consumer
-                    .committed_offsets(wanted, Timeout::After(Duration::from_secs(10)))
-                    .map_err(|e| unreachable(&settings.brokers, e))?;
+                // A broker round trip that blocks: off the async workers, which keep
+                // leases renewed meanwhile.
+                let (returned, committed) = tokio::task::spawn_blocking(move || {
+                    let committed =
+                        consumer.committed_offsets(wanted, Timeout::After(Duration::from_secs(10)));
+                    (consumer, committed)
+                })
+                .await
+                .map_err(|e| unreachable(&settings.brokers, e))?;
+                consumer = returned;
+                let committed = committed.map_err(|e| unreachable(&settings.brokers, e))?;
                 let mut assignment = TopicPartitionList::new();
                 for element in committed.elements() {
                     let resume = subscription
