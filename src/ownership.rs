@@ -117,6 +117,54 @@ pub fn spread(partitions: u32, nodes: &[String], node: &str) -> Vec<i32> {
         .collect()
 }
 
+/// Why a partition's work stopped serving.
+#[derive(Debug, thiserror::Error)]
+pub enum PartitionError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Transport(#[from] crate::transport::TransportError),
+}
+
+/// Serves one partition through `attempt` (given a token cancelled on release or loss,
+/// and whether this is the first attempt) until an attempt returns `Ok`, finds its
+/// writes fenced (the partition has a newer owner), or `release` or `lost` fire while it
+/// waits. After any other failure it starts again from the store, pausing 100 ms
+/// doubling to 5 s: what was applied but not written is read again from the positions
+/// written, so nothing is lost and nothing applied twice.
+pub async fn serve_partition<F, Fut>(
+    group: &str,
+    partition: i32,
+    release: &CancellationToken,
+    lost: &CancellationToken,
+    mut attempt: F,
+) where
+    F: FnMut(CancellationToken, bool) -> Fut,
+    Fut: std::future::Future<Output = Result<(), PartitionError>>,
+{
+    let mut pause = Duration::from_millis(100);
+    let mut first = true;
+    loop {
+        let stopping = Either::new(release, lost);
+        let failure = match attempt(stopping.token.clone(), first).await {
+            Ok(()) => return,
+            Err(e) => e,
+        };
+        first = false;
+        if let PartitionError::Store(StoreError::Fenced { .. }) = failure {
+            warn!(%group, partition, "partition taken over; stopping");
+            return;
+        }
+        warn!(%group, partition, error = %failure, "partition failed; starting again from the store");
+        tokio::select! {
+            _ = release.cancelled() => return,
+            _ = lost.cancelled() => return,
+            _ = tokio::time::sleep(pause) => {}
+        }
+        pause = (pause * 2).min(Duration::from_secs(5));
+    }
+}
+
 /// A token cancelled once either of two is: what a partition's work waits on when any
 /// reason to stop will do (a publish retried while the broker is away).
 pub struct Either {

@@ -7,7 +7,7 @@
 mod common;
 
 use std::io::Write;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,7 +34,7 @@ struct Cluster {
     prefix: String,
     job_type: String,
     config: tempfile::NamedTempFile,
-    nodes: Vec<Option<Child>>,
+    nodes: common::nodes::Nodes,
 }
 
 impl Cluster {
@@ -64,49 +64,11 @@ lease_ttl_ms = 3000
         let mut config = tempfile::NamedTempFile::new().unwrap();
         config.write_all(text.as_bytes()).unwrap();
         Self {
+            nodes: common::nodes::Nodes::new(&prefix, config.path(), 3),
             kind,
             prefix,
             job_type,
             config,
-            nodes: vec![None, None, None],
-        }
-    }
-
-    fn start(&mut self, node: usize) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(std::env::temp_dir().join(format!("{}-n{node}.log", self.prefix)))
-            .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_weir"))
-            .args(["run", "--config"])
-            .arg(self.config.path())
-            .env("WEIR__NODE__ID", format!("n{node}"))
-            .env("WEIR_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("weir starts");
-        self.nodes[node] = Some(child);
-    }
-
-    fn kill(&mut self, node: usize) {
-        if let Some(mut child) = self.nodes[node].take() {
-            child.kill().unwrap();
-            child.wait().unwrap();
-        }
-    }
-
-    /// SIGTERM, and waits for the node to hand its partitions over and exit.
-    fn terminate(&mut self, node: usize) {
-        let Some(mut child) = self.nodes[node].take() else {
-            return;
-        };
-        common::servers::signal(&child, "TERM");
-        let deadline = Instant::now() + Duration::from_secs(40);
-        while child.try_wait().unwrap().is_none() {
-            assert!(Instant::now() < deadline, "n{node} did not stop on SIGTERM");
-            std::thread::sleep(Duration::from_millis(50));
         }
     }
 
@@ -129,14 +91,6 @@ lease_ttl_ms = 3000
             .arg(self.config.path())
             .output()
             .expect("weir job runs")
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for node in 0..self.nodes.len() {
-            self.kill(node);
-        }
     }
 }
 
@@ -187,7 +141,7 @@ async fn jobs_survive_kills_joins_and_rolling_restarts(kind: Kind) {
         .await
         .unwrap();
     for node in 0..3 {
-        cluster.start(node);
+        cluster.nodes.start(node);
     }
     let group = weir::jobs::ownership_group(&cluster.job_type);
     let redis = services::redis(&cluster.prefix).await;
@@ -211,16 +165,16 @@ async fn jobs_survive_kills_joins_and_rolling_restarts(kind: Kind) {
             .unwrap();
         match round {
             // Under load, owning partitions.
-            10 => cluster.kill(0),
+            10 => cluster.nodes.kill(0),
             // Back once its partitions went to the others: it takes some over again.
             20 => {
                 services::await_owners(&redis, &group, PARTITIONS, &["n1", "n2"]).await;
-                cluster.start(0);
+                cluster.nodes.start(0);
             }
             30 => {
                 for node in [1, 2] {
-                    cluster.terminate(node);
-                    cluster.start(node);
+                    cluster.nodes.terminate(node);
+                    cluster.nodes.start(node);
                 }
             }
             _ => {}
@@ -270,7 +224,7 @@ async fn jobs_survive_kills_joins_and_rolling_restarts(kind: Kind) {
     let missing = cluster.cli(&["get", &cluster.job_type, "nobody"]);
     assert_eq!(missing.status.code(), Some(2), "{missing:?}");
     for node in 0..3 {
-        cluster.terminate(node);
+        cluster.nodes.terminate(node);
     }
     services::remove_redis_keys(&cluster.prefix).await;
 }

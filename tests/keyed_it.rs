@@ -8,7 +8,7 @@ mod common;
 
 use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,8 +33,9 @@ struct Cluster {
     input: String,
     output: String,
     admin_port: u16,
-    config: tempfile::NamedTempFile,
-    nodes: Vec<Option<Child>>,
+    /// Kept for as long as the nodes read it.
+    _config: tempfile::NamedTempFile,
+    nodes: common::nodes::Nodes,
 }
 
 impl Cluster {
@@ -76,59 +77,33 @@ format = "json"
         let mut config = tempfile::NamedTempFile::new().unwrap();
         config.write_all(text.as_bytes()).unwrap();
         Self {
+            nodes: common::nodes::Nodes::new(&prefix, config.path(), 3),
             kind,
             prefix,
             graph,
             input,
             output,
             admin_port: common::servers::spare_port(),
-            config,
-            nodes: vec![None, None, None],
+            _config: config,
         }
     }
 
     fn start(&mut self, node: usize) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(std::env::temp_dir().join(format!("{}-n{node}.log", self.prefix)))
-            .unwrap();
-        let mut command = Command::new(env!("CARGO_BIN_EXE_weir"));
-        command
-            .args(["run", "--config"])
-            .arg(self.config.path())
-            .env("WEIR__NODE__ID", format!("n{node}"))
-            .env("WEIR_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(log);
-        if node == 0 {
-            command.env(
+        // Node 0 serves the admin API, to be asked about keys.
+        let admin = match node {
+            0 => vec![(
                 "WEIR__ADMIN__LISTEN",
                 format!("127.0.0.1:{}", self.admin_port),
-            );
-        }
-        self.nodes[node] = Some(command.spawn().expect("weir starts"));
-    }
-
-    fn kill(&mut self, node: usize) {
-        if let Some(mut child) = self.nodes[node].take() {
-            child.kill().unwrap();
-            child.wait().unwrap();
-        }
+            )],
+            _ => Vec::new(),
+        };
+        self.nodes.start_with(node, &admin);
     }
 
     async fn broker(&self) -> Arc<dyn Broker> {
         match self.kind {
             Kind::Kafka => services::kafka(),
             Kind::Nats => services::nats(true).await,
-        }
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for node in 0..self.nodes.len() {
-            self.kill(node);
         }
     }
 }
@@ -207,7 +182,7 @@ async fn keyed_graph_survives_a_kill_and_a_rejoin(kind: Kind) {
         futures::future::try_join_all(batch).await.unwrap();
         match round {
             // Under load, owning partitions.
-            3 => cluster.kill(1),
+            3 => cluster.nodes.kill(1),
             // Back after its partitions went to the others.
             12 => {
                 services::await_owners(&store, &group, PARTITIONS, &["n0", "n2"]).await;
@@ -272,7 +247,7 @@ async fn keyed_graph_survives_a_kill_and_a_rejoin(kind: Kind) {
     );
     assert!(view["state"]["fires"].as_u64().unwrap() >= ROUNDS, "{view}");
     for node in 0..3 {
-        cluster.kill(node);
+        cluster.nodes.kill(node);
     }
     services::remove_redis_keys(&cluster.prefix).await;
 }

@@ -16,11 +16,11 @@ use super::store::{JobRecord, JobStore, PartitionChanges};
 use super::{JobEvent, JobHandler, JobType, Step, Timer};
 use crate::lease::Held;
 use crate::metrics;
-use crate::ownership::{Either, PartitionWork};
+use crate::ownership::{PartitionError, PartitionWork};
 use crate::store_error::StoreError;
 use crate::transport::{
     now_ms, publish_persistently, Broker, Message, Outbound, PartitionLayout, PartitionedTopic,
-    Position, Sink, Source, TransportError,
+    Position, Sink, Source,
 };
 use crate::wire;
 
@@ -28,15 +28,6 @@ use crate::wire;
 const MAX_BATCH: usize = 1024;
 /// How long an applied message may wait for its batch to be written.
 const LINGER: Duration = Duration::from_millis(5);
-
-/// Why a partition stopped serving and starts again from the store.
-#[derive(Debug, thiserror::Error)]
-enum ServeError {
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error(transparent)]
-    Transport(#[from] TransportError),
-}
 
 /// Runs the owned partitions of one job type.
 pub(crate) struct JobPartitions {
@@ -79,33 +70,19 @@ impl PartitionWork for JobPartitions {
         release: CancellationToken,
         lost: CancellationToken,
     ) {
-        let mut pause = Duration::from_millis(100);
-        let mut first = true;
-        loop {
-            let stopping = Either::new(&release, &lost);
-            let serving = Serving::start(self, partition, &held, first, &stopping.token);
-            first = false;
-            let failure = match serving.await {
-                Ok(mut serving) => match serving.serve(&release, &lost).await {
-                    Ok(()) => return,
-                    Err(e) => e,
-                },
-                Err(e) => e,
-            };
-            if let ServeError::Store(StoreError::Fenced { .. }) = failure {
-                warn!(job_type = %self.job_type.name, partition, "partition taken over; stopping");
-                return;
-            }
-            // What was applied but not written is read again from the last position
-            // written: nothing is lost, nothing applied twice.
-            warn!(job_type = %self.job_type.name, partition, error = %failure, "partition failed; starting again from the store");
-            tokio::select! {
-                _ = release.cancelled() => return,
-                _ = lost.cancelled() => return,
-                _ = tokio::time::sleep(pause) => {}
-            }
-            pause = (pause * 2).min(Duration::from_secs(5));
-        }
+        let held = &held;
+        let (releasing, losing) = (&release, &lost);
+        crate::ownership::serve_partition(
+            &self.ownership_group,
+            partition,
+            &release,
+            &lost,
+            |stopping, first| async move {
+                let mut serving = Serving::start(self, partition, held, first, &stopping).await?;
+                serving.serve(releasing, losing).await
+            },
+        )
+        .await;
     }
 }
 
@@ -165,7 +142,7 @@ impl<'a> Serving<'a> {
         held: &'a Held,
         first: bool,
         stopping: &CancellationToken,
-    ) -> Result<Serving<'a>, ServeError> {
+    ) -> Result<Serving<'a>, PartitionError> {
         let name = &jobs.job_type.name;
         let snapshot = jobs.store.load_partition(name, partition).await?;
         let subscription = jobs
@@ -210,7 +187,7 @@ impl<'a> Serving<'a> {
         &mut self,
         release: &CancellationToken,
         lost: &CancellationToken,
-    ) -> Result<(), ServeError> {
+    ) -> Result<(), PartitionError> {
         loop {
             let next_due = self.timers.first().map(|(due, _)| *due);
             let due_at = next_due
@@ -275,7 +252,7 @@ impl<'a> Serving<'a> {
             .set(self.cache.len() as f64);
     }
 
-    async fn apply(&mut self, message: Message) -> Result<(), ServeError> {
+    async fn apply(&mut self, message: Message) -> Result<(), PartitionError> {
         let offset = message.position.offset;
         self.batch.commit = Some(message.position);
         if self.position.is_some_and(|p| offset <= p) {
@@ -440,7 +417,7 @@ impl<'a> Serving<'a> {
 
     /// Fires the timeouts due by now, at most a batch of them: the loop goes on to
     /// write them and to look at its tokens before the next.
-    async fn fire_due(&mut self) -> Result<(), ServeError> {
+    async fn fire_due(&mut self) -> Result<(), PartitionError> {
         let now = now_ms();
         let due: Vec<(i64, String)> = self
             .timers
@@ -501,7 +478,7 @@ impl<'a> Serving<'a> {
 
     /// Sends a message no job can take to the type's dead-letter topic, so it is kept
     /// and the partition goes on.
-    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), ServeError> {
+    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), PartitionError> {
         let mut outbound =
             Outbound::new(self.jobs.dead_letter_topic.clone(), message.payload.clone())
                 .header(wire::ERROR_HEADER, reason)
@@ -518,7 +495,7 @@ impl<'a> Serving<'a> {
 
     /// Publishes the batch's outputs, writes its jobs with the partition's position (and,
     /// handing over, the release mark), then commits the position to the broker.
-    async fn flush(&mut self, releasing: bool) -> Result<(), ServeError> {
+    async fn flush(&mut self, releasing: bool) -> Result<(), PartitionError> {
         if self.batch.is_empty() && !releasing {
             return Ok(());
         }

@@ -17,7 +17,7 @@ use super::KeyedTopics;
 use crate::accumulator::Boundary;
 use crate::graph::{FireInput, GraphDeclaration, Keying};
 use crate::lease::Held;
-use crate::ownership::{Either, PartitionWork};
+use crate::ownership::{PartitionError, PartitionWork};
 use crate::reactor::cache::{InputCache, Inserted};
 use crate::store_error::StoreError;
 use crate::transport::{
@@ -30,14 +30,6 @@ use crate::wire;
 const MAX_BATCH: usize = 1024;
 /// How long an applied event may wait for its batch to be written.
 const LINGER: Duration = Duration::from_millis(5);
-
-#[derive(Debug, thiserror::Error)]
-enum ServeError {
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error(transparent)]
-    Transport(#[from] TransportError),
-}
 
 /// Runs the owned partitions of one keyed graph.
 pub(crate) struct KeyedPartitions {
@@ -108,29 +100,19 @@ impl PartitionWork for KeyedPartitions {
         release: CancellationToken,
         lost: CancellationToken,
     ) {
-        let mut pause = Duration::from_millis(100);
-        loop {
-            let stopping = Either::new(&release, &lost);
-            let failure = match Serving::start(self, partition, &held, &stopping.token).await {
-                Ok(mut serving) => match serving.serve(&release, &lost).await {
-                    Ok(()) => return,
-                    Err(e) => e,
-                },
-                Err(e) => e,
-            };
-            if let ServeError::Store(StoreError::Fenced { .. }) = failure {
-                warn!(graph = %self.graph, partition, "partition taken over; stopping");
-                return;
-            }
-            // Inputs not yet written are read again from the positions written.
-            warn!(graph = %self.graph, partition, error = %failure, "keyed partition failed; starting again from the store");
-            tokio::select! {
-                _ = release.cancelled() => return,
-                _ = lost.cancelled() => return,
-                _ = tokio::time::sleep(pause) => {}
-            }
-            pause = (pause * 2).min(Duration::from_secs(5));
-        }
+        let held = &held;
+        let (releasing, losing) = (&release, &lost);
+        crate::ownership::serve_partition(
+            &super::ownership_group(&self.graph),
+            partition,
+            &release,
+            &lost,
+            |stopping, _first| async move {
+                let mut serving = Serving::start(self, partition, held, &stopping).await?;
+                serving.serve(releasing, losing).await
+            },
+        )
+        .await;
     }
 }
 
@@ -175,7 +157,7 @@ impl<'a> Serving<'a> {
         partition: i32,
         held: &'a Held,
         stopping: &CancellationToken,
-    ) -> Result<Serving<'a>, ServeError> {
+    ) -> Result<Serving<'a>, PartitionError> {
         let stored = graph.store.load_positions(&graph.graph, partition).await?;
         let mut sources = Vec::with_capacity(graph.names.len());
         let mut positions = Vec::with_capacity(graph.names.len());
@@ -213,7 +195,7 @@ impl<'a> Serving<'a> {
         &mut self,
         release: &CancellationToken,
         lost: &CancellationToken,
-    ) -> Result<(), ServeError> {
+    ) -> Result<(), PartitionError> {
         // Made once and polled again each turn: a new timer or token wait per event
         // would cost more than the event.
         let lost = lost.cancelled();
@@ -290,7 +272,7 @@ impl<'a> Serving<'a> {
         Ok(state)
     }
 
-    async fn apply(&mut self, source: usize, message: Message) -> Result<(), ServeError> {
+    async fn apply(&mut self, source: usize, message: Message) -> Result<(), PartitionError> {
         let offset = message.position.offset;
         self.batch.commit.insert(source, message.position);
         self.batch.since.get_or_insert_with(Instant::now);
@@ -361,7 +343,7 @@ impl<'a> Serving<'a> {
         key: &Arc<str>,
         fire: u64,
         values: Vec<Option<Arc<Boundary>>>,
-    ) -> Result<(), ServeError> {
+    ) -> Result<(), PartitionError> {
         let input = Arc::new(
             FireInput::new(
                 self.graph.graph.clone(),
@@ -413,7 +395,7 @@ impl<'a> Serving<'a> {
         source: usize,
         message: &Message,
         reason: &str,
-    ) -> Result<(), ServeError> {
+    ) -> Result<(), PartitionError> {
         let topic = self.graph.dead_letters[source].clone();
         let mut outbound = Outbound::new(topic.clone(), message.payload.clone())
             .header(wire::ERROR_HEADER, reason)
@@ -433,7 +415,7 @@ impl<'a> Serving<'a> {
 
     /// Awaits the batch's outputs, writes its keys with the sources' positions, commits
     /// the positions, and lets cold keys leave memory.
-    async fn flush(&mut self, releasing: bool) -> Result<(), ServeError> {
+    async fn flush(&mut self, releasing: bool) -> Result<(), PartitionError> {
         let batch = std::mem::take(&mut self.batch);
         if batch.commit.is_empty() && batch.acks.is_empty() && !releasing {
             return Ok(());

@@ -4,6 +4,8 @@
 #[cfg(feature = "it")]
 pub mod certs;
 #[cfg(feature = "it")]
+pub mod nodes;
+#[cfg(feature = "it")]
 pub mod servers;
 #[cfg(feature = "it")]
 pub mod services;

@@ -1,0 +1,77 @@
+//! `weir run` processes sharing one config file, as the nodes of a cluster: node `i` runs
+//! with node id `n<i>` and logs to `<tmp>/<prefix>-n<i>.log` (appended across restarts).
+//! Every node still running is killed when the set is dropped, a failed test included.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct Nodes {
+    prefix: String,
+    config: PathBuf,
+    children: Vec<Option<Child>>,
+}
+
+impl Nodes {
+    pub fn new(prefix: &str, config: &Path, count: usize) -> Self {
+        Self {
+            prefix: prefix.to_string(),
+            config: config.to_path_buf(),
+            children: (0..count).map(|_| None).collect(),
+        }
+    }
+
+    /// Starts node `node`, with `env` added to its environment.
+    pub fn start_with(&mut self, node: usize, env: &[(&str, String)]) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(std::env::temp_dir().join(format!("{}-n{node}.log", self.prefix)))
+            .unwrap();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_weir"));
+        command
+            .args(["run", "--config"])
+            .arg(&self.config)
+            .env("WEIR__NODE__ID", format!("n{node}"))
+            .env("WEIR_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log);
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        self.children[node] = Some(command.spawn().expect("weir starts"));
+    }
+
+    pub fn start(&mut self, node: usize) {
+        self.start_with(node, &[]);
+    }
+
+    /// SIGKILL: the node vanishes holding whatever it held.
+    pub fn kill(&mut self, node: usize) {
+        if let Some(mut child) = self.children[node].take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
+
+    /// SIGTERM, and waits for the node to hand its partitions over and exit.
+    pub fn terminate(&mut self, node: usize) {
+        let Some(mut child) = self.children[node].take() else {
+            return;
+        };
+        super::servers::signal(&child, "TERM");
+        let deadline = Instant::now() + Duration::from_secs(40);
+        while child.try_wait().unwrap().is_none() {
+            assert!(Instant::now() < deadline, "n{node} did not stop on SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        for node in 0..self.children.len() {
+            self.kill(node);
+        }
+    }
+}
