@@ -137,6 +137,9 @@ struct Serving<'a> {
     /// Per source: the last position applied.
     positions: Vec<Option<i64>>,
     keys: HashMap<Arc<str>, KeyState>,
+    /// Whether the store may hold keys not in memory: not for a partition that never
+    /// wrote a batch (it has no positions stored) until a key leaves memory.
+    stored_keys: bool,
     events: u64,
     batch: Batch,
 }
@@ -186,6 +189,7 @@ impl<'a> Serving<'a> {
             sources,
             positions,
             keys: HashMap::new(),
+            stored_keys: !stored.is_empty(),
             events: 0,
             batch: Batch::default(),
         })
@@ -234,14 +238,17 @@ impl<'a> Serving<'a> {
     /// The key's state, from memory or the store.
     async fn key_state(&mut self, key: &Arc<str>) -> Result<&mut KeyState, StoreError> {
         if !self.keys.contains_key(key) {
-            let stored = self
-                .graph
-                .store
-                .load_keys(&self.graph.graph, self.partition, &[key.to_string()])
-                .await?
-                .into_iter()
-                .next()
-                .flatten();
+            let stored = if self.stored_keys {
+                self.graph
+                    .store
+                    .load_keys(&self.graph.graph, self.partition, &[key.to_string()])
+                    .await?
+                    .into_iter()
+                    .next()
+                    .flatten()
+            } else {
+                None
+            };
             let mut cache =
                 InputCache::new(self.graph.names.clone(), self.graph.decl.reactor.strategy);
             let fires = match &stored {
@@ -460,6 +467,7 @@ impl<'a> Serving<'a> {
         if self.keys.len() <= limit {
             return;
         }
+        self.stored_keys = true;
         // Down to nine tenths, so eviction runs once per many new keys, not per key.
         let keep = limit - limit / 10;
         let mut used: Vec<u64> = self.keys.values().map(|s| s.used).collect();
