@@ -4,12 +4,15 @@
 //! Every node serving a group announces itself in the store ([`MembershipStore`]) and
 //! sees the live members. Partition `p` belongs to the `p mod n`-th of the `n` live node
 //! ids, sorted: every node computes the same spread from the same list, so no
-//! coordinator is needed. A node
-//! takes the lease of each partition it should own once that lease is free, and runs the
-//! partition ([`PartitionWork`]) while it keeps the lease. A partition it should no
-//! longer own (a node joined) is handed over in order: its work is told to release (it
-//! finishes what is in flight, stores its state and commits its positions), and only
-//! once the work returned is the lease released, so the next owner starts from
+//! coordinator is needed. The same holds on every broker, Kafka included: the hand-over
+//! below runs in weir's own code, with a fencing token per partition, rather than in a
+//! consumer group's rebalance callback.
+//!
+//! A node takes the lease of each partition it should own once that lease is free, and
+//! runs the partition ([`PartitionWork`]) while it keeps the lease. A partition it
+//! should no longer own (a node joined) is handed over in order: its work is told to
+//! release (it finishes what is in flight, stores its state and commits its positions),
+//! and only once the work returned is the lease released, so the next owner starts from
 //! everything the last one did. A node that dies holds its leases until they expire;
 //! its writes are fenced by the lease tokens, so a node paused past its TTL cannot
 //! overwrite its successor's.
