@@ -4,7 +4,7 @@
 //! graph owns a share of the partitions ([`crate::ownership`]) and runs, per owned
 //! partition, one loop over the partition of every source: each event's key (a JSON
 //! pointer, or the message key) picks the key's input cache, dirty flags and queues
-//! ([`crate::reactor::InputCache`]); criteria are evaluated and fires happen per key;
+//! ([`crate::reactor::cache::InputCache`]); criteria are evaluated and fires happen per key;
 //! outputs carry the key as message key, so they stay partitioned by it. Sources must be
 //! co-partitioned: the same partition count, and producers placing a key in the same
 //! partition of each (on Kafka, the key as message key; on NATS, the subject
