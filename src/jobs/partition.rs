@@ -19,8 +19,8 @@ use crate::metrics;
 use crate::ownership::{PartitionError, PartitionWork};
 use crate::store_error::StoreError;
 use crate::transport::{
-    now_ms, publish_persistently, Broker, Message, Outbound, PartitionLayout, PartitionedTopic,
-    Position, Sink, Source,
+    now_ms, publish_persistently, Broker, Message, Outbound, PartitionedTopic, Position, Sink,
+    Source,
 };
 use crate::wire;
 
@@ -104,9 +104,33 @@ struct Serving<'a> {
     /// recently used leave memory first.
     used: HashMap<String, u64>,
     events: u64,
+    /// Metric handles, made once: the per-message path only touches atomics.
+    counts: Counts,
     /// Pending timeouts: (due ms, id).
     timers: BTreeSet<(i64, String)>,
     batch: Batch,
+}
+
+/// A partition's metric handles.
+struct Counts {
+    jobs_owned: ::metrics::Gauge,
+    applied: ::metrics::Counter,
+    timeouts: ::metrics::Counter,
+    dead_letters: ::metrics::Counter,
+    store_writes: ::metrics::Counter,
+}
+
+impl Counts {
+    fn new(job_type: &str, partition: i32) -> Self {
+        let job_type = job_type.to_string();
+        Self {
+            jobs_owned: ::metrics::gauge!(metrics::JOBS_OWNED, "job_type" => job_type.clone(), "partition" => partition.to_string()),
+            applied: ::metrics::counter!(metrics::JOB_MESSAGES_APPLIED_TOTAL, "job_type" => job_type.clone()),
+            timeouts: ::metrics::counter!(metrics::JOB_TIMEOUTS_FIRED_TOTAL, "job_type" => job_type.clone()),
+            dead_letters: ::metrics::counter!(metrics::DEAD_LETTERS_TOTAL, "job_type" => job_type.clone()),
+            store_writes: ::metrics::counter!(metrics::JOB_STORE_WRITES_TOTAL, "job_type" => job_type),
+        }
+    }
 }
 
 /// Applied, not yet written.
@@ -170,6 +194,7 @@ impl<'a> Serving<'a> {
             absent: HashSet::new(),
             used: HashMap::new(),
             events: 0,
+            counts: Counts::new(name, partition),
             timers: snapshot
                 .timeouts
                 .into_iter()
@@ -220,7 +245,12 @@ impl<'a> Serving<'a> {
     /// The job, loaded from the store the first time it is needed.
     async fn job(&mut self, id: &str) -> Result<Option<JobRecord>, StoreError> {
         self.events += 1;
-        self.used.insert(id.to_string(), self.events);
+        match self.used.get_mut(id) {
+            Some(used) => *used = self.events,
+            None => {
+                self.used.insert(id.to_string(), self.events);
+            }
+        }
         if let Some(record) = self.cache.get(id) {
             return Ok(Some(record.clone()));
         }
@@ -248,8 +278,7 @@ impl<'a> Serving<'a> {
     }
 
     fn report_jobs(&self) {
-        ::metrics::gauge!(metrics::JOBS_OWNED, "job_type" => self.jobs.job_type.name.clone(), "partition" => self.partition.to_string())
-            .set(self.cache.len() as f64);
+        self.counts.jobs_owned.set(self.cache.len() as f64);
     }
 
     async fn apply(&mut self, message: Message) -> Result<(), PartitionError> {
@@ -294,17 +323,8 @@ impl<'a> Serving<'a> {
                     .await
             }
         };
-        // On subjects the producer picks the partition: one that counts partitions
-        // differently would split a job's messages between two owners.
-        if self.jobs.topic.layout == PartitionLayout::Subjects {
-            let home = self.jobs.topic.partition_of(id.as_bytes());
-            if home != self.partition {
-                let reason = format!(
-                    "job {id} belongs to partition {home} of {}, not {}: producers and nodes disagree on the partition count",
-                    self.jobs.topic.partitions, self.partition
-                );
-                return self.dead_letter(&message, &reason).await;
-            }
+        if let Some(reason) = self.jobs.topic.misplaced(&id, self.partition) {
+            return self.dead_letter(&message, &format!("job {reason}")).await;
         }
         let record = self.job(&id).await?;
         let applied = match (&event, record) {
@@ -350,8 +370,7 @@ impl<'a> Serving<'a> {
         match applied {
             Ok((step, pending)) => {
                 self.record_step(&id, step, pending, Some(offset), event == JobEvent::Stop);
-                ::metrics::counter!(metrics::JOB_MESSAGES_APPLIED_TOTAL, "job_type" => self.jobs.job_type.name.clone())
-                    .increment(1);
+                self.counts.applied.increment(1);
                 Ok(())
             }
             Err(e) => {
@@ -461,8 +480,7 @@ impl<'a> Serving<'a> {
             match self.handler().handle(record.state, &JobEvent::Timeout) {
                 Ok(step) => {
                     self.record_step(&id, step, None, None, false);
-                    ::metrics::counter!(metrics::JOB_TIMEOUTS_FIRED_TOTAL, "job_type" => self.jobs.job_type.name.clone())
-                        .increment(1);
+                    self.counts.timeouts.increment(1);
                 }
                 Err(e) => {
                     warn!(job_type = %self.jobs.job_type.name, job = %id, error = %e, "handler refused a timeout; the job keeps its state without a timeout");
@@ -488,8 +506,7 @@ impl<'a> Serving<'a> {
         outbound.key = message.key.clone();
         publish_persistently(self.jobs.sink.as_ref(), outbound, &self.stopping).await?;
         warn!(job_type = %self.jobs.job_type.name, partition = self.partition, topic = %self.jobs.dead_letter_topic, %reason, "job message dead-lettered");
-        ::metrics::counter!(metrics::DEAD_LETTERS_TOTAL, "job_type" => self.jobs.job_type.name.clone())
-            .increment(1);
+        self.counts.dead_letters.increment(1);
         Ok(())
     }
 
@@ -525,8 +542,7 @@ impl<'a> Serving<'a> {
             .store
             .save_partition(&self.jobs.job_type.name, self.partition, &changes, &fence)
             .await?;
-        ::metrics::counter!(metrics::JOB_STORE_WRITES_TOTAL, "job_type" => self.jobs.job_type.name.clone())
-            .increment(1);
+        self.counts.store_writes.increment(1);
         self.evict();
         if let Some(position) = batch.commit {
             // The store has the position: a failed commit only means a replay, skipped.

@@ -21,8 +21,8 @@ use crate::ownership::{PartitionError, PartitionWork};
 use crate::reactor::cache::{InputCache, Inserted};
 use crate::store_error::StoreError;
 use crate::transport::{
-    now_ms, publish_persistently, Broker, Message, Outbound, PartitionLayout, PendingAck, Position,
-    Sink, Source, TransportError,
+    now_ms, publish_persistently, Broker, Message, Outbound, PendingAck, Position, Sink, Source,
+    TransportError,
 };
 use crate::wire;
 
@@ -301,18 +301,10 @@ impl<'a> Serving<'a> {
             };
             return self.dead_letter(source, &message, &reason).await;
         };
-        // On subjects the producer picks the partition: one that counts partitions
-        // differently would split a key's state between two owners.
-        let topic = &self.graph.topics.sources[source];
-        if topic.layout == PartitionLayout::Subjects {
-            let home = topic.partition_of(key.as_bytes());
-            if home != self.partition {
-                let reason = format!(
-                    "key {key} belongs to partition {home} of {}, not {}: producers and nodes disagree on the partition count",
-                    topic.partitions, self.partition
-                );
-                return self.dead_letter(source, &message, &reason).await;
-            }
+        if let Some(reason) = self.graph.topics.sources[source].misplaced(&key, self.partition) {
+            return self
+                .dead_letter(source, &message, &format!("key {reason}"))
+                .await;
         }
         let key: Arc<str> = Arc::from(key);
         let boundary = Boundary {

@@ -49,9 +49,6 @@ pub trait Store:
     + WorkflowStore
     + CronStore
     + DispatchStore
-    + JobStore
-    + KeyedStore
-    + MembershipStore
     + crate::jobs::JobsStore
     + crate::keyed::KeyedGraphStore
 {
@@ -67,9 +64,6 @@ impl<T> Store for T where
         + WorkflowStore
         + CronStore
         + DispatchStore
-        + JobStore
-        + KeyedStore
-        + MembershipStore
         + crate::jobs::JobsStore
         + crate::keyed::KeyedGraphStore
 {

@@ -203,6 +203,23 @@ impl PartitionedTopic {
         (crc32(key) % self.partitions.max(1)) as i32
     }
 
+    /// Why a message of `key` read from `partition` does not belong there, if it does
+    /// not: on subjects the producer names the partition, and one counting partitions
+    /// differently would split a key's messages between two owners. On a broker's own
+    /// partitions the producer's partitioner decides, and nothing can be checked.
+    pub fn misplaced(&self, key: &str, partition: i32) -> Option<String> {
+        if self.layout != PartitionLayout::Subjects {
+            return None;
+        }
+        let home = self.partition_of(key.as_bytes());
+        (home != partition).then(|| {
+            format!(
+                "{key} belongs to partition {home} of {}, not {partition}: producers and nodes disagree on the partition count",
+                self.partitions
+            )
+        })
+    }
+
     /// Where a message to `key` is published: the topic itself, or the subject of the
     /// key's partition.
     pub fn topic_for(&self, key: &[u8]) -> String {
@@ -558,8 +575,16 @@ mod tests {
         // Python: zlib.crc32(b"job-1") % 6 == 5
         assert_eq!(jobs.partition_of(b"job-1"), 5);
         assert_eq!(jobs.topic_for(b"job-1"), "weir.jobs.counter.5");
+        assert_eq!(jobs.misplaced("job-1", 5), None);
+        let misplaced = jobs.misplaced("job-1", 2).expect("job-1 is 5's");
+        assert!(misplaced.contains("partition 5 of 6, not 2"), "{misplaced}");
         let native = PartitionedTopic::native("weir.jobs.counter", 6);
         assert_eq!(native.topic_for(b"job-1"), "weir.jobs.counter");
+        assert_eq!(
+            native.misplaced("job-1", 2),
+            None,
+            "the producer's partitioner decides"
+        );
         assert_eq!(
             native.subscription(4, "g", Some(9)).assignment,
             Assignment::Partitions(vec![4])
