@@ -213,28 +213,52 @@ impl<'a> Serving<'a> {
         release: &CancellationToken,
         lost: &CancellationToken,
     ) -> Result<(), PartitionError> {
+        // Made once and polled again each turn: a new timer or token wait per message
+        // would cost more than the message.
+        let lost = lost.cancelled();
+        let release = release.cancelled();
+        let flush_timer = tokio::time::sleep(LINGER);
+        let due_timer = tokio::time::sleep(LINGER);
+        tokio::pin!(lost, release, flush_timer, due_timer);
+        let mut flush_armed = false;
+        // The due time (ms) the due timer is set for.
+        let mut due_armed: Option<i64> = None;
         loop {
+            if let (Some(since), false) = (self.batch.since, flush_armed) {
+                flush_timer.as_mut().reset(since + LINGER);
+                flush_armed = true;
+            }
             let next_due = self.timers.first().map(|(due, _)| *due);
-            let due_at = next_due
-                .map(|due| Instant::now() + Duration::from_millis((due - now_ms()).max(0) as u64));
-            let flush_at = self.batch.since.map(|since| since + LINGER);
+            if next_due != due_armed {
+                if let Some(due) = next_due {
+                    let wait = Duration::from_millis((due - now_ms()).max(0) as u64);
+                    due_timer.as_mut().reset(Instant::now() + wait);
+                }
+                due_armed = next_due;
+            }
             tokio::select! {
                 biased;
-                _ = lost.cancelled() => return Ok(()),
-                _ = release.cancelled() => {
+                _ = &mut lost => return Ok(()),
+                _ = &mut release => {
                     self.flush(true).await?;
                     return Ok(());
                 }
-                _ = sleep_until(flush_at) => self.flush(false).await?,
-                _ = sleep_until(due_at) => {
+                _ = &mut flush_timer, if flush_armed => {
+                    flush_armed = false;
+                    self.flush(false).await?;
+                }
+                _ = &mut due_timer, if due_armed.is_some() => {
+                    due_armed = None;
                     self.fire_due().await?;
                     if self.batch.applied as usize >= MAX_BATCH {
+                        flush_armed = false;
                         self.flush(false).await?;
                     }
                 }
                 message = self.source.next() => {
                     self.apply(message?).await?;
                     if self.batch.applied as usize >= MAX_BATCH {
+                        flush_armed = false;
                         self.flush(false).await?;
                     }
                 }
@@ -594,12 +618,5 @@ fn deadline(timer: Timer, pending: Option<i64>) -> Option<i64> {
         Timer::Keep => pending,
         Timer::Clear => None,
         Timer::After(after) => Some(now_ms() + after.as_millis() as i64),
-    }
-}
-
-async fn sleep_until(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
     }
 }
