@@ -1,7 +1,7 @@
 //! Distributed jobs across three `weir run` processes on real services (Kafka and NATS
-//! JetStream, Redis): 100 jobs × 50 messages through a SIGKILL, a node joining again and
-//! a rolling restart; every job ends with `count` exactly 50, and timeouts fire at most
-//! once per due time.
+//! JetStream, Redis): 100 jobs × 50 messages through a SIGKILL, a node joining again, a
+//! rolling restart and a node paused past its lease; every job ends with `count` exactly
+//! 50, and timeouts fire at most once per due time.
 #![cfg(feature = "it")]
 
 mod common;
@@ -176,6 +176,16 @@ async fn jobs_survive_kills_joins_and_rolling_restarts(kind: Kind) {
                     cluster.nodes.terminate(node);
                     cluster.nodes.start(node);
                 }
+            }
+            // Paused past its lease while holding partitions: the others take them
+            // over, and what it still holds in memory when it wakes is fenced off.
+            40 => {
+                services::await_owners(&redis, &group, PARTITIONS, &["n0", "n1", "n2"]).await;
+                cluster.nodes.signal(2, "STOP");
+            }
+            44 => {
+                services::await_owners(&redis, &group, PARTITIONS, &["n0", "n1"]).await;
+                cluster.nodes.signal(2, "CONT");
             }
             _ => {}
         }

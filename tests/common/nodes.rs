@@ -46,6 +46,12 @@ impl Nodes {
         self.start_with(node, &[]);
     }
 
+    /// Sends a signal (`STOP`, `CONT`, …) to a running node.
+    pub fn signal(&self, node: usize, name: &str) {
+        let child = self.children[node].as_ref().expect("the node runs");
+        super::servers::signal(child, name);
+    }
+
     /// SIGKILL: the node vanishes holding whatever it held.
     pub fn kill(&mut self, node: usize) {
         if let Some(mut child) = self.children[node].take() {
