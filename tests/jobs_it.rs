@@ -1,7 +1,8 @@
-//! Distributed jobs across three `weir run` processes on real services (Kafka and NATS
+//! Distributed jobs across `weir run` processes on real services (Kafka and NATS
 //! JetStream, Redis): 100 jobs × 50 messages through a SIGKILL, a node joining again, a
-//! rolling restart and a node paused past its lease; every job ends with `count` exactly
-//! 50, and timeouts fire at most once per due time.
+//! rolling restart, a node paused past its lease, and Redis and NATS restarted under
+//! load; every job ends with `count` exactly 50, and timeouts fire at most once per due
+//! time.
 #![cfg(feature = "it")]
 
 mod common;
@@ -11,6 +12,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::servers::Server;
 use common::services;
 use serde_json::{json, Value};
 use weir::jobs::JobClient;
@@ -31,6 +33,9 @@ enum Kind {
 
 struct Cluster {
     kind: Kind,
+    /// The Redis and NATS the nodes use: the shared ones, or a test's own.
+    redis_url: String,
+    nats_url: String,
     prefix: String,
     job_type: String,
     config: tempfile::NamedTempFile,
@@ -38,12 +43,21 @@ struct Cluster {
 }
 
 impl Cluster {
+    /// Three nodes on the shared services.
     fn new(kind: Kind) -> Self {
+        Self::on(kind, &services::redis_url(), &services::nats_url(), 3)
+    }
+
+    /// `nodes` nodes on this Redis and (for NATS) this NATS server.
+    fn on(kind: Kind, redis_url: &str, nats_url: &str, nodes: usize) -> Self {
         let prefix = services::unique("jobs");
         let job_type = services::unique("counter");
         let broker = match kind {
             Kind::Kafka => services::kafka_table(),
-            Kind::Nats => services::nats_table(),
+            Kind::Nats => format!(
+                "kind = \"nats\"\nurl = \"{nats_url}\"\nretention_ms = {}",
+                services::TEST_RETENTION.as_millis()
+            ),
         };
         let text = format!(
             r#"
@@ -59,13 +73,15 @@ handler = "builtin::count"
 partitions = {PARTITIONS}
 lease_ttl_ms = 3000
 "#,
-            redis = services::redis_url(),
+            redis = redis_url,
         );
         let mut config = tempfile::NamedTempFile::new().unwrap();
         config.write_all(text.as_bytes()).unwrap();
         Self {
-            nodes: common::nodes::Nodes::new(&prefix, config.path(), 3),
+            nodes: common::nodes::Nodes::new(&prefix, config.path(), nodes),
             kind,
+            redis_url: redis_url.to_string(),
+            nats_url: nats_url.to_string(),
             prefix,
             job_type,
             config,
@@ -75,12 +91,29 @@ lease_ttl_ms = 3000
     async fn broker(&self) -> Arc<dyn Broker> {
         match self.kind {
             Kind::Kafka => services::kafka(),
-            Kind::Nats => services::nats(true).await,
+            Kind::Nats => Arc::new(
+                weir::transport::nats::NatsBroker::connect(weir::transport::nats::NatsSettings {
+                    url: self.nats_url.clone(),
+                    jetstream: true,
+                    retention: Some(services::TEST_RETENTION),
+                    ..Default::default()
+                })
+                .await
+                .expect("nats reachable"),
+            ),
         }
     }
 
+    async fn redis(&self) -> Arc<weir::store::redis::RedisStore> {
+        Arc::new(
+            weir::store::redis::RedisStore::connect(&self.redis_url, &self.prefix)
+                .await
+                .expect("redis reachable"),
+        )
+    }
+
     async fn store(&self) -> Arc<dyn Store> {
-        services::redis(&self.prefix).await
+        self.redis().await
     }
 
     fn cli(&self, args: &[&str]) -> std::process::Output {
@@ -94,14 +127,19 @@ lease_ttl_ms = 3000
     }
 }
 
+/// The jobs' states; a connection broken by a Redis restart is made again, so a failed
+/// read is tried again for a while.
 async fn states(store: &dyn Store, job_type: &str, ids: &[String]) -> Vec<Option<Value>> {
-    store
-        .load_jobs(job_type, ids)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|r| r.map(|r| r.state))
-        .collect()
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match store.load_jobs(job_type, ids).await {
+            Ok(records) => return records.into_iter().map(|r| r.map(|r| r.state)).collect(),
+            Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("cannot read the jobs: {e}"),
+        }
+    }
 }
 
 async fn await_counts(store: &dyn Store, job_type: &str, ids: &[String], within: Duration) {
@@ -133,6 +171,24 @@ async fn await_counts(store: &dyn Store, job_type: &str, ids: &[String], within:
     }
 }
 
+/// Each ticker's timeouts fired, and at most once per due time since `started`.
+async fn await_timeouts_once_per_due_time(
+    store: &dyn Store,
+    job_type: &str,
+    tickers: &[String],
+    started: Instant,
+) {
+    let elapsed = started.elapsed().as_millis() as u64;
+    for (id, state) in tickers.iter().zip(states(store, job_type, tickers).await) {
+        let timeouts = state.as_ref().and_then(|s| s["timeouts"].as_u64());
+        let most = elapsed / TICK_MS + 1;
+        assert!(
+            timeouts.is_some_and(|t| (1..=most).contains(&t)),
+            "{id}: {timeouts:?} timeouts in {elapsed} ms (at most {most})"
+        );
+    }
+}
+
 async fn jobs_survive_kills_joins_and_rolling_restarts(kind: Kind) {
     let mut cluster = Cluster::new(kind);
     let broker = cluster.broker().await;
@@ -144,7 +200,7 @@ async fn jobs_survive_kills_joins_and_rolling_restarts(kind: Kind) {
         cluster.nodes.start(node);
     }
     let group = weir::jobs::ownership_group(&cluster.job_type);
-    let redis = services::redis(&cluster.prefix).await;
+    let redis = cluster.redis().await;
     services::await_owners(&redis, &group, PARTITIONS, &["n0", "n1", "n2"]).await;
     let ids: Vec<String> = (0..JOBS).map(|i| format!("job-{i}")).collect();
     let tickers: Vec<String> = (0..TICKERS).map(|i| format!("ticker-{i}")).collect();
@@ -201,18 +257,7 @@ async fn jobs_survive_kills_joins_and_rolling_restarts(kind: Kind) {
     // Nothing more is applied later.
     tokio::time::sleep(Duration::from_secs(2)).await;
     await_counts(store.as_ref(), &cluster.job_type, &ids, Duration::ZERO).await;
-    let elapsed = started.elapsed().as_millis() as u64;
-    for (id, state) in tickers
-        .iter()
-        .zip(states(store.as_ref(), &cluster.job_type, &tickers).await)
-    {
-        let timeouts = state.as_ref().and_then(|s| s["timeouts"].as_u64());
-        let most = elapsed / TICK_MS + 1;
-        assert!(
-            timeouts.is_some_and(|t| (1..=most).contains(&t)),
-            "{id}: {timeouts:?} timeouts in {elapsed} ms (at most {most})"
-        );
-    }
+    await_timeouts_once_per_due_time(store.as_ref(), &cluster.job_type, &tickers, started).await;
     // The command line sees the same: one JSON line per job, every job listed.
     let got = cluster.cli(&["get", &cluster.job_type, "job-7"]);
     assert!(got.status.success(), "{got:?}");
@@ -247,4 +292,104 @@ async fn kafka_jobs_survive_kills_joins_and_rolling_restarts() {
 #[tokio::test(flavor = "multi_thread")]
 async fn nats_jobs_survive_kills_joins_and_rolling_restarts() {
     jobs_survive_kills_joins_and_rolling_restarts(Kind::Nats).await;
+}
+
+/// Redis stopped under load for longer than the lease TTL and started again, then (on
+/// NATS) the broker restarted: the nodes lose their leases and stop, take the partitions
+/// back from what was stored, and apply every message exactly once.
+async fn jobs_survive_redis_and_broker_restarts(kind: Kind) {
+    let mut redis_server = Server::redis();
+    let mut nats_server = matches!(kind, Kind::Nats).then(|| Server::nats(""));
+    let nats_url = nats_server
+        .as_ref()
+        .map_or_else(services::nats_url, Server::nats_url);
+    let mut cluster = Cluster::on(kind, &redis_server.redis_url(), &nats_url, 2);
+    let broker = cluster.broker().await;
+    let store = cluster.store().await;
+    let client = JobClient::new(broker.as_ref(), &cluster.job_type, PARTITIONS)
+        .await
+        .unwrap();
+    for node in 0..2 {
+        cluster.nodes.start(node);
+    }
+    let group = weir::jobs::ownership_group(&cluster.job_type);
+    let redis = cluster.redis().await;
+    services::await_owners(&redis, &group, PARTITIONS, &["n0", "n1"]).await;
+    let ids: Vec<String> = (0..JOBS).map(|i| format!("job-{i}")).collect();
+    let tickers: Vec<String> = (0..TICKERS).map(|i| format!("ticker-{i}")).collect();
+    let started = Instant::now();
+    for id in &tickers {
+        client
+            .put(id, &json!({ "every_ms": TICK_MS }))
+            .await
+            .unwrap();
+    }
+    for id in &ids {
+        client.put(id, &json!({})).await.unwrap();
+    }
+    for round in 0..MESSAGES {
+        let message = json!({ "round": round });
+        futures::future::try_join_all(ids.iter().map(|id| client.send(id, &message)))
+            .await
+            .unwrap();
+        match round {
+            // Messages keep arriving while Redis is away.
+            10 => redis_server.stop(),
+            // Away for longer than the lease TTL (3 s): every lease has run out.
+            25 => {
+                tokio::time::sleep(Duration::from_secs(4)).await;
+                redis_server.start();
+            }
+            35 => {
+                if let Some(server) = nats_server.as_mut() {
+                    services::await_owners(&redis, &group, PARTITIONS, &["n0", "n1"]).await;
+                    server.restart();
+                    await_reconnected(&client).await;
+                }
+            }
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    await_counts(
+        store.as_ref(),
+        &cluster.job_type,
+        &ids,
+        Duration::from_secs(120),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    await_counts(store.as_ref(), &cluster.job_type, &ids, Duration::ZERO).await;
+    await_timeouts_once_per_due_time(store.as_ref(), &cluster.job_type, &tickers, started).await;
+    for node in 0..2 {
+        cluster.nodes.terminate(node);
+    }
+}
+
+/// Waits until the client publishes again after its server restarted, with a job of its
+/// own (started twice at worst, which the test does not look at).
+async fn await_reconnected(client: &JobClient) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let state = json!({});
+    loop {
+        let put = client.put("reconnect-probe", &state);
+        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(5), put).await {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the client did not reconnect to the restarted server"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_jobs_survive_a_redis_restart() {
+    jobs_survive_redis_and_broker_restarts(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_jobs_survive_redis_and_nats_restarts() {
+    jobs_survive_redis_and_broker_restarts(Kind::Nats).await;
 }

@@ -2,7 +2,7 @@
 //! in one loop, each event fired through its key's input cache, and the keys' state
 //! written with the sources' positions once the batch's outputs are acknowledged.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -122,6 +122,8 @@ struct KeyState {
     fires: u64,
     /// When the key was last used, in events of this partition.
     used: u64,
+    /// Changed since the last batch was written: listed in the batch.
+    changed: bool,
 }
 
 struct Serving<'a> {
@@ -146,7 +148,8 @@ struct Serving<'a> {
 
 #[derive(Default)]
 struct Batch {
-    changed: HashSet<Arc<str>>,
+    /// Keys changed since the last write, each once.
+    changed: Vec<Arc<str>>,
     acks: Vec<PendingAck>,
     /// Per source: the broker position to commit once written.
     commit: BTreeMap<usize, Position>,
@@ -264,6 +267,7 @@ impl<'a> Serving<'a> {
                     cache,
                     fires,
                     used: 0,
+                    changed: false,
                 },
             );
         }
@@ -329,7 +333,10 @@ impl<'a> Serving<'a> {
             state.fires += 1;
             fires.push((state.fires, values));
         }
-        self.batch.changed.insert(key.clone());
+        let newly_changed = !std::mem::replace(&mut state.changed, true);
+        if newly_changed {
+            self.batch.changed.push(key.clone());
+        }
         for (fire, values) in fires {
             self.fire(&key, fire, values).await?;
         }
@@ -423,11 +430,13 @@ impl<'a> Serving<'a> {
             ack.await?;
         }
         let mut changes = KeyedChanges {
+            keys: Vec::with_capacity(batch.changed.len()),
             released: releasing.then(|| (self.held.lease.token, now_ms())),
             ..Default::default()
         };
         for key in &batch.changed {
-            if let Some(state) = self.keys.get(key) {
+            if let Some(state) = self.keys.get_mut(key) {
+                state.changed = false;
                 let snapshot = state.cache.snapshot(state.fires, std::iter::empty());
                 changes.keys.push((key.to_string(), snapshot));
             }

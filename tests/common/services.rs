@@ -128,7 +128,8 @@ pub async fn remove_redis_keys(prefix: &str) {
 }
 
 /// Waits until every partition of an ownership `group` (`jobs.<type>`, `graph.<name>`)
-/// is held, by exactly `nodes`: each holds at least one, no other holds any.
+/// is held, by exactly `nodes`: each holds at least one, no other holds any. Within 30 s;
+/// a read refused meanwhile (Redis restarting) counts as a partition not held yet.
 pub async fn await_owners(store: &RedisStore, group: &str, partitions: u32, nodes: &[&str]) {
     use weir::lease::LeaseStore;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
@@ -136,10 +137,18 @@ pub async fn await_owners(store: &RedisStore, group: &str, partitions: u32, node
         let mut holders = std::collections::BTreeSet::new();
         let mut unowned = 0;
         for p in 0..partitions as i32 {
-            let lease = store
+            let lease = match store
                 .current_lease(&weir::ownership::partition_lease(group, p))
                 .await
-                .expect("redis reachable");
+            {
+                Ok(lease) => lease,
+                // A connection broken by a Redis restart is made again at the next call.
+                Err(e) if e.is_retryable() && std::time::Instant::now() < deadline => {
+                    unowned += 1;
+                    continue;
+                }
+                Err(e) => panic!("redis unreachable: {e}"),
+            };
             match lease {
                 Some(lease) => {
                     holders.insert(weir::lease::holder_node(&lease.holder).to_string());
