@@ -381,9 +381,40 @@ topic = "{input}"
         .expect("weir starts")
 }
 
+/// What one process under test did with a pre-filled input.
+struct Drained {
+    events_per_second: f64,
+    /// Commands Redis processed meanwhile, per event: an upper bound on the round trips
+    /// (a pipeline or script of several commands is one round trip).
+    redis_commands_per_event: f64,
+}
+
+/// Commands the Redis server has processed since it started.
+async fn redis_commands() -> u64 {
+    let client = redis::Client::open(redis_url()).expect("redis url");
+    let mut connection = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis reachable");
+    let info: String = redis::cmd("INFO")
+        .arg("stats")
+        .query_async(&mut connection)
+        .await
+        .expect("INFO");
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_commands_processed:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("total_commands_processed")
+}
+
 /// Fills a fresh input with `events` events, lets one process under test drain it, and
 /// reads its outputs here: outputs per second from the first to the last.
-async fn prefilled(kind: &str, broker: &Arc<dyn Broker>, events: usize, with_weir: bool) -> f64 {
+async fn prefilled(
+    kind: &str,
+    broker: &Arc<dyn Broker>,
+    events: usize,
+    with_weir: bool,
+) -> Drained {
     let prefix = unique("pre");
     let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
     let sink = broker.sink();
@@ -406,6 +437,7 @@ async fn prefilled(kind: &str, broker: &Arc<dyn Broker>, events: usize, with_wei
     subscription.assignment = Assignment::All;
     let mut source = broker.subscribe(&subscription).await.expect("reader");
     let mut config = tempfile::NamedTempFile::new().expect("config file");
+    let commands_before = redis_commands().await;
     let mut child = process_under_test(
         kind,
         with_weir,
@@ -432,8 +464,13 @@ async fn prefilled(kind: &str, broker: &Arc<dyn Broker>, events: usize, with_wei
     let took = first.map_or(Duration::ZERO, |f| f.elapsed());
     let _ = child.kill();
     let _ = child.wait();
+    // Less the one INFO of this count.
+    let commands = redis_commands().await.saturating_sub(commands_before + 1);
     remove_prefix(&prefix).await;
-    (events - 1) as f64 / took.as_secs_f64().max(1e-9)
+    Drained {
+        events_per_second: (events - 1) as f64 / took.as_secs_f64().max(1e-9),
+        redis_commands_per_event: commands as f64 / events as f64,
+    }
 }
 
 async fn remove_prefix(prefix: &str) {
@@ -469,13 +506,17 @@ async fn raw_role(role: &str) {
 
 async fn compare_prefilled(kind: &str, events: usize) {
     let broker = broker(kind).await;
-    let raw = prefilled(kind, &broker, events, false).await;
+    let raw = prefilled(kind, &broker, events, false)
+        .await
+        .events_per_second;
     let weir = prefilled(kind, &broker, events, true).await;
     println!(
         "{kind:5} pre-filled {events} events, {} outputs awaited: raw-client loop {raw:.0} ev/s, \
-         weir run {weir:.0} ev/s: weir/raw {:.2}",
+         weir run {:.0} ev/s: weir/raw {:.2}; Redis commands per event {:.4}",
         raw::OUTPUTS_AWAITED,
-        weir / raw
+        weir.events_per_second,
+        weir.events_per_second / raw,
+        weir.redis_commands_per_event
     );
 }
 

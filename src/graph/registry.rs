@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use serde_json::{json, Value};
+use serde_json::{Map, Value};
 
 use super::{node_fn, NodeContext, NodeFn};
 
@@ -41,16 +41,16 @@ impl FunctionRegistry {
 /// graph.
 async fn snapshot(ctx: NodeContext) -> super::NodeResult {
     let fire = ctx.fire();
-    let mut record: Value = json!({
-        "graph": &*fire.graph,
-        "fire": fire.fire,
-        "degraded": fire.degraded,
-        "inputs": fire.inputs_json(),
-    });
+    // Built field by field: `json!` would copy the inputs once more through a serializer.
+    let mut record = Map::with_capacity(5);
+    record.insert("graph".into(), Value::String(fire.graph.to_string()));
+    record.insert("fire".into(), Value::from(fire.fire));
+    record.insert("degraded".into(), Value::Bool(fire.degraded));
+    record.insert("inputs".into(), fire.inputs_json());
     if let Some(key) = &fire.key {
-        record["key"] = Value::String(key.to_string());
+        record.insert("key".into(), Value::String(key.to_string()));
     }
-    Ok(Some(record))
+    Ok(Some(Value::Object(record)))
 }
 
 #[cfg(test)]
@@ -58,6 +58,7 @@ mod tests {
     use super::*;
     use crate::accumulator::AccumulatorSpec;
     use crate::graph::{FireInput, GraphBuildError, GraphBuilder};
+    use serde_json::json;
     use std::sync::Arc;
 
     #[tokio::test]
