@@ -18,9 +18,10 @@ pub struct CommitTracker {
     processed: BTreeMap<i32, i64>,
     /// Highest committed offset per partition.
     committed: BTreeMap<i32, i64>,
-    /// Highest offset per partition of the events taken in since the last emission:
-    /// what the next boundary covers.
-    uncovered: BTreeMap<i32, i64>,
+    /// Highest offset per partition of the events taken in since the last emission,
+    /// by partition: what the next boundary covers. Handed over whole at each emission,
+    /// so kept in the form the boundary holds it.
+    uncovered: Vec<Position>,
 }
 
 /// Positions to commit now.
@@ -38,9 +39,12 @@ impl CommitTracker {
             committed.iter().map(|p| (p.partition, p.offset)).collect();
         Self {
             uncovered: if state_restored {
-                offsets.clone()
+                offsets
+                    .iter()
+                    .map(|(&partition, &offset)| Position { partition, offset })
+                    .collect()
             } else {
-                BTreeMap::new()
+                Vec::new()
             },
             committed: offsets.clone(),
             processed: offsets,
@@ -58,9 +62,17 @@ impl CommitTracker {
 
     /// Records an event taken in, whether or not it produced a boundary.
     pub fn processed(&mut self, position: Position) {
-        for map in [&mut self.processed, &mut self.uncovered] {
-            let entry = map.entry(position.partition).or_insert(i64::MIN);
-            *entry = (*entry).max(position.offset);
+        let processed = self.processed.entry(position.partition).or_insert(i64::MIN);
+        *processed = (*processed).max(position.offset);
+        match self
+            .uncovered
+            .binary_search_by_key(&position.partition, |p| p.partition)
+        {
+            Ok(i) => {
+                let uncovered = &mut self.uncovered[i].offset;
+                *uncovered = (*uncovered).max(position.offset);
+            }
+            Err(i) => self.uncovered.insert(i, position),
         }
     }
 
@@ -68,9 +80,6 @@ impl CommitTracker {
     pub fn emitted(&mut self, sequence: u64, position: Option<Position>) -> Vec<Position> {
         self.pending.push_back((sequence, position));
         std::mem::take(&mut self.uncovered)
-            .into_iter()
-            .map(|(partition, offset)| Position { partition, offset })
-            .collect()
     }
 
     /// Every partition's committed offset.

@@ -54,7 +54,8 @@ impl SourceCounters {
     /// The next push id: increasing and above every id given out before, also by an
     /// earlier run whose reactor or checkpoint recorded it. Microseconds of the wall
     /// clock where that is higher, so ids lost in a crash are not handed out again.
-    fn next_push(&self) -> i64 {
+    /// Returned with the clock reading (ms), the push's time: one reading serves both.
+    fn next_push(&self) -> (i64, i64) {
         let now_us = chrono::Utc::now().timestamp_micros();
         let mut id = now_us;
         let _ = self
@@ -63,7 +64,7 @@ impl SourceCounters {
                 id = (last + 1).max(now_us);
                 Some(id)
             });
-        id
+        (id, now_us.div_euclid(1000))
     }
 
     fn next_sequence(&self) -> u64 {
@@ -255,14 +256,15 @@ impl AccumulatorTask {
 
     /// Returns false when the reactor is gone.
     async fn handle_push(&self, run: &mut Running, value: Value) -> Result<bool, AccumulatorError> {
+        let (id, pushed_at_ms) = self.counters.next_push();
         let push = Position {
             partition: PUSH_PARTITION,
-            offset: self.counters.next_push(),
+            offset: id,
         };
         let event = Event {
             value,
             position: None,
-            time_ms: now_ms(),
+            time_ms: pushed_at_ms,
         };
         self.handle(run, event, push, None).await
     }
