@@ -1,7 +1,8 @@
-//! A keyed graph across three `weir run` processes on real services (Kafka and NATS
-//! JetStream, Redis): 1,000 keys under load, one node SIGKILLed and started again later.
-//! Every input reaches an output, each key's outputs keep its input order, and per key
-//! the fencing token never goes back.
+//! A keyed graph across `weir run` processes on real services (Kafka and NATS
+//! JetStream, Redis): 1,000 keys under load, one node SIGKILLed and started again later,
+//! or Redis stopped past the lease TTL and started again. Every input reaches an output,
+//! each key's outputs keep its input order, and per key the fencing token never goes
+//! back.
 #![cfg(feature = "it")]
 
 mod common;
@@ -12,6 +13,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::servers::Server;
 use common::services;
 use serde_json::{json, Value};
 use weir::transport::{Assignment, Broker, Message, PartitionedTopic, Subscription};
@@ -39,7 +41,12 @@ struct Cluster {
 }
 
 impl Cluster {
+    /// Three nodes on the shared Redis.
     fn new(kind: Kind) -> Self {
+        Self::on(kind, &services::redis_url(), 3)
+    }
+
+    fn on(kind: Kind, redis_url: &str, nodes: usize) -> Self {
         let prefix = services::unique("keyed");
         let graph = format!("g{prefix}");
         let input = format!("{prefix}.in");
@@ -72,12 +79,12 @@ name = "a"
 topic = "{input}"
 format = "json"
 "#,
-            redis = services::redis_url(),
+            redis = redis_url,
         );
         let mut config = tempfile::NamedTempFile::new().unwrap();
         config.write_all(text.as_bytes()).unwrap();
         Self {
-            nodes: common::nodes::Nodes::new(&prefix, config.path(), 3),
+            nodes: common::nodes::Nodes::new(&prefix, config.path(), nodes),
             kind,
             prefix,
             graph,
@@ -153,6 +160,41 @@ fn identity(message: &Message) -> (String, u64) {
     )
 }
 
+/// Checks per key that first outputs come in input order, that repeats are only of what
+/// came out before, and that the fencing token never goes back; returns the repeats.
+fn checked_per_key(outputs: &[Message]) -> usize {
+    let mut per_key: BTreeMap<String, (u64, HashSet<u64>, u64)> = BTreeMap::new();
+    let mut repeats = 0;
+    for message in outputs {
+        let (key, seq) = identity(message);
+        assert_eq!(
+            message.key.as_deref(),
+            Some(key.as_bytes()),
+            "output keyed by its key"
+        );
+        let token: u64 = message
+            .header(weir::wire::FENCING_HEADER)
+            .and_then(|t| t.parse().ok())
+            .expect("fencing header");
+        let (highest, seen, last_token) = per_key.entry(key.clone()).or_default();
+        assert!(
+            token >= *last_token,
+            "{key}: token {token} after {last_token}"
+        );
+        *last_token = token;
+        if !seen.insert(seq) {
+            repeats += 1;
+            continue;
+        }
+        assert!(
+            seq > *highest,
+            "{key}: input {seq} came out after {highest}"
+        );
+        *highest = seq;
+    }
+    repeats
+}
+
 async fn keyed_graph_survives_a_kill_and_a_rejoin(kind: Kind) {
     let mut cluster = Cluster::new(kind);
     let broker = cluster.broker().await;
@@ -193,37 +235,7 @@ async fn keyed_graph_survives_a_kill_and_a_rejoin(kind: Kind) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let outputs = read_outputs(&broker, &cluster.output, &sent, Duration::from_secs(120)).await;
-    // Per key: first outputs in input order, repeats only of what came out before, and
-    // the fencing token never going back.
-    let mut per_key: BTreeMap<String, (u64, HashSet<u64>, u64)> = BTreeMap::new();
-    let mut repeats = 0;
-    for message in &outputs {
-        let (key, seq) = identity(message);
-        assert_eq!(
-            message.key.as_deref(),
-            Some(key.as_bytes()),
-            "output keyed by its key"
-        );
-        let token: u64 = message
-            .header(weir::wire::FENCING_HEADER)
-            .and_then(|t| t.parse().ok())
-            .expect("fencing header");
-        let (highest, seen, last_token) = per_key.entry(key.clone()).or_default();
-        assert!(
-            token >= *last_token,
-            "{key}: token {token} after {last_token}"
-        );
-        *last_token = token;
-        if !seen.insert(seq) {
-            repeats += 1;
-            continue;
-        }
-        assert!(
-            seq > *highest,
-            "{key}: input {seq} came out after {highest}"
-        );
-        *highest = seq;
-    }
+    let repeats = checked_per_key(&outputs);
     // What can repeat is what the killed node had applied and not yet written: at most
     // one batch per partition it owned.
     assert!(
@@ -260,4 +272,74 @@ async fn kafka_keyed_graph_survives_a_kill_and_a_rejoin() {
 #[tokio::test(flavor = "multi_thread")]
 async fn nats_keyed_graph_survives_a_kill_and_a_rejoin() {
     keyed_graph_survives_a_kill_and_a_rejoin(Kind::Nats).await;
+}
+
+/// Redis stopped under load for longer than the lease TTL, then started again: the nodes
+/// lose their partitions, take them back from what was stored, and every input still
+/// comes out, in order per key, with the fencing token never going back.
+async fn keyed_graph_survives_a_redis_restart(kind: Kind) {
+    let mut redis_server = Server::redis();
+    let mut cluster = Cluster::on(kind, &redis_server.redis_url(), 2);
+    let broker = cluster.broker().await;
+    let input: PartitionedTopic = broker
+        .partitioned(&cluster.input, PARTITIONS)
+        .await
+        .unwrap();
+    for node in 0..2 {
+        cluster.start(node);
+    }
+    let store = Arc::new(
+        weir::store::redis::RedisStore::connect(&redis_server.redis_url(), &cluster.prefix)
+            .await
+            .unwrap(),
+    );
+    let group = weir::keyed::ownership_group(&cluster.graph);
+    services::await_owners(&store, &group, PARTITIONS, &["n0", "n1"]).await;
+    let sink = broker.sink();
+    let users: Vec<String> = (0..KEYS).map(|i| format!("u{i}")).collect();
+    let mut sent = HashSet::new();
+    let mut seq = 0u64;
+    for round in 0..ROUNDS {
+        let mut batch = Vec::with_capacity(KEYS);
+        for user in &users {
+            seq += 1;
+            sent.insert((user.clone(), seq));
+            let event = json!({"user": user, "seq": seq});
+            batch.push(sink.publish(input.outbound(user, event.to_string())));
+        }
+        futures::future::try_join_all(batch).await.unwrap();
+        match round {
+            // Inputs keep arriving while Redis is away.
+            3 => redis_server.stop(),
+            // Away for longer than the lease TTL (3 s): every lease has run out.
+            8 => {
+                tokio::time::sleep(Duration::from_secs(4)).await;
+                redis_server.start();
+            }
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let outputs = read_outputs(&broker, &cluster.output, &sent, Duration::from_secs(120)).await;
+    let repeats = checked_per_key(&outputs);
+    // What can repeat is what was applied and not yet written when the writes stopped
+    // succeeding: at most one batch per partition.
+    assert!(
+        repeats <= 1024 * PARTITIONS as usize,
+        "{repeats} repeated outputs"
+    );
+    services::await_owners(&store, &group, PARTITIONS, &["n0", "n1"]).await;
+    for node in 0..2 {
+        cluster.nodes.kill(node);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_keyed_graph_survives_a_redis_restart() {
+    keyed_graph_survives_a_redis_restart(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_keyed_graph_survives_a_redis_restart() {
+    keyed_graph_survives_a_redis_restart(Kind::Nats).await;
 }
