@@ -1,6 +1,7 @@
 //! Distributed jobs on the memory backends, with several nodes in one process: messages
 //! applied exactly once across hand-overs, timeouts that fell due while a partition had
-//! no owner fired once, and malformed messages dead-lettered without stopping anything.
+//! no owner fired once, and malformed messages and outputs too large for the broker
+//! dead-lettered without stopping anything.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -48,7 +49,10 @@ impl Node {
 
 impl Cluster {
     async fn new() -> Self {
-        let memory = MemoryBroker::new(1);
+        Self::on(MemoryBroker::new(1)).await
+    }
+
+    async fn on(memory: MemoryBroker) -> Self {
         let broker: Arc<dyn Broker> = Arc::new(memory.clone());
         let topic = broker
             .partitioned(&weir::wire::job_topic(TYPE), PARTITIONS)
@@ -268,5 +272,43 @@ async fn malformed_messages_are_dead_lettered_and_the_partition_goes_on() {
         output,
         json!({"type": TYPE, "id": "j", "output": {"count": 2}})
     );
+    node.stop().await;
+}
+
+#[tokio::test]
+async fn an_output_too_large_to_publish_is_dead_lettered_and_the_partition_goes_on() {
+    // The padded state fits as a message; the stop's output, the state and more, does not.
+    const LIMIT: usize = 400;
+    let cluster = Cluster::on(MemoryBroker::with_max_message_bytes(1, LIMIT)).await;
+    let client = cluster.client().await;
+    let node = cluster.node("a");
+    let pad = "x".repeat(LIMIT - 40);
+    client.put("big", &json!({ "pad": pad })).await.unwrap();
+    client.send("big", &json!(1)).await.unwrap();
+    client.stop("big").await.unwrap();
+    // Messages to another job of the same partition go on being applied.
+    let neighbour = (0..)
+        .map(|i| format!("n{i}"))
+        .find(|id| cluster.topic.partition_of(id.as_bytes()) == cluster.topic.partition_of(b"big"))
+        .unwrap();
+    client.send(&neighbour, &json!(1)).await.unwrap();
+    cluster
+        .await_counts(std::slice::from_ref(&neighbour), 1)
+        .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while cluster.memory.messages("counter.out.dlq").is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "nothing dead-lettered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let dead = cluster.memory.messages("counter.out.dlq");
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].key.as_deref(), Some(&b"big"[..]));
+    assert!(dead[0]
+        .header(weir::wire::ERROR_HEADER)
+        .is_some_and(|e| e.contains("larger than the broker takes")));
+    assert!(cluster.memory.messages("counter.out").is_empty());
     node.stop().await;
 }

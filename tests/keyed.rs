@@ -1,6 +1,7 @@
 //! Keyed graphs on the memory backends, with several nodes in one process: one reactor
 //! state per key, every input reaching an output in its key's order across joins and
-//! kills, per-key `when_all`, and the co-partitioning check.
+//! kills, per-key `when_all`, an output too large for the broker, and the
+//! co-partitioning check.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -64,7 +65,10 @@ fn graph(name: &str, sources: &[&str], criteria: Criteria) -> GraphDeclaration {
 
 impl Cluster {
     async fn new(decl: GraphDeclaration) -> Self {
-        let memory = MemoryBroker::new(1);
+        Self::on(decl, MemoryBroker::new(1)).await
+    }
+
+    async fn on(decl: GraphDeclaration, memory: MemoryBroker) -> Self {
         let broker: Arc<dyn Broker> = Arc::new(memory.clone());
         let topics = weir::keyed::topics(&decl, broker.as_ref()).await.unwrap();
         Self {
@@ -243,4 +247,35 @@ async fn sources_with_different_partition_counts_are_refused_by_name() {
         text.contains("mixed.a has 4") && text.contains("mixed.b has 2"),
         "{text}"
     );
+}
+
+#[tokio::test]
+async fn an_output_too_large_to_publish_is_dead_lettered_and_the_key_goes_on() {
+    // Inputs fit; the snapshot of the padded one, its input and more, does not.
+    const LIMIT: usize = 400;
+    let decl = graph("large", &["a"], Criteria::WhenAny);
+    let cluster = Cluster::on(decl, MemoryBroker::with_max_message_bytes(1, LIMIT)).await;
+    let node = cluster.node("n");
+    let topic = "large.a";
+    let sink = cluster.broker.sink();
+    for (seq, pad) in [(1, 0), (2, 320), (3, 0)] {
+        let event = json!({"user": "u1", "seq": seq, "pad": "x".repeat(pad)});
+        assert!(event.to_string().len() < LIMIT);
+        sink.publish(Outbound::new(topic, event.to_string()).key("u1"))
+            .await
+            .unwrap();
+    }
+    let sent = HashSet::from([("u1".to_string(), 1), ("u1".to_string(), 3)]);
+    let outputs = cluster.await_outputs(&sent).await;
+    assert_eq!(outputs.len(), 2, "{outputs:?}");
+    let dead = cluster.memory.messages("large.out.dlq");
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].key.as_deref(), Some(&b"u1"[..]));
+    assert_eq!(dead[0].header(weir::wire::FIRE_HEADER), Some("2"));
+    assert!(dead[0]
+        .header(weir::wire::ERROR_HEADER)
+        .is_some_and(|e| e.contains("larger than the broker takes")));
+    let record: Value = serde_json::from_slice(&dead[0].payload).unwrap();
+    assert_eq!(record["topic"], "large.out");
+    node.stop().await;
 }

@@ -20,7 +20,7 @@ use crate::ownership::{PartitionError, PartitionWork};
 use crate::store_error::StoreError;
 use crate::transport::{
     now_ms, publish_persistently, Broker, Message, Outbound, PartitionedTopic, Position, Sink,
-    Source,
+    Source, TransportError,
 };
 use crate::wire;
 
@@ -534,6 +534,17 @@ impl<'a> Serving<'a> {
         Ok(())
     }
 
+    async fn dead_letter_output(
+        &mut self,
+        output: &Outbound,
+        error: &TransportError,
+    ) -> Result<(), PartitionError> {
+        let letter = crate::transport::undeliverable(output, error);
+        warn!(job_type = %self.jobs.job_type.name, partition = self.partition, topic = %letter.topic, %error, "job output cannot be published; dead-lettered");
+        publish_persistently(self.jobs.sink.as_ref(), letter, &self.stopping).await?;
+        Ok(())
+    }
+
     /// Publishes the batch's outputs, writes its jobs with the partition's position (and,
     /// handing over, the release mark), then commits the position to the broker.
     async fn flush(&mut self, releasing: bool) -> Result<(), PartitionError> {
@@ -544,12 +555,23 @@ impl<'a> Serving<'a> {
         // nothing more.
         let fence = self.held.write_fence()?;
         let batch = std::mem::take(&mut self.batch);
+        // Each output is kept until acknowledged: one the broker refuses for good (too
+        // large, say) is recorded on the output's dead-letter topic instead, so the
+        // partition goes on.
         let mut acks = Vec::with_capacity(batch.outputs.len());
         for output in batch.outputs {
-            acks.push(self.jobs.sink.enqueue(output).await?);
+            match self.jobs.sink.enqueue(output.clone()).await {
+                Ok(ack) => acks.push((ack, output)),
+                Err(e) if !e.is_retryable() => self.dead_letter_output(&output, &e).await?,
+                Err(e) => return Err(e.into()),
+            }
         }
-        for ack in acks {
-            ack.await?;
+        for (ack, output) in acks {
+            match ack.await {
+                Ok(_) => {}
+                Err(e) if !e.is_retryable() => self.dead_letter_output(&output, &e).await?,
+                Err(e) => return Err(e.into()),
+            }
         }
         let mut changes = PartitionChanges {
             position: self.position,

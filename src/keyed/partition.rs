@@ -146,11 +146,19 @@ struct Serving<'a> {
     batch: Batch,
 }
 
+/// An output handed to the broker, awaiting its acknowledgement: enough to make it
+/// again, should the broker refuse it for good.
+struct Sent {
+    output: usize,
+    key: Arc<str>,
+    fire: u64,
+}
+
 #[derive(Default)]
 struct Batch {
     /// Keys changed since the last write, each once.
     changed: Vec<Arc<str>>,
-    acks: Vec<PendingAck>,
+    acks: Vec<(PendingAck, Sent)>,
     /// Per source: the broker position to commit once written.
     commit: BTreeMap<usize, Position>,
     applied: usize,
@@ -372,7 +380,8 @@ impl<'a> Serving<'a> {
                     "fire": fire,
                     "inputs": input.inputs_json(),
                 });
-                let message = Outbound::new(self.graph.dead_letters[0].clone(), record.to_string())
+                let topic = wire::dead_letter_topic(&self.graph.outputs[0]);
+                let message = Outbound::new(topic, record.to_string())
                     .key(key.to_string())
                     .header(wire::ERROR_HEADER, reason)
                     .header(wire::GRAPH_HEADER, self.graph.graph.to_string());
@@ -382,17 +391,46 @@ impl<'a> Serving<'a> {
         };
         // A node paused past its lease publishes nothing more.
         self.held.write_fence()?;
-        for (topic, value) in self.graph.outputs.iter().zip(outputs) {
+        for (output, value) in outputs
+            .into_iter()
+            .enumerate()
+            .take(self.graph.outputs.len())
+        {
             let Some(value) = value else { continue };
-            let message = Outbound::new(topic.clone(), value.to_string())
-                .key(key.to_string())
-                .header(wire::GRAPH_HEADER, self.graph.graph.to_string())
-                .header(wire::FIRE_HEADER, fire.to_string())
-                .header(wire::FENCING_HEADER, self.fencing.clone());
-            self.batch
-                .acks
-                .push(self.graph.sink.enqueue(message).await?);
+            let sent = Sent {
+                output,
+                key: key.clone(),
+                fire,
+            };
+            let message = self.output_message(&sent, value.to_string());
+            match self.graph.sink.enqueue(message).await {
+                Ok(ack) => self.batch.acks.push((ack, sent)),
+                Err(e) if !e.is_retryable() => self.dead_letter_output(&sent, &e).await?,
+                Err(e) => return Err(e.into()),
+            }
         }
+        Ok(())
+    }
+
+    fn output_message(&self, sent: &Sent, payload: String) -> Outbound {
+        Outbound::new(self.graph.outputs[sent.output].clone(), payload)
+            .key(sent.key.to_string())
+            .header(wire::GRAPH_HEADER, self.graph.graph.to_string())
+            .header(wire::FIRE_HEADER, sent.fire.to_string())
+            .header(wire::FENCING_HEADER, self.fencing.clone())
+    }
+
+    /// An output the broker refuses for good (too large, say) is recorded on the
+    /// output's dead-letter topic instead, so the partition goes on.
+    async fn dead_letter_output(
+        &mut self,
+        sent: &Sent,
+        error: &TransportError,
+    ) -> Result<(), PartitionError> {
+        let letter =
+            crate::transport::undeliverable(&self.output_message(sent, String::new()), error);
+        warn!(graph = %self.graph.graph, key = %sent.key, fire = sent.fire, topic = %letter.topic, %error, "output cannot be published; dead-lettered");
+        publish_persistently(self.graph.sink.as_ref(), letter, &self.stopping).await?;
         Ok(())
     }
 
@@ -426,8 +464,12 @@ impl<'a> Serving<'a> {
         if batch.commit.is_empty() && batch.acks.is_empty() && !releasing {
             return Ok(());
         }
-        for ack in batch.acks {
-            ack.await?;
+        for (ack, sent) in batch.acks {
+            match ack.await {
+                Ok(_) => {}
+                Err(e) if !e.is_retryable() => self.dead_letter_output(&sent, &e).await?,
+                Err(e) => return Err(e.into()),
+            }
         }
         let mut changes = KeyedChanges {
             keys: Vec::with_capacity(batch.changed.len()),

@@ -551,6 +551,21 @@ pub async fn publish_persistently(
     }
 }
 
+/// What goes out in place of an output no retry can publish (larger than the broker
+/// takes, say): a record of it on the output's dead-letter topic, `{"topic", "error"}`,
+/// with the output's key and headers and the cause in `weir-error`. Publishing that
+/// instead lets the partition or graph that made the output go on.
+pub fn undeliverable(output: &Outbound, error: &TransportError) -> Outbound {
+    let record = serde_json::json!({"topic": &output.topic, "error": error.to_string()});
+    let mut letter = Outbound::new(
+        crate::wire::dead_letter_topic(&output.topic),
+        record.to_string(),
+    );
+    letter.key = output.key.clone();
+    letter.headers = output.headers.clone();
+    letter.header(crate::wire::ERROR_HEADER, error.to_string())
+}
+
 /// Milliseconds since the Unix epoch, for message and boundary timestamps.
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
