@@ -1,7 +1,8 @@
 //! JetStream streams weir did not make: a subject an existing stream captures is read and
 //! written through that stream; a stream is made only for a subject no stream captures,
 //! never one overlapping another; wildcard subjects work as sources; subjects whose
-//! sanitised names collide get streams of their own.
+//! sanitised names collide get streams of their own; header values with line breaks
+//! travel on one line.
 #![cfg(feature = "it")]
 
 mod common;
@@ -230,4 +231,33 @@ async fn one_group_reads_two_subjects_of_one_stream() {
         assert_eq!(payload, Bytes::from(name));
     }
     streams.clean(&[]).await;
+}
+
+#[tokio::test]
+async fn a_header_value_with_line_breaks_is_published_on_one_line() {
+    let mut streams = Streams::connect().await;
+    let broker = nats(true).await;
+    let subject = unique("headers");
+    let mut source = broker
+        .subscribe(&Subscription::new(subject.clone(), unique("g")))
+        .await
+        .unwrap();
+    broker
+        .sink()
+        .publish(
+            Outbound::new(subject.clone(), "{}")
+                .header(weir::wire::ERROR_HEADER, "first line\nsecond line"),
+        )
+        .await
+        .expect("published, not refused by the client");
+    let message = tokio::time::timeout(Duration::from_secs(20), source.next())
+        .await
+        .expect("a message within 20 s")
+        .unwrap();
+    assert_eq!(
+        message.header(weir::wire::ERROR_HEADER),
+        Some("first line second line")
+    );
+    let made = streams.capturing(&subject).await;
+    streams.clean(&made).await;
 }

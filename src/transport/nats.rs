@@ -401,6 +401,63 @@ fn validate_subject(subject: &str) -> Result<(), TransportError> {
     Ok(())
 }
 
+/// weir's own header names, made once: making a name checks and copies it, which was a
+/// noticeable share of every publish.
+static WELL_KNOWN_HEADERS: std::sync::LazyLock<Vec<(&'static str, async_nats::HeaderName)>> =
+    std::sync::LazyLock::new(|| {
+        use crate::wire::*;
+        [
+            GRAPH_HEADER,
+            FIRE_HEADER,
+            DEGRADED_HEADER,
+            FENCING_HEADER,
+            ERROR_HEADER,
+            ACCUMULATOR_HEADER,
+            SOURCE_TOPIC_HEADER,
+            PARTITION_HEADER,
+            OFFSET_HEADER,
+            TICK_ID_HEADER,
+            DELIVERIES_HEADER,
+            NAMESPACE_HEADER,
+            KEY_HEADER,
+            JOB_EVENT_HEADER,
+            JOB_TYPE_HEADER,
+            JOB_ID_HEADER,
+        ]
+        .into_iter()
+        .map(|name| (name, async_nats::HeaderName::from_static(name)))
+        .collect()
+    });
+
+fn well_known(name: &str) -> Option<async_nats::HeaderName> {
+    WELL_KNOWN_HEADERS
+        .iter()
+        .find(|(known, _)| *known == name)
+        .map(|(_, header)| header.clone())
+}
+
+/// A header name for NATS, refused (rather than left to panic in the client) when it
+/// holds a character NATS headers cannot carry.
+fn header_name(
+    name: &str,
+) -> Result<async_nats::HeaderName, async_nats::header::ParseHeaderNameError> {
+    match well_known(name) {
+        Some(header) => Ok(header),
+        None => name.parse(),
+    }
+}
+
+/// A header value as NATS can carry it: a line break would end the header (and the
+/// client refuses one by panicking), so each becomes a space. Error messages are the
+/// values that have them.
+fn header_value(value: &str) -> std::borrow::Cow<'_, str> {
+    if value.contains(['\r', '\n']) {
+        std::borrow::Cow::Owned(value.replace(['\r', '\n'], " "))
+    } else {
+        std::borrow::Cow::Borrowed(value)
+    }
+}
+
 /// The message key a publisher put in [`KEY_HEADER`].
 fn key_of(headers: &super::Headers) -> Option<Bytes> {
     headers
@@ -574,11 +631,20 @@ impl Sink for NatsBroker {
         validate_subject(&message.topic)?;
         let mut headers = async_nats::HeaderMap::new();
         for (name, value) in &message.headers {
-            headers.insert(name.as_ref(), value.as_str());
+            let name = header_name(name).map_err(|e| TransportError::Publish {
+                topic: message.topic.clone(),
+                source: format!("header name {name:?} cannot travel on NATS: {e}").into(),
+                retryable: false,
+            })?;
+            headers.insert(name, header_value(value).as_ref());
         }
         // NATS messages have no key: it travels as a header, read back by every source.
         if let Some(key) = &message.key {
-            headers.insert(KEY_HEADER, String::from_utf8_lossy(key).as_ref());
+            let key = String::from_utf8_lossy(key);
+            headers.insert(
+                async_nats::HeaderName::from_static(KEY_HEADER),
+                header_value(&key).as_ref(),
+            );
         }
         let Outbound { topic, payload, .. } = message;
         // A message larger than the server takes fails the same way however often it
@@ -916,6 +982,18 @@ fn jetstream_too_large(e: &jetstream::context::PublishError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn header_values_lose_their_line_breaks_and_bad_names_are_refused() {
+        assert_eq!(header_value("plain"), "plain");
+        assert_eq!(
+            header_value("node n failed:\r\nline two\nthree"),
+            "node n failed:  line two three"
+        );
+        assert!(header_name(crate::wire::ERROR_HEADER).is_ok());
+        assert!(header_name("x-custom").is_ok());
+        assert!(header_name("bad: name").is_err());
+    }
 
     #[test]
     fn a_wider_pattern_covers_a_subject() {
