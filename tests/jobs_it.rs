@@ -327,6 +327,7 @@ async fn jobs_survive_redis_and_broker_restarts(kind: Kind) {
     for id in &ids {
         client.put(id, &json!({})).await.unwrap();
     }
+    let mut tokens_before = Vec::new();
     for round in 0..MESSAGES {
         let message = json!({ "round": round });
         futures::future::try_join_all(ids.iter().map(|id| client.send(id, &message)))
@@ -334,7 +335,10 @@ async fn jobs_survive_redis_and_broker_restarts(kind: Kind) {
             .unwrap();
         match round {
             // Messages keep arriving while Redis is away.
-            10 => redis_server.stop(),
+            10 => {
+                tokens_before = services::lease_tokens(&redis, &group, PARTITIONS).await;
+                redis_server.stop();
+            }
             // Away for longer than the lease TTL (3 s): every lease has run out.
             25 => {
                 tokio::time::sleep(Duration::from_secs(4)).await;
@@ -361,6 +365,11 @@ async fn jobs_survive_redis_and_broker_restarts(kind: Kind) {
     tokio::time::sleep(Duration::from_secs(2)).await;
     await_counts(store.as_ref(), &cluster.job_type, &ids, Duration::ZERO).await;
     await_timeouts_once_per_due_time(store.as_ref(), &cluster.job_type, &tickers, started).await;
+    // The outage cost every lease: each partition was taken again, under a newer token.
+    let tokens_after = services::lease_tokens(&redis, &group, PARTITIONS).await;
+    for (p, (before, after)) in tokens_before.iter().zip(&tokens_after).enumerate() {
+        assert!(after > before, "partition {p}: token {before} then {after}");
+    }
     for node in 0..2 {
         cluster.nodes.terminate(node);
     }

@@ -268,6 +268,15 @@ async fn an_output_too_large_to_publish_is_dead_lettered_and_the_key_goes_on() {
     let sent = HashSet::from([("u1".to_string(), 1), ("u1".to_string(), 3)]);
     let outputs = cluster.await_outputs(&sent).await;
     assert_eq!(outputs.len(), 2, "{outputs:?}");
+    // Dead-lettered when its batch is flushed, a moment after the others came out.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while cluster.memory.messages("large.out.dlq").is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "nothing dead-lettered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let dead = cluster.memory.messages("large.out.dlq");
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(dead[0].key.as_deref(), Some(&b"u1"[..]));

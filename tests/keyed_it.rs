@@ -299,6 +299,7 @@ async fn keyed_graph_survives_a_redis_restart(kind: Kind) {
     let users: Vec<String> = (0..KEYS).map(|i| format!("u{i}")).collect();
     let mut sent = HashSet::new();
     let mut seq = 0u64;
+    let mut tokens_before = Vec::new();
     for round in 0..ROUNDS {
         let mut batch = Vec::with_capacity(KEYS);
         for user in &users {
@@ -310,7 +311,10 @@ async fn keyed_graph_survives_a_redis_restart(kind: Kind) {
         futures::future::try_join_all(batch).await.unwrap();
         match round {
             // Inputs keep arriving while Redis is away.
-            3 => redis_server.stop(),
+            3 => {
+                tokens_before = services::lease_tokens(&store, &group, PARTITIONS).await;
+                redis_server.stop();
+            }
             // Away for longer than the lease TTL (3 s): every lease has run out.
             8 => {
                 tokio::time::sleep(Duration::from_secs(4)).await;
@@ -329,6 +333,11 @@ async fn keyed_graph_survives_a_redis_restart(kind: Kind) {
         "{repeats} repeated outputs"
     );
     services::await_owners(&store, &group, PARTITIONS, &["n0", "n1"]).await;
+    // The outage cost every lease: each partition was taken again, under a newer token.
+    let tokens_after = services::lease_tokens(&store, &group, PARTITIONS).await;
+    for (p, (before, after)) in tokens_before.iter().zip(&tokens_after).enumerate() {
+        assert!(after > before, "partition {p}: token {before} then {after}");
+    }
     for node in 0..2 {
         cluster.nodes.kill(node);
     }

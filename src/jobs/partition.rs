@@ -539,6 +539,8 @@ impl<'a> Serving<'a> {
         output: &Outbound,
         error: &TransportError,
     ) -> Result<(), PartitionError> {
+        // A node paused past its lease publishes nothing more, dead letters included.
+        self.held.write_fence()?;
         let letter = crate::transport::undeliverable(output, error);
         warn!(job_type = %self.jobs.job_type.name, partition = self.partition, topic = %letter.topic, %error, "job output cannot be published; dead-lettered");
         publish_persistently(self.jobs.sink.as_ref(), letter, &self.stopping).await?;

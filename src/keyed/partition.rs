@@ -368,7 +368,10 @@ impl<'a> Serving<'a> {
             )
             .with_key(key.clone()),
         );
-        let outputs = match self.graph.decl.graph.run(input.clone()).await {
+        let result = self.graph.decl.graph.run(input.clone()).await;
+        // A node paused past its lease publishes nothing more, dead letters included.
+        self.held.write_fence()?;
+        let outputs = match result {
             Ok(outputs) => outputs,
             Err(e) => {
                 // Kept for an operator, with what the fire saw; the key goes on.
@@ -389,8 +392,6 @@ impl<'a> Serving<'a> {
                 return Ok(());
             }
         };
-        // A node paused past its lease publishes nothing more.
-        self.held.write_fence()?;
         for (output, value) in outputs
             .into_iter()
             .enumerate()
@@ -427,6 +428,7 @@ impl<'a> Serving<'a> {
         sent: &Sent,
         error: &TransportError,
     ) -> Result<(), PartitionError> {
+        self.held.write_fence()?;
         let letter =
             crate::transport::undeliverable(&self.output_message(sent, String::new()), error);
         warn!(graph = %self.graph.graph, key = %sent.key, fire = sent.fire, topic = %letter.topic, %error, "output cannot be published; dead-lettered");

@@ -641,9 +641,17 @@ impl Sink for NatsBroker {
         // NATS messages have no key: it travels as a header, read back by every source.
         if let Some(key) = &message.key {
             let key = String::from_utf8_lossy(key);
+            // Changed, it would be another key: refused instead.
+            if key.contains(['\r', '\n']) {
+                return Err(TransportError::Publish {
+                    topic: message.topic.clone(),
+                    source: "a message key with a line break cannot travel on NATS".into(),
+                    retryable: false,
+                });
+            }
             headers.insert(
                 async_nats::HeaderName::from_static(KEY_HEADER),
-                header_value(&key).as_ref(),
+                key.as_ref(),
             );
         }
         let Outbound { topic, payload, .. } = message;

@@ -168,3 +168,27 @@ pub async fn await_owners(store: &RedisStore, group: &str, partitions: u32, node
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
+
+/// Each partition's lease token in an ownership `group` (0 where none is held). A read
+/// refused while Redis restarts is tried again, for up to 10 s.
+pub async fn lease_tokens(store: &RedisStore, group: &str, partitions: u32) -> Vec<u64> {
+    use weir::lease::LeaseStore;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut tokens = Vec::with_capacity(partitions as usize);
+    for p in 0..partitions as i32 {
+        let name = weir::ownership::partition_lease(group, p);
+        loop {
+            match store.current_lease(&name).await {
+                Ok(lease) => {
+                    tokens.push(lease.map_or(0, |l| l.token));
+                    break;
+                }
+                Err(e) if e.is_retryable() && std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("redis unreachable: {e}"),
+            }
+        }
+    }
+    tokens
+}
