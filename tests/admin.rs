@@ -1089,3 +1089,80 @@ mod services {
         drop(config);
     }
 }
+
+#[tokio::test]
+async fn keyed_graphs_are_listed_with_the_owner_of_each_partition() {
+    use weir::graph::{KeySource, Keying};
+    let broker = MemoryBroker::default();
+    let store = Arc::new(MemoryStore::new());
+    let mut keying = Keying::new(KeySource::MessageKey);
+    keying.partitions = 3;
+    keying.lease_ttl = Duration::from_millis(600);
+    let decl = GraphBuilder::new("per_user")
+        .keyed(keying)
+        .accumulator(AccumulatorSpec::passthrough("a").topic("per_user.in"))
+        .function("snapshot", &FunctionRegistry::default(), "snapshot")
+        .output("snapshot", "per_user.out")
+        .build()
+        .unwrap();
+    let broker: Arc<dyn weir::transport::Broker> = Arc::new(broker);
+    let topics = weir::keyed::topics(&decl, broker.as_ref()).await.unwrap();
+    let cancel = CancellationToken::new();
+    let node = tokio::spawn(weir::keyed::serve(
+        decl.clone(),
+        topics,
+        broker.clone(),
+        store.clone(),
+        "n1".into(),
+        cancel.clone(),
+    ));
+    let runtime = Runtime {
+        broker,
+        store,
+        node_id: "n1".into(),
+    };
+    let state = AdminState::new()
+        .with_runtime(&runtime)
+        .with_keyed_graphs(BTreeMap::from([("per_user".to_string(), 3)]));
+    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let listen = Listen {
+        admin: Some(any),
+        ..Default::default()
+    };
+    let admin = weir::admin::serve(state, &listen, cancel.clone())
+        .await
+        .unwrap()
+        .admin
+        .unwrap();
+    let (status, listed) = json_of("GET", &format!("http://{admin}/graphs"), None, None).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        listed,
+        json!([{"name": "per_user", "status": "running", "keyed": {"partitions": 3}}])
+    );
+    let url = format!("http://{admin}/graphs/per_user/partitions");
+    eventually("every partition owned by n1", || async {
+        let (status, view) = json_of("GET", &url, None, None).await;
+        status == 200
+            && view
+                == json!({"graph": "per_user", "partitions": [
+                    {"partition": 0, "owner": "n1"},
+                    {"partition": 1, "owner": "n1"},
+                    {"partition": 2, "owner": "n1"},
+                ]})
+    })
+    .await;
+    let (status, _) = json_of(
+        "GET",
+        &format!("http://{admin}/graphs/nobody/partitions"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, 404);
+    cancel.cancel();
+    tokio::time::timeout(Duration::from_secs(20), node)
+        .await
+        .expect("the node stops in time")
+        .unwrap();
+}

@@ -125,7 +125,25 @@ pub async fn execute(
                     status: g.status(),
                 })
                 .collect();
-            Ok(to_json(&graphs))
+            let mut listed = match to_json(&graphs) {
+                Value::Array(listed) => listed,
+                _ => Vec::new(),
+            };
+            // Keyed graphs run on every node that declares them, a share of their
+            // partitions each (`GET /graphs/{name}/partitions` says whose).
+            listed.extend(
+                state
+                    .keyed_graphs()
+                    .filter(|(name, _)| scope.sees(name))
+                    .map(|(name, partitions)| {
+                        serde_json::json!({
+                            "name": name,
+                            "status": "running",
+                            "keyed": {"partitions": partitions},
+                        })
+                    }),
+            );
+            Ok(Value::Array(listed))
         }
         GraphRequest::State { graph } => {
             let handle = running(state, &graph)?;

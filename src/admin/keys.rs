@@ -3,6 +3,8 @@
 //! - `GET /graphs/{name}/keys/{key}`: `{"graph", "key", "partition", "owner", "state"}`:
 //!   the key's state as last stored (at most one batch behind its owner) and the node
 //!   owning its partition, whichever node is asked.
+//! - `GET /graphs/{name}/partitions`: `{"graph", "partitions": [{"partition", "owner"}]}`:
+//!   which node owns each partition (`null` while none does), whichever node is asked.
 
 use axum::extract::{Path, State};
 use axum::routing::get;
@@ -13,7 +15,39 @@ use super::{AdminState, ApiError, Scope};
 use crate::keyed::KeyView;
 
 pub(super) fn routes() -> Router<AdminState> {
-    Router::new().route("/graphs/{name}/keys/{key}", get(show))
+    Router::new()
+        .route("/graphs/{name}/keys/{key}", get(show))
+        .route("/graphs/{name}/partitions", get(partitions))
+}
+
+/// The graph's partition count, for a keyed graph this process runs.
+fn keyed(state: &AdminState, graph: &str) -> Result<u32, ApiError> {
+    state.keyed_graph(graph).ok_or_else(|| ApiError::NotFound {
+        kind: "keyed graph",
+        name: graph.to_string(),
+    })
+}
+
+async fn partitions(
+    State(state): State<AdminState>,
+    Extension(scope): Extension<Scope>,
+    Path(name): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let graph = scope.resolve("graph", &name)?;
+    let partitions = keyed(&state, &graph)?;
+    let store = state.require_store()?;
+    let group = crate::keyed::ownership_group(&graph);
+    let mut owners = Vec::with_capacity(partitions as usize);
+    for partition in 0..partitions as i32 {
+        let owner = store
+            .current_lease(&crate::ownership::partition_lease(&group, partition))
+            .await?
+            .map(|l| crate::lease::holder_node(&l.holder).to_string());
+        owners.push(serde_json::json!({"partition": partition, "owner": owner}));
+    }
+    Ok(Json(
+        serde_json::json!({"graph": graph, "partitions": owners}),
+    ))
 }
 
 async fn show(
@@ -22,12 +56,7 @@ async fn show(
     Path((name, key)): Path<(String, String)>,
 ) -> Result<Json<KeyView>, ApiError> {
     let graph = scope.resolve("graph", &name)?;
-    let partitions = state
-        .keyed_graph(&graph)
-        .ok_or_else(|| ApiError::NotFound {
-            kind: "keyed graph",
-            name: graph.clone(),
-        })?;
+    let partitions = keyed(&state, &graph)?;
     let store = state.require_store()?;
     crate::keyed::view(store.as_ref(), &graph, partitions, &key)
         .await?

@@ -15,6 +15,7 @@
 //! | `GET /recovery-events?graph=&limit=` | token | [`recovery`] |
 //! | `GET /jobs/{type}/{id}` | token | one job's state and owner ([`jobs`]) |
 //! | `GET /graphs/{name}/keys/{key}` | token | one key of a keyed graph: state and owner ([`keys`]) |
+//! | `GET /graphs/{name}/partitions` | token | a keyed graph's partitions and the node owning each ([`keys`]) |
 //!
 //! With a token configured, "token" routes need `Authorization: Bearer <token>` (see `auth`).
 //! A tenant's token (`[[admin.tokens]]`) admits its holder to that tenant's graphs,
@@ -200,6 +201,13 @@ impl AdminState {
     pub fn with_keyed_graphs(mut self, graphs: std::collections::BTreeMap<String, u32>) -> Self {
         self.keyed_graphs = Arc::new(graphs);
         self
+    }
+
+    /// The keyed graphs this process runs, with their partitions.
+    pub fn keyed_graphs(&self) -> impl Iterator<Item = (&str, u32)> {
+        self.keyed_graphs
+            .iter()
+            .map(|(name, p)| (name.as_str(), *p))
     }
 
     /// The partitions of a keyed graph this process runs.
