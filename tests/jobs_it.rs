@@ -171,6 +171,49 @@ async fn await_counts(store: &dyn Store, job_type: &str, ids: &[String], within:
     }
 }
 
+/// Puts the tickers (a timeout every `TICK_MS`) and the counted jobs; returns their ids
+/// and when they were put.
+async fn put_jobs(client: &JobClient) -> (Vec<String>, Vec<String>, Instant) {
+    let ids: Vec<String> = (0..JOBS).map(|i| format!("job-{i}")).collect();
+    let tickers: Vec<String> = (0..TICKERS).map(|i| format!("ticker-{i}")).collect();
+    let started = Instant::now();
+    for id in &tickers {
+        client
+            .put(id, &json!({ "every_ms": TICK_MS }))
+            .await
+            .unwrap();
+    }
+    for id in &ids {
+        client.put(id, &json!({})).await.unwrap();
+    }
+    (ids, tickers, started)
+}
+
+/// One message to every job.
+async fn send_round(client: &JobClient, ids: &[String], round: u64) {
+    let message = json!({ "round": round });
+    futures::future::try_join_all(ids.iter().map(|id| client.send(id, &message)))
+        .await
+        .unwrap();
+}
+
+/// Every job at exactly `MESSAGES` within `within` and still so a while later (nothing
+/// applied twice afterwards), and every ticker's timeouts fired at most once per due
+/// time.
+async fn await_exactly_once(
+    store: &dyn Store,
+    job_type: &str,
+    ids: &[String],
+    tickers: &[String],
+    started: Instant,
+    within: Duration,
+) {
+    await_counts(store, job_type, ids, within).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    await_counts(store, job_type, ids, Duration::ZERO).await;
+    await_timeouts_once_per_due_time(store, job_type, tickers, started).await;
+}
+
 /// Each ticker's timeouts fired, and at most once per due time since `started`.
 async fn await_timeouts_once_per_due_time(
     store: &dyn Store,
@@ -202,23 +245,9 @@ async fn jobs_survive_kills_joins_and_rolling_restarts(kind: Kind) {
     let group = weir::jobs::ownership_group(&cluster.job_type);
     let redis = cluster.redis().await;
     services::await_owners(&redis, &group, PARTITIONS, &["n0", "n1", "n2"]).await;
-    let ids: Vec<String> = (0..JOBS).map(|i| format!("job-{i}")).collect();
-    let tickers: Vec<String> = (0..TICKERS).map(|i| format!("ticker-{i}")).collect();
-    let started = Instant::now();
-    for id in &tickers {
-        client
-            .put(id, &json!({ "every_ms": TICK_MS }))
-            .await
-            .unwrap();
-    }
-    for id in &ids {
-        client.put(id, &json!({})).await.unwrap();
-    }
+    let (ids, tickers, started) = put_jobs(&client).await;
     for round in 0..MESSAGES {
-        let message = json!({ "round": round });
-        futures::future::try_join_all(ids.iter().map(|id| client.send(id, &message)))
-            .await
-            .unwrap();
+        send_round(&client, &ids, round).await;
         match round {
             // Under load, owning partitions.
             10 => cluster.nodes.kill(0),
@@ -247,17 +276,15 @@ async fn jobs_survive_kills_joins_and_rolling_restarts(kind: Kind) {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    await_counts(
+    await_exactly_once(
         store.as_ref(),
         &cluster.job_type,
         &ids,
+        &tickers,
+        started,
         Duration::from_secs(90),
     )
     .await;
-    // Nothing more is applied later.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    await_counts(store.as_ref(), &cluster.job_type, &ids, Duration::ZERO).await;
-    await_timeouts_once_per_due_time(store.as_ref(), &cluster.job_type, &tickers, started).await;
     // The command line sees the same: one JSON line per job, every job listed.
     let got = cluster.cli(&["get", &cluster.job_type, "job-7"]);
     assert!(got.status.success(), "{got:?}");
@@ -315,24 +342,10 @@ async fn jobs_survive_redis_and_broker_restarts(kind: Kind) {
     let group = weir::jobs::ownership_group(&cluster.job_type);
     let redis = cluster.redis().await;
     services::await_owners(&redis, &group, PARTITIONS, &["n0", "n1"]).await;
-    let ids: Vec<String> = (0..JOBS).map(|i| format!("job-{i}")).collect();
-    let tickers: Vec<String> = (0..TICKERS).map(|i| format!("ticker-{i}")).collect();
-    let started = Instant::now();
-    for id in &tickers {
-        client
-            .put(id, &json!({ "every_ms": TICK_MS }))
-            .await
-            .unwrap();
-    }
-    for id in &ids {
-        client.put(id, &json!({})).await.unwrap();
-    }
+    let (ids, tickers, started) = put_jobs(&client).await;
     let mut tokens_before = Vec::new();
     for round in 0..MESSAGES {
-        let message = json!({ "round": round });
-        futures::future::try_join_all(ids.iter().map(|id| client.send(id, &message)))
-            .await
-            .unwrap();
+        send_round(&client, &ids, round).await;
         match round {
             // Messages keep arriving while Redis is away.
             10 => {
@@ -355,21 +368,18 @@ async fn jobs_survive_redis_and_broker_restarts(kind: Kind) {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    await_counts(
+    await_exactly_once(
         store.as_ref(),
         &cluster.job_type,
         &ids,
+        &tickers,
+        started,
         Duration::from_secs(120),
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    await_counts(store.as_ref(), &cluster.job_type, &ids, Duration::ZERO).await;
-    await_timeouts_once_per_due_time(store.as_ref(), &cluster.job_type, &tickers, started).await;
     // The outage cost every lease: each partition was taken again, under a newer token.
     let tokens_after = services::lease_tokens(&redis, &group, PARTITIONS).await;
-    for (p, (before, after)) in tokens_before.iter().zip(&tokens_after).enumerate() {
-        assert!(after > before, "partition {p}: token {before} then {after}");
-    }
+    services::assert_every_token_rose(&tokens_before, &tokens_after);
     for node in 0..2 {
         cluster.nodes.terminate(node);
     }

@@ -160,6 +160,24 @@ fn identity(message: &Message) -> (String, u64) {
     )
 }
 
+/// One event to every user, numbered on from `seq`; each (user, seq) goes in `sent`.
+async fn send_round(
+    sink: &dyn weir::transport::Sink,
+    input: &PartitionedTopic,
+    users: &[String],
+    seq: &mut u64,
+    sent: &mut HashSet<(String, u64)>,
+) {
+    let mut batch = Vec::with_capacity(users.len());
+    for user in users {
+        *seq += 1;
+        sent.insert((user.clone(), *seq));
+        let event = json!({"user": user, "seq": *seq});
+        batch.push(sink.publish(input.outbound(user, event.to_string())));
+    }
+    futures::future::try_join_all(batch).await.unwrap();
+}
+
 /// Checks per key that first outputs come in input order, that repeats are only of what
 /// came out before, and that the fencing token never goes back; returns the repeats.
 fn checked_per_key(outputs: &[Message]) -> usize {
@@ -214,14 +232,7 @@ async fn keyed_graph_survives_a_kill_and_a_rejoin(kind: Kind) {
     let mut sent = HashSet::new();
     let mut seq = 0u64;
     for round in 0..ROUNDS {
-        let mut batch = Vec::with_capacity(KEYS);
-        for user in &users {
-            seq += 1;
-            sent.insert((user.clone(), seq));
-            let event = json!({"user": user, "seq": seq});
-            batch.push(sink.publish(input.outbound(user, event.to_string())));
-        }
-        futures::future::try_join_all(batch).await.unwrap();
+        send_round(sink.as_ref(), &input, &users, &mut seq, &mut sent).await;
         match round {
             // Under load, owning partitions.
             3 => cluster.nodes.kill(1),
@@ -301,14 +312,7 @@ async fn keyed_graph_survives_a_redis_restart(kind: Kind) {
     let mut seq = 0u64;
     let mut tokens_before = Vec::new();
     for round in 0..ROUNDS {
-        let mut batch = Vec::with_capacity(KEYS);
-        for user in &users {
-            seq += 1;
-            sent.insert((user.clone(), seq));
-            let event = json!({"user": user, "seq": seq});
-            batch.push(sink.publish(input.outbound(user, event.to_string())));
-        }
-        futures::future::try_join_all(batch).await.unwrap();
+        send_round(sink.as_ref(), &input, &users, &mut seq, &mut sent).await;
         match round {
             // Inputs keep arriving while Redis is away.
             3 => {
@@ -335,9 +339,7 @@ async fn keyed_graph_survives_a_redis_restart(kind: Kind) {
     services::await_owners(&store, &group, PARTITIONS, &["n0", "n1"]).await;
     // The outage cost every lease: each partition was taken again, under a newer token.
     let tokens_after = services::lease_tokens(&store, &group, PARTITIONS).await;
-    for (p, (before, after)) in tokens_before.iter().zip(&tokens_after).enumerate() {
-        assert!(after > before, "partition {p}: token {before} then {after}");
-    }
+    services::assert_every_token_rose(&tokens_before, &tokens_after);
     for node in 0..2 {
         cluster.nodes.kill(node);
     }

@@ -192,3 +192,11 @@ pub async fn lease_tokens(store: &RedisStore, group: &str, partitions: u32) -> V
     }
     tokens
 }
+
+/// Each partition's lease token rose between two readings of [`lease_tokens`].
+pub fn assert_every_token_rose(before: &[u64], after: &[u64]) {
+    assert_eq!(before.len(), after.len());
+    for (p, (before, after)) in before.iter().zip(after).enumerate() {
+        assert!(after > before, "partition {p}: token {before} then {after}");
+    }
+}
