@@ -1152,6 +1152,19 @@ async fn keyed_graphs_are_listed_with_the_owner_of_each_partition() {
                 ]})
     })
     .await;
+    // The command line asks the same.
+    let printed = tokio::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(["graph", "partitions", "per_user", "--admin"])
+        .arg(format!("http://{admin}"))
+        .output()
+        .await
+        .unwrap();
+    assert!(printed.status.success(), "{printed:?}");
+    let view: Value = serde_json::from_slice(&printed.stdout).unwrap();
+    assert_eq!(
+        view["partitions"][2],
+        json!({"partition": 2, "owner": "n1"})
+    );
     let (status, _) = json_of(
         "GET",
         &format!("http://{admin}/graphs/nobody/partitions"),

@@ -192,6 +192,10 @@ pub enum GraphCommand {
         #[arg(long)]
         key: Option<String>,
     },
+    /// A keyed graph's partitions and the node owning each.
+    Partitions {
+        name: String,
+    },
     /// Fire now with the current cache, whatever the criteria say.
     Fire {
         name: String,

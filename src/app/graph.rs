@@ -36,6 +36,7 @@ pub async fn graph(
                 .get(&path(&name, &format!("/keys/{}", segment(&key))))
                 .await?
         }
+        GraphCommand::Partitions { name } => client.get(&path(&name, "/partitions")).await?,
         GraphCommand::Fire { name } => client.post(&path(&name, "/fire"), None).await?,
         GraphCommand::Pause { name } => client.post(&path(&name, "/pause"), None).await?,
         GraphCommand::Resume { name } => client.post(&path(&name, "/resume"), None).await?,
