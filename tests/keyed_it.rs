@@ -1,8 +1,8 @@
 //! A keyed graph across `weir run` processes on real services (Kafka and NATS
-//! JetStream, Redis): 1,000 keys under load, one node SIGKILLed and started again later,
-//! or Redis stopped past the lease TTL and started again. Every input reaches an output,
-//! each key's outputs keep its input order, and per key the fencing token never goes
-//! back.
+//! JetStream, Redis): 1,000 keys under load, one node SIGKILLed and started again later
+//! and another paused past its lease, or Redis stopped past the lease TTL and started
+//! again. Every input reaches an output, each key's outputs keep its input order, and
+//! per key the fencing token never goes back.
 #![cfg(feature = "it")]
 
 mod common;
@@ -213,7 +213,7 @@ fn checked_per_key(outputs: &[Message]) -> usize {
     repeats
 }
 
-async fn keyed_graph_survives_a_kill_and_a_rejoin(kind: Kind) {
+async fn keyed_graph_survives_a_kill_a_rejoin_and_a_pause(kind: Kind) {
     let mut cluster = Cluster::new(kind);
     let broker = cluster.broker().await;
     // Created with the graph's partitions before anything is produced.
@@ -241,14 +241,24 @@ async fn keyed_graph_survives_a_kill_and_a_rejoin(kind: Kind) {
                 services::await_owners(&store, &group, PARTITIONS, &["n0", "n2"]).await;
                 cluster.start(1);
             }
+            // Paused past its lease while holding partitions: the others take them
+            // over, and what it still holds when it wakes is fenced off.
+            15 => {
+                services::await_owners(&store, &group, PARTITIONS, &["n0", "n1", "n2"]).await;
+                cluster.nodes.signal(2, "STOP");
+            }
+            17 => {
+                services::await_owners(&store, &group, PARTITIONS, &["n0", "n1"]).await;
+                cluster.nodes.signal(2, "CONT");
+            }
             _ => {}
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let outputs = read_outputs(&broker, &cluster.output, &sent, Duration::from_secs(120)).await;
     let repeats = checked_per_key(&outputs);
-    // What can repeat is what the killed node had applied and not yet written: at most
-    // one batch per partition it owned.
+    // What can repeat is what the killed and the paused node had applied and not yet
+    // written: at most one batch per partition each owned.
     assert!(
         repeats <= 2 * 1024 * PARTITIONS as usize,
         "{repeats} repeated outputs"
@@ -276,13 +286,13 @@ async fn keyed_graph_survives_a_kill_and_a_rejoin(kind: Kind) {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn kafka_keyed_graph_survives_a_kill_and_a_rejoin() {
-    keyed_graph_survives_a_kill_and_a_rejoin(Kind::Kafka).await;
+async fn kafka_keyed_graph_survives_a_kill_a_rejoin_and_a_pause() {
+    keyed_graph_survives_a_kill_a_rejoin_and_a_pause(Kind::Kafka).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn nats_keyed_graph_survives_a_kill_and_a_rejoin() {
-    keyed_graph_survives_a_kill_and_a_rejoin(Kind::Nats).await;
+async fn nats_keyed_graph_survives_a_kill_a_rejoin_and_a_pause() {
+    keyed_graph_survives_a_kill_a_rejoin_and_a_pause(Kind::Nats).await;
 }
 
 /// Redis stopped under load for longer than the lease TTL, then started again: the nodes
