@@ -1,7 +1,7 @@
 //! Distributed jobs across `weir run` processes on real services (Kafka and NATS
 //! JetStream, Redis): 100 jobs × 50 messages through a SIGKILL, a node joining again, a
-//! rolling restart, a node paused past its lease, and Redis and NATS restarted under
-//! load; every job ends with `count` exactly 50, and timeouts fire at most once per due
+//! rolling restart, a node paused past its lease, and Redis, NATS and Kafka restarted
+//! under load; every job ends with `count` exactly 50, and timeouts fire at most once per due
 //! time.
 #![cfg(feature = "it")]
 
@@ -33,9 +33,10 @@ enum Kind {
 
 struct Cluster {
     kind: Kind,
-    /// The Redis and NATS the nodes use: the shared ones, or a test's own.
+    /// The Redis and the broker (Kafka's bootstrap servers or NATS's URL) the nodes
+    /// use: the shared ones, or a test's own.
     redis_url: String,
-    nats_url: String,
+    broker_url: String,
     prefix: String,
     job_type: String,
     config: tempfile::NamedTempFile,
@@ -45,19 +46,25 @@ struct Cluster {
 impl Cluster {
     /// Three nodes on the shared services.
     fn new(kind: Kind) -> Self {
-        Self::on(kind, &services::redis_url(), &services::nats_url(), 3)
+        let broker_url = match kind {
+            Kind::Kafka => services::kafka_brokers(),
+            Kind::Nats => services::nats_url(),
+        };
+        Self::on(kind, &services::redis_url(), &broker_url, 3)
     }
 
-    /// `nodes` nodes on this Redis and (for NATS) this NATS server.
-    fn on(kind: Kind, redis_url: &str, nats_url: &str, nodes: usize) -> Self {
+    /// `nodes` nodes on this Redis and this broker.
+    fn on(kind: Kind, redis_url: &str, broker_url: &str, nodes: usize) -> Self {
         let prefix = services::unique("jobs");
         let job_type = services::unique("counter");
+        let retention = services::TEST_RETENTION.as_millis();
         let broker = match kind {
-            Kind::Kafka => services::kafka_table(),
-            Kind::Nats => format!(
-                "kind = \"nats\"\nurl = \"{nats_url}\"\nretention_ms = {}",
-                services::TEST_RETENTION.as_millis()
-            ),
+            Kind::Kafka => {
+                format!("kind = \"kafka\"\nbrokers = \"{broker_url}\"\nretention_ms = {retention}")
+            }
+            Kind::Nats => {
+                format!("kind = \"nats\"\nurl = \"{broker_url}\"\nretention_ms = {retention}")
+            }
         };
         let text = format!(
             r#"
@@ -81,7 +88,7 @@ lease_ttl_ms = 3000
             nodes: common::nodes::Nodes::new(&prefix, config.path(), nodes),
             kind,
             redis_url: redis_url.to_string(),
-            nats_url: nats_url.to_string(),
+            broker_url: broker_url.to_string(),
             prefix,
             job_type,
             config,
@@ -90,10 +97,20 @@ lease_ttl_ms = 3000
 
     async fn broker(&self) -> Arc<dyn Broker> {
         match self.kind {
-            Kind::Kafka => services::kafka(),
+            Kind::Kafka => Arc::new(
+                weir::transport::kafka::KafkaBroker::connect(
+                    weir::transport::kafka::KafkaSettings {
+                        brokers: self.broker_url.clone(),
+                        options: services::fast_group_options(),
+                        retention: Some(services::TEST_RETENTION),
+                        ..Default::default()
+                    },
+                )
+                .expect("kafka client"),
+            ),
             Kind::Nats => Arc::new(
                 weir::transport::nats::NatsBroker::connect(weir::transport::nats::NatsSettings {
-                    url: self.nats_url.clone(),
+                    url: self.broker_url.clone(),
                     jetstream: true,
                     retention: Some(services::TEST_RETENTION),
                     ..Default::default()
@@ -327,10 +344,11 @@ async fn nats_jobs_survive_kills_joins_and_rolling_restarts() {
 async fn jobs_survive_redis_and_broker_restarts(kind: Kind) {
     let mut redis_server = Server::redis();
     let mut nats_server = matches!(kind, Kind::Nats).then(|| Server::nats(""));
-    let nats_url = nats_server
-        .as_ref()
-        .map_or_else(services::nats_url, Server::nats_url);
-    let mut cluster = Cluster::on(kind, &redis_server.redis_url(), &nats_url, 2);
+    let broker_url = match &nats_server {
+        Some(server) => server.nats_url(),
+        None => services::kafka_brokers(),
+    };
+    let mut cluster = Cluster::on(kind, &redis_server.redis_url(), &broker_url, 2);
     let broker = cluster.broker().await;
     let store = cluster.store().await;
     let client = JobClient::new(broker.as_ref(), &cluster.job_type, PARTITIONS)
@@ -411,4 +429,49 @@ async fn kafka_jobs_survive_a_redis_restart() {
 #[tokio::test(flavor = "multi_thread")]
 async fn nats_jobs_survive_redis_and_nats_restarts() {
     jobs_survive_redis_and_broker_restarts(Kind::Nats).await;
+}
+
+/// The Kafka broker restarted under load (Tansu keeping its log in S3, as a broker keeps
+/// it on disk): the nodes reconnect and resume from the positions stored with the jobs,
+/// and every message is applied exactly once.
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_jobs_survive_a_broker_restart() {
+    let s3 = Server::s3();
+    let mut kafka = Server::tansu_on_s3(&s3);
+    let brokers = format!("127.0.0.1:{}", kafka.port);
+    let mut cluster = Cluster::on(Kind::Kafka, &services::redis_url(), &brokers, 2);
+    let broker = cluster.broker().await;
+    let store = cluster.store().await;
+    let client = JobClient::new(broker.as_ref(), &cluster.job_type, PARTITIONS)
+        .await
+        .unwrap();
+    for node in 0..2 {
+        cluster.nodes.start(node);
+    }
+    let group = weir::jobs::ownership_group(&cluster.job_type);
+    let redis = cluster.redis().await;
+    services::await_owners(&redis, &group, PARTITIONS, &["n0", "n1"]).await;
+    let (ids, tickers, started) = put_jobs(&client).await;
+    for round in 0..MESSAGES {
+        send_round(&client, &ids, round).await;
+        // Between rounds, every message sent so far acknowledged: none is in flight to
+        // be sent twice by the client across the restart.
+        if round == 20 {
+            kafka.restart();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    await_exactly_once(
+        store.as_ref(),
+        &cluster.job_type,
+        &ids,
+        &tickers,
+        started,
+        Duration::from_secs(120),
+    )
+    .await;
+    for node in 0..2 {
+        cluster.nodes.terminate(node);
+    }
+    services::remove_redis_keys(&cluster.prefix).await;
 }
