@@ -1,8 +1,8 @@
 //! Distributed jobs across `weir run` processes on real services (Kafka and NATS
 //! JetStream, Redis): 100 jobs × 50 messages through a SIGKILL, a node joining again, a
 //! rolling restart, a node paused past its lease, and Redis, NATS and Kafka restarted
-//! under load; every job ends with `count` exactly 50, and timeouts fire at most once per due
-//! time.
+//! under load; every job ends with `count` exactly 50, and timeouts fire at most once
+//! per due time.
 #![cfg(feature = "it")]
 
 mod common;
