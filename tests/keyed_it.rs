@@ -1,7 +1,7 @@
 //! A keyed graph across `weir run` processes on real services (Kafka and NATS
 //! JetStream, Redis): 1,000 keys under load, one node SIGKILLed and started again later
-//! and another paused past its lease, or Redis stopped past the lease TTL and started
-//! again. Every input reaches an output, each key's outputs keep its input order, and
+//! and another paused past its lease, Redis stopped past the lease TTL and started
+//! again, or the Kafka broker restarted. Every input reaches an output, each key's outputs keep its input order, and
 //! per key the fencing token never goes back.
 #![cfg(feature = "it")]
 
@@ -30,6 +30,8 @@ enum Kind {
 
 struct Cluster {
     kind: Kind,
+    /// Kafka's bootstrap servers: the shared broker, or a test's own.
+    kafka_brokers: String,
     prefix: String,
     graph: String,
     input: String,
@@ -47,12 +49,19 @@ impl Cluster {
     }
 
     fn on(kind: Kind, redis_url: &str, nodes: usize) -> Self {
+        Self::with(kind, redis_url, &services::kafka_brokers(), nodes)
+    }
+
+    fn with(kind: Kind, redis_url: &str, kafka_brokers: &str, nodes: usize) -> Self {
         let prefix = services::unique("keyed");
         let graph = format!("g{prefix}");
         let input = format!("{prefix}.in");
         let output = format!("{prefix}.out");
         let broker = match kind {
-            Kind::Kafka => services::kafka_table(),
+            Kind::Kafka => format!(
+                "kind = \"kafka\"\nbrokers = \"{kafka_brokers}\"\nretention_ms = {}",
+                services::TEST_RETENTION.as_millis()
+            ),
             Kind::Nats => services::nats_table(),
         };
         let text = format!(
@@ -86,6 +95,7 @@ format = "json"
         Self {
             nodes: common::nodes::Nodes::new(&prefix, config.path(), nodes),
             kind,
+            kafka_brokers: kafka_brokers.to_string(),
             prefix,
             graph,
             input,
@@ -109,7 +119,17 @@ format = "json"
 
     async fn broker(&self) -> Arc<dyn Broker> {
         match self.kind {
-            Kind::Kafka => services::kafka(),
+            Kind::Kafka => Arc::new(
+                weir::transport::kafka::KafkaBroker::connect(
+                    weir::transport::kafka::KafkaSettings {
+                        brokers: self.kafka_brokers.clone(),
+                        options: services::fast_group_options(),
+                        retention: Some(services::TEST_RETENTION),
+                        ..Default::default()
+                    },
+                )
+                .expect("kafka client"),
+            ),
             Kind::Nats => services::nats(true).await,
         }
     }
@@ -363,4 +383,48 @@ async fn kafka_keyed_graph_survives_a_redis_restart() {
 #[tokio::test(flavor = "multi_thread")]
 async fn nats_keyed_graph_survives_a_redis_restart() {
     keyed_graph_survives_a_redis_restart(Kind::Nats).await;
+}
+
+/// The Kafka broker restarted under load (Tansu keeping its log in S3, as a broker keeps
+/// it on disk): every input still comes out, in order per key, with the fencing token
+/// never going back.
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_keyed_graph_survives_a_broker_restart() {
+    let s3 = Server::s3();
+    let mut kafka = Server::tansu_on_s3(&s3);
+    let brokers = format!("127.0.0.1:{}", kafka.port);
+    let mut cluster = Cluster::with(Kind::Kafka, &services::redis_url(), &brokers, 2);
+    let broker = cluster.broker().await;
+    let input: PartitionedTopic = broker
+        .partitioned(&cluster.input, PARTITIONS)
+        .await
+        .unwrap();
+    for node in 0..2 {
+        cluster.start(node);
+    }
+    let store = services::redis(&cluster.prefix).await;
+    let group = weir::keyed::ownership_group(&cluster.graph);
+    services::await_owners(&store, &group, PARTITIONS, &["n0", "n1"]).await;
+    let sink = broker.sink();
+    let users: Vec<String> = (0..KEYS).map(|i| format!("u{i}")).collect();
+    let mut sent = HashSet::new();
+    let mut seq = 0u64;
+    for round in 0..ROUNDS {
+        send_round(sink.as_ref(), &input, &users, &mut seq, &mut sent).await;
+        // Between rounds, every input sent so far acknowledged.
+        if round == 8 {
+            kafka.restart();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let outputs = read_outputs(&broker, &cluster.output, &sent, Duration::from_secs(120)).await;
+    let repeats = checked_per_key(&outputs);
+    assert!(
+        repeats <= 1024 * PARTITIONS as usize,
+        "{repeats} repeated outputs"
+    );
+    for node in 0..2 {
+        cluster.nodes.kill(node);
+    }
+    services::remove_redis_keys(&cluster.prefix).await;
 }
