@@ -3,12 +3,13 @@
 //! no owner fired once, and malformed messages and outputs too large for the broker
 //! dead-lettered without stopping anything.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::TaskNode;
 use serde_json::{json, Value};
-use tokio_util::sync::CancellationToken;
-
 use weir::jobs::{JobClient, JobHandlers, JobType, JobsStore};
 use weir::store::memory::MemoryStore;
 use weir::store::Store;
@@ -23,28 +24,6 @@ struct Cluster {
     memory: MemoryBroker,
     store: Arc<dyn Store>,
     topic: PartitionedTopic,
-}
-
-/// A node serving the job type until its token is cancelled.
-struct Node {
-    stop: CancellationToken,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Node {
-    /// Stops the node the way SIGTERM does: partitions handed over, then gone.
-    async fn stop(self) {
-        self.stop.cancel();
-        tokio::time::timeout(Duration::from_secs(20), self.task)
-            .await
-            .expect("node stops in time")
-            .unwrap();
-    }
-
-    /// Kills the node: its partitions keep their leases until they expire.
-    fn kill(self) {
-        self.task.abort();
-    }
 }
 
 impl Cluster {
@@ -66,7 +45,7 @@ impl Cluster {
         }
     }
 
-    fn node(&self, id: &str) -> Node {
+    fn node(&self, id: &str) -> TaskNode {
         let mut job_type =
             JobType::new(TYPE, JobHandlers::default().get("builtin::count").unwrap());
         job_type.partitions = PARTITIONS;
@@ -74,17 +53,17 @@ impl Cluster {
         job_type.output = Some("counter.out".into());
         // Fewer than the jobs of a partition: some leave memory and come back.
         job_type.max_jobs_in_memory = 4;
-        let stop = CancellationToken::new();
         let store: Arc<dyn JobsStore> = self.store.clone();
-        let task = tokio::spawn(weir::jobs::serve(
-            job_type,
-            self.topic.clone(),
-            self.broker.clone(),
-            store,
-            id.to_string(),
-            stop.clone(),
-        ));
-        Node { stop, task }
+        TaskNode::spawn(|stop| {
+            weir::jobs::serve(
+                job_type,
+                self.topic.clone(),
+                self.broker.clone(),
+                store,
+                id.to_string(),
+                stop,
+            )
+        })
     }
 
     async fn client(&self) -> JobClient {

@@ -121,16 +121,34 @@ lease_ttl_ms = 3000
         }
     }
 
+    /// Starts nodes `n0`..`n<count>` and waits until they own every partition.
+    async fn start_nodes(&mut self, count: usize) -> Running {
+        let broker = self.broker().await;
+        let client = JobClient::new(broker.as_ref(), &self.job_type, PARTITIONS)
+            .await
+            .unwrap();
+        for node in 0..count {
+            self.nodes.start(node);
+        }
+        let group = weir::jobs::ownership_group(&self.job_type);
+        let redis = self.redis().await;
+        let names: Vec<String> = (0..count).map(|n| format!("n{n}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        services::await_owners(&redis, &group, PARTITIONS, &names).await;
+        Running {
+            store: redis.clone(),
+            redis,
+            client,
+            group,
+        }
+    }
+
     async fn redis(&self) -> Arc<weir::store::redis::RedisStore> {
         Arc::new(
             weir::store::redis::RedisStore::connect(&self.redis_url, &self.prefix)
                 .await
                 .expect("redis reachable"),
         )
-    }
-
-    async fn store(&self) -> Arc<dyn Store> {
-        self.redis().await
     }
 
     fn cli(&self, args: &[&str]) -> std::process::Output {
@@ -146,6 +164,15 @@ lease_ttl_ms = 3000
 
 /// The jobs' states; a connection broken by a Redis restart is made again, so a failed
 /// read is tried again for a while.
+/// A cluster's nodes started: the store (as the `Store` bundle and as Redis), a client
+/// of the job type, and its ownership group.
+struct Running {
+    store: Arc<dyn Store>,
+    redis: Arc<weir::store::redis::RedisStore>,
+    client: JobClient,
+    group: String,
+}
+
 async fn states(store: &dyn Store, job_type: &str, ids: &[String]) -> Vec<Option<Value>> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -251,17 +278,12 @@ async fn await_timeouts_once_per_due_time(
 
 async fn jobs_survive_kills_joins_and_rolling_restarts(kind: Kind) {
     let mut cluster = Cluster::new(kind);
-    let broker = cluster.broker().await;
-    let store = cluster.store().await;
-    let client = JobClient::new(broker.as_ref(), &cluster.job_type, PARTITIONS)
-        .await
-        .unwrap();
-    for node in 0..3 {
-        cluster.nodes.start(node);
-    }
-    let group = weir::jobs::ownership_group(&cluster.job_type);
-    let redis = cluster.redis().await;
-    services::await_owners(&redis, &group, PARTITIONS, &["n0", "n1", "n2"]).await;
+    let Running {
+        store,
+        redis,
+        client,
+        group,
+    } = cluster.start_nodes(3).await;
     let (ids, tickers, started) = put_jobs(&client).await;
     for round in 0..MESSAGES {
         send_round(&client, &ids, round).await;
@@ -349,17 +371,12 @@ async fn jobs_survive_redis_and_broker_restarts(kind: Kind) {
         None => services::kafka_brokers(),
     };
     let mut cluster = Cluster::on(kind, &redis_server.redis_url(), &broker_url, 2);
-    let broker = cluster.broker().await;
-    let store = cluster.store().await;
-    let client = JobClient::new(broker.as_ref(), &cluster.job_type, PARTITIONS)
-        .await
-        .unwrap();
-    for node in 0..2 {
-        cluster.nodes.start(node);
-    }
-    let group = weir::jobs::ownership_group(&cluster.job_type);
-    let redis = cluster.redis().await;
-    services::await_owners(&redis, &group, PARTITIONS, &["n0", "n1"]).await;
+    let Running {
+        store,
+        redis,
+        client,
+        group,
+    } = cluster.start_nodes(2).await;
     let (ids, tickers, started) = put_jobs(&client).await;
     let mut tokens_before = Vec::new();
     for round in 0..MESSAGES {
@@ -440,17 +457,7 @@ async fn kafka_jobs_survive_a_broker_restart() {
     let mut kafka = Server::tansu_on_s3(&s3);
     let brokers = format!("127.0.0.1:{}", kafka.port);
     let mut cluster = Cluster::on(Kind::Kafka, &services::redis_url(), &brokers, 2);
-    let broker = cluster.broker().await;
-    let store = cluster.store().await;
-    let client = JobClient::new(broker.as_ref(), &cluster.job_type, PARTITIONS)
-        .await
-        .unwrap();
-    for node in 0..2 {
-        cluster.nodes.start(node);
-    }
-    let group = weir::jobs::ownership_group(&cluster.job_type);
-    let redis = cluster.redis().await;
-    services::await_owners(&redis, &group, PARTITIONS, &["n0", "n1"]).await;
+    let Running { store, client, .. } = cluster.start_nodes(2).await;
     let (ids, tickers, started) = put_jobs(&client).await;
     for round in 0..MESSAGES {
         send_round(&client, &ids, round).await;

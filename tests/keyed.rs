@@ -3,13 +3,14 @@
 //! kills, per-key `when_all`, an output too large for the broker, and the
 //! co-partitioning check.
 
+mod common;
+
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::TaskNode;
 use serde_json::{json, Value};
-use tokio_util::sync::CancellationToken;
-
 use weir::accumulator::AccumulatorSpec;
 use weir::graph::{
     Criteria, FunctionRegistry, GraphBuilder, GraphDeclaration, KeySource, Keying, Strategy,
@@ -26,21 +27,6 @@ struct Cluster {
     store: Arc<dyn Store>,
     decl: GraphDeclaration,
     topics: KeyedTopics,
-}
-
-struct Node {
-    stop: CancellationToken,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Node {
-    async fn stop(self) {
-        self.stop.cancel();
-        tokio::time::timeout(Duration::from_secs(20), self.task)
-            .await
-            .expect("node stops in time")
-            .unwrap();
-    }
 }
 
 fn graph(name: &str, sources: &[&str], criteria: Criteria) -> GraphDeclaration {
@@ -80,18 +66,18 @@ impl Cluster {
         }
     }
 
-    fn node(&self, id: &str) -> Node {
-        let stop = CancellationToken::new();
+    fn node(&self, id: &str) -> TaskNode {
         let store: Arc<dyn KeyedGraphStore> = self.store.clone();
-        let task = tokio::spawn(weir::keyed::serve(
-            self.decl.clone(),
-            self.topics.clone(),
-            self.broker.clone(),
-            store,
-            id.to_string(),
-            stop.clone(),
-        ));
-        Node { stop, task }
+        TaskNode::spawn(|stop| {
+            weir::keyed::serve(
+                self.decl.clone(),
+                self.topics.clone(),
+                self.broker.clone(),
+                store,
+                id.to_string(),
+                stop,
+            )
+        })
     }
 
     async fn send(&self, source: &str, user: &str, seq: u64) {
@@ -175,7 +161,7 @@ async fn every_input_reaches_an_output_in_its_keys_order_across_joins_and_kills(
         }
         tokio::time::sleep(Duration::from_millis(40)).await;
     }
-    a.task.abort();
+    a.kill();
     for _ in 0..5 {
         for (user, seq) in round(&mut sent) {
             cluster.send("a", &user, seq).await;

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use common::servers::Server;
 use common::services;
 use serde_json::{json, Value};
+use weir::store::redis::RedisStore;
 use weir::transport::{Assignment, Broker, Message, PartitionedTopic, Subscription};
 
 const KEYS: usize = 1000;
@@ -30,7 +31,9 @@ enum Kind {
 
 struct Cluster {
     kind: Kind,
-    /// Kafka's bootstrap servers: the shared broker, or a test's own.
+    /// The Redis and Kafka's bootstrap servers the nodes use: the shared ones, or a
+    /// test's own.
+    redis_url: String,
     kafka_brokers: String,
     prefix: String,
     graph: String,
@@ -95,6 +98,7 @@ format = "json"
         Self {
             nodes: common::nodes::Nodes::new(&prefix, config.path(), nodes),
             kind,
+            redis_url: redis_url.to_string(),
             kafka_brokers: kafka_brokers.to_string(),
             prefix,
             graph,
@@ -115,6 +119,38 @@ format = "json"
             _ => Vec::new(),
         };
         self.nodes.start_with(node, &admin);
+    }
+
+    /// Makes the input with the graph's partitions, starts nodes `n0`..`n<count>` and
+    /// waits until they own every partition.
+    async fn start_nodes(&mut self, count: usize) -> Running {
+        let broker = self.broker().await;
+        // Created with the graph's partitions before anything is produced.
+        let input = broker.partitioned(&self.input, PARTITIONS).await.unwrap();
+        for node in 0..count {
+            self.start(node);
+        }
+        let store = Arc::new(
+            RedisStore::connect(&self.redis_url, &self.prefix)
+                .await
+                .expect("redis reachable"),
+        );
+        let group = weir::keyed::ownership_group(&self.graph);
+        let names: Vec<String> = (0..count).map(|n| format!("n{n}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        services::await_owners(&store, &group, PARTITIONS, &names).await;
+        Running {
+            feed: Feed {
+                sink: broker.sink(),
+                input,
+                users: (0..KEYS).map(|i| format!("u{i}")).collect(),
+                sent: HashSet::new(),
+                seq: 0,
+            },
+            broker,
+            store,
+            group,
+        }
     }
 
     async fn broker(&self) -> Arc<dyn Broker> {
@@ -180,22 +216,39 @@ fn identity(message: &Message) -> (String, u64) {
     )
 }
 
-/// One event to every user, numbered on from `seq`; each (user, seq) goes in `sent`.
-async fn send_round(
-    sink: &dyn weir::transport::Sink,
-    input: &PartitionedTopic,
-    users: &[String],
-    seq: &mut u64,
-    sent: &mut HashSet<(String, u64)>,
-) {
-    let mut batch = Vec::with_capacity(users.len());
-    for user in users {
-        *seq += 1;
-        sent.insert((user.clone(), *seq));
-        let event = json!({"user": user, "seq": *seq});
-        batch.push(sink.publish(input.outbound(user, event.to_string())));
+/// A cluster's nodes started: the test's broker client, the store, the ownership group
+/// and the feed of events.
+struct Running {
+    broker: Arc<dyn Broker>,
+    store: Arc<RedisStore>,
+    group: String,
+    feed: Feed,
+}
+
+/// Events to every user, in rounds, numbered on; each (user, seq) sent is kept.
+struct Feed {
+    sink: Arc<dyn weir::transport::Sink>,
+    input: PartitionedTopic,
+    users: Vec<String>,
+    sent: HashSet<(String, u64)>,
+    seq: u64,
+}
+
+impl Feed {
+    /// One event to every user, all acknowledged.
+    async fn round(&mut self) {
+        let mut batch = Vec::with_capacity(self.users.len());
+        for user in &self.users {
+            self.seq += 1;
+            self.sent.insert((user.clone(), self.seq));
+            let event = json!({"user": user, "seq": self.seq});
+            batch.push(
+                self.sink
+                    .publish(self.input.outbound(user, event.to_string())),
+            );
+        }
+        futures::future::try_join_all(batch).await.unwrap();
     }
-    futures::future::try_join_all(batch).await.unwrap();
 }
 
 /// Checks per key that first outputs come in input order, that repeats are only of what
@@ -235,24 +288,10 @@ fn checked_per_key(outputs: &[Message]) -> usize {
 
 async fn keyed_graph_survives_a_kill_a_rejoin_and_a_pause(kind: Kind) {
     let mut cluster = Cluster::new(kind);
-    let broker = cluster.broker().await;
-    // Created with the graph's partitions before anything is produced.
-    let input: PartitionedTopic = broker
-        .partitioned(&cluster.input, PARTITIONS)
-        .await
-        .unwrap();
-    for node in 0..3 {
-        cluster.start(node);
-    }
-    let store = services::redis(&cluster.prefix).await;
-    let group = weir::keyed::ownership_group(&cluster.graph);
-    services::await_owners(&store, &group, PARTITIONS, &["n0", "n1", "n2"]).await;
-    let sink = broker.sink();
-    let users: Vec<String> = (0..KEYS).map(|i| format!("u{i}")).collect();
-    let mut sent = HashSet::new();
-    let mut seq = 0u64;
+    let mut run = cluster.start_nodes(3).await;
+    let (store, group) = (run.store.clone(), run.group.clone());
     for round in 0..ROUNDS {
-        send_round(sink.as_ref(), &input, &users, &mut seq, &mut sent).await;
+        run.feed.round().await;
         match round {
             // Under load, owning partitions.
             3 => cluster.nodes.kill(1),
@@ -275,7 +314,13 @@ async fn keyed_graph_survives_a_kill_a_rejoin_and_a_pause(kind: Kind) {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let outputs = read_outputs(&broker, &cluster.output, &sent, Duration::from_secs(120)).await;
+    let outputs = read_outputs(
+        &run.broker,
+        &cluster.output,
+        &run.feed.sent,
+        Duration::from_secs(120),
+    )
+    .await;
     let repeats = checked_per_key(&outputs);
     // What can repeat is what the killed and the paused node had applied and not yet
     // written: at most one batch per partition each owned.
@@ -321,28 +366,11 @@ async fn nats_keyed_graph_survives_a_kill_a_rejoin_and_a_pause() {
 async fn keyed_graph_survives_a_redis_restart(kind: Kind) {
     let mut redis_server = Server::redis();
     let mut cluster = Cluster::on(kind, &redis_server.redis_url(), 2);
-    let broker = cluster.broker().await;
-    let input: PartitionedTopic = broker
-        .partitioned(&cluster.input, PARTITIONS)
-        .await
-        .unwrap();
-    for node in 0..2 {
-        cluster.start(node);
-    }
-    let store = Arc::new(
-        weir::store::redis::RedisStore::connect(&redis_server.redis_url(), &cluster.prefix)
-            .await
-            .unwrap(),
-    );
-    let group = weir::keyed::ownership_group(&cluster.graph);
-    services::await_owners(&store, &group, PARTITIONS, &["n0", "n1"]).await;
-    let sink = broker.sink();
-    let users: Vec<String> = (0..KEYS).map(|i| format!("u{i}")).collect();
-    let mut sent = HashSet::new();
-    let mut seq = 0u64;
+    let mut run = cluster.start_nodes(2).await;
+    let (store, group) = (run.store.clone(), run.group.clone());
     let mut tokens_before = Vec::new();
     for round in 0..ROUNDS {
-        send_round(sink.as_ref(), &input, &users, &mut seq, &mut sent).await;
+        run.feed.round().await;
         match round {
             // Inputs keep arriving while Redis is away.
             3 => {
@@ -358,7 +386,13 @@ async fn keyed_graph_survives_a_redis_restart(kind: Kind) {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let outputs = read_outputs(&broker, &cluster.output, &sent, Duration::from_secs(120)).await;
+    let outputs = read_outputs(
+        &run.broker,
+        &cluster.output,
+        &run.feed.sent,
+        Duration::from_secs(120),
+    )
+    .await;
     let repeats = checked_per_key(&outputs);
     // What can repeat is what was applied and not yet written when the writes stopped
     // succeeding: at most one batch per partition.
@@ -394,30 +428,22 @@ async fn kafka_keyed_graph_survives_a_broker_restart() {
     let mut kafka = Server::tansu_on_s3(&s3);
     let brokers = format!("127.0.0.1:{}", kafka.port);
     let mut cluster = Cluster::with(Kind::Kafka, &services::redis_url(), &brokers, 2);
-    let broker = cluster.broker().await;
-    let input: PartitionedTopic = broker
-        .partitioned(&cluster.input, PARTITIONS)
-        .await
-        .unwrap();
-    for node in 0..2 {
-        cluster.start(node);
-    }
-    let store = services::redis(&cluster.prefix).await;
-    let group = weir::keyed::ownership_group(&cluster.graph);
-    services::await_owners(&store, &group, PARTITIONS, &["n0", "n1"]).await;
-    let sink = broker.sink();
-    let users: Vec<String> = (0..KEYS).map(|i| format!("u{i}")).collect();
-    let mut sent = HashSet::new();
-    let mut seq = 0u64;
+    let mut run = cluster.start_nodes(2).await;
     for round in 0..ROUNDS {
-        send_round(sink.as_ref(), &input, &users, &mut seq, &mut sent).await;
+        run.feed.round().await;
         // Between rounds, every input sent so far acknowledged.
         if round == 8 {
             kafka.restart();
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let outputs = read_outputs(&broker, &cluster.output, &sent, Duration::from_secs(120)).await;
+    let outputs = read_outputs(
+        &run.broker,
+        &cluster.output,
+        &run.feed.sent,
+        Duration::from_secs(120),
+    )
+    .await;
     let repeats = checked_per_key(&outputs);
     assert!(
         repeats <= 1024 * PARTITIONS as usize,
