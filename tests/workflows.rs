@@ -721,12 +721,14 @@ async fn each_result_reaches_a_node_that_declares_its_workflow(env: &Env) {
 }
 
 /// Counts the runs of each execution's task, each run taking `sleep`.
+#[cfg(feature = "it")]
 #[derive(Default)]
 struct RunCounter {
     runs: Mutex<BTreeMap<String, usize>>,
     sleep: Duration,
 }
 
+#[cfg(feature = "it")]
 #[async_trait]
 impl TaskHandler for RunCounter {
     async fn run(&self, task: TaskContext) -> TaskOutcome {
@@ -745,6 +747,7 @@ impl TaskHandler for RunCounter {
 /// `max.poll.interval.ms`, JetStream's ack wait), on two workers with one slot each: what
 /// a worker has read ahead, or is running, is never handed to the other worker
 /// meanwhile, so each task runs once. (The memory broker has one member per group.)
+#[cfg(feature = "it")]
 async fn a_task_read_ahead_behind_a_long_one_runs_once(env: &Env, tasks: usize) {
     let executor = env.name("long");
     let w = flow(&env.name("long"), vec![task("slow", "slow")]);

@@ -3,7 +3,7 @@
 //! and other Kafka-compatible brokers.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -125,7 +125,11 @@ pub struct KafkaBroker {
 
 struct Inner {
     settings: KafkaSettings,
-    producer: FutureProducer<ClientErrors>,
+    /// Replaced by a new one when librdkafka declares it fatally failed (an idempotent
+    /// producer whose sequence the broker lost, for instance): such a producer refuses
+    /// every later message.
+    producer: RwLock<Arc<FutureProducer<ClientErrors>>>,
+    producer_config: ClientConfig,
     /// The producer's errors outside any request.
     errors: ClientErrors,
     admin: AdminClient<DefaultClientContext>,
@@ -145,9 +149,13 @@ fn unreachable(brokers: &str, e: impl Into<BoxError>) -> TransportError {
 impl KafkaBroker {
     pub fn connect(settings: KafkaSettings) -> Result<Self, TransportError> {
         let mut producer_config = ClientConfig::new();
+        // Idempotence keeps a partition's messages in the order they were handed over
+        // when librdkafka retries a request: without it a retried batch can land behind
+        // a later one, and a key's outputs would come out of order.
         producer_config
             .set("bootstrap.servers", &settings.brokers)
             .set("acks", "all")
+            .set("enable.idempotence", "true")
             .set("linger.ms", "1")
             .set("message.timeout.ms", "30000");
         for (k, v) in &settings.options {
@@ -172,7 +180,8 @@ impl KafkaBroker {
         Ok(Self {
             inner: Arc::new(Inner {
                 settings,
-                producer,
+                producer: RwLock::new(Arc::new(producer)),
+                producer_config,
                 errors,
                 admin,
                 ensured: Mutex::new(HashSet::new()),
@@ -181,9 +190,18 @@ impl KafkaBroker {
         })
     }
 
+    /// The producer in use.
+    fn producer(&self) -> Arc<FutureProducer<ClientErrors>> {
+        self.inner
+            .producer
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     /// The partition ids of a topic, from the cluster's metadata.
     pub async fn partitions_of(&self, topic: &str) -> Result<Vec<i32>, TransportError> {
-        let producer = self.inner.producer.clone();
+        let producer = self.producer();
         let brokers = self.inner.settings.brokers.clone();
         let name = topic.to_string();
         tokio::task::spawn_blocking(move || {
@@ -438,7 +456,7 @@ impl Broker for KafkaBroker {
     }
 
     async fn ping(&self) -> Result<(), TransportError> {
-        let producer = self.inner.producer.clone();
+        let producer = self.producer();
         let errors = self.inner.errors.clone();
         let brokers = self.inner.settings.brokers.clone();
         tokio::task::spawn_blocking(move || {
@@ -454,6 +472,63 @@ impl Broker for KafkaBroker {
         })
         .await
         .map_err(|e| unreachable(&self.inner.settings.brokers, e))?
+    }
+}
+
+impl KafkaBroker {
+    /// Makes the producer fail fatally, as librdkafka does when the broker lost an
+    /// idempotent producer's sequence, so tests can see what follows.
+    #[cfg(feature = "it")]
+    #[doc(hidden)]
+    pub fn fail_producer_fatally(&self) {
+        let producer = self.producer();
+        let reason = c"injected by a test";
+        // SAFETY: the client pointer is alive while `producer` is held, and the reason
+        // is a NUL-terminated string that librdkafka copies.
+        unsafe {
+            rdkafka::bindings::rd_kafka_test_fatal_error(
+                producer.client().native_ptr(),
+                rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER,
+                reason.as_ptr(),
+            );
+        }
+    }
+
+    /// After a fatal error the producer takes no more messages; the next publishes go
+    /// through a new one. Its failed messages fail as retryable, so their senders
+    /// publish them again, after what they had already acknowledged.
+    fn renew_if_fatal(&self, failed: &Arc<FutureProducer<ClientErrors>>, error: &KafkaError) {
+        // The error that made it fatal reaches its own message as itself, the others
+        // as "fatal".
+        let cause = failed.client().fatal_error();
+        if cause.is_none() && error.rdkafka_error_code() != Some(RDKafkaErrorCode::Fatal) {
+            return;
+        }
+        let mut current = self
+            .inner
+            .producer
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        // Another publish of the same producer renewed it already.
+        if !Arc::ptr_eq(&current, failed) {
+            return;
+        }
+        match self
+            .inner
+            .producer_config
+            .create_with_context(self.inner.errors.clone())
+        {
+            Ok(renewed) => {
+                tracing::warn!(
+                    ?cause,
+                    "kafka producer failed fatally; publishing through a new one"
+                );
+                *current = Arc::new(renewed);
+            }
+            Err(e) => {
+                tracing::error!(?cause, error = %e, "kafka producer failed fatally and a new one cannot be made");
+            }
+        }
     }
 }
 
@@ -477,6 +552,7 @@ impl Sink for KafkaBroker {
         // The client's queue is bounded: while it is full, wait for room, as long as a
         // publish may take.
         let deadline = tokio::time::Instant::now() + PRODUCE_TIMEOUT;
+        let producer = self.producer();
         let delivery = loop {
             let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
             for (name, value) in &message.headers {
@@ -491,24 +567,31 @@ impl Sink for KafkaBroker {
             if let Some(key) = &message.key {
                 record = record.key(&key[..]);
             }
-            match self.inner.producer.send_result(record) {
+            match producer.send_result(record) {
                 Ok(delivery) => break delivery,
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _))
                     if tokio::time::Instant::now() < deadline =>
                 {
                     tokio::time::sleep(QUEUE_FULL_PAUSE).await;
                 }
-                Err((e, _)) => return Err(publish_error(&message.topic, &e)),
+                Err((e, _)) => {
+                    self.renew_if_fatal(&producer, &e);
+                    return Err(publish_error(&message.topic, &e));
+                }
             }
         };
         let topic = message.topic;
+        let broker = self.clone();
         Ok(Box::pin(async move {
             match delivery.await {
                 Ok(Ok(delivery)) => Ok(Position {
                     partition: delivery.partition,
                     offset: delivery.offset,
                 }),
-                Ok(Err((e, _))) => Err(publish_error(&topic, &e)),
+                Ok(Err((e, _))) => {
+                    broker.renew_if_fatal(&producer, &e);
+                    Err(publish_error(&topic, &e))
+                }
                 Err(_) => Err(TransportError::Publish {
                     topic,
                     source: "the producer was dropped before the broker acknowledged".into(),
