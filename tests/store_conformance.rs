@@ -188,7 +188,7 @@ mod cases {
                 offset: 3,
             };
             snapshot.sources.insert(
-                "a".into(),
+                "a",
                 SourceSnapshot {
                     seen: vec![position],
                     dirty: true,

@@ -18,7 +18,7 @@ use crate::transport::Position;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct CacheSnapshot {
     pub fires: u64,
-    pub sources: BTreeMap<String, SourceSnapshot>,
+    pub sources: SourceSnapshots,
     /// Paused by a command: a respawned or failed-over reactor stays paused.
     #[serde(default)]
     pub paused: bool,
@@ -33,6 +33,87 @@ pub struct SourceSnapshot {
     /// Shared with the cache it was taken from: a snapshot copies no event.
     pub current: Option<Arc<Boundary>>,
     pub queue: Vec<Arc<Boundary>>,
+}
+
+/// A snapshot's sources by name, in name order: a map on the wire, a short list in
+/// memory. A graph has few sources and a keyed graph takes a snapshot of every key it
+/// changes, so a tree node per snapshot (about a kilobyte) would cost more than the
+/// state it holds.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SourceSnapshots(Vec<(Arc<str>, SourceSnapshot)>);
+
+impl SourceSnapshots {
+    pub fn get(&self, name: &str) -> Option<&SourceSnapshot> {
+        self.position(name).ok().map(|i| &self.0[i].1)
+    }
+
+    /// Sets a source's snapshot; returns the one it replaces.
+    pub fn insert(
+        &mut self,
+        name: impl Into<Arc<str>>,
+        snapshot: SourceSnapshot,
+    ) -> Option<SourceSnapshot> {
+        let name = name.into();
+        match self.position(&name) {
+            Ok(i) => Some(std::mem::replace(&mut self.0[i].1, snapshot)),
+            Err(i) => {
+                self.0.insert(i, (name, snapshot));
+                None
+            }
+        }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &SourceSnapshot)> {
+        self.0.iter().map(|(name, s)| (&**name, s))
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn position(&self, name: &str) -> Result<usize, usize> {
+        self.0.binary_search_by(|(n, _)| (**n).cmp(name))
+    }
+}
+
+impl std::ops::Index<&str> for SourceSnapshots {
+    type Output = SourceSnapshot;
+
+    fn index(&self, name: &str) -> &SourceSnapshot {
+        self.get(name)
+            .unwrap_or_else(|| panic!("no source {name:?} in the snapshot"))
+    }
+}
+
+impl<N: Into<Arc<str>>> FromIterator<(N, SourceSnapshot)> for SourceSnapshots {
+    fn from_iter<I: IntoIterator<Item = (N, SourceSnapshot)>>(iter: I) -> Self {
+        let mut sources = Self::default();
+        for (name, snapshot) in iter {
+            sources.insert(name, snapshot);
+        }
+        sources
+    }
+}
+
+impl Serialize for SourceSnapshots {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.iter())
+    }
+}
+
+impl<'de> Deserialize<'de> for SourceSnapshots {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let map = BTreeMap::<String, SourceSnapshot>::deserialize(deserializer)?;
+        Ok(Self(
+            map.into_iter()
+                .map(|(name, snapshot)| (Arc::from(name), snapshot))
+                .collect(),
+        ))
+    }
 }
 
 /// Boundaries taken from the cache by one fire.
@@ -96,7 +177,7 @@ impl InputCache {
     pub fn restore(&mut self, snapshot: &CacheSnapshot) -> Vec<usize> {
         let mut queued = vec![0; self.slots.len()];
         for (i, name) in self.names.iter().enumerate() {
-            let Some(stored) = snapshot.sources.get(&**name) else {
+            let Some(stored) = snapshot.sources.get(name) else {
                 continue;
             };
             let slot = &mut self.slots[i];
@@ -246,7 +327,7 @@ impl InputCache {
                         stored.dirty = !stored.queue.is_empty();
                     }
                 }
-                (name.to_string(), stored)
+                (name.clone(), stored)
             })
             .collect();
         CacheSnapshot {
@@ -337,6 +418,27 @@ mod tests {
         let (values, _) = cache.take();
         assert_eq!(value(&values[0]), Some(20));
         assert!(!cache.dirty(0));
+    }
+
+    #[test]
+    fn source_snapshots_are_a_map_by_name_on_the_wire() {
+        let dirty = SourceSnapshot {
+            dirty: true,
+            ..Default::default()
+        };
+        let sources: SourceSnapshots = [("b", SourceSnapshot::default()), ("a", dirty.clone())]
+            .into_iter()
+            .collect();
+        let wire = serde_json::to_value(&sources).unwrap();
+        assert_eq!(wire["a"]["dirty"], json!(true));
+        assert_eq!(wire["b"]["dirty"], json!(false));
+        let back: SourceSnapshots = serde_json::from_value(wire).unwrap();
+        assert_eq!(back, sources);
+        assert_eq!(back.iter().map(|(n, _)| n).collect::<Vec<_>>(), ["a", "b"]);
+        let mut replaced = back;
+        assert_eq!(replaced.insert("a", SourceSnapshot::default()), Some(dirty));
+        assert_eq!(replaced.len(), 2);
+        assert!(replaced.get("c").is_none());
     }
 
     #[test]
