@@ -19,6 +19,7 @@
 mod partition;
 pub mod store;
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -127,16 +128,20 @@ pub async fn serve(
 }
 
 /// The key of an event: from the message key or a JSON pointer into the event.
-pub fn key_of(source: &KeySource, message_key: Option<&[u8]>, event: &Value) -> Option<String> {
+pub fn key_of<'a>(
+    source: &KeySource,
+    message_key: Option<&'a [u8]>,
+    event: &'a Value,
+) -> Option<Cow<'a, str>> {
     match source {
         KeySource::MessageKey => message_key
             .and_then(|k| std::str::from_utf8(k).ok())
             .filter(|k| !k.is_empty())
-            .map(str::to_string),
+            .map(Cow::Borrowed),
         KeySource::Pointer(pointer) => match event.pointer(pointer)? {
-            Value::String(s) => Some(s.clone()),
+            Value::String(s) => Some(Cow::Borrowed(s)),
             Value::Null => None,
-            other => Some(other.to_string()),
+            other => Some(Cow::Owned(other.to_string())),
         },
     }
 }

@@ -118,6 +118,8 @@ impl PartitionWork for KeyedPartitions {
 
 /// One key's reactor state in memory.
 struct KeyState {
+    /// The key, shared with the map that holds this state.
+    key: Arc<str>,
     cache: InputCache,
     fires: u64,
     /// When the key was last used, in events of this partition.
@@ -247,7 +249,7 @@ impl<'a> Serving<'a> {
     }
 
     /// The key's state, from memory or the store.
-    async fn key_state(&mut self, key: &Arc<str>) -> Result<&mut KeyState, StoreError> {
+    async fn key_state(&mut self, key: &str) -> Result<&mut KeyState, StoreError> {
         if !self.keys.contains_key(key) {
             let stored = if self.stored_keys {
                 self.graph
@@ -269,9 +271,11 @@ impl<'a> Serving<'a> {
                 }
                 None => 0,
             };
+            let key: Arc<str> = Arc::from(key);
             self.keys.insert(
                 key.clone(),
                 KeyState {
+                    key,
                     cache,
                     fires,
                     used: 0,
@@ -318,20 +322,19 @@ impl<'a> Serving<'a> {
                 .dead_letter(source, &message, &format!("key {reason}"))
                 .await;
         }
-        let key: Arc<str> = Arc::from(key);
+        let source_name = self.graph.names[source].clone();
+        let partition = self.partition;
+        let criteria = self.graph.decl.reactor.criteria;
+        let state = self.key_state(&key).await?;
+        let key = state.key.clone();
         let boundary = Boundary {
-            source: self.graph.names[source].clone(),
+            source: source_name,
             sequence: 0,
-            positions: vec![Position {
-                partition: self.partition,
-                offset,
-            }],
+            positions: vec![Position { partition, offset }],
             event_time_ms: message.timestamp_ms,
             emit_time_ms: now_ms(),
             value,
         };
-        let criteria = self.graph.decl.reactor.criteria;
-        let state = self.key_state(&key).await?;
         if state.cache.insert(source, boundary) == Inserted::Duplicate {
             return Ok(());
         }
