@@ -551,17 +551,32 @@ pub async fn publish_persistently(
     }
 }
 
+/// The longest output key a dead letter carries; a longer one may be why the output was
+/// refused, and would have its dead letter refused too.
+pub const DEAD_LETTER_KEY_LIMIT: usize = 1024;
+
 /// What goes out in place of an output no retry can publish (larger than the broker
 /// takes, say): a record of it on the output's dead-letter topic, `{"topic", "error"}`,
 /// with the output's key and headers and the cause in `weir-error`. Publishing that
-/// instead lets the partition or graph that made the output go on.
+/// instead lets the partition or graph that made the output go on. A key longer than
+/// [`DEAD_LETTER_KEY_LIMIT`] bytes is left out, and the record gives its length as
+/// `key_bytes`.
 pub fn undeliverable(output: &Outbound, error: &TransportError) -> Outbound {
-    let record = serde_json::json!({"topic": &output.topic, "error": error.to_string()});
+    let mut record = serde_json::Map::new();
+    record.insert("topic".into(), output.topic.to_string().into());
+    record.insert("error".into(), error.to_string().into());
+    let key = match &output.key {
+        Some(key) if key.len() > DEAD_LETTER_KEY_LIMIT => {
+            record.insert("key_bytes".into(), key.len().into());
+            None
+        }
+        key => key.clone(),
+    };
     let mut letter = Outbound::new(
         crate::wire::dead_letter_topic(&output.topic),
-        record.to_string(),
+        serde_json::Value::Object(record).to_string(),
     );
-    letter.key = output.key.clone();
+    letter.key = key;
     letter.headers = output.headers.clone();
     letter.header(crate::wire::ERROR_HEADER, error.to_string())
 }
@@ -580,6 +595,24 @@ mod tests {
 
     fn at(partition: i32, offset: i64) -> Position {
         Position { partition, offset }
+    }
+
+    #[test]
+    fn a_dead_letter_leaves_out_a_key_too_long_to_publish() {
+        let refused = TransportError::Publish {
+            topic: "out".into(),
+            source: "message too large".into(),
+            retryable: false,
+        };
+        let short = undeliverable(&Outbound::new("out", "x").key("k1"), &refused);
+        assert_eq!(short.topic, "out.dlq");
+        assert_eq!(short.key.as_deref(), Some(&b"k1"[..]));
+        let huge = "k".repeat(DEAD_LETTER_KEY_LIMIT + 1);
+        let letter = undeliverable(&Outbound::new("out", "x").key(huge), &refused);
+        assert_eq!(letter.key, None);
+        let record: serde_json::Value = serde_json::from_slice(&letter.payload).unwrap();
+        assert_eq!(record["key_bytes"], DEAD_LETTER_KEY_LIMIT + 1);
+        assert_eq!(record["topic"], "out");
     }
 
     #[test]
