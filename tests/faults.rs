@@ -783,40 +783,52 @@ async fn a_cron_master_cut_off_from_redis_stops_at_most_once_ticks_within_its_tt
 
 /// librdkafka gives up on a producer after a fatal error (an idempotent producer whose
 /// sequence the broker lost, say) and refuses every later message: the broker publishes
-/// through a new producer from then on, and the messages that failed can be sent again.
+/// through a new producer from then on, but only once every publish handed to the old
+/// one is settled, so nothing sent later overtakes what its sender must send again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kafka_producer_that_failed_fatally_is_replaced() {
     let broker = services::kafka();
     let topic = services::unique("fatal");
     let sink = broker.sink();
-    sink.publish(Outbound::new(topic.as_str(), "before").key("k"))
+    let message = |payload: &'static str| Outbound::new(topic.as_str(), payload).key("k");
+    sink.publish(message("before"))
         .await
         .expect("published before the failure");
+    let held = sink
+        .enqueue(message("held"))
+        .await
+        .expect("handed to the producer");
     broker.fail_producer_fatally();
     let failed = sink
-        .publish(Outbound::new(topic.as_str(), "during").key("k"))
+        .publish(message("failed"))
         .await
         .expect_err("a fatally failed producer takes no message");
     assert!(failed.is_retryable(), "{failed}");
+    let refused = sink
+        .publish(message("refused"))
+        .await
+        .expect_err("refused while a publish made through the old producer is held");
+    assert!(refused.is_retryable(), "{refused}");
+    // Settled either way: sent before the failure, or failed with it.
+    let held = held.await.is_ok();
     let never = CancellationToken::new();
-    for payload in ["during", "after"] {
-        let publish = publish_persistently(
-            sink.as_ref(),
-            Outbound::new(topic.as_str(), payload).key("k"),
-            &never,
-        );
-        tokio::time::timeout(Duration::from_secs(30), publish)
-            .await
-            .expect("published within 30 s")
-            .expect("published through the new producer");
-    }
+    let publish = publish_persistently(sink.as_ref(), message("after"), &never);
+    tokio::time::timeout(Duration::from_secs(30), publish)
+        .await
+        .expect("published within 30 s")
+        .expect("published through the new producer");
+    let expected: Vec<&[u8]> = if held {
+        vec![b"before", b"held", b"after"]
+    } else {
+        vec![b"before", b"after"]
+    };
     let read = read_until(
         &(broker.clone() as Arc<dyn Broker>),
         &topic,
         Duration::from_secs(30),
-        |seen| seen.len() >= 3,
+        |seen| seen.len() >= expected.len(),
     )
     .await;
     let payloads: Vec<&[u8]> = read.iter().map(|m| &m.payload[..]).collect();
-    assert_eq!(payloads, [&b"before"[..], b"during", b"after"]);
+    assert_eq!(payloads, expected);
 }

@@ -180,8 +180,8 @@ struct Fence {
 }
 
 impl Fence {
-    /// The output's key, input seq and token, if the rule keeps it.
-    fn admits(&mut self, message: &Message) -> Option<(String, u64, u64)> {
+    /// The output's key and input seq, if the rule keeps it.
+    fn admits(&mut self, message: &Message) -> Option<(String, u64)> {
         let (key, seq) = identity(message);
         let token: u64 = message
             .header(weir::wire::FENCING_HEADER)
@@ -192,7 +192,7 @@ impl Fence {
             return None;
         }
         *highest = token;
-        Some((key, seq, token))
+        Some((key, seq))
     }
 }
 
@@ -228,7 +228,7 @@ async fn read_outputs(
         if !positions.insert((message.position.partition, message.position.offset)) {
             continue;
         }
-        if let Some((key, seq, _)) = fence.admits(&message) {
+        if let Some((key, seq)) = fence.admits(&message) {
             covered.insert((key, seq));
         }
         read.push(message);
@@ -263,11 +263,11 @@ struct Feed {
 }
 
 impl Feed {
-    /// One event to every user, all acknowledged. A round the broker failed in part
-    /// (it restarted, say) is sent again whole: its events are repeated, never
-    /// reordered behind the next round's.
+    /// One event to every user, all acknowledged. Events the broker failed (it
+    /// restarted, say) are sent again: each user has one event in the round, so none
+    /// can land behind a later one of its user.
     async fn round(&mut self) {
-        let events: Vec<(String, String)> = self
+        let mut unsent: Vec<(String, String)> = self
             .users
             .iter()
             .map(|user| {
@@ -278,16 +278,23 @@ impl Feed {
             })
             .collect();
         let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let batch = events
-                .iter()
-                .map(|(user, event)| self.sink.publish(self.input.outbound(user, event.clone())));
-            match futures::future::try_join_all(batch).await {
-                Ok(_) => return,
-                Err(e) if e.is_retryable() && Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
+        while !unsent.is_empty() {
+            let results =
+                futures::future::join_all(unsent.iter().map(|(user, event)| {
+                    self.sink.publish(self.input.outbound(user, event.clone()))
+                }))
+                .await;
+            let mut failed = Vec::new();
+            for (event, result) in unsent.into_iter().zip(results) {
+                match result {
+                    Ok(_) => {}
+                    Err(e) if e.is_retryable() && Instant::now() < deadline => failed.push(event),
+                    Err(e) => panic!("round not published: {e}"),
                 }
-                Err(e) => panic!("round not published: {e}"),
+            }
+            unsent = failed;
+            if !unsent.is_empty() {
+                tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
     }
@@ -315,7 +322,7 @@ fn checked_per_key(outputs: &[Message]) -> Checked {
             Some(identity(message).0.as_bytes()),
             "output keyed by its key"
         );
-        let Some((key, seq, _)) = fence.admits(message) else {
+        let Some((key, seq)) = fence.admits(message) else {
             checked.stale += 1;
             continue;
         };

@@ -3,7 +3,7 @@
 //! and other Kafka-compatible brokers.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -25,6 +25,10 @@ use super::{
     Acks, Assignment, BoxError, Broker, FinishedPrefix, Message, Outbound, PartitionedTopic,
     PendingAck, Position, Sink, Source, StartFrom, Subscription, TransportError,
 };
+
+/// How long publishes wait, at most, for those made through a producer that failed
+/// fatally to settle.
+const SETTLE_LIMIT: Duration = Duration::from_secs(10);
 
 /// How long a publish may wait for room in the producer's queue.
 const PRODUCE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -123,12 +127,39 @@ pub struct KafkaBroker {
     inner: Arc<Inner>,
 }
 
+/// A producer shared by the publishes in flight on it. Its last holder lets it go on a
+/// blocking thread, since librdkafka's teardown flushes and joins the client's threads.
+struct SharedProducer(Option<FutureProducer<ClientErrors>>);
+
+impl std::ops::Deref for SharedProducer {
+    type Target = FutureProducer<ClientErrors>;
+
+    fn deref(&self) -> &Self::Target {
+        self.0
+            .as_ref()
+            .expect("a producer is held until it is dropped")
+    }
+}
+
+impl Drop for SharedProducer {
+    fn drop(&mut self) {
+        if let (Some(producer), Ok(runtime)) =
+            (self.0.take(), tokio::runtime::Handle::try_current())
+        {
+            runtime.spawn_blocking(move || drop(producer));
+        }
+    }
+}
+
 struct Inner {
     settings: KafkaSettings,
     /// Replaced by a new one when librdkafka declares it fatally failed (an idempotent
     /// producer whose sequence the broker lost, for instance): such a producer refuses
     /// every later message.
-    producer: RwLock<Arc<FutureProducer<ClientErrors>>>,
+    producer: RwLock<Arc<SharedProducer>>,
+    /// The producer replaced last, alive while publishes handed to it are still held
+    /// (awaited or not) by their senders, and when it was replaced.
+    retired: Mutex<(Weak<SharedProducer>, std::time::Instant)>,
     producer_config: ClientConfig,
     /// The producer's errors outside any request.
     errors: ClientErrors,
@@ -180,7 +211,8 @@ impl KafkaBroker {
         Ok(Self {
             inner: Arc::new(Inner {
                 settings,
-                producer: RwLock::new(Arc::new(producer)),
+                producer: RwLock::new(Arc::new(SharedProducer(Some(producer)))),
+                retired: Mutex::new((Weak::new(), std::time::Instant::now())),
                 producer_config,
                 errors,
                 admin,
@@ -191,12 +223,35 @@ impl KafkaBroker {
     }
 
     /// The producer in use.
-    fn producer(&self) -> Arc<FutureProducer<ClientErrors>> {
+    fn producer(&self) -> Arc<SharedProducer> {
         self.inner
             .producer
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// The producer a publish goes through. While a replaced producer still has
+    /// publishes held by their senders, publishes are refused (retryable): a sender
+    /// whose earlier outputs are failing on the old producer must see them fail before
+    /// anything of its own can reach the broker through the new one, or its later
+    /// outputs would overtake the ones it sends again. For [`SETTLE_LIMIT`] at most, so
+    /// a sender retrying one publish while it holds another cannot stall every sender.
+    fn producer_for(&self, topic: &str) -> Result<Arc<SharedProducer>, TransportError> {
+        let draining = {
+            let retired = self.inner.retired.lock().unwrap_or_else(|p| p.into_inner());
+            retired.0.strong_count() > 0 && retired.1.elapsed() < SETTLE_LIMIT
+        };
+        if draining {
+            return Err(TransportError::Publish {
+                topic: topic.to_string(),
+                source: "the kafka producer was replaced after a fatal error, and publishes \
+                         made through the old one are not all settled yet"
+                    .into(),
+                retryable: true,
+            });
+        }
+        Ok(self.producer())
     }
 
     /// The partition ids of a topic, from the cluster's metadata.
@@ -497,11 +552,15 @@ impl KafkaBroker {
     /// After a fatal error the producer takes no more messages; the next publishes go
     /// through a new one. Its failed messages fail as retryable, so their senders
     /// publish them again, after what they had already acknowledged.
-    fn renew_if_fatal(&self, failed: &Arc<FutureProducer<ClientErrors>>, error: &KafkaError) {
+    fn renew_if_fatal(&self, failed: &Arc<SharedProducer>, error: &KafkaError) {
         // The error that made it fatal reaches its own message as itself, the others
         // as "fatal".
         let cause = failed.client().fatal_error();
         if cause.is_none() && error.rdkafka_error_code() != Some(RDKafkaErrorCode::Fatal) {
+            return;
+        }
+        // Every message of a failed producer fails: most find it renewed already.
+        if !Arc::ptr_eq(&self.producer(), failed) {
             return;
         }
         let mut current = self
@@ -521,9 +580,11 @@ impl KafkaBroker {
             Ok(renewed) => {
                 tracing::warn!(
                     ?cause,
-                    "kafka producer failed fatally; publishing through a new one"
+                    "kafka producer failed fatally; publishing through a new one once the old one's publishes are settled"
                 );
-                *current = Arc::new(renewed);
+                *self.inner.retired.lock().unwrap_or_else(|p| p.into_inner()) =
+                    (Arc::downgrade(failed), std::time::Instant::now());
+                *current = Arc::new(SharedProducer(Some(renewed)));
             }
             Err(e) => {
                 tracing::error!(?cause, error = %e, "kafka producer failed fatally and a new one cannot be made");
@@ -552,7 +613,7 @@ impl Sink for KafkaBroker {
         // The client's queue is bounded: while it is full, wait for room, as long as a
         // publish may take.
         let deadline = tokio::time::Instant::now() + PRODUCE_TIMEOUT;
-        let producer = self.producer();
+        let producer = self.producer_for(&message.topic)?;
         let delivery = loop {
             let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
             for (name, value) in &message.headers {

@@ -563,7 +563,7 @@ pub const DEAD_LETTER_KEY_LIMIT: usize = 1024;
 /// `key_bytes`.
 pub fn undeliverable(output: &Outbound, error: &TransportError) -> Outbound {
     let mut record = serde_json::Map::new();
-    record.insert("topic".into(), output.topic.to_string().into());
+    record.insert("topic".into(), output.topic.clone().into());
     record.insert("error".into(), error.to_string().into());
     let key = match &output.key {
         Some(key) if key.len() > DEAD_LETTER_KEY_LIMIT => {
