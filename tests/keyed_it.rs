@@ -22,6 +22,9 @@ use weir::transport::{Assignment, Broker, Message, PartitionedTopic, Subscriptio
 const KEYS: usize = 1000;
 const ROUNDS: u64 = 20;
 const PARTITIONS: u32 = 6;
+/// Outputs of one batch per partition (a keyed partition writes up to 1,024 events at
+/// a time): what one node can have applied and not yet written.
+const BATCHES: usize = 1024 * PARTITIONS as usize;
 
 #[derive(Clone, Copy)]
 enum Kind {
@@ -307,6 +310,14 @@ struct Checked {
     stale: usize,
 }
 
+impl Checked {
+    /// At most `repeats` outputs repeated and `stale` dropped.
+    fn assert_within(&self, repeats: usize, stale: usize) {
+        assert!(self.repeats <= repeats, "{} repeated outputs", self.repeats);
+        assert!(self.stale <= stale, "{} stale outputs", self.stale);
+    }
+}
+
 /// Checks per key, on the outputs the fencing rule keeps, that first outputs come in
 /// input order and that repeats are only of what came out before.
 fn checked_per_key(outputs: &[Message]) -> Checked {
@@ -375,20 +386,10 @@ async fn keyed_graph_survives_a_kill_a_rejoin_and_a_pause(kind: Kind) {
         Duration::from_secs(120),
     )
     .await;
-    let checked = checked_per_key(&outputs);
     // What can repeat is what the killed and the paused node had applied and not yet
-    // written: at most one batch per partition each owned.
-    assert!(
-        checked.repeats <= 2 * 1024 * PARTITIONS as usize,
-        "{} repeated outputs",
-        checked.repeats
-    );
-    // What can be stale is what the paused node's client held when it stopped.
-    assert!(
-        checked.stale <= 1024 * PARTITIONS as usize,
-        "{} stale outputs",
-        checked.stale
-    );
+    // written: at most one batch per partition each owned. What can be stale is what
+    // the paused node's client held when it stopped.
+    checked_per_key(&outputs).assert_within(2 * BATCHES, BATCHES);
     // The node that came back owns a share again.
     services::await_owners(&store, &group, PARTITIONS, &["n0", "n1", "n2"]).await;
     // Any node answers for any key, naming its owner.
@@ -454,21 +455,11 @@ async fn keyed_graph_survives_a_redis_restart(kind: Kind) {
         Duration::from_secs(120),
     )
     .await;
-    let checked = checked_per_key(&outputs);
     // What can repeat is what was applied and not yet written when the writes stopped
-    // succeeding: at most one batch per partition.
-    assert!(
-        checked.repeats <= 1024 * PARTITIONS as usize,
-        "{} repeated outputs",
-        checked.repeats
-    );
-    // A holder cut off from Redis stops publishing at its lease's deadline; what its
-    // client still held then can only be its last batch.
-    assert!(
-        checked.stale <= 1024 * PARTITIONS as usize,
-        "{} stale outputs",
-        checked.stale
-    );
+    // succeeding: at most one batch per partition. A holder cut off from Redis stops
+    // publishing at its lease's deadline; what its client still held then can only be
+    // its last batch.
+    checked_per_key(&outputs).assert_within(BATCHES, BATCHES);
     services::await_owners(&store, &group, PARTITIONS, &["n0", "n1"]).await;
     // The outage cost every lease: each partition was taken again, under a newer token.
     let tokens_after = services::lease_tokens(&store, &group, PARTITIONS).await;
@@ -513,13 +504,8 @@ async fn kafka_keyed_graph_survives_a_broker_restart() {
         Duration::from_secs(120),
     )
     .await;
-    let checked = checked_per_key(&outputs);
-    assert!(
-        checked.repeats <= 1024 * PARTITIONS as usize,
-        "{} repeated outputs",
-        checked.repeats
-    );
-    assert_eq!(checked.stale, 0, "stale outputs: no lease changed hands");
+    // No lease changes hands: nothing can be stale.
+    checked_per_key(&outputs).assert_within(BATCHES, 0);
     for node in 0..2 {
         cluster.nodes.kill(node);
     }
