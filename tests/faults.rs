@@ -831,4 +831,19 @@ async fn a_kafka_producer_that_failed_fatally_is_replaced() {
     .await;
     let payloads: Vec<&[u8]> = read.iter().map(|m| &m.payload[..]).collect();
     assert_eq!(payloads, expected);
+    // Failing again at once (a cause that lasts): no new producer for a few seconds,
+    // then one.
+    broker.fail_producer_fatally();
+    for attempt in ["failed again", "still failed"] {
+        let failed = sink
+            .publish(Outbound::new(topic.as_str(), attempt).key("k"))
+            .await
+            .expect_err("no new producer yet");
+        assert!(failed.is_retryable(), "{failed}");
+    }
+    let publish = publish_persistently(sink.as_ref(), message("later"), &never);
+    tokio::time::timeout(Duration::from_secs(30), publish)
+        .await
+        .expect("published within 30 s")
+        .expect("published through a producer made later");
 }

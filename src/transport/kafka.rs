@@ -30,6 +30,9 @@ use super::{
 /// fatally to settle.
 const SETTLE_LIMIT: Duration = Duration::from_secs(10);
 
+/// The shortest time between two replacements of a fatally failed producer.
+const RENEW_INTERVAL: Duration = Duration::from_secs(5);
+
 /// How long a publish may wait for room in the producer's queue.
 const PRODUCE_TIMEOUT: Duration = Duration::from_secs(30);
 /// librdkafka's default `topic.metadata.refresh.interval.ms`.
@@ -159,7 +162,7 @@ struct Inner {
     producer: RwLock<Arc<SharedProducer>>,
     /// The producer replaced last, alive while publishes handed to it are still held
     /// (awaited or not) by their senders, and when it was replaced.
-    retired: Mutex<(Weak<SharedProducer>, std::time::Instant)>,
+    retired: Mutex<(Weak<SharedProducer>, Option<std::time::Instant>)>,
     producer_config: ClientConfig,
     /// The producer's errors outside any request.
     errors: ClientErrors,
@@ -212,7 +215,7 @@ impl KafkaBroker {
             inner: Arc::new(Inner {
                 settings,
                 producer: RwLock::new(Arc::new(SharedProducer(Some(producer)))),
-                retired: Mutex::new((Weak::new(), std::time::Instant::now())),
+                retired: Mutex::new((Weak::new(), None)),
                 producer_config,
                 errors,
                 admin,
@@ -240,7 +243,7 @@ impl KafkaBroker {
     fn producer_for(&self, topic: &str) -> Result<Arc<SharedProducer>, TransportError> {
         let draining = {
             let retired = self.inner.retired.lock().unwrap_or_else(|p| p.into_inner());
-            retired.0.strong_count() > 0 && retired.1.elapsed() < SETTLE_LIMIT
+            retired.0.strong_count() > 0 && retired.1.is_some_and(|at| at.elapsed() < SETTLE_LIMIT)
         };
         if draining {
             return Err(TransportError::Publish {
@@ -572,6 +575,12 @@ impl KafkaBroker {
         if !Arc::ptr_eq(&current, failed) {
             return;
         }
+        let mut retired = self.inner.retired.lock().unwrap_or_else(|p| p.into_inner());
+        // A cause that lasts (a permission the broker refuses, say) fails every new
+        // producer at once: make one per interval, not one per publish.
+        if retired.1.is_some_and(|at| at.elapsed() < RENEW_INTERVAL) {
+            return;
+        }
         match self
             .inner
             .producer_config
@@ -582,8 +591,7 @@ impl KafkaBroker {
                     ?cause,
                     "kafka producer failed fatally; publishing through a new one once the old one's publishes are settled"
                 );
-                *self.inner.retired.lock().unwrap_or_else(|p| p.into_inner()) =
-                    (Arc::downgrade(failed), std::time::Instant::now());
+                *retired = (Arc::downgrade(failed), Some(std::time::Instant::now()));
                 *current = Arc::new(SharedProducer(Some(renewed)));
             }
             Err(e) => {
