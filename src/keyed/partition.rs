@@ -2,12 +2,13 @@
 //! in one loop, each event fired through its key's input cache, and the keys' state
 //! written with the sources' positions once the batch's outputs are acknowledged.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::FutureExt;
+use hashbrown::hash_map::{EntryRef, HashMap};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -118,8 +119,6 @@ impl PartitionWork for KeyedPartitions {
 
 /// One key's reactor state in memory.
 struct KeyState {
-    /// The key, shared with the map that holds this state.
-    key: Arc<str>,
     cache: InputCache,
     fires: u64,
     /// When the key was last used, in events of this partition.
@@ -140,7 +139,9 @@ struct Serving<'a> {
     sources: Vec<Box<dyn Source>>,
     /// Per source: the last position applied.
     positions: Vec<Option<i64>>,
-    keys: HashMap<Arc<str>, KeyState>,
+    /// Keys come from events: a seeded hash, and a fast one, since every event hashes
+    /// its key.
+    keys: HashMap<Arc<str>, KeyState, foldhash::fast::RandomState>,
     /// Whether the store may hold keys not in memory: not for a partition that never
     /// wrote a batch (it has no positions stored) until a key leaves memory.
     stored_keys: bool,
@@ -201,7 +202,7 @@ impl<'a> Serving<'a> {
             fencing: held.lease.token.to_string(),
             sources,
             positions,
-            keys: HashMap::new(),
+            keys: HashMap::default(),
             stored_keys: !stored.is_empty(),
             events: 0,
             batch: Batch::default(),
@@ -248,50 +249,43 @@ impl<'a> Serving<'a> {
         }
     }
 
-    /// The key's state, from memory or the store.
-    async fn key_state(&mut self, key: &str) -> Result<&mut KeyState, StoreError> {
-        if !self.keys.contains_key(key) {
-            let stored = if self.stored_keys {
-                self.graph
-                    .store
-                    .load_keys(&self.graph.graph, self.partition, &[key.to_string()])
-                    .await?
-                    .into_iter()
-                    .next()
-                    .flatten()
-            } else {
-                None
-            };
-            let mut cache =
-                InputCache::new(self.graph.names.clone(), self.graph.decl.reactor.strategy);
-            let fires = match &stored {
-                Some(snapshot) => {
-                    cache.restore(snapshot);
-                    snapshot.fires
-                }
-                None => 0,
-            };
-            let key: Arc<str> = Arc::from(key);
-            self.keys.insert(
-                key.clone(),
-                KeyState {
-                    key,
+    /// The key's state, from memory or the store, with the key as the map holds it:
+    /// one hash and one probe per event for a key in memory.
+    async fn key_state(&mut self, key: &str) -> Result<(Arc<str>, &mut KeyState), StoreError> {
+        self.events += 1;
+        let state = match self.keys.entry_ref(key) {
+            EntryRef::Occupied(entry) => (entry.key().clone(), entry.into_mut()),
+            EntryRef::Vacant(entry) => {
+                let stored = if self.stored_keys {
+                    self.graph
+                        .store
+                        .load_keys(&self.graph.graph, self.partition, &[key.to_string()])
+                        .await?
+                        .into_iter()
+                        .next()
+                        .flatten()
+                } else {
+                    None
+                };
+                let mut cache =
+                    InputCache::new(self.graph.names.clone(), self.graph.decl.reactor.strategy);
+                let fires = match &stored {
+                    Some(snapshot) => {
+                        cache.restore(snapshot);
+                        snapshot.fires
+                    }
+                    None => 0,
+                };
+                let entry = entry.insert_entry(KeyState {
                     cache,
                     fires,
                     used: 0,
                     changed: false,
-                },
-            );
-        }
-        self.events += 1;
-        let state = self
-            .keys
-            .get_mut(key)
-            .ok_or_else(|| StoreError::Operation {
-                operation: "keyed state",
-                source: "a key loaded a moment ago is gone".into(),
-            })?;
-        state.used = self.events;
+                });
+                (entry.key().clone(), entry.into_mut())
+            }
+        };
+        state.1.used = self.events;
         Ok(state)
     }
 
@@ -325,8 +319,7 @@ impl<'a> Serving<'a> {
         let source_name = self.graph.names[source].clone();
         let partition = self.partition;
         let criteria = self.graph.decl.reactor.criteria;
-        let state = self.key_state(&key).await?;
-        let key = state.key.clone();
+        let (key, state) = self.key_state(&key).await?;
         let boundary = Boundary {
             source: source_name,
             sequence: 0,
@@ -406,7 +399,7 @@ impl<'a> Serving<'a> {
                 key: key.clone(),
                 fire,
             };
-            let message = self.output_message(&sent, value.to_string());
+            let message = self.output_message(&sent, crate::codec::json::encode(&value));
             match self.graph.sink.enqueue(message).await {
                 Ok(ack) => self.batch.acks.push((ack, sent)),
                 Err(e) if !e.is_retryable() => self.dead_letter_output(&sent, &e).await?,
@@ -416,9 +409,11 @@ impl<'a> Serving<'a> {
         Ok(())
     }
 
-    fn output_message(&self, sent: &Sent, payload: String) -> Outbound {
-        Outbound::new(self.graph.outputs[sent.output].clone(), payload)
-            .key(sent.key.to_string())
+    fn output_message(&self, sent: &Sent, payload: Vec<u8>) -> Outbound {
+        let mut message = Outbound::new(self.graph.outputs[sent.output].clone(), payload)
+            .key(bytes::Bytes::copy_from_slice(sent.key.as_bytes()));
+        message.headers.reserve_exact(3);
+        message
             .header(wire::GRAPH_HEADER, self.graph.graph.to_string())
             .header(wire::FIRE_HEADER, sent.fire.to_string())
             .header(wire::FENCING_HEADER, self.fencing.clone())
@@ -432,8 +427,7 @@ impl<'a> Serving<'a> {
         error: &TransportError,
     ) -> Result<(), PartitionError> {
         self.held.write_fence()?;
-        let letter =
-            crate::transport::undeliverable(&self.output_message(sent, String::new()), error);
+        let letter = crate::transport::undeliverable(&self.output_message(sent, Vec::new()), error);
         warn!(graph = %self.graph.graph, key = %sent.key, fire = sent.fire, topic = %letter.topic, %error, "output cannot be published; dead-lettered");
         publish_persistently(self.graph.sink.as_ref(), letter, &self.stopping).await?;
         Ok(())
@@ -485,7 +479,7 @@ impl<'a> Serving<'a> {
             if let Some(state) = self.keys.get_mut(key) {
                 state.changed = false;
                 let snapshot = state.cache.snapshot(state.fires, std::iter::empty());
-                changes.keys.push((key.to_string(), snapshot));
+                changes.keys.push((key.clone(), snapshot));
             }
         }
         for (i, position) in self.positions.iter().enumerate() {

@@ -1,6 +1,7 @@
 //! Where keyed graphs keep each key's reactor state: the [`KeyedStore`] role.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 
@@ -11,8 +12,9 @@ use crate::store_error::StoreError;
 /// One batch of a partition's changes, written at once.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct KeyedChanges {
-    /// Each changed key's cache, dirty flags, queues and fire count.
-    pub keys: Vec<(String, CacheSnapshot)>,
+    /// Each changed key's cache, dirty flags, queues and fire count; the key shared
+    /// with the owner's memory, since a batch lists every key it changed.
+    pub keys: Vec<(Arc<str>, CacheSnapshot)>,
     /// Per source, the last position applied in the partition.
     pub positions: BTreeMap<String, i64>,
     /// Set by an owner handing the partition over: its lease token and the time (ms).

@@ -91,11 +91,20 @@ impl std::ops::Index<&str> for SourceSnapshots {
 
 impl<N: Into<Arc<str>>> FromIterator<(N, SourceSnapshot)> for SourceSnapshots {
     fn from_iter<I: IntoIterator<Item = (N, SourceSnapshot)>>(iter: I) -> Self {
-        let mut sources = Self::default();
-        for (name, snapshot) in iter {
-            sources.insert(name, snapshot);
-        }
-        sources
+        let mut sources: Vec<(Arc<str>, SourceSnapshot)> = iter
+            .into_iter()
+            .map(|(name, snapshot)| (name.into(), snapshot))
+            .collect();
+        // Stable, so of two entries under one name the later one stays, as with insert.
+        sources.sort_by(|a, b| a.0.cmp(&b.0));
+        sources.dedup_by(|later, kept| {
+            let same = later.0 == kept.0;
+            if same {
+                std::mem::swap(later, kept);
+            }
+            same
+        });
+        Self(sources)
     }
 }
 
@@ -126,8 +135,9 @@ struct Slot {
     dirty: bool,
     /// Highest sequence received in this run, for telling accumulators what is durable.
     received: u64,
-    /// Highest position taken per partition, kept across restarts.
-    seen: BTreeMap<i32, i64>,
+    /// Highest position taken per partition, kept across restarts, by partition: a
+    /// source has few partitions, and a keyed graph keeps a slot per key.
+    seen: Vec<Position>,
 }
 
 impl Slot {
@@ -137,10 +147,26 @@ impl Slot {
     fn is_repeat(&self, boundary: &Boundary) -> bool {
         !boundary.positions.is_empty()
             && boundary.positions.iter().all(|p| {
-                self.seen
-                    .get(&p.partition)
-                    .is_some_and(|&seen| p.offset <= seen)
+                self.seen_at(p.partition)
+                    .is_some_and(|seen| p.offset <= seen)
             })
+    }
+
+    fn seen_at(&self, partition: i32) -> Option<i64> {
+        self.seen
+            .binary_search_by_key(&partition, |p| p.partition)
+            .ok()
+            .map(|i| self.seen[i].offset)
+    }
+
+    fn mark_seen(&mut self, position: Position) {
+        match self
+            .seen
+            .binary_search_by_key(&position.partition, |p| p.partition)
+        {
+            Ok(i) => self.seen[i].offset = self.seen[i].offset.max(position.offset),
+            Err(i) => self.seen.insert(i, position),
+        }
     }
 }
 
@@ -181,11 +207,10 @@ impl InputCache {
                 continue;
             };
             let slot = &mut self.slots[i];
-            slot.seen = stored
-                .seen
-                .iter()
-                .map(|p| (p.partition, p.offset))
-                .collect();
+            slot.seen.clear();
+            for p in &stored.seen {
+                slot.mark_seen(*p);
+            }
             slot.current = stored.current.clone().map(restored);
             match self.strategy {
                 Strategy::Latest => slot.dirty = stored.dirty,
@@ -206,8 +231,7 @@ impl InputCache {
             return Inserted::Duplicate;
         }
         for p in &boundary.positions {
-            let seen = slot.seen.entry(p.partition).or_insert(p.offset);
-            *seen = (*seen).max(p.offset);
+            slot.mark_seen(*p);
         }
         let boundary = Arc::new(boundary);
         match self.strategy {
@@ -282,11 +306,7 @@ impl InputCache {
 
     /// Highest position taken per partition.
     pub fn seen(&self, source: usize) -> Vec<Position> {
-        self.slots[source]
-            .seen
-            .iter()
-            .map(|(&partition, &offset)| Position { partition, offset })
-            .collect()
+        self.slots[source].seen.clone()
     }
 
     /// A snapshot for the store. Boundaries taken by fires whose outputs are not yet
@@ -297,24 +317,26 @@ impl InputCache {
         fires: u64,
         unacknowledged: impl Iterator<Item = &'a Consumed>,
     ) -> CacheSnapshot {
-        let mut requeue: Vec<Vec<Arc<Boundary>>> = vec![Vec::new(); self.slots.len()];
+        // Made only when some fire is unacknowledged: a keyed graph takes a snapshot per
+        // changed key and has none.
+        let mut requeue: Vec<Vec<Arc<Boundary>>> = Vec::new();
         for consumed in unacknowledged {
             for (i, b) in consumed {
+                if requeue.is_empty() {
+                    requeue.resize(self.slots.len(), Vec::new());
+                }
                 requeue[*i].push(b.clone());
             }
         }
+        let mut requeue = requeue.into_iter();
         let sources = self
             .names
             .iter()
             .zip(&self.slots)
-            .zip(requeue)
-            .map(|((name, slot), requeue)| {
+            .map(|(name, slot)| {
+                let requeue = requeue.next().unwrap_or_default();
                 let mut stored = SourceSnapshot {
-                    seen: slot
-                        .seen
-                        .iter()
-                        .map(|(&partition, &offset)| Position { partition, offset })
-                        .collect(),
+                    seen: slot.seen.clone(),
                     dirty: slot.dirty,
                     current: slot.current.clone(),
                     queue: Vec::new(),
@@ -439,6 +461,45 @@ mod tests {
         assert_eq!(replaced.insert("a", SourceSnapshot::default()), Some(dirty));
         assert_eq!(replaced.len(), 2);
         assert!(replaced.get("c").is_none());
+    }
+
+    #[test]
+    fn source_snapshots_collected_keep_the_last_entry_of_a_name() {
+        let dirty = SourceSnapshot {
+            dirty: true,
+            ..Default::default()
+        };
+        let sources: SourceSnapshots = [
+            ("c", SourceSnapshot::default()),
+            ("a", SourceSnapshot::default()),
+            ("c", dirty.clone()),
+            ("b", SourceSnapshot::default()),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(
+            sources.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            ["a", "b", "c"]
+        );
+        assert_eq!(sources["c"], dirty);
+    }
+
+    #[test]
+    fn positions_seen_out_of_partition_order_are_all_kept() {
+        let mut cache = InputCache::new(names(), Strategy::Latest);
+        for (partition, offset) in [(5, 10), (1, 7), (3, 2), (1, 4), (5, 12)] {
+            cache.insert(0, at("a", 0, &[(partition, offset)], 0));
+        }
+        let seen: Vec<(i32, i64)> = cache
+            .seen(0)
+            .iter()
+            .map(|p| (p.partition, p.offset))
+            .collect();
+        assert_eq!(seen, [(1, 7), (3, 2), (5, 12)]);
+        assert_eq!(
+            cache.insert(0, at("a", 0, &[(1, 6), (5, 12)], 0)),
+            Inserted::Duplicate
+        );
     }
 
     #[test]

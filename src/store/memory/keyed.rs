@@ -14,7 +14,7 @@ impl KeyedStore for MemoryStore {
         let stored = state.keyed.get(&(graph.to_string(), partition));
         Ok(keys
             .iter()
-            .map(|k| stored.and_then(|s| s.keys.get(k)).cloned())
+            .map(|k| stored.and_then(|s| s.keys.get(k.as_str())).cloned())
             .collect())
     }
 

@@ -11,7 +11,7 @@ mod schedule;
 mod workflow;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -69,7 +69,7 @@ struct State {
 
 #[derive(Default)]
 struct KeyedPartition {
-    keys: HashMap<String, CacheSnapshot>,
+    keys: HashMap<Arc<str>, CacheSnapshot>,
     positions: BTreeMap<String, i64>,
     released: Option<(u64, i64)>,
 }

@@ -105,7 +105,7 @@ impl KeyedStore for RedisStore {
         for (key, snapshot) in &changes.keys {
             writes.push(Write::Hset(
                 hash.clone(),
-                key.clone(),
+                key.to_string(),
                 Self::encode(snapshot)?,
             ));
         }
