@@ -22,6 +22,10 @@ use weir::{
 
 const SOURCES: [&str; 3] = ["a", "b", "c"];
 
+/// The allocator of the `weir` binary, so the path allocates as it does in production.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Counts outputs and wakes whoever waits for one.
 #[derive(Default)]
 struct CountingSink {

@@ -56,8 +56,20 @@ pub struct Event {
 /// What travels from accumulators (and the supervisor) to the reactor.
 #[derive(Debug)]
 pub(crate) enum ReactorInput {
-    Boundary { source: usize, boundary: Boundary },
-    Health { source: usize, health: Health },
+    Boundary {
+        source: usize,
+        boundary: Boundary,
+    },
+    /// Boundaries emitted in one go (a burst of pushes, say), in order: one hand-over
+    /// instead of one per boundary.
+    Boundaries {
+        source: usize,
+        boundaries: Vec<Boundary>,
+    },
+    Health {
+        source: usize,
+        health: Health,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]

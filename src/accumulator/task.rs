@@ -6,6 +6,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use futures::FutureExt;
 use serde_json::Value;
 use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::time::Interval;
@@ -26,6 +27,11 @@ pub(crate) type SocketReceiver = Arc<tokio::sync::Mutex<mpsc::Receiver<Value>>>;
 
 /// Pushes taken in one go before a stateful push path writes its checkpoint.
 const PUSH_BATCH: usize = 256;
+/// Boundaries handed to the reactor in one go at most. A burst of events then costs the
+/// reactor's channel one operation, not one per boundary.
+pub(crate) const HANDOFF: usize = 256;
+/// Messages a source has ready taken in one go, before other work gets a turn.
+const MESSAGE_BATCH: usize = 256;
 
 /// Numbers one source's accumulator incarnations share for the life of a reactor, so
 /// a restarted accumulator carries on where its predecessor stopped.
@@ -54,9 +60,8 @@ impl SourceCounters {
     /// The next push id: increasing and above every id given out before, also by an
     /// earlier run whose reactor or checkpoint recorded it. Microseconds of the wall
     /// clock where that is higher, so ids lost in a crash are not handed out again.
-    /// Returned with the clock reading (ms), the push's time: one reading serves both.
-    fn next_push(&self) -> (i64, i64) {
-        let now_us = chrono::Utc::now().timestamp_micros();
+    /// `now_us` is the wall clock, read once per burst of pushes.
+    fn next_push(&self, now_us: i64) -> i64 {
         let mut id = now_us;
         let _ = self
             .push
@@ -64,7 +69,7 @@ impl SourceCounters {
                 id = (last + 1).max(now_us);
                 Some(id)
             });
-        (id, now_us.div_euclid(1000))
+        id
     }
 
     fn next_sequence(&self) -> u64 {
@@ -106,6 +111,8 @@ struct Running {
     /// Per checkpoint handed over and not yet stored: its version and the broker
     /// positions to commit once it is.
     unstored: VecDeque<(u64, Vec<Position>)>,
+    /// Boundaries emitted and not yet handed to the reactor; each holds its queue slot.
+    unsent: Vec<Boundary>,
 }
 
 impl AccumulatorTask {
@@ -152,6 +159,7 @@ impl AccumulatorTask {
             tracker: CommitTracker::new(&checkpoint.positions, state_restored),
             checkpoints,
             unstored: VecDeque::new(),
+            unsent: Vec::new(),
         };
         // The previous incarnation's guard was dropped when it ended.
         let socket = self.socket.clone();
@@ -198,14 +206,19 @@ impl AccumulatorTask {
                 }
                 pushed = socket.recv() => match pushed {
                     Some(value) => {
-                        if !self.handle_push(&mut run, value).await? {
+                        // One clock reading for the burst: its pushes are a moment apart.
+                        let now_us = chrono::Utc::now().timestamp_micros();
+                        if !self.handle_push(&mut run, value, now_us).await? {
                             return Ok(());
                         }
                         for _ in 1..PUSH_BATCH {
                             let Ok(value) = socket.try_recv() else { break };
-                            if !self.handle_push(&mut run, value).await? {
+                            if !self.handle_push(&mut run, value, now_us).await? {
                                 return Ok(());
                             }
+                        }
+                        if !self.hand_over(&mut run).await {
+                            return Ok(());
                         }
                         if run.stateful {
                             // Pushes are never replayed: what they left in the state is
@@ -222,23 +235,58 @@ impl AccumulatorTask {
                         if !self.handle_message(&mut run, message).await? {
                             return Ok(());
                         }
+                        // What the source already holds is taken now, and handed over
+                        // with it.
+                        let mut failed = None;
+                        for _ in 1..MESSAGE_BATCH {
+                            match source.as_mut().and_then(|s| s.next().now_or_never()) {
+                                Some(Ok(message)) => {
+                                    if !self.handle_message(&mut run, message).await? {
+                                        return Ok(());
+                                    }
+                                }
+                                Some(Err(e)) => {
+                                    failed = Some(e);
+                                    break;
+                                }
+                                None => break,
+                            }
+                        }
+                        if !self.hand_over(&mut run).await {
+                            return Ok(());
+                        }
+                        if let Some(e) = failed {
+                            return Err(self.source_failed(e).await);
+                        }
                     }
                     Err(e) => {
-                        self.set_health(Health::Disconnected).await;
-                        return Err(AccumulatorError::Source {
-                            source_name: self.source.as_ref().map(|s| s.describe()).unwrap_or_default(),
-                            source: e,
-                        });
+                        self.hand_over(&mut run).await;
+                        return Err(self.source_failed(e).await);
                     }
                 },
                 _ = tick(&mut flush) => {
                     if let Some(value) = run.accumulator.flush() {
-                        if !self.emit(&mut run, value, None, now_ms()).await {
+                        if !self.emit(&mut run, value, None, now_ms()).await
+                            || !self.hand_over(&mut run).await
+                        {
                             return Ok(());
                         }
                     }
                 }
             }
+        }
+    }
+
+    /// The source failed: marked disconnected, and the error to end this run with.
+    async fn source_failed(&self, error: crate::transport::TransportError) -> AccumulatorError {
+        self.set_health(Health::Disconnected).await;
+        AccumulatorError::Source {
+            source_name: self
+                .source
+                .as_ref()
+                .map(|s| s.describe())
+                .unwrap_or_default(),
+            source: error,
         }
     }
 
@@ -255,8 +303,14 @@ impl AccumulatorTask {
     }
 
     /// Returns false when the reactor is gone.
-    async fn handle_push(&self, run: &mut Running, value: Value) -> Result<bool, AccumulatorError> {
-        let (id, pushed_at_ms) = self.counters.next_push();
+    async fn handle_push(
+        &self,
+        run: &mut Running,
+        value: Value,
+        now_us: i64,
+    ) -> Result<bool, AccumulatorError> {
+        let id = self.counters.next_push(now_us);
+        let pushed_at_ms = now_us.div_euclid(1000);
         let push = Position {
             partition: PUSH_PARTITION,
             offset: id,
@@ -326,7 +380,8 @@ impl AccumulatorTask {
         }
     }
 
-    /// Returns false when the reactor is gone.
+    /// Adds a boundary to those the reactor gets at the next hand-over, once its
+    /// source's queue has room. Returns false when the reactor is gone.
     async fn emit(
         &self,
         run: &mut Running,
@@ -335,19 +390,29 @@ impl AccumulatorTask {
         event_time_ms: i64,
     ) -> bool {
         if let Some(permits) = &self.permits {
-            // Backpressure: wait for a free slot in this source's queue.
-            tokio::select! {
-                _ = self.cancel.cancelled() => return false,
-                permit = permits.acquire() => match permit {
-                    Ok(p) => p.forget(),
-                    Err(_) => return false,
-                },
+            // Backpressure: wait for a free slot in this source's queue. What this
+            // accumulator holds goes to the reactor first, so the slots it took can be
+            // freed.
+            match permits.try_acquire() {
+                Ok(permit) => permit.forget(),
+                Err(_) => {
+                    if !self.hand_over(run).await {
+                        return false;
+                    }
+                    tokio::select! {
+                        _ = self.cancel.cancelled() => return false,
+                        permit = permits.acquire() => match permit {
+                            Ok(p) => p.forget(),
+                            Err(_) => return false,
+                        },
+                    }
+                }
             }
         }
         let sequence = self.counters.next_sequence();
         let positions = run.tracker.emitted(sequence, position);
         let from_source = position.is_some_and(|p| p.partition != PUSH_PARTITION);
-        let boundary = Boundary {
+        run.unsent.push(Boundary {
             source: run.source_name.clone(),
             sequence,
             positions,
@@ -356,14 +421,28 @@ impl AccumulatorTask {
             // would cost more than the difference is worth.
             emit_time_ms: if from_source { now_ms() } else { event_time_ms },
             value,
-        };
-        self.to_reactor
-            .send(ReactorInput::Boundary {
+        });
+        run.unsent.len() < HANDOFF || self.hand_over(run).await
+    }
+
+    /// Hands the emitted boundaries to the reactor, in one go. Returns false when the
+    /// reactor is gone.
+    async fn hand_over(&self, run: &mut Running) -> bool {
+        let input = match run.unsent.len() {
+            0 => return true,
+            1 => match run.unsent.pop() {
+                Some(boundary) => ReactorInput::Boundary {
+                    source: self.index,
+                    boundary,
+                },
+                None => return true,
+            },
+            _ => ReactorInput::Boundaries {
                 source: self.index,
-                boundary,
-            })
-            .await
-            .is_ok()
+                boundaries: std::mem::take(&mut run.unsent),
+            },
+        };
+        self.to_reactor.send(input).await.is_ok()
     }
 
     async fn dead_letter(&self, message: &Message, reason: &str) -> Result<(), AccumulatorError> {

@@ -19,7 +19,7 @@ use super::{
     Command, CommandError, FireReason, FireReport, ReactorConfig, ReactorInput, ReactorState,
     ReactorStatus, SourceStatus, Strategy,
 };
-use crate::accumulator::task::SourceCounters;
+use crate::accumulator::task::{SourceCounters, HANDOFF};
 use crate::accumulator::{Boundary, Health, PUSH_PARTITION};
 use crate::graph::{CompiledGraph, FireInput, GraphDeclaration};
 use crate::stats::GraphStats;
@@ -27,9 +27,12 @@ use crate::store_error::StoreError;
 use crate::transport::{now_ms, Outbound, Sink, TransportError};
 use crate::write_behind::WriteBehind;
 
-/// Inputs drained per wakeup before criteria are evaluated, so a burst becomes one fire
-/// under the latest strategy instead of one fire per boundary.
+/// Boundaries drained per wakeup before criteria are evaluated, so a burst becomes one
+/// fire under the latest strategy instead of one fire per boundary.
 const DRAIN_BATCH: usize = 4096;
+/// Input channel slots at least. A slot holds up to [`HANDOFF`] boundaries, so the
+/// channel is sized in slots to hold about as many boundaries as it drains at once.
+const MIN_INPUT_SLOTS: usize = 16;
 
 /// Longest a stopping reactor waits for its last cache snapshot to be stored.
 const FINAL_SNAPSHOT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -130,7 +133,8 @@ impl Reactor {
             paused = snapshot.paused;
             debug!(graph = %decl.name, fires, "input cache restored");
         }
-        let (inputs_tx, inputs) = mpsc::channel(decl.reactor.queue_capacity.max(DRAIN_BATCH));
+        let slots = (decl.reactor.queue_capacity.max(DRAIN_BATCH) / HANDOFF).max(MIN_INPUT_SLOTS);
+        let (inputs_tx, inputs) = mpsc::channel(slots);
         let mut durable = Vec::with_capacity(names.len());
         let mut durable_rx = Vec::with_capacity(names.len());
         let mut permits = Vec::with_capacity(names.len());
@@ -250,10 +254,10 @@ impl Reactor {
                 }
                 input = self.inputs.recv() => match input {
                     Some(input) => {
-                        self.apply(input);
-                        for _ in 0..DRAIN_BATCH {
+                        let mut taken = self.apply(input);
+                        while taken < DRAIN_BATCH {
                             match self.inputs.try_recv() {
-                                Ok(input) => self.apply(input),
+                                Ok(input) => taken += self.apply(input),
                                 Err(_) => break,
                             }
                         }
@@ -312,24 +316,38 @@ impl Reactor {
             && self.cache.ready(self.config.criteria)
     }
 
-    fn apply(&mut self, input: ReactorInput) {
+    /// Takes one input in; returns how many inputs it counts for (boundaries, or 1).
+    fn apply(&mut self, input: ReactorInput) -> usize {
         match input {
             ReactorInput::Boundary { source, boundary } => {
-                match self.cache.insert(source, boundary) {
-                    Inserted::Accepted => {
-                        self.stats.boundary_cached();
-                        self.snapshot_pending = true;
-                    }
-                    Inserted::Duplicate => {
-                        self.stats.duplicate_dropped();
-                        // The slot this boundary took is free again.
-                        self.permits_pending[source] += 1;
-                    }
+                self.cache_boundary(source, boundary);
+                1
+            }
+            ReactorInput::Boundaries { source, boundaries } => {
+                let count = boundaries.len();
+                for boundary in boundaries {
+                    self.cache_boundary(source, boundary);
                 }
+                count
             }
             ReactorInput::Health { source, health } => {
                 self.health[source] = health;
                 self.update_state();
+                1
+            }
+        }
+    }
+
+    fn cache_boundary(&mut self, source: usize, boundary: Boundary) {
+        match self.cache.insert(source, boundary) {
+            Inserted::Accepted => {
+                self.stats.boundary_cached();
+                self.snapshot_pending = true;
+            }
+            Inserted::Duplicate => {
+                self.stats.duplicate_dropped();
+                // The slot this boundary took is free again.
+                self.permits_pending[source] += 1;
             }
         }
     }
