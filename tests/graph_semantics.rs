@@ -549,6 +549,36 @@ async fn accumulator_restart_keeps_the_reactor_and_drops_replayed_duplicates() {
     .await;
 }
 
+#[tokio::test(start_paused = true)]
+async fn pushes_taken_before_an_accumulator_panics_still_fire() {
+    let h = Harness::new();
+    let armed = Arc::new(AtomicBool::new(true));
+    let flag = armed.clone();
+    let g = h.spawn(snapshot_graph(
+        "burst",
+        vec![AccumulatorSpec::custom("a", move || PanicsOnce {
+            armed: flag.clone(),
+        })],
+        config(Criteria::WhenAny, Strategy::Sequential),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    // One burst: all four wait in the socket before the accumulator takes any, and it
+    // hands the reactor what it emitted in one go.
+    for v in [json!(1), json!(2), json!("poison"), json!(3)] {
+        g.push("a", v).await.unwrap();
+    }
+    eventually("fired", || async { h.outputs("burst.out").len() == 3 }).await;
+    // The event it panicked on is lost, as a pushed event is never replayed; those
+    // before it still fire, and the new instance takes the one after it.
+    assert_eq!(
+        inputs(&h.outputs("burst.out"), "a"),
+        [json!(1), json!(2), json!(3)]
+    );
+    let events = h.store_recoveries().await;
+    assert_eq!(events.len(), 1);
+    assert!(events[0].error.contains("poisoned accumulator"));
+}
+
 #[tokio::test]
 async fn offsets_are_committed_only_after_outputs_are_durable() {
     let h = Harness::new();

@@ -94,13 +94,26 @@ pub enum AccumulatorError {
     },
     #[error("store failed: {0}")]
     Store(#[from] crate::store_error::StoreError),
+    /// The accumulator's own code panicked while processing an event; a new instance
+    /// takes over.
+    #[error("panicked: {0}")]
+    Panicked(String),
+}
+
+/// What a caught panic says, as far as it says anything.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_string())
 }
 
 impl AccumulatorError {
     /// A rejected event stays rejected; infrastructure failures may pass.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Self::Rejected(_) | Self::BadCheckpoint(_) => false,
+            Self::Rejected(_) | Self::BadCheckpoint(_) | Self::Panicked(_) => false,
             Self::Source { .. } | Self::DeadLetter { .. } => true,
             Self::Store(e) => e.is_retryable(),
         }

@@ -6,7 +6,6 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use futures::FutureExt;
 use serde_json::Value;
 use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::time::Interval;
@@ -98,6 +97,13 @@ pub(crate) struct AccumulatorTask {
     pub health: Arc<watch::Sender<Health>>,
     pub stats: Arc<GraphStats>,
     pub cancel: CancellationToken,
+}
+
+/// How taking a batch of messages ended.
+enum Taken {
+    All,
+    ReactorGone,
+    SourceFailed(crate::transport::TransportError),
 }
 
 struct Running {
@@ -206,18 +212,11 @@ impl AccumulatorTask {
                 }
                 pushed = socket.recv() => match pushed {
                     Some(value) => {
-                        // One clock reading for the burst: its pushes are a moment apart.
-                        let now_us = chrono::Utc::now().timestamp_micros();
-                        if !self.handle_push(&mut run, value, now_us).await? {
-                            return Ok(());
-                        }
-                        for _ in 1..PUSH_BATCH {
-                            let Ok(value) = socket.try_recv() else { break };
-                            if !self.handle_push(&mut run, value, now_us).await? {
-                                return Ok(());
-                            }
-                        }
-                        if !self.hand_over(&mut run).await {
+                        let taken = self.take_pushes(&mut run, &mut socket, value).await;
+                        // Handed over even when a push failed: pushes are never replayed,
+                        // and each boundary held has taken a slot in its queue.
+                        let handed = self.hand_over(&mut run).await;
+                        if !taken? || !handed {
                             return Ok(());
                         }
                         if run.stateful {
@@ -232,37 +231,19 @@ impl AccumulatorTask {
                 },
                 message = next_message(&mut source) => match message {
                     Ok(message) => {
-                        if !self.handle_message(&mut run, message).await? {
-                            return Ok(());
-                        }
-                        // What the source already holds is taken now, and handed over
-                        // with it.
-                        let mut failed = None;
-                        for _ in 1..MESSAGE_BATCH {
-                            match source.as_mut().and_then(|s| s.next().now_or_never()) {
-                                Some(Ok(message)) => {
-                                    if !self.handle_message(&mut run, message).await? {
-                                        return Ok(());
-                                    }
-                                }
-                                Some(Err(e)) => {
-                                    failed = Some(e);
-                                    break;
-                                }
-                                None => break,
-                            }
-                        }
-                        if !self.hand_over(&mut run).await {
-                            return Ok(());
-                        }
-                        if let Some(e) = failed {
-                            return Err(self.source_failed(e).await);
+                        let taken = self
+                            .take_messages(&mut run, source.as_deref_mut(), message)
+                            .await;
+                        // Handed over before any error ends this run, and before the
+                        // reactor hears the source is down.
+                        let handed = self.hand_over(&mut run).await;
+                        match taken? {
+                            Taken::All if handed => {}
+                            Taken::All | Taken::ReactorGone => return Ok(()),
+                            Taken::SourceFailed(e) => return Err(self.source_failed(e).await),
                         }
                     }
-                    Err(e) => {
-                        self.hand_over(&mut run).await;
-                        return Err(self.source_failed(e).await);
-                    }
+                    Err(e) => return Err(self.source_failed(e).await),
                 },
                 _ = tick(&mut flush) => {
                     if let Some(value) = run.accumulator.flush() {
@@ -275,6 +256,54 @@ impl AccumulatorTask {
                 }
             }
         }
+    }
+
+    /// Takes a burst of pushes: `first`, and what else waits in the socket. Returns
+    /// false when the reactor is gone.
+    async fn take_pushes(
+        &self,
+        run: &mut Running,
+        socket: &mut mpsc::Receiver<Value>,
+        first: Value,
+    ) -> Result<bool, AccumulatorError> {
+        // One clock reading for the burst: its pushes are a moment apart.
+        let now_us = chrono::Utc::now().timestamp_micros();
+        if !self.handle_push(run, first, now_us).await? {
+            return Ok(false);
+        }
+        for _ in 1..PUSH_BATCH {
+            let Ok(value) = socket.try_recv() else {
+                break;
+            };
+            if !self.handle_push(run, value, now_us).await? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Takes `first` and what the source already holds, without waiting for more.
+    async fn take_messages(
+        &self,
+        run: &mut Running,
+        mut source: Option<&mut (dyn Source + '_)>,
+        first: Message,
+    ) -> Result<Taken, AccumulatorError> {
+        if !self.handle_message(run, first).await? {
+            return Ok(Taken::ReactorGone);
+        }
+        for _ in 1..MESSAGE_BATCH {
+            match source.as_mut().and_then(|s| s.ready()) {
+                Some(Ok(message)) => {
+                    if !self.handle_message(run, message).await? {
+                        return Ok(Taken::ReactorGone);
+                    }
+                }
+                Some(Err(e)) => return Ok(Taken::SourceFailed(e)),
+                None => break,
+            }
+        }
+        Ok(Taken::All)
     }
 
     /// The source failed: marked disconnected, and the error to end this run with.
@@ -361,7 +390,12 @@ impl AccumulatorTask {
     ) -> Result<bool, AccumulatorError> {
         self.stats.event_received();
         let time_ms = event.time_ms;
-        let outcome = run.accumulator.process(event);
+        // Caught, so what this run emitted before still reaches the reactor: pushes
+        // are never replayed. The supervisor then starts a new instance.
+        let accumulator = &mut run.accumulator;
+        let outcome =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| accumulator.process(event)))
+                .map_err(|panic| AccumulatorError::Panicked(super::panic_message(panic.as_ref())))?;
         run.tracker.processed(position);
         match outcome {
             Ok(Some(value)) => Ok(self.emit(run, value, Some(position), time_ms).await),

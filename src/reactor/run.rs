@@ -30,9 +30,9 @@ use crate::write_behind::WriteBehind;
 /// Boundaries drained per wakeup before criteria are evaluated, so a burst becomes one
 /// fire under the latest strategy instead of one fire per boundary.
 const DRAIN_BATCH: usize = 4096;
-/// Input channel slots at least. A slot holds up to [`HANDOFF`] boundaries, so the
-/// channel is sized in slots to hold about as many boundaries as it drains at once.
-const MIN_INPUT_SLOTS: usize = 16;
+/// Input channel slots at least. A slot holds up to [`HANDOFF`] boundaries (a burst),
+/// or one (a trickle, a health change), so the channel is sized between the two.
+const MIN_INPUT_SLOTS: usize = 256;
 
 /// Longest a stopping reactor waits for its last cache snapshot to be stored.
 const FINAL_SNAPSHOT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);

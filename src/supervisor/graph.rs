@@ -476,12 +476,10 @@ impl SupervisedGraph {
 pub(super) fn describe_join_error(e: JoinError) -> String {
     if e.is_panic() {
         let panic = e.into_panic();
-        let message = panic
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown panic".to_string());
-        format!("panicked: {message}")
+        format!(
+            "panicked: {}",
+            crate::accumulator::panic_message(panic.as_ref())
+        )
     } else {
         "cancelled".to_string()
     }

@@ -909,6 +909,11 @@ impl KafkaSource {
 
 #[async_trait]
 impl Source for KafkaSource {
+    fn ready(&mut self) -> Option<Result<Message, TransportError>> {
+        // A read dropped before it completes loses nothing.
+        futures::FutureExt::now_or_never(self.next())
+    }
+
     async fn next(&mut self) -> Result<Message, TransportError> {
         if !self.held.is_empty() {
             // Held messages of partitions lost meanwhile are their new owner's.

@@ -364,6 +364,13 @@ pub trait Source: Send {
     /// The next message, waiting for one if none is available.
     async fn next(&mut self) -> Result<Message, TransportError>;
 
+    /// A message the source already holds, without waiting: `None` when there is none
+    /// at hand. Also `None` (the default) for a source that could only tell by starting
+    /// work it must not drop half done, such as a poll.
+    fn ready(&mut self) -> Option<Result<Message, TransportError>> {
+        None
+    }
+
     /// Marks everything up to and including each position as processed, so a restarted
     /// consumer of the same group resumes right after it.
     async fn commit(&mut self, through: &[Position]) -> Result<(), TransportError>;

@@ -831,6 +831,11 @@ impl JetStreamSource {
 
 #[async_trait]
 impl Source for JetStreamSource {
+    fn ready(&mut self) -> Option<Result<Message, TransportError>> {
+        // A read dropped before it completes loses nothing.
+        futures::FutureExt::now_or_never(self.next())
+    }
+
     async fn next(&mut self) -> Result<Message, TransportError> {
         let Some(message) = self.receive().await? else {
             return Err(TransportError::Closed {
@@ -936,6 +941,11 @@ struct CoreSource {
 
 #[async_trait]
 impl Source for CoreSource {
+    fn ready(&mut self) -> Option<Result<Message, TransportError>> {
+        // A read dropped before it completes loses nothing.
+        futures::FutureExt::now_or_never(self.next())
+    }
+
     async fn next(&mut self) -> Result<Message, TransportError> {
         let message = loop {
             tokio::select! {
