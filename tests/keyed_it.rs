@@ -217,12 +217,16 @@ async fn read_outputs(
     let deadline = Instant::now() + within;
     while covered.len() < sent.len() {
         let left = deadline.saturating_duration_since(Instant::now());
-        assert!(
-            !left.is_zero(),
-            "{} of {} inputs came out",
-            covered.len(),
-            sent.len()
-        );
+        if left.is_zero() {
+            let mut missing: Vec<_> = sent.difference(&covered).collect();
+            missing.sort();
+            missing.truncate(5);
+            panic!(
+                "{} of {} inputs came out; missing, first: {missing:?}",
+                covered.len(),
+                sent.len()
+            );
+        }
         let Ok(next) = tokio::time::timeout(left, source.next()).await else {
             continue;
         };
