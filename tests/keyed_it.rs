@@ -7,7 +7,7 @@
 
 mod common;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Write;
 use std::process::Command;
 use std::sync::Arc;
@@ -200,13 +200,51 @@ impl Fence {
 }
 
 /// Reads the output from its start until every (key, seq) sent has come out in an
-/// output the fencing rule keeps.
+/// output the fencing rule keeps. An input still missing after a second reading from the
+/// start must not be in the input topic either: the test broker (Tansu) was seen to let a
+/// reader at the live end skip a batch, and to lose one it had acknowledged across a
+/// restart; neither can weir make up for.
 async fn read_outputs(
+    broker: &Arc<dyn Broker>,
+    topic: &str,
+    input: &PartitionedTopic,
+    sent: &HashSet<(String, u64)>,
+    within: Duration,
+) -> Vec<Message> {
+    let (read, missing) = read_from_start(broker, topic, sent, within).await;
+    if missing.is_empty() {
+        return read;
+    }
+    eprintln!(
+        "{} inputs missing after a first reading; reading again",
+        missing.len()
+    );
+    let (read, missing) = read_from_start(broker, topic, sent, Duration::from_secs(60)).await;
+    if missing.is_empty() {
+        return read;
+    }
+    let present = inputs_present(broker, input, &missing).await;
+    assert!(
+        present.is_empty(),
+        "{} of {} inputs came out; missing, first: {:?}; of these in the input topic: {present:?}",
+        sent.len() - missing.len(),
+        sent.len(),
+        &missing[..missing.len().min(5)]
+    );
+    eprintln!(
+        "inputs {missing:?} are in no output and not in the input topic: the broker lost them"
+    );
+    read
+}
+
+/// One reading from the start, with a reader of its own: what it read, and the inputs
+/// it did not see come out (sorted) when `within` ran out.
+async fn read_from_start(
     broker: &Arc<dyn Broker>,
     topic: &str,
     sent: &HashSet<(String, u64)>,
     within: Duration,
-) -> Vec<Message> {
+) -> (Vec<Message>, Vec<(String, u64)>) {
     let mut subscription = Subscription::new(topic, services::unique("reader"));
     subscription.assignment = Assignment::All;
     let mut source = broker.subscribe(&subscription).await.unwrap();
@@ -218,14 +256,9 @@ async fn read_outputs(
     while covered.len() < sent.len() {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            let mut missing: Vec<_> = sent.difference(&covered).collect();
+            let mut missing: Vec<_> = sent.difference(&covered).cloned().collect();
             missing.sort();
-            missing.truncate(5);
-            panic!(
-                "{} of {} inputs came out; missing, first: {missing:?}",
-                covered.len(),
-                sent.len()
-            );
+            return (read, missing);
         }
         let Ok(next) = tokio::time::timeout(left, source.next()).await else {
             continue;
@@ -240,7 +273,45 @@ async fn read_outputs(
         }
         read.push(message);
     }
-    read
+    (read, Vec::new())
+}
+
+/// Those of `wanted` (user, seq) found in the input topic: each partition they belong to
+/// read from its start, for 15 s at most.
+async fn inputs_present(
+    broker: &Arc<dyn Broker>,
+    input: &PartitionedTopic,
+    wanted: &[(String, u64)],
+) -> Vec<(String, u64)> {
+    let mut found = Vec::new();
+    let partitions: BTreeSet<i32> = wanted
+        .iter()
+        .map(|(user, _)| input.partition_of(user.as_bytes()))
+        .collect();
+    for partition in partitions {
+        let subscription = input.subscription(partition, &services::unique("inputs"), None);
+        let mut source = broker.subscribe(&subscription).await.unwrap();
+        let mut left: HashSet<&(String, u64)> = wanted
+            .iter()
+            .filter(|(user, _)| input.partition_of(user.as_bytes()) == partition)
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !left.is_empty() {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            let Ok(Ok(message)) = tokio::time::timeout(wait, source.next()).await else {
+                break;
+            };
+            let event: Value = serde_json::from_slice(&message.payload).unwrap();
+            let id = (
+                event["user"].as_str().unwrap_or_default().to_string(),
+                event["seq"].as_u64().unwrap_or_default(),
+            );
+            if left.remove(&id) {
+                found.push(id);
+            }
+        }
+    }
+    found
 }
 
 fn identity(message: &Message) -> (String, u64) {
@@ -386,6 +457,7 @@ async fn keyed_graph_survives_a_kill_a_rejoin_and_a_pause(kind: Kind) {
     let outputs = read_outputs(
         &run.broker,
         &cluster.output,
+        &run.feed.input,
         &run.feed.sent,
         Duration::from_secs(120),
     )
@@ -455,6 +527,7 @@ async fn keyed_graph_survives_a_redis_restart(kind: Kind) {
     let outputs = read_outputs(
         &run.broker,
         &cluster.output,
+        &run.feed.input,
         &run.feed.sent,
         Duration::from_secs(120),
     )
@@ -504,6 +577,7 @@ async fn kafka_keyed_graph_survives_a_broker_restart() {
     let outputs = read_outputs(
         &run.broker,
         &cluster.output,
+        &run.feed.input,
         &run.feed.sent,
         Duration::from_secs(120),
     )
