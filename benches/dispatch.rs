@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use tokio_util::sync::CancellationToken;
-use weir::codec::avro::decode;
+use weir::codec::avro::decode_one_or_batch;
 use weir::codec::{ExecutionResult, TaskReadyEvent};
 use weir::config::Config;
 use weir::dispatch::manager::workflow_start_topic;
@@ -259,21 +259,24 @@ fn reader(
                 .commit(&[message.position])
                 .await
                 .expect("side commit");
+            // Records travel alone or several to a message.
             if ready {
-                if let Ok(event) = decode::<TaskReadyEvent>(&message.payload) {
-                    seen.ready
-                        .lock()
-                        .unwrap()
-                        .insert(event.task_execution_id, event.ready_at_ms);
+                let events = decode_one_or_batch::<TaskReadyEvent>(&message.payload);
+                let mut seen = seen.ready.lock().unwrap();
+                for event in events.into_iter().flatten() {
+                    seen.insert(event.task_execution_id, event.ready_at_ms);
                 }
-            } else if let Ok(result) = decode::<ExecutionResult>(&message.payload) {
-                seen.started.lock().unwrap().insert(
-                    result.task_execution_id,
-                    result.finished_at_ms - result.duration_ms,
-                );
-                let mut workers = seen.workers.lock().unwrap();
-                if !workers.contains(&result.worker_id) {
-                    workers.insert(result.worker_id);
+            } else {
+                let results = decode_one_or_batch::<ExecutionResult>(&message.payload);
+                for result in results.into_iter().flatten() {
+                    seen.started.lock().unwrap().insert(
+                        result.task_execution_id,
+                        result.finished_at_ms - result.duration_ms,
+                    );
+                    let mut workers = seen.workers.lock().unwrap();
+                    if !workers.contains(&result.worker_id) {
+                        workers.insert(result.worker_id);
+                    }
                 }
             }
         }

@@ -11,8 +11,10 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
-use weir::codec::avro::{decode, encode};
-use weir::codec::{CronTick, TaskReadyEvent};
+use weir::codec::avro::{decode, decode_one_or_batch, encode, BatchOf};
+use weir::codec::{
+    CronTick, ExecutionResult, ExecutionResultBatch, TaskReadyBatch, TaskReadyEvent,
+};
 use weir::cron::scheduler::{register, Scheduler, SchedulerConfig};
 use weir::cron::{Schedule, Target};
 use weir::dispatch::manager::workflow_start_topic;
@@ -143,6 +145,33 @@ impl Env {
                 Ok(Ok(m)) => out.push(m),
                 Ok(Err(e)) => panic!("reading {topic}: {e}"),
                 Err(_) => panic!("read {} of {count} messages on {topic}", out.len()),
+            }
+        }
+        out
+    }
+}
+
+impl Env {
+    /// Reads messages of a topic (from the start) until they hold `count` records,
+    /// alone or in batches; fails after `within`.
+    async fn read_records<T: BatchOf>(
+        &self,
+        topic: &str,
+        count: usize,
+        within: Duration,
+    ) -> Vec<T> {
+        let mut source = self
+            .broker
+            .subscribe(&Subscription::new(topic, self.name("reader")))
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        let deadline = tokio::time::Instant::now() + within;
+        while out.len() < count {
+            match tokio::time::timeout_at(deadline, source.next()).await {
+                Ok(Ok(m)) => out.extend(decode_one_or_batch::<T>(&m.payload).unwrap()),
+                Ok(Err(e)) => panic!("reading {topic}: {e}"),
+                Err(_) => panic!("read {} of {count} records on {topic}", out.len()),
             }
         }
         out
@@ -743,6 +772,93 @@ impl TaskHandler for RunCounter {
     }
 }
 
+/// A message of several TaskReadyEvents, as a state manager sends when many tasks
+/// become ready at once: a worker runs each task, and a task that fails for good is set
+/// aside by itself, not with the batch it came in.
+async fn a_batch_of_task_events_runs_each_task_and_sets_aside_only_its_failure(env: &Env) {
+    // The state manager routes to an executor no worker serves; its events are then sent
+    // on as one batch to the executor a worker serves.
+    let (staged, served) = (env.name("staged"), env.name("served"));
+    let w = flow(
+        &env.name("batched"),
+        vec![TaskSpec {
+            max_attempts: 1,
+            ..task("t", "builtin::fail")
+        }],
+    );
+    let workflows = [w.clone()];
+    let manager = env.state_manager(&workflows, Router::new(Vec::new(), &staged).unwrap());
+    let mut ids = Vec::new();
+    for fail_times in [0, 0, 1, 0, 0] {
+        let context = json!({ "fail_times": fail_times });
+        ids.push(manager.start(&w.name, context).await.unwrap());
+    }
+    let events: Vec<TaskReadyEvent> = env
+        .read_records(&format!("weir.tasks.{staged}"), ids.len(), WAIT)
+        .await;
+    let batch = encode(&TaskReadyBatch { events }).unwrap();
+    env.broker
+        .sink()
+        .publish(Outbound::new(format!("weir.tasks.{served}"), batch))
+        .await
+        .unwrap();
+    env.worker(&served, 8, env.builtins(), &workflows);
+    for (i, id) in ids.iter().enumerate() {
+        let done = env.finished(id, WAIT).await;
+        let expected = if i == 2 {
+            RunStatus::Failed
+        } else {
+            RunStatus::Completed
+        };
+        assert_eq!(done.status, expected, "{}", done.summary());
+    }
+    let dead = env.read(&format!("weir.tasks.{served}.dlq"), 1, WAIT).await;
+    let alone = decode::<TaskReadyEvent>(&dead[0].payload).unwrap();
+    assert_eq!(alone.execution_id, ids[2]);
+}
+
+/// A message of several ExecutionResults, as a worker sends when many tasks finish at
+/// once: the state manager applies each to its own execution.
+async fn a_batch_of_results_advances_each_execution(env: &Env) {
+    let executor = env.name("unserved");
+    let w = flow(&env.name("reported"), vec![task("t", "builtin::echo")]);
+    let workflows = [w.clone()];
+    let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(manager.start(&w.name, json!({})).await.unwrap());
+    }
+    let events: Vec<TaskReadyEvent> = env
+        .read_records(&format!("weir.tasks.{executor}"), ids.len(), WAIT)
+        .await;
+    let results = events
+        .iter()
+        .map(|event| ExecutionResult {
+            execution_id: event.execution_id.clone(),
+            task_execution_id: event.task_execution_id.clone(),
+            namespace: event.namespace.clone(),
+            attempt: 1,
+            status: "completed".into(),
+            error: None,
+            duration_ms: 1,
+            worker_id: "by-hand".into(),
+            finished_at_ms: weir::transport::now_ms(),
+            output: Some(json!({ "reported": event.execution_id }).to_string()),
+        })
+        .collect();
+    let batch = encode(&ExecutionResultBatch { results }).unwrap();
+    env.broker
+        .sink()
+        .publish(Outbound::new(env.results_topic(), batch))
+        .await
+        .unwrap();
+    for id in &ids {
+        let done = env.finished(id, WAIT).await;
+        assert_eq!(done.status, RunStatus::Completed, "{}", done.summary());
+        assert_eq!(done.context["reported"], json!(id));
+    }
+}
+
 /// Tasks longer than the broker's patience with a silent consumer (Kafka's
 /// `max.poll.interval.ms`, JetStream's ack wait), on two workers with one slot each: what
 /// a worker has read ahead, or is running, is never handed to the other worker
@@ -824,6 +940,14 @@ macro_rules! suite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn results_across_nodes() {
             each_result_reaches_a_node_that_declares_its_workflow(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn batched_task_events() {
+            a_batch_of_task_events_runs_each_task_and_sets_aside_only_its_failure(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn batched_results() {
+            a_batch_of_results_advances_each_execution(&$env).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn cron_ticks() {

@@ -65,16 +65,32 @@ impl AvroCodec {
 
     pub fn encode<T: Serialize>(&self, record: &T) -> Result<Vec<u8>, CodecError> {
         let mut out = Vec::with_capacity(HEADER_LEN + 128);
+        self.write_header(&mut out);
+        self.write_body(record, &mut out)?;
+        Ok(out)
+    }
+
+    /// The Avro binary body of `record` alone, without the single-object header: what
+    /// [`frame_single`] or [`frame_batch`] puts in a message.
+    pub fn encode_body<T: Serialize>(&self, record: &T) -> Result<Vec<u8>, CodecError> {
+        let mut out = Vec::with_capacity(128);
+        self.write_body(record, &mut out)?;
+        Ok(out)
+    }
+
+    fn write_header(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&MARKER);
         out.extend_from_slice(&self.fingerprint.to_le_bytes());
+    }
+
+    fn write_body<T: Serialize>(&self, record: &T, out: &mut Vec<u8>) -> Result<(), CodecError> {
         // Serializes straight against the schema, without an intermediate `Value`.
-        apache_avro::write_avro_datum_ref(&self.schema, record, &mut out).map_err(|e| {
-            CodecError::Avro {
+        apache_avro::write_avro_datum_ref(&self.schema, record, out)
+            .map(drop)
+            .map_err(|e| CodecError::Avro {
                 record: self.name,
                 reason: e.to_string(),
-            }
-        })?;
-        Ok(out)
+            })
     }
 
     pub fn decode<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, CodecError> {
@@ -171,6 +187,59 @@ pub fn encode<T: AvroRecord>(record: &T) -> Result<Vec<u8>, CodecError> {
 
 pub fn decode<T: AvroRecord>(bytes: &[u8]) -> Result<T, CodecError> {
     T::codec().decode(bytes)
+}
+
+/// A record that may also travel several to a message, as a batch record whose only
+/// field is an array of it (`schemas/*_batch.avsc`). Each record in a batch is encoded
+/// exactly as it is alone, so a batch costs no second encoding, and a record taken out
+/// of one can be sent on by itself.
+pub trait BatchOf: AvroRecord {
+    type Batch: AvroRecord;
+    fn unbatch(batch: Self::Batch) -> Vec<Self>;
+}
+
+/// A message holding one record, from its body ([`AvroCodec::encode_body`]).
+pub fn frame_single<T: AvroRecord>(body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_LEN + body.len());
+    T::codec().write_header(&mut out);
+    out.extend_from_slice(body);
+    out
+}
+
+/// A message holding the records whose bodies are given, as one `T::Batch`: the batch
+/// header, then the array as Avro writes it (one block: its count, the items, and the
+/// empty block that ends it).
+pub fn frame_batch<'a, T: BatchOf>(bodies: impl ExactSizeIterator<Item = &'a [u8]>) -> Vec<u8> {
+    let count = bodies.len();
+    let mut out = Vec::with_capacity(HEADER_LEN + 11);
+    T::Batch::codec().write_header(&mut out);
+    if count > 0 {
+        write_long(&mut out, count as i64);
+        for body in bodies {
+            out.extend_from_slice(body);
+        }
+    }
+    write_long(&mut out, 0);
+    out
+}
+
+/// The records of a message that holds one `T` or one `T::Batch`, told apart by the
+/// fingerprint.
+pub fn decode_one_or_batch<T: BatchOf>(bytes: &[u8]) -> Result<Vec<T>, CodecError> {
+    if fingerprint_of(bytes) == Some(T::Batch::codec().fingerprint()) {
+        return decode::<T::Batch>(bytes).map(T::unbatch);
+    }
+    decode::<T>(bytes).map(|record| vec![record])
+}
+
+/// Avro's zig-zag variable-length encoding of a long.
+pub(crate) fn write_long(out: &mut Vec<u8>, value: i64) {
+    let mut n = ((value << 1) ^ (value >> 63)) as u64;
+    while n >= 0x80 {
+        out.push((n as u8) | 0x80);
+        n >>= 7;
+    }
+    out.push(n as u8);
 }
 
 /// Declares the codec of a record type whose schema lives in `schemas/`.

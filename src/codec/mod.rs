@@ -12,8 +12,8 @@ pub mod records;
 
 pub use avro::{AvroCodec, AvroRecord};
 pub use records::{
-    BoundaryRecord, CronTick, ExecutionResult, JobMessage, PreparedTick, RecoveryEventRecord,
-    TaskReadyEvent,
+    BoundaryRecord, CronTick, ExecutionResult, ExecutionResultBatch, JobMessage, PreparedTick,
+    RecoveryEventRecord, TaskReadyBatch, TaskReadyEvent,
 };
 
 /// Why a message could not be encoded or decoded. Decoding errors are about the message,

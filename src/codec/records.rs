@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::avro::avro_record;
+use super::avro::{avro_record, write_long};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BoundaryRecord {
@@ -39,16 +39,6 @@ pub struct PreparedTick {
     head: Vec<u8>,
     /// The fields after it.
     tail: Vec<u8>,
-}
-
-/// Avro's zig-zag variable-length encoding of a long.
-fn write_long(out: &mut Vec<u8>, value: i64) {
-    let mut n = ((value << 1) ^ (value >> 63)) as u64;
-    while n >= 0x80 {
-        out.push((n as u8) | 0x80);
-        n >>= 7;
-    }
-    out.push(n as u8);
 }
 
 fn long_len(value: i64) -> usize {
@@ -120,6 +110,38 @@ pub struct ExecutionResult {
 }
 avro_record!(ExecutionResult, "ExecutionResult", "execution_result.avsc");
 
+/// Several [`TaskReadyEvent`]s in one message (see [`super::avro::BatchOf`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskReadyBatch {
+    pub events: Vec<TaskReadyEvent>,
+}
+avro_record!(TaskReadyBatch, "TaskReadyBatch", "task_ready_batch.avsc");
+
+impl super::avro::BatchOf for TaskReadyEvent {
+    type Batch = TaskReadyBatch;
+    fn unbatch(batch: TaskReadyBatch) -> Vec<Self> {
+        batch.events
+    }
+}
+
+/// Several [`ExecutionResult`]s in one message (see [`super::avro::BatchOf`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecutionResultBatch {
+    pub results: Vec<ExecutionResult>,
+}
+avro_record!(
+    ExecutionResultBatch,
+    "ExecutionResultBatch",
+    "execution_result_batch.avsc"
+);
+
+impl super::avro::BatchOf for ExecutionResult {
+    type Batch = ExecutionResultBatch;
+    fn unbatch(batch: ExecutionResultBatch) -> Vec<Self> {
+        batch.results
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobMessage {
     pub job_id: String,
@@ -142,13 +164,15 @@ pub struct RecoveryEventRecord {
 avro_record!(RecoveryEventRecord, "RecoveryEvent", "recovery_event.avsc");
 
 /// The codecs of every record above, for tools that meet them on a topic.
-pub fn codecs() -> [&'static super::AvroCodec; 6] {
+pub fn codecs() -> [&'static super::AvroCodec; 8] {
     use super::avro::AvroRecord;
     [
         BoundaryRecord::codec(),
         CronTick::codec(),
         TaskReadyEvent::codec(),
+        TaskReadyBatch::codec(),
         ExecutionResult::codec(),
+        ExecutionResultBatch::codec(),
         JobMessage::codec(),
         RecoveryEventRecord::codec(),
     ]
@@ -282,6 +306,74 @@ mod tests {
         let mut unknown = bytes.clone();
         unknown[2] ^= 0xff;
         assert!(decode_known(&unknown).is_none());
+    }
+
+    fn ready(n: i64) -> TaskReadyEvent {
+        TaskReadyEvent {
+            execution_id: format!("e{n}"),
+            task_execution_id: format!("e{n}/t"),
+            namespace: "public::etl::daily::t".into(),
+            attempt: 1,
+            max_attempts: 3,
+            ready_at_ms: n * 1_000_000_007,
+        }
+    }
+
+    #[test]
+    fn a_batch_is_its_records_as_they_travel_alone() {
+        use crate::codec::avro::{decode_one_or_batch, frame_batch, frame_single};
+        let events: Vec<TaskReadyEvent> = (0..3).map(ready).collect();
+        let codec = TaskReadyEvent::codec();
+        let bodies: Vec<Vec<u8>> = events
+            .iter()
+            .map(|e| codec.encode_body(e).unwrap())
+            .collect();
+        let batch = frame_batch::<TaskReadyEvent>(bodies.iter().map(Vec::as_slice));
+        // What the schema's own encoder writes for the batch, byte for byte.
+        assert_eq!(
+            batch,
+            encode(&TaskReadyBatch {
+                events: events.clone()
+            })
+            .unwrap()
+        );
+        assert_eq!(
+            decode_one_or_batch::<TaskReadyEvent>(&batch).unwrap(),
+            events
+        );
+        let alone = frame_single::<TaskReadyEvent>(&bodies[1]);
+        assert_eq!(alone, encode(&events[1]).unwrap());
+        assert_eq!(
+            decode_one_or_batch::<TaskReadyEvent>(&alone).unwrap(),
+            vec![events[1].clone()]
+        );
+        let empty = frame_batch::<TaskReadyEvent>(std::iter::empty());
+        assert!(decode_one_or_batch::<TaskReadyEvent>(&empty)
+            .unwrap()
+            .is_empty());
+        assert!(decode_one_or_batch::<TaskReadyEvent>(&encode(&tick()).unwrap()).is_err());
+    }
+
+    #[test]
+    fn batch_schemas_hold_the_single_record_schemas_unchanged() {
+        use apache_avro::Schema;
+        fn items(batch: &Schema) -> &Schema {
+            match batch {
+                Schema::Record(record) => match &record.fields[0].schema {
+                    Schema::Array(array) => &array.items,
+                    other => panic!("batch field is not an array: {other:?}"),
+                },
+                other => panic!("batch is not a record: {other:?}"),
+            }
+        }
+        let pairs = [
+            (TaskReadyBatch::codec(), TaskReadyEvent::codec()),
+            (ExecutionResultBatch::codec(), ExecutionResult::codec()),
+        ];
+        for (batch, single) in pairs {
+            let inner = items(batch.schema()).canonical_form();
+            assert_eq!(inner, single.schema().canonical_form(), "{}", batch.name());
+        }
     }
 
     #[test]

@@ -19,11 +19,12 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use super::batch::{record_alone, Batcher};
 use super::execution::{CronOrigin, Reported, WorkflowExecution};
 use super::router::{executor_topic, Router};
 use super::store::DispatchStore;
 use super::workflow::{split_namespace, Workflow};
-use crate::codec::avro::{decode, encode};
+use crate::codec::avro::{decode, decode_one_or_batch, AvroRecord};
 use crate::codec::{CodecError, CronTick, ExecutionResult, TaskReadyEvent};
 use crate::store_error::StoreError;
 use crate::transport::concurrent::consume_concurrently;
@@ -133,7 +134,8 @@ pub struct StateManager {
 
 struct Inner {
     store: Arc<dyn DispatchStore>,
-    sink: Arc<dyn Sink>,
+    /// TaskReadyEvents, several to a message when many become ready at once.
+    ready: Batcher<TaskReadyEvent>,
     workflows: BTreeMap<String, Workflow>,
     router: Router,
     settings: DispatchSettings,
@@ -155,7 +157,7 @@ impl StateManager {
         Self {
             inner: Arc::new(Inner {
                 store,
-                sink,
+                ready: Batcher::new(sink),
                 workflows,
                 router,
                 settings,
@@ -380,13 +382,10 @@ impl StateManager {
                 ready_at_ms: now_ms(),
             };
             Some(async move {
-                let bytes = encode(&event)?;
+                let body = TaskReadyEvent::codec().encode_body(&event)?;
                 // Keyed by task, so one execution's parallel tasks spread over partitions.
-                let key = event.task_execution_id.clone().into_bytes();
-                self.inner
-                    .sink
-                    .publish(Outbound::new(topic, bytes).key(key))
-                    .await?;
+                let key = event.task_execution_id.into_bytes();
+                self.inner.ready.publish(topic, key, body).await?;
                 metrics::counter!(crate::metrics::TASKS_DISPATCHED_TOTAL, "executor" => executor)
                     .increment(1);
                 Ok::<(), DispatchError>(())
@@ -495,19 +494,47 @@ impl StateManager {
                         name.clone(),
                     );
                     async move {
-                        let applied = match decode::<ExecutionResult>(&message.payload) {
-                            Ok(result) => match split_namespace(&result.namespace) {
-                                // Another workflow's group applies it.
-                                Some((t, w, _)) if t != tenant.as_deref() || w != name => Ok(()),
-                                Some(_) => {
-                                    retrying(&stop, "apply result", || me.apply_result(&result))
-                                        .await
-                                }
-                                None => Err(DispatchError::BadNamespace(result.namespace)),
-                            },
-                            Err(e) => Err(DispatchError::from(e)),
+                        let results = match decode_one_or_batch::<ExecutionResult>(&message.payload)
+                        {
+                            Ok(results) => results,
+                            Err(e) => {
+                                return settle(Err(e.into()), &message, sink.as_ref(), &stop).await
+                            }
                         };
-                        settle(applied, &message, sink.as_ref(), &stop).await
+                        // A message of several results is finished once each of them is.
+                        let each = results.into_iter().map(|result| {
+                            let (me, sink, stop, tenant, name, message) =
+                                (&me, &sink, &stop, &tenant, &name, &message);
+                            async move {
+                                let applied = match split_namespace(&result.namespace) {
+                                    // Another workflow's group applies it.
+                                    Some((t, w, _)) if t != tenant.as_deref() || w != name => {
+                                        return true
+                                    }
+                                    Some(_) => {
+                                        retrying(stop, "apply result", || me.apply_result(&result))
+                                            .await
+                                    }
+                                    None => {
+                                        Err(DispatchError::BadNamespace(result.namespace.clone()))
+                                    }
+                                };
+                                if applied.is_ok() {
+                                    return true;
+                                }
+                                settle(
+                                    applied,
+                                    &record_alone(message, &result),
+                                    sink.as_ref(),
+                                    stop,
+                                )
+                                .await
+                            }
+                        });
+                        futures::future::join_all(each)
+                            .await
+                            .into_iter()
+                            .all(|done| done)
                     }
                 },
             ));

@@ -4,8 +4,10 @@
 //! [`router`] matches namespaces against ordered glob rules; [`workflow`] declares and
 //! validates workflows (DAGs of tasks); [`execution`] is one run's state and how a
 //! result advances it; [`manager`] is the state manager that stores executions and
-//! publishes TaskReadyEvents.
+//! publishes TaskReadyEvents; `batch` sends the records that come in together (ready
+//! events, results) several to a message.
 
+pub(crate) mod batch;
 pub mod execution;
 pub mod manager;
 pub mod router;

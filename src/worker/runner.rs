@@ -19,8 +19,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::handlers::{HandlerRegistry, TaskContext, TaskOutcome};
-use crate::codec::avro::{decode, encode};
+use crate::codec::avro::{decode_one_or_batch, AvroRecord};
 use crate::codec::{ExecutionResult, TaskReadyEvent};
+use crate::dispatch::batch::{record_alone, Batcher};
 use crate::dispatch::manager::dead_letter;
 use crate::dispatch::WorkflowStore;
 use crate::dispatch::{split_namespace, Reported, RunStatus, TaskStatus, Workflow};
@@ -118,6 +119,8 @@ pub struct Worker {
 struct Shared {
     store: Arc<dyn WorkflowStore>,
     sink: Arc<dyn Sink>,
+    /// Results, several to a message when tasks finish together.
+    results: Batcher<ExecutionResult>,
     handlers: HandlerRegistry,
     workflows: BTreeMap<String, Workflow>,
     settings: WorkerSettings,
@@ -171,6 +174,7 @@ impl Worker {
         let shared = Shared {
             store,
             sink: broker.sink(),
+            results: Batcher::new(broker.sink()),
             handlers,
             workflows: workflows.into_iter().map(|w| (w.key(), w)).collect(),
             capacity: Arc::new(tokio::sync::Semaphore::new(settings.concurrency.max(1))),
@@ -213,34 +217,58 @@ impl Worker {
 }
 
 impl Shared {
-    /// Handles one TaskReadyEvent; true once it is finished with (result published, or
-    /// dead-lettered, or a duplicate).
+    /// Handles a message of one TaskReadyEvent or a batch of them; true once it is
+    /// finished with: each task's result published, or the task dead-lettered, or
+    /// dropped as a duplicate.
     async fn execute(
         &self,
         message: Message,
         metrics: &TaskMetrics,
         cancel: &CancellationToken,
     ) -> bool {
-        let event = match decode::<TaskReadyEvent>(&message.payload) {
-            Ok(e) => e,
+        let mut events = match decode_one_or_batch::<TaskReadyEvent>(&message.payload) {
+            Ok(events) => events,
             Err(e) => {
                 warn!(executor = %self.settings.executor, error = %e, "undecodable task event; dead-lettered");
                 return self.dead_letter(&message, &e.to_string(), cancel).await;
             }
         };
+        if events.len() == 1 {
+            let event = events.pop().expect("one event");
+            return self.execute_event(&message, event, metrics, cancel).await;
+        }
+        let each = events
+            .into_iter()
+            .map(|event| self.execute_event(&message, event, metrics, cancel));
+        futures::future::join_all(each)
+            .await
+            .into_iter()
+            .all(|done| done)
+    }
+
+    /// Runs one task of `message`; true once it is finished with.
+    async fn execute_event(
+        &self,
+        message: &Message,
+        event: TaskReadyEvent,
+        metrics: &TaskMetrics,
+        cancel: &CancellationToken,
+    ) -> bool {
+        // Set aside or handed back, a task goes alone, not with the batch it came in.
+        let alone = || record_alone(message, &event);
         let Some((tenant, workflow_name, task_id)) = split_namespace(&event.namespace) else {
             let why = format!(
                 "namespace {:?} is not tenant::package::workflow::task",
                 event.namespace
             );
-            return self.dead_letter(&message, &why, cancel).await;
+            return self.dead_letter(&alone(), &why, cancel).await;
         };
         if tenant != self.settings.tenant.as_deref() {
             let why = format!(
                 "task {} belongs to another tenant than this worker's",
                 event.namespace
             );
-            return self.dead_letter(&message, &why, cancel).await;
+            return self.dead_letter(&alone(), &why, cancel).await;
         }
         let workflow_key = crate::tenant::key(tenant, workflow_name);
         let execution = loop {
@@ -253,23 +281,23 @@ impl Shared {
                         _ = tokio::time::sleep(Duration::from_millis(200)) => {}
                     }
                 }
-                Err(e) => return self.dead_letter(&message, &e.to_string(), cancel).await,
+                Err(e) => return self.dead_letter(&alone(), &e.to_string(), cancel).await,
             }
         };
         let Some(execution) = execution else {
             let why = format!("no workflow execution {}", event.execution_id);
-            return self.dead_letter(&message, &why, cancel).await;
+            return self.dead_letter(&alone(), &why, cancel).await;
         };
         if execution.workflow != workflow_key {
             let why = format!(
                 "execution {} is of workflow {}, not of {}",
                 execution.id, execution.workflow, event.namespace
             );
-            return self.dead_letter(&message, &why, cancel).await;
+            return self.dead_letter(&alone(), &why, cancel).await;
         }
         let Some(record) = execution.tasks.get(task_id) else {
             let why = format!("execution {} has no task {task_id}", execution.id);
-            return self.dead_letter(&message, &why, cancel).await;
+            return self.dead_letter(&alone(), &why, cancel).await;
         };
         if execution.status != RunStatus::Running
             || matches!(
@@ -298,7 +326,8 @@ impl Shared {
                 // Another worker of the executor may know it: handed back to the topic,
                 // unkeyed so any partition and member may take it, counting this one.
                 debug!(task = %event.task_execution_id, %why, deliveries, "left for another worker");
-                let mut again = Outbound::new(message.topic.to_string(), message.payload.clone())
+                let single = alone();
+                let mut again = Outbound::new(single.topic.to_string(), single.payload)
                     .header(DELIVERIES_HEADER, (deliveries + 1).to_string());
                 again.headers.extend(
                     message
@@ -321,7 +350,7 @@ impl Shared {
                     cancel,
                 )
                 .await;
-            return report != Report::Stopped && self.dead_letter(&message, &why, cancel).await;
+            return report != Report::Stopped && self.dead_letter(&alone(), &why, cancel).await;
         };
         metrics
             .wait
@@ -386,7 +415,7 @@ impl Shared {
                     {
                         return false;
                     }
-                    return self.dead_letter(&message, &why, cancel).await;
+                    return self.dead_letter(&alone(), &why, cancel).await;
                 }
             }
             match reported {
@@ -404,7 +433,7 @@ impl Shared {
                     metrics.failed.increment(1);
                     metrics.dead_letters.increment(1);
                     let why = format!("failed after {attempt} attempts: {error}");
-                    return self.dead_letter(&message, &why, cancel).await;
+                    return self.dead_letter(&alone(), &why, cancel).await;
                 }
                 Reported::Completed(_) | Reported::Skipped => {
                     metrics.completed.increment(1);
@@ -440,16 +469,20 @@ impl Shared {
             finished_at_ms: now_ms(),
             output,
         };
-        let bytes = match encode(&result) {
+        let body = match ExecutionResult::codec().encode_body(&result) {
             Ok(b) => b,
             Err(e) => {
                 warn!(executor = %self.settings.executor, error = %e, "cannot encode a result");
                 return Report::Refused(e.to_string());
             }
         };
-        let message = Outbound::new(self.settings.results_topic(), bytes)
-            .key(event.execution_id.clone().into_bytes());
-        match publish_persistently(self.sink.as_ref(), message, cancel).await {
+        let topic = self.settings.results_topic();
+        let key = event.execution_id.as_bytes();
+        match self
+            .results
+            .publish_persistently(&topic, key, &body, cancel)
+            .await
+        {
             Ok(_) => Report::Sent,
             Err(e) if !e.is_retryable() => {
                 warn!(executor = %self.settings.executor, error = %e, "result refused by the broker");
