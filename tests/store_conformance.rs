@@ -76,6 +76,7 @@ macro_rules! store_conformance {
                 live_nodes_expire);
             store_conformance!(@role $open; workflow:
                 executions_are_created_once_and_updated_by_version,
+                concurrent_updates_each_get_their_own_outcome,
                 deadlines_fall_due_earliest_first,
                 published_tasks_accumulate_per_execution);
             store_conformance!(@role $open; backend:
@@ -727,6 +728,62 @@ mod cases {
                 store.get_workflow_execution("x").await.unwrap(),
                 Some(execution)
             );
+        }
+
+        /// Many writers at once, two per execution: creating it (as a start delivered
+        /// twice), then updating it from the same version (as two state managers applying
+        /// results of one execution). Exactly one of each pair wins, and the stored
+        /// execution is the winner's.
+        pub async fn concurrent_updates_each_get_their_own_outcome(store: Arc<dyn Store>) {
+            let execution = |id: usize, writer: &str| WorkflowExecution {
+                id: format!("x{id}"),
+                workflow: "w".into(),
+                status: RunStatus::Running,
+                context: serde_json::json!({ "writer": writer }),
+                tasks: Default::default(),
+                origin: None,
+                created_ms: 1,
+                updated_ms: 1,
+                version: 1,
+            };
+            let ids = 0..40;
+            // Each created twice at once: one creation wins, the other finds it there.
+            let creations: Vec<WorkflowExecution> = ids
+                .clone()
+                .flat_map(|id| [execution(id, "creator"), execution(id, "late")])
+                .collect();
+            let created = futures::future::join_all(
+                creations
+                    .iter()
+                    .map(|creation| store.create_workflow_execution(creation)),
+            )
+            .await;
+            for pair in created.chunks(2) {
+                let pair: Vec<bool> = pair.iter().map(|c| *c.as_ref().unwrap()).collect();
+                assert_eq!(pair, [true, false]);
+            }
+            let updates: Vec<WorkflowExecution> = ids
+                .clone()
+                .flat_map(|id| {
+                    ["a", "b"].map(|writer| WorkflowExecution {
+                        version: 2,
+                        ..execution(id, writer)
+                    })
+                })
+                .collect();
+            let outcomes = futures::future::join_all(
+                updates
+                    .iter()
+                    .map(|update| store.update_workflow_execution(update)),
+            )
+            .await;
+            for (pair, won) in updates.chunks(2).zip(outcomes.chunks(2)) {
+                let won: Vec<bool> = won.iter().map(|o| *o.as_ref().unwrap()).collect();
+                assert_eq!(won.iter().filter(|w| **w).count(), 1, "{won:?}");
+                let winner = if won[0] { &pair[0] } else { &pair[1] };
+                let stored = store.get_workflow_execution(&winner.id).await.unwrap();
+                assert_eq!(stored.as_ref(), Some(winner));
+            }
         }
 
         pub async fn deadlines_fall_due_earliest_first(store: Arc<dyn Store>) {

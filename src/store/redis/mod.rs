@@ -2,6 +2,7 @@
 //! the token coming from a per-lease counter that only grows (the fencing token).
 //! Keys start with the configured prefix (`weir` by default).
 
+mod batched;
 mod cache;
 mod checkpoint;
 mod jobs;
@@ -43,6 +44,10 @@ pub struct RedisStore {
     connection: ConnectionManager,
     prefix: String,
     url: String,
+    /// Creations and compare-and-set updates of workflow executions, several to a
+    /// script call.
+    workflow_creates: std::sync::Arc<batched::BatchedScript>,
+    workflow_updates: std::sync::Arc<batched::BatchedScript>,
 }
 
 // Lua scripts are built once: building one computes the SHA-1 it is invoked by.
@@ -235,11 +240,14 @@ impl RedisStore {
         .await
         .map_err(|_| unreachable("connection timed out".into()))?
         .map_err(|e| unreachable(e.into()))?;
+        let (workflow_creates, workflow_updates) = workflow::batched_scripts();
         Ok(Self {
             client: pubsub_client,
             connection,
             prefix: prefix.to_string(),
             url,
+            workflow_creates,
+            workflow_updates,
         })
     }
 

@@ -1,5 +1,8 @@
 //! Workflow executions, published tasks and deadlines on the Redis store.
 
+use std::sync::Arc;
+
+use super::batched::BatchedScript;
 use super::*;
 
 /// Prefix of the execution hash fields recording a task's ready event as published.
@@ -8,20 +11,66 @@ const PUBLISHED_FIELD: &str = "published:";
 /// Finished workflow executions are kept this long, then expire.
 const FINISHED_WORKFLOW_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
 
-static UPDATE_WORKFLOW: LazyLock<Script> = LazyLock::new(|| {
+/// Compare-and-set updates of workflow executions. KEYS: the executions' hashes; ARGV:
+/// per key, the version it must still have, the new version, the new data and the
+/// expiry in milliseconds (0 for none). Returns per key 1 if updated, 0 if another writer
+/// changed it first. Keys are taken in order, so two updates of one execution in a call
+/// meet as they would one after the other.
+static UPDATE_WORKFLOWS: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
-if redis.call('HGET', KEYS[1], 'v') ~= ARGV[1] then
-  return 0
+local updated = {}
+for i = 1, #KEYS do
+  local a = (i - 1) * 4
+  if redis.call('HGET', KEYS[i], 'v') ~= ARGV[a + 1] then
+    updated[i] = 0
+  else
+    redis.call('HSET', KEYS[i], 'v', ARGV[a + 2], 'data', ARGV[a + 3])
+    if tonumber(ARGV[a + 4]) > 0 then
+      redis.call('PEXPIRE', KEYS[i], ARGV[a + 4])
+    end
+    updated[i] = 1
+  end
 end
-redis.call('HSET', KEYS[1], 'v', ARGV[2], 'data', ARGV[3])
-if tonumber(ARGV[4]) > 0 then
-  redis.call('PEXPIRE', KEYS[1], ARGV[4])
-end
-return 1
+return updated
 "#,
     )
 });
+
+/// Creations of workflow executions. KEYS: the executions' hashes; ARGV: per key, the
+/// data and the version. Returns per key 1 if created, 0 if the execution exists (then
+/// nothing is written).
+static CREATE_WORKFLOWS: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local created = {}
+for i = 1, #KEYS do
+  if redis.call('HSETNX', KEYS[i], 'data', ARGV[2 * i - 1]) == 1 then
+    redis.call('HSET', KEYS[i], 'v', ARGV[2 * i])
+    created[i] = 1
+  else
+    created[i] = 0
+  end
+end
+return created
+"#,
+    )
+});
+
+/// The script calls a store shares between its clones: creations and updates of
+/// workflow executions, each several to a call.
+pub(super) fn batched_scripts() -> (Arc<BatchedScript>, Arc<BatchedScript>) {
+    (
+        Arc::new(BatchedScript::new(
+            &CREATE_WORKFLOWS,
+            "create workflow execution",
+        )),
+        Arc::new(BatchedScript::new(
+            &UPDATE_WORKFLOWS,
+            "update workflow execution",
+        )),
+    )
+}
 
 #[async_trait]
 impl WorkflowStore for RedisStore {
@@ -30,17 +79,10 @@ impl WorkflowStore for RedisStore {
         execution: &WorkflowExecution,
     ) -> Result<bool, StoreError> {
         let key = self.key(&["wf", &execution.id]);
-        let mut c = self.connection.clone();
-        // Two set-if-absent in one transaction: both fields are written, or (the
-        // execution exists) neither. Cheaper for Redis than a script doing the same.
-        let (created, _): (i64, i64) = redis::pipe()
-            .atomic()
-            .hset_nx(&key, "data", Self::encode(execution)?)
-            .hset_nx(&key, "v", execution.version)
-            .query_async(&mut c)
+        let args = vec![Self::encode(execution)?, execution.version.to_string()];
+        self.workflow_creates
+            .call(&self.connection, key, args)
             .await
-            .map_err(|e| store_error("create workflow execution", e))?;
-        Ok(created == 1)
     }
 
     async fn get_workflow_execution(
@@ -71,17 +113,16 @@ impl WorkflowStore for RedisStore {
         } else {
             FINISHED_WORKFLOW_TTL_MS
         };
-        let mut c = self.connection.clone();
-        let updated: i64 = UPDATE_WORKFLOW
-            .key(self.key(&["wf", &execution.id]))
-            .arg(execution.version.saturating_sub(1))
-            .arg(execution.version)
-            .arg(Self::encode(execution)?)
-            .arg(expire)
-            .invoke_async(&mut c)
+        let key = self.key(&["wf", &execution.id]);
+        let args = vec![
+            execution.version.saturating_sub(1).to_string(),
+            execution.version.to_string(),
+            Self::encode(execution)?,
+            expire.to_string(),
+        ];
+        self.workflow_updates
+            .call(&self.connection, key, args)
             .await
-            .map_err(|e| store_error("update workflow execution", e))?;
-        Ok(updated == 1)
     }
 
     async fn mark_tasks_published(
