@@ -34,7 +34,8 @@
 //!   sharded scheduler that emits ticks.
 //! - [`dispatch`]: workflows (DAGs of tasks), routing task namespaces to executor topics
 //!   by ordered glob rules, executions in the store, and the state manager publishing
-//!   TaskReadyEvents and applying results.
+//!   TaskReadyEvents and applying results; records that come in together travel
+//!   several to a message.
 //! - [`reactor`]: input cache (latest / sequential), dirty flags, criteria
 //!   (when_any / when_all), states, and commands through [`reactor::ReactorHandle`].
 //! - [`graph`]: declaring a graph with [`graph::GraphBuilder`] (its sources, node DAG and
