@@ -1,5 +1,6 @@
 //! The direct Avro reader behind weir's own records (boundaries, cron ticks, task
-//! events, results, jobs, recovery events), behind the right header.
+//! events and results, alone and in batches, jobs, recovery events), behind the right
+//! header.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -28,12 +29,14 @@ fuzz_target!(|data: &[u8]| {
     let Some((&which, body)) = data.split_first() else {
         return;
     };
-    match which % 6 {
+    match which % 8 {
         0 => read::<BoundaryRecord>(body),
         1 => read::<CronTick>(body),
         2 => read::<TaskReadyEvent>(body),
         3 => read::<ExecutionResult>(body),
         4 => read::<JobMessage>(body),
+        5 => read::<TaskReadyBatch>(body),
+        6 => read::<ExecutionResultBatch>(body),
         _ => read::<RecoveryEventRecord>(body),
     }
 });

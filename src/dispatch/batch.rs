@@ -2,21 +2,26 @@
 //! manager, ExecutionResults from a worker.
 //!
 //! Every task costs the broker a publish, a delivery and an acknowledgement each way, and
-//! at full load the broker's per-message work is what limits dispatch. So records that
-//! come in while earlier messages await their acknowledgement leave together, as one
-//! batch record (`schemas/*_batch.avsc`) holding each record exactly as it travels
-//! alone. A record that comes in while nothing is waiting goes at once, by itself, in
-//! the single-record format: batching adds no wait, and at a moderate pace the wire
-//! carries what it always did. Consumers take either form
-//! ([`crate::codec::avro::decode_one_or_batch`]).
+//! at full load the broker's per-message work is what limits dispatch. So records for a
+//! topic that are queued together, because they came in while earlier messages awaited
+//! their acknowledgement or at the same instant, leave together, as one batch record
+//! (`schemas/*_batch.avsc`) holding each record exactly as it travels alone. A record
+//! that finds nothing queued goes at once, by itself, in the single-record format:
+//! batching adds no wait. Consumers take either form
+//! ([`crate::codec::avro::decode_one_or_batch`]). Records given the same `apart` value
+//! (the tasks of one execution) never share a message, so a fan-out still spreads over
+//! partitions and workers.
 //!
 //! Each publish still returns only once the broker has acknowledged the message that
 //! carries its record, so a caller that commits its input after publishing keeps its
 //! at-least-once guarantee. A batch the broker refuses is sent again record by record,
-//! so each caller learns its own outcome: one oversized record fails alone.
+//! so each caller learns its own outcome: one oversized record fails alone. Each topic
+//! has its own sending task, so a topic the broker cannot take holds up only its own
+//! records.
 
+use std::collections::HashMap;
 use std::marker::PhantomData;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::stream::FuturesUnordered;
@@ -29,30 +34,31 @@ use crate::codec::avro::{encode, fingerprint_of, frame_batch, frame_single, Avro
 use crate::transport::{Message, Outbound, Sink, TransportError};
 
 /// Records in one message at most. A worker reads messages ahead of its free capacity,
-/// so this also bounds how many tasks one worker can hold back from the others.
+/// so this also bounds how many tasks one message can hold back from other workers.
 pub(crate) const MAX_RECORDS: usize = 64;
 /// Bytes of record bodies in one message at most, well under the 1 MiB that Kafka and
 /// nats-server take by default. A larger record goes alone.
 const MAX_BYTES: usize = 128 * 1024;
-/// Messages awaiting their acknowledgement at once. While this many are out, new records
-/// queue and leave together: batches grow with the load.
+/// Messages of one topic awaiting their acknowledgement at once. While this many are
+/// out, new records queue and leave together: batches grow with the load.
 const IN_FLIGHT: usize = 8;
-/// Records queued for the publishing task at most; a caller beyond it waits for room.
+/// Records queued for a topic's sending task at most; a caller beyond it waits for room.
 const QUEUE: usize = 4096;
 
 /// Publishes records of type `T`, batching those that come in together (see the module
-/// documentation). The task that sends them starts with the first publish and ends when
+/// documentation). A topic's sending task starts with its first publish and ends when
 /// the batcher is dropped, once what it holds is sent.
 pub(crate) struct Batcher<T: BatchOf> {
     sink: Arc<dyn Sink>,
-    queue: OnceLock<mpsc::Sender<Entry>>,
+    topics: Mutex<HashMap<String, mpsc::Sender<Entry>>>,
     record: PhantomData<fn() -> T>,
 }
 
-/// One record on its way: where it goes, its body, and who waits for the outcome.
+/// One record on its way: its key and body, what it must not share a message with, and
+/// who waits for the outcome.
 struct Entry {
-    topic: String,
     key: Vec<u8>,
+    apart: String,
     body: Vec<u8>,
     sent: oneshot::Sender<Result<(), TransportError>>,
 }
@@ -61,45 +67,54 @@ impl<T: BatchOf + 'static> Batcher<T> {
     pub(crate) fn new(sink: Arc<dyn Sink>) -> Self {
         Self {
             sink,
-            queue: OnceLock::new(),
+            topics: Mutex::new(HashMap::new()),
             record: PhantomData,
         }
     }
 
+    /// The queue of `topic`'s sending task, started if it has none running.
+    fn queue(&self, topic: &str) -> mpsc::Sender<Entry> {
+        let mut topics = self.topics.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(queue) = topics.get(topic).filter(|q| !q.is_closed()) {
+            return queue.clone();
+        }
+        let (queue, entries) = mpsc::channel(QUEUE);
+        tokio::spawn(send_batches::<T>(
+            self.sink.clone(),
+            topic.to_string(),
+            entries,
+        ));
+        topics.insert(topic.to_string(), queue.clone());
+        queue
+    }
+
     /// Publishes one record, given as its body ([`crate::codec::AvroCodec::encode_body`]),
     /// and returns once the broker has acknowledged the message carrying it. A batch
-    /// takes the key of its first record.
+    /// takes the key of its first record; records with the same `apart` go in separate
+    /// messages.
     pub(crate) async fn publish(
         &self,
-        topic: String,
+        topic: &str,
         key: Vec<u8>,
+        apart: &str,
         body: Vec<u8>,
     ) -> Result<(), TransportError> {
-        let queue = self.queue.get_or_init(|| {
-            let (queue, entries) = mpsc::channel(QUEUE);
-            tokio::spawn(send_batches::<T>(self.sink.clone(), entries));
-            queue
-        });
-        let stopped = |topic: String| TransportError::Publish {
-            topic,
-            source: "the publishing task has stopped".into(),
-            retryable: false,
+        // Only a panic in a sending task leaves a record unanswered or a queue closed;
+        // the next publish starts the topic's task again.
+        let lost = || TransportError::Publish {
+            topic: topic.to_string(),
+            source: "the task sending this topic's records stopped".into(),
+            retryable: true,
         };
         let (sent, outcome) = oneshot::channel();
         let entry = Entry {
-            topic,
             key,
+            apart: apart.to_string(),
             body,
             sent,
         };
-        if let Err(refused) = queue.send(entry).await {
-            return Err(stopped(refused.0.topic));
-        }
-        match outcome.await {
-            Ok(outcome) => outcome,
-            // Only a panic in the publishing task drops an entry unanswered.
-            Err(_) => Err(stopped(String::new())),
-        }
+        self.queue(topic).send(entry).await.map_err(|_| lost())?;
+        outcome.await.unwrap_or_else(|_| Err(lost()))
     }
 
     /// [`Batcher::publish`], retrying retryable failures with a growing pause until the
@@ -108,13 +123,14 @@ impl<T: BatchOf + 'static> Batcher<T> {
         &self,
         topic: &str,
         key: &[u8],
+        apart: &str,
         body: &[u8],
         cancel: &CancellationToken,
     ) -> Result<(), TransportError> {
         let mut pause = Duration::from_millis(50);
         loop {
             match self
-                .publish(topic.to_string(), key.to_vec(), body.to_vec())
+                .publish(topic, key.to_vec(), apart, body.to_vec())
                 .await
             {
                 Err(e) if e.is_retryable() && !cancel.is_cancelled() => {
@@ -131,8 +147,13 @@ impl<T: BatchOf + 'static> Batcher<T> {
     }
 }
 
-/// The publishing task: takes what is queued, up to [`IN_FLIGHT`] messages out at once.
-async fn send_batches<T: BatchOf>(sink: Arc<dyn Sink>, mut entries: mpsc::Receiver<Entry>) {
+/// A topic's sending task: takes what is queued, up to [`IN_FLIGHT`] messages out at
+/// once.
+async fn send_batches<T: BatchOf>(
+    sink: Arc<dyn Sink>,
+    topic: String,
+    mut entries: mpsc::Receiver<Entry>,
+) {
     let mut out = FuturesUnordered::new();
     let mut open = true;
     while open || !out.is_empty() {
@@ -141,8 +162,8 @@ async fn send_batches<T: BatchOf>(sink: Arc<dyn Sink>, mut entries: mpsc::Receiv
             first = entries.recv(), if open && out.len() < IN_FLIGHT => match first {
                 None => open = false,
                 Some(first) => {
-                    for (topic, group) in take_groups(first, &mut entries) {
-                        out.push(send_group::<T>(sink.clone(), topic, group));
+                    for group in take_groups(first, &mut entries) {
+                        out.push(send_group::<T>(sink.clone(), topic.clone(), group));
                     }
                 }
             }
@@ -151,34 +172,30 @@ async fn send_batches<T: BatchOf>(sink: Arc<dyn Sink>, mut entries: mpsc::Receiv
 }
 
 /// `first` and whatever else is queued now, up to [`MAX_RECORDS`], as messages to send:
-/// grouped by topic in their order, each group within [`MAX_BYTES`].
-fn take_groups(first: Entry, entries: &mut mpsc::Receiver<Entry>) -> Vec<(String, Vec<Entry>)> {
-    let mut groups: Vec<(String, Vec<Entry>, usize)> = Vec::new();
+/// in their order, each message within [`MAX_BYTES`] and holding no two records that
+/// are to go apart.
+fn take_groups(first: Entry, entries: &mut mpsc::Receiver<Entry>) -> Vec<Vec<Entry>> {
+    let mut groups: Vec<(Vec<Entry>, usize)> = Vec::new();
     let mut next = Some(first);
     let mut taken = 0;
     while let Some(entry) = next.take() {
         taken += 1;
         let size = entry.body.len();
-        let open = groups
-            .iter_mut()
-            .rev()
-            .find(|(topic, _, _)| *topic == entry.topic)
-            .filter(|(_, _, bytes)| bytes + size <= MAX_BYTES);
-        match open {
-            Some((_, group, bytes)) => {
+        let fits = groups.iter_mut().find(|(group, bytes)| {
+            bytes + size <= MAX_BYTES && group.iter().all(|e| e.apart != entry.apart)
+        });
+        match fits {
+            Some((group, bytes)) => {
                 *bytes += size;
                 group.push(entry);
             }
-            None => groups.push((entry.topic.clone(), vec![entry], size)),
+            None => groups.push((vec![entry], size)),
         }
         if taken < MAX_RECORDS {
             next = entries.try_recv().ok();
         }
     }
-    groups
-        .into_iter()
-        .map(|(topic, group, _)| (topic, group))
-        .collect()
+    groups.into_iter().map(|(group, _)| group).collect()
 }
 
 /// Sends one group as one message (a single record as itself) and tells each caller.
@@ -218,16 +235,18 @@ async fn send_alone<T: BatchOf>(sink: &dyn Sink, topic: String, entry: Entry) {
     let _ = entry.sent.send(sink.publish(message).await.map(drop));
 }
 
-/// `message`, which holds `record`, as if `record` had travelled alone: `message`
-/// itself unless it is a batch, else a copy carrying only `record`. What a dead letter
-/// or a hand-back of one record of a batch sends, so that it concerns that record only.
-pub(crate) fn record_alone<T: BatchOf>(message: &Message, record: &T) -> Message {
+/// `message`, which holds `record`, as if `record` had travelled alone under `key`:
+/// `message` itself unless it is a batch, else a copy carrying only `record`. What a
+/// dead letter or a hand-back of one record of a batch sends, so that it concerns that
+/// record only.
+pub(crate) fn record_alone<T: BatchOf>(message: &Message, record: &T, key: &str) -> Message {
     if fingerprint_of(&message.payload) != Some(T::Batch::codec().fingerprint()) {
         return message.clone();
     }
     match encode(record) {
         Ok(payload) => Message {
             payload: payload.into(),
+            key: Some(key.to_string().into_bytes().into()),
             ..message.clone()
         },
         // It was just decoded with the same schema, so this does not happen; the whole
@@ -273,7 +292,7 @@ mod tests {
         let broker = MemoryBroker::new(1);
         let batcher = Batcher::<TaskReadyEvent>::new(broker.sink());
         batcher
-            .publish("t".into(), b"k".to_vec(), body(1))
+            .publish("t", b"k".to_vec(), "e1", body(1))
             .await
             .unwrap();
         let messages = broker.messages("t");
@@ -290,7 +309,12 @@ mod tests {
         let total = 1000;
         let publishes = (0..total).map(|n| {
             let topic = if n % 2 == 0 { "even" } else { "odd" };
-            batcher.publish(topic.into(), Vec::new(), body(n))
+            let batcher = &batcher;
+            async move {
+                batcher
+                    .publish(topic, Vec::new(), &format!("e{n}"), body(n))
+                    .await
+            }
         });
         for outcome in futures::future::join_all(publishes).await {
             outcome.unwrap();
@@ -310,6 +334,35 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn records_to_go_apart_never_share_a_message() {
+        let broker = MemoryBroker::new(1);
+        let batcher = Batcher::<TaskReadyEvent>::new(broker.sink());
+        // Ten tasks of one execution and ten of others, all queued together.
+        let publishes = (0..20).map(|n| {
+            let apart = if n % 2 == 0 {
+                "fan-out".to_string()
+            } else {
+                format!("e{n}")
+            };
+            let batcher = &batcher;
+            async move { batcher.publish("t", Vec::new(), &apart, body(n)).await }
+        });
+        for outcome in futures::future::join_all(publishes).await {
+            outcome.unwrap();
+        }
+        let messages = read(&broker, "t");
+        assert_eq!(messages.iter().map(Vec::len).sum::<usize>(), 20);
+        for message in &messages {
+            let fan_out = message.iter().filter(|e| e.ready_at_ms % 2 == 0).count();
+            assert!(
+                fan_out <= 1,
+                "{fan_out} tasks of one execution in a message"
+            );
+        }
+        assert!(messages.len() < 20, "nothing was batched");
+    }
+
+    #[tokio::test]
     async fn a_refused_batch_is_sent_record_by_record_so_only_the_oversized_one_fails() {
         // The memory broker refuses messages over 1 KiB here; one record alone is larger.
         let broker = MemoryBroker::with_max_message_bytes(1, 1024);
@@ -320,7 +373,15 @@ mod tests {
         let outcomes = futures::future::join_all(
             std::iter::once(large)
                 .chain((1..20).map(body))
-                .map(|body| batcher.publish("t".into(), Vec::new(), body)),
+                .enumerate()
+                .map(|(n, body)| {
+                    let batcher = &batcher;
+                    async move {
+                        batcher
+                            .publish("t", Vec::new(), &format!("e{n}"), body)
+                            .await
+                    }
+                }),
         )
         .await;
         assert!(!outcomes[0].as_ref().unwrap_err().is_retryable());

@@ -383,9 +383,13 @@ impl StateManager {
             };
             Some(async move {
                 let body = TaskReadyEvent::codec().encode_body(&event)?;
-                // Keyed by task, so one execution's parallel tasks spread over partitions.
+                // Keyed by task and never batched with a task of the same execution, so
+                // one execution's parallel tasks spread over partitions and workers.
                 let key = event.task_execution_id.into_bytes();
-                self.inner.ready.publish(topic, key, body).await?;
+                self.inner
+                    .ready
+                    .publish(&topic, key, &execution.id, body)
+                    .await?;
                 metrics::counter!(crate::metrics::TASKS_DISPATCHED_TOTAL, "executor" => executor)
                     .increment(1);
                 Ok::<(), DispatchError>(())
@@ -524,7 +528,7 @@ impl StateManager {
                                 }
                                 settle(
                                     applied,
-                                    &record_alone(message, &result),
+                                    &record_alone(message, &result, &result.execution_id),
                                     sink.as_ref(),
                                     stop,
                                 )

@@ -1,6 +1,7 @@
 //! A worker: a consumer-group member on its executor's topic (`weir.tasks.<key>`). It
 //! runs at most `concurrency` tasks at once, reads at most twice that many messages
-//! ahead (a message may carry several tasks) and stops fetching beyond it; a task
+//! ahead (a message may carry several tasks), holds at most twice that many tasks, and
+//! stops fetching beyond it; a task
 //! waiting out a retry backoff frees its slot. For each TaskReadyEvent (alone or in a
 //! batch) it loads the execution's context from the store, runs the task's handler
 //! with the task's timeout, and reports every attempt to the results topic (results
@@ -128,6 +129,9 @@ struct Shared {
     /// One permit per task that may run at once. Held only while a handler runs: a task
     /// waiting out its retry backoff leaves its slot to another.
     capacity: Arc<tokio::sync::Semaphore>,
+    /// One permit per task this worker holds at once, its execution loaded: the same
+    /// bound as the read-ahead, however many tasks the messages read ahead carry.
+    held: tokio::sync::Semaphore,
 }
 
 /// Task events read ahead of free capacity, per slot: read, they count as in progress
@@ -179,6 +183,7 @@ impl Worker {
             handlers,
             workflows: workflows.into_iter().map(|w| (w.key(), w)).collect(),
             capacity: Arc::new(tokio::sync::Semaphore::new(settings.concurrency.max(1))),
+            held: tokio::sync::Semaphore::new(settings.concurrency.max(1) * READ_AHEAD_PER_SLOT),
             settings,
         };
         Self {
@@ -256,7 +261,14 @@ impl Shared {
         cancel: &CancellationToken,
     ) -> bool {
         // Set aside or handed back, a task goes alone, not with the batch it came in.
-        let alone = || record_alone(message, &event);
+        let alone = || record_alone(message, &event, &event.task_execution_id);
+        let _held = tokio::select! {
+            _ = cancel.cancelled() => return false,
+            held = self.held.acquire() => match held {
+                Ok(held) => held,
+                Err(_) => return false,
+            },
+        };
         let Some((tenant, workflow_name, task_id)) = split_namespace(&event.namespace) else {
             let why = format!(
                 "namespace {:?} is not tenant::package::workflow::task",
@@ -479,9 +491,10 @@ impl Shared {
         };
         let topic = self.settings.results_topic();
         let key = event.execution_id.as_bytes();
+        // A result may share a message with any other task's result.
         match self
             .results
-            .publish_persistently(&topic, key, &body, cancel)
+            .publish_persistently(&topic, key, &event.task_execution_id, &body, cancel)
             .await
         {
             Ok(_) => Report::Sent,

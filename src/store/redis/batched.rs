@@ -3,7 +3,7 @@
 //! keys, one write each, costs far less per write when the writes made at the same time
 //! go in one call. A write that comes in while no call is out goes at once, alone.
 
-use std::sync::{LazyLock, OnceLock};
+use std::sync::{LazyLock, Mutex};
 
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
@@ -28,7 +28,7 @@ const QUEUE: usize = 4096;
 pub(super) struct BatchedScript {
     script: &'static LazyLock<Script>,
     operation: &'static str,
-    queue: OnceLock<mpsc::Sender<Write>>,
+    queue: Mutex<Option<mpsc::Sender<Write>>>,
 }
 
 /// One key's write and who waits for its outcome.
@@ -43,7 +43,7 @@ impl BatchedScript {
         Self {
             script,
             operation,
-            queue: OnceLock::new(),
+            queue: Mutex::new(None),
         }
     }
 
@@ -55,16 +55,23 @@ impl BatchedScript {
         key: String,
         args: Vec<String>,
     ) -> Result<bool, StoreError> {
-        let queue = self.queue.get_or_init(|| {
-            let (queue, writes) = mpsc::channel(QUEUE);
-            tokio::spawn(make_calls(
-                self.script,
-                self.operation,
-                connection.clone(),
-                writes,
-            ));
-            queue
-        });
+        let queue = {
+            let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            match queue.as_ref().filter(|q| !q.is_closed()) {
+                Some(running) => running.clone(),
+                // None yet, or its task panicked: the next write starts one.
+                None => {
+                    let (sender, writes) = mpsc::channel(QUEUE);
+                    tokio::spawn(make_calls(
+                        self.script,
+                        self.operation,
+                        connection.clone(),
+                        writes,
+                    ));
+                    queue.insert(sender).clone()
+                }
+            }
+        };
         let stopped = || StoreError::Operation {
             operation: self.operation,
             source: "the task making the calls has stopped".into(),
@@ -135,6 +142,19 @@ async fn call(
                     source: why.clone().into(),
                 }));
             }
+        }
+        Err(e) if writes.len() > 1 && !e.is_io_error() && !e.is_timeout() => {
+            // The script failed on one write (a key of another type, say); the writes
+            // before it in the call may be made. Each is made again in a call of its own,
+            // so only the failing one fails: one already made answers 0, and its writer
+            // reads the store again, as after losing a race.
+            tracing::warn!(operation, writes = writes.len(), error = %e, "a shared script call failed; making its writes one by one");
+            futures::future::join_all(
+                writes
+                    .into_iter()
+                    .map(|write| call(script, operation, connection.clone(), vec![write])),
+            )
+            .await;
         }
         Err(e) => {
             let failed = store_error(operation, e);
