@@ -2,12 +2,13 @@
 //! runs at most `concurrency` tasks at once, reads at most twice that many messages
 //! ahead (a message may carry several tasks), holds at most twice that many tasks, and
 //! stops fetching beyond it; a task waiting out a retry backoff frees its slot. For
-//! each TaskReadyEvent (alone or in a batch) it loads the execution's context from the store, runs the task's handler
-//! with the task's timeout, and reports every attempt to the results topic (results
-//! finished together share a message). A failed attempt with attempts left is retried
-//! here after the task's backoff (doubling each time); the last failure goes to
-//! `<topic>.dlq`. A message is acknowledged only after the final results of all its
-//! tasks are published, so a worker killed mid-task has its task delivered again.
+//! each TaskReadyEvent (alone or in a batch) it loads the execution's context from the
+//! store, runs the task's handler with the task's timeout, and reports every attempt to
+//! the results topic (results finished together share a message). A failed attempt
+//! with attempts left is retried here after the task's backoff (doubling each time);
+//! the last failure goes to `<topic>.dlq`. A message is acknowledged only after the
+//! final results of all its tasks are published, so a worker killed mid-task has its
+//! task delivered again.
 
 use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
