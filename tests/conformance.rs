@@ -154,11 +154,100 @@ mod services {
             subscription.assignment = assignment.clone();
             let _source = broker.subscribe(&subscription).await.unwrap();
             let stream = js.get_stream(stream_name(&subject)).await.unwrap();
+            let durables = durables_of(&stream, &group).await;
+            assert_eq!(durables.len(), 1, "{durables:?}");
             let mut consumer: async_nats::jetstream::consumer::PullConsumer =
-                stream.get_consumer(&stream_name(&group)).await.unwrap();
+                stream.get_consumer(&durables[0]).await.unwrap();
             let info = consumer.info().await.unwrap();
             assert_eq!(info.config.inactive_threshold, expected, "{assignment:?}");
         }
+    }
+
+    /// The durable consumers of `group` on a stream.
+    async fn durables_of(
+        stream: &async_nats::jetstream::stream::Stream,
+        group: &str,
+    ) -> Vec<String> {
+        use futures::TryStreamExt;
+        let prefix = weir::transport::nats::stream_name(group);
+        let names: Vec<String> = stream.consumer_names().try_collect().await.unwrap();
+        names
+            .into_iter()
+            .filter(|name| name.starts_with(&prefix))
+            .collect()
+    }
+
+    /// A sole reader deposed by a successor (a partition moved while its owner was
+    /// paused) cannot pull its successor's messages: had it taken some and dropped them,
+    /// the successor's ack-all would cover them and they would be lost. Every message
+    /// reaches the successor, and the predecessor's durable is gone.
+    #[tokio::test]
+    async fn nats_deposed_sole_reader_takes_none_of_its_successors_messages() {
+        use weir::transport::nats::stream_name;
+        let broker = services::nats(true).await;
+        let subject = services::unique("conf.deposed.");
+        let group = services::unique("deposed");
+        let mut subscription = Subscription::new(&subject, &group);
+        subscription.assignment = Assignment::All;
+        let sink = broker.sink();
+        sink.publish(Outbound::new(&subject, "0")).await.unwrap();
+        let mut deposed = broker.subscribe(&subscription).await.unwrap();
+        let first = next(&mut deposed).await;
+        assert_eq!(&first.payload[..], b"0");
+        // Not read from for longer than its pull request lives (the client's 30 s), as if
+        // paused: when its successor comes, it has no request waiting that the server
+        // could end, and on waking it asks for more.
+        tokio::time::sleep(Duration::from_secs(32)).await;
+        let mut successor = broker.subscribe(&subscription).await.unwrap();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let pulling = tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                let mut taken = Vec::new();
+                while !stop.is_cancelled() {
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        read = deposed.next() => match read {
+                            Ok(message) => taken.push(message.position.offset),
+                            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                        },
+                    }
+                }
+                taken
+            }
+        });
+        for i in 1..=500 {
+            let _ack = sink
+                .enqueue(Outbound::new(&subject, i.to_string()))
+                .await
+                .unwrap();
+        }
+        sink.publish(Outbound::new(&subject, "501")).await.unwrap();
+        let mut read = Vec::new();
+        while read.len() < 502 {
+            let message = next(&mut successor).await;
+            read.push(String::from_utf8(message.payload.to_vec()).unwrap());
+            if read.len() % 100 == 0 {
+                let through = [message.position];
+                successor.commit(&through).await.unwrap();
+            }
+        }
+        let expected: Vec<String> = (0..=501).map(|i| i.to_string()).collect();
+        assert_eq!(read, expected);
+        stop.cancel();
+        // It may still hold its own consumer's redeliveries of the first message.
+        let taken = pulling.await.unwrap();
+        let stolen: Vec<i64> = taken
+            .into_iter()
+            .filter(|offset| *offset != first.position.offset)
+            .collect();
+        assert!(stolen.is_empty(), "the deposed reader took {stolen:?}");
+        let client = async_nats::connect(services::nats_url()).await.unwrap();
+        let stream = async_nats::jetstream::new(client)
+            .get_stream(stream_name(&subject))
+            .await
+            .unwrap();
+        assert_eq!(durables_of(&stream, &group).await.len(), 1);
     }
 
     /// Streams weir creates age their messages out after the configured retention;

@@ -331,6 +331,32 @@ impl NatsBroker {
             reason: "the stream names weir would give it are taken by other streams".into(),
         })
     }
+
+    /// Removes the durables of earlier sole readers of `group_durable`, so a deposed
+    /// reader's consumer does not linger until the server's idle limit.
+    async fn delete_sole_readers(
+        &self,
+        stream: &jetstream::stream::Stream,
+        group_durable: &str,
+    ) -> Result<(), TransportError> {
+        let names: Vec<String> = stream
+            .consumer_names()
+            .try_collect()
+            .await
+            .map_err(|e| self.unreachable(format!("consumers of {group_durable}: {e}")))?;
+        for name in names
+            .iter()
+            .filter(|name| is_sole_reader_of(name, group_durable))
+        {
+            match stream.delete_consumer(name).await {
+                Ok(_) => {}
+                // Its reader's idle limit, or another subscriber, came first.
+                Err(e) if e.to_string().contains("not found") => {}
+                Err(e) => return Err(self.unreachable(format!("consumer {name}: {e}"))),
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Whether every subject `subject` can stand for is also matched by `pattern`
@@ -377,6 +403,32 @@ fn durable_name(group: &str, subject: &str, stream_subjects: &[String]) -> Strin
         plain
     } else {
         format!("{plain}_{:016x}", fnv1a(subject))
+    }
+}
+
+/// What a sole reader's durable adds to its group's: `-r` and 8 hex digits drawn at each
+/// subscribe. Were the name the same for every reader, a reader deposed while paused
+/// would, on waking, pull by that name from its successor's consumer: it would be handed
+/// messages it then drops, and which its successor's ack-all later covers, so they would
+/// be lost. Under a name of its own its pulls find no consumer.
+const SOLE_READER_MARK: &str = "-r";
+
+fn sole_reader_durable(group_durable: &str) -> String {
+    format!(
+        "{group_durable}{SOLE_READER_MARK}{:08x}",
+        rand::random::<u32>()
+    )
+}
+
+/// Whether `name` is a sole reader's durable of `group_durable`, or the group's durable
+/// itself (as sole readers were once named).
+fn is_sole_reader_of(name: &str, group_durable: &str) -> bool {
+    match name.strip_prefix(group_durable) {
+        Some("") => true,
+        Some(rest) => rest
+            .strip_prefix(SOLE_READER_MARK)
+            .is_some_and(|drawn| drawn.len() == 8 && drawn.bytes().all(|b| b.is_ascii_hexdigit())),
+        None => false,
     }
 }
 
@@ -514,7 +566,7 @@ impl Broker for NatsBroker {
             }));
         };
         let stream = self.ensure_stream(js, &subscription.topic).await?;
-        let durable = durable_name(
+        let group_durable = durable_name(
             &subscription.group,
             &subscription.topic,
             &stream.cached_info().config.subjects,
@@ -529,16 +581,15 @@ impl Broker for NatsBroker {
                 StartFrom::Latest => consumer::DeliverPolicy::New,
             },
         };
-        if subscription.assignment == Assignment::All {
-            // The only reader of its durable: start it afresh at the checkpoint, so what
+        let durable = if subscription.assignment == Assignment::All {
+            // The only reader of its durable: start one afresh at the checkpoint, so what
             // a crashed predecessor held unacknowledged comes again now, in order,
             // rather than after the ack wait.
-            match stream.delete_consumer(&durable).await {
-                Ok(_) => {}
-                Err(e) if e.to_string().contains("not found") => {}
-                Err(e) => return Err(self.unreachable(format!("consumer {durable}: {e}"))),
-            }
-        }
+            self.delete_sole_readers(&stream, &group_durable).await?;
+            sole_reader_durable(&group_durable)
+        } else {
+            group_durable
+        };
         let (ack_policy, prefetch) = match subscription.acks {
             Acks::Cumulative => (consumer::AckPolicy::All, None),
             Acks::Each { prefetch } => (consumer::AckPolicy::Explicit, Some(prefetch)),
@@ -1051,6 +1102,29 @@ mod tests {
         let b = durable_name("weir.g", "orders.b", &shared);
         assert_ne!(a, b);
         assert!(a.starts_with("weir_g_"), "{a}");
+    }
+
+    #[test]
+    fn each_sole_reader_has_a_durable_of_its_own() {
+        let a = sole_reader_durable("weir_g");
+        let b = sole_reader_durable("weir_g");
+        assert_ne!(a, b);
+        for name in [&a, &b, "weir_g"] {
+            assert!(is_sole_reader_of(name, "weir_g"), "{name}");
+        }
+        // Another group's, or another subject's in a shared stream.
+        for name in [
+            "weir_g2",
+            "weir_g_0123456789abcdef",
+            "weir_g-rx",
+            "weir_gx-r0000abcd",
+        ] {
+            assert!(!is_sole_reader_of(name, "weir_g"), "{name}");
+        }
+        assert!(!is_sole_reader_of(
+            &sole_reader_durable("weir_g_0123456789abcdef"),
+            "weir_g"
+        ));
     }
 
     #[test]
