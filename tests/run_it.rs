@@ -382,6 +382,43 @@ async fn nats_poison_message_is_dead_lettered() {
     poison_goes_to_the_dead_letter_topic(Kind::Nats).await;
 }
 
+/// Two accumulators of one graph reading the same topic each see every event: neither
+/// takes a share of the other's (on NATS they would otherwise share one durable).
+#[tokio::test(flavor = "multi_thread")]
+async fn two_accumulators_on_one_topic_each_read_all_of_it() {
+    const EVENTS: u64 = 20;
+    let setup = Setup::new(Kind::Nats, 3000);
+    let second = format!(
+        "[[graph.accumulator]]\nname = \"b\"\ntopic = \"{}\"\nformat = \"json\"\n",
+        setup.input
+    );
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(setup.config.path())
+        .unwrap()
+        .write_all(second.as_bytes())
+        .unwrap();
+    let broker = setup.broker().await;
+    let mut weir = setup.start("n1");
+    publish_ids(&broker, &setup.input, 1..=EVENTS).await;
+    let seen_by = |outputs: &[Message], source: &str| -> std::collections::BTreeSet<u64> {
+        outputs
+            .iter()
+            .filter_map(|m| {
+                let v: Value = serde_json::from_slice(&m.payload).ok()?;
+                v["inputs"][source]["id"].as_u64()
+            })
+            .collect()
+    };
+    let outputs = read_until(&broker, &setup.output, Duration::from_secs(60), |seen| {
+        seen_by(seen, "a").len() as u64 == EVENTS && seen_by(seen, "b").len() as u64 == EVENTS
+    })
+    .await;
+    weir.kill().unwrap();
+    let _ = weir.wait();
+    assert_eq!(seen_by(&outputs, "b").len() as u64, EVENTS);
+}
+
 fn fencing_of(m: &Message) -> u64 {
     m.header("weir-fencing")
         .and_then(|t| t.parse().ok())

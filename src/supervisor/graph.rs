@@ -25,8 +25,22 @@ impl GraphWiring {
                     )),
                 ),
                 SourceSpec::Topic { topic, start } => {
+                    // Two sources reading one topic each read all of it, under groups of
+                    // their own: one group would have them share its messages (and, on
+                    // NATS, its durable).
+                    let shared = decl
+                        .accumulators
+                        .iter()
+                        .filter(|other| matches!(&other.source, SourceSpec::Topic { topic: t, .. } if t == topic))
+                        .count()
+                        > 1;
+                    let group = if shared {
+                        format!("{group}.{}", spec.name)
+                    } else {
+                        group.clone()
+                    };
                     let topic = decl.qualify_topic(topic);
-                    let mut subscription = Subscription::new(topic.clone(), group.clone());
+                    let mut subscription = Subscription::new(topic.clone(), group);
                     subscription.start = *start;
                     // One active instance per graph: read every partition directly.
                     subscription.assignment = Assignment::All;
