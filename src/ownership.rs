@@ -7,8 +7,8 @@
 //! coordinator is needed. The same holds on every broker, Kafka included: the hand-over
 //! below runs in weir's own code, with a fencing token per partition, rather than in a
 //! consumer group's rebalance callback. Nor does a consumer group pick the owners: a
-//! group coordinator that stalls (one Kafka-compatible broker stops assigning anything
-//! once a member leaves during a rebalance) would stall every partition with it.
+//! group coordinator that stalls (one Kafka-compatible broker assigned nothing for over a
+//! minute once a member left during a rebalance) would stall every partition with it.
 //!
 //! A node takes the lease of each partition it should own once that lease is free, and
 //! runs the partition ([`PartitionWork`]) while it keeps the lease. A partition it
