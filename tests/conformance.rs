@@ -163,6 +163,44 @@ mod services {
         }
     }
 
+    /// A sole reader removes its predecessors' durables and nothing else: a consumer
+    /// whose name merely looks like one of theirs stays.
+    #[tokio::test]
+    async fn nats_sole_readers_remove_only_their_predecessors_durables() {
+        use weir::transport::nats::stream_name;
+        let broker = services::nats(true).await;
+        let subject = services::unique("conf.tidy.");
+        let group = services::unique("tidy");
+        let mut subscription = Subscription::new(&subject, &group);
+        subscription.assignment = Assignment::All;
+        let _first = broker.subscribe(&subscription).await.unwrap();
+        let _second = broker.subscribe(&subscription).await.unwrap();
+        let client = async_nats::connect(services::nats_url()).await.unwrap();
+        let stream = async_nats::jetstream::new(client)
+            .get_stream(stream_name(&subject))
+            .await
+            .unwrap();
+        assert_eq!(
+            durables_of(&stream, &group).await.len(),
+            1,
+            "the first's is gone"
+        );
+        let lookalike = format!("{}-r0000abcd", stream_name(&group));
+        stream
+            .create_consumer(async_nats::jetstream::consumer::pull::Config {
+                durable_name: Some(lookalike.clone()),
+                filter_subject: subject.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let _third = broker.subscribe(&subscription).await.unwrap();
+        let durables = durables_of(&stream, &group).await;
+        assert_eq!(durables.len(), 2, "{durables:?}");
+        assert!(durables.contains(&lookalike), "{durables:?}");
+        stream.delete_consumer(&lookalike).await.unwrap();
+    }
+
     /// The durable consumers of `group` on a stream.
     async fn durables_of(
         stream: &async_nats::jetstream::stream::Stream,

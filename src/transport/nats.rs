@@ -332,21 +332,24 @@ impl NatsBroker {
         })
     }
 
-    /// Removes the durables of earlier sole readers of `group_durable`, so a deposed
-    /// reader's consumer does not linger until the server's idle limit. Tidying only:
-    /// each reader has a durable of its own, so one left behind takes nothing from its
-    /// successor, and a failure here is logged rather than failing the subscribe.
+    /// Removes the durables of earlier sole readers of `group_durable` (known by their
+    /// description), so a deposed reader's consumer does not linger until the server's
+    /// idle limit. Tidying only: each reader has a durable of its own, so one left behind
+    /// takes nothing from its successor, and a failure here is logged rather than
+    /// failing the subscribe.
     async fn delete_sole_readers(&self, stream: &jetstream::stream::Stream, group_durable: &str) {
-        let names: Vec<String> = match stream.consumer_names().try_collect().await {
-            Ok(names) => names,
+        let consumers: Vec<consumer::Info> = match stream.consumers().try_collect().await {
+            Ok(consumers) => consumers,
             Err(e) => {
                 tracing::warn!(durable = %group_durable, error = %e, "cannot list the durables of earlier readers; the server removes them once idle");
                 return;
             }
         };
-        for name in names
+        let description = sole_reader_description(group_durable);
+        for name in consumers
             .iter()
-            .filter(|name| is_sole_reader_of(name, group_durable))
+            .filter(|c| c.config.description.as_deref() == Some(description.as_str()))
+            .map(|c| &c.name)
         {
             match stream.delete_consumer(name).await {
                 Ok(_) => {}
@@ -421,16 +424,10 @@ fn sole_reader_durable(group_durable: &str) -> String {
     )
 }
 
-/// Whether `name` is a sole reader's durable of `group_durable`, or the group's durable
-/// itself (as sole readers were once named).
-fn is_sole_reader_of(name: &str, group_durable: &str) -> bool {
-    match name.strip_prefix(group_durable) {
-        Some("") => true,
-        Some(rest) => rest
-            .strip_prefix(SOLE_READER_MARK)
-            .is_some_and(|drawn| drawn.len() == 8 && drawn.bytes().all(|b| b.is_ascii_hexdigit())),
-        None => false,
-    }
+/// The description a sole reader's durable carries: how a successor knows its
+/// predecessors' durables from any other consumer of the stream, whatever the names.
+fn sole_reader_description(group_durable: &str) -> String {
+    format!("weir sole reader of {group_durable}")
 }
 
 /// FNV-1a: a stable hash (the same on every node and version) for stream names.
@@ -589,7 +586,7 @@ impl Broker for NatsBroker {
             self.delete_sole_readers(&stream, &group_durable).await;
             sole_reader_durable(&group_durable)
         } else {
-            group_durable
+            group_durable.clone()
         };
         let (ack_policy, prefetch) = match subscription.acks {
             Acks::Cumulative => (consumer::AckPolicy::All, None),
@@ -598,12 +595,16 @@ impl Broker for NatsBroker {
         // A sole reader's durable is made afresh at every subscribe, so nothing relies on
         // it outliving its reader: the server removes it once idle, rather than keeping
         // one per `weir tail` or per graph renamed away.
-        let inactive_threshold = match subscription.assignment {
-            Assignment::All => SOLE_READER_IDLE_LIMIT,
-            _ => Duration::ZERO,
+        let (inactive_threshold, description) = match subscription.assignment {
+            Assignment::All => (
+                SOLE_READER_IDLE_LIMIT,
+                Some(sole_reader_description(&group_durable)),
+            ),
+            _ => (Duration::ZERO, None),
         };
         let config = consumer::pull::Config {
             durable_name: Some(durable.clone()),
+            description,
             ack_policy,
             deliver_policy,
             ack_wait: self.inner.ack_wait,
@@ -1110,22 +1111,11 @@ mod tests {
         let a = sole_reader_durable("weir_g");
         let b = sole_reader_durable("weir_g");
         assert_ne!(a, b);
-        for name in [&a, &b, "weir_g"] {
-            assert!(is_sole_reader_of(name, "weir_g"), "{name}");
-        }
-        // Another group's, or another subject's in a shared stream.
-        for name in [
-            "weir_g2",
-            "weir_g_0123456789abcdef",
-            "weir_g-rx",
-            "weir_gx-r0000abcd",
-        ] {
-            assert!(!is_sole_reader_of(name, "weir_g"), "{name}");
-        }
-        assert!(!is_sole_reader_of(
-            &sole_reader_durable("weir_g_0123456789abcdef"),
-            "weir_g"
-        ));
+        assert!(a.starts_with("weir_g-r"), "{a}");
+        assert_ne!(
+            sole_reader_description("weir_g"),
+            sole_reader_description("weir_g2")
+        );
     }
 
     #[test]
