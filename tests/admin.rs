@@ -1173,6 +1173,22 @@ async fn keyed_graphs_are_listed_with_the_owner_of_each_partition() {
     )
     .await;
     assert_eq!(status, 404);
+    // Commands to a graph's one reactor are refused, saying why, rather than "no graph".
+    for command in ["pause", "resume", "fire"] {
+        let url = format!("http://{admin}/graphs/per_user/{command}");
+        let (status, refused) = json_of("POST", &url, None, Some("{}")).await;
+        assert_eq!(status, 409, "{command}: {refused}");
+        let error = refused["error"].as_str().unwrap_or_default();
+        assert!(error.contains("is keyed"), "{command}: {error}");
+    }
+    let (status, _) = json_of(
+        "GET",
+        &format!("http://{admin}/graphs/per_user"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, 409);
     cancel.cancel();
     tokio::time::timeout(Duration::from_secs(20), node)
         .await

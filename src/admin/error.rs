@@ -32,6 +32,10 @@ pub enum ApiError {
     GraphNotRunning { graph: String, status: String },
     #[error("graph {graph} did not answer in time")]
     Timeout { graph: String },
+    /// A command to a graph's one reactor, sent to a keyed graph, which has one per key
+    /// over partitions spread across the nodes.
+    #[error("graph {graph} is keyed: it has no single reactor to command; look a key up with GET /graphs/{graph}/keys/{{key}}, or see who owns which partition with GET /graphs/{graph}/partitions")]
+    Keyed { graph: String },
     #[error(transparent)]
     Command(#[from] CommandError),
     #[error("store: {0}")]
@@ -48,6 +52,7 @@ impl ApiError {
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
             Self::NotServed(_) => StatusCode::NOT_IMPLEMENTED,
             Self::GraphNotRunning { .. } | Self::Timeout { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Keyed { .. } => StatusCode::CONFLICT,
             Self::Command(CommandError::NotRunning { .. }) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Command(CommandError::UnknownSource { .. }) => StatusCode::BAD_REQUEST,
             Self::Command(CommandError::Fire { .. }) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -70,7 +75,8 @@ impl ApiError {
             | Self::NotFound { .. }
             | Self::NoRoute
             | Self::BadRequest(_)
-            | Self::NotServed(_) => false,
+            | Self::NotServed(_)
+            | Self::Keyed { .. } => false,
         }
     }
 

@@ -186,14 +186,18 @@ pub(super) fn to_json<T: Serialize>(value: &T) -> Value {
 }
 
 fn lookup(state: &AdminState, name: &str) -> Result<GraphHandle, ApiError> {
-    state
-        .supervisor
-        .as_ref()
-        .and_then(|s| s.graph(name))
-        .ok_or_else(|| ApiError::NotFound {
+    if let Some(handle) = state.supervisor.as_ref().and_then(|s| s.graph(name)) {
+        return Ok(handle);
+    }
+    Err(match state.keyed_graph(name) {
+        Some(_) => ApiError::Keyed {
+            graph: name.to_string(),
+        },
+        None => ApiError::NotFound {
             kind: "graph",
             name: name.to_string(),
-        })
+        },
+    })
 }
 
 /// The graph's handle if its reactor runs on this node. Commands to a graph that is not
