@@ -269,6 +269,32 @@ impl GraphDeclaration {
     pub fn qualify_topic(&self, topic: &str) -> String {
         crate::tenant::topic(self.tenant.as_deref(), topic)
     }
+
+    /// The consumer group the `index`-th accumulator reads its topic under: the graph's,
+    /// `weir.<graph>`. Two accumulators reading one topic each read all of it, so each
+    /// has a group of its own, `weir.<graph>.<accumulator>`: under one group they would
+    /// share its messages (and, on NATS, its durable).
+    pub fn source_group(&self, index: usize) -> String {
+        let group = format!("weir.{}", self.key().replace('/', "."));
+        let Some(spec) = self.accumulators.get(index) else {
+            return group;
+        };
+        let SourceSpec::Topic { topic, .. } = &spec.source else {
+            return group;
+        };
+        let readers = self
+            .accumulators
+            .iter()
+            .filter(
+                |other| matches!(&other.source, SourceSpec::Topic { topic: t, .. } if t == topic),
+            )
+            .count();
+        if readers > 1 {
+            format!("{group}.{}", spec.name)
+        } else {
+            group
+        }
+    }
 }
 
 /// Declares a graph: accumulators, reactor, node DAG, outputs.
@@ -479,5 +505,38 @@ impl GraphBuilder {
             outputs: self.outputs,
             keyed: self.keyed,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn declare(tenant: Option<&str>, sources: &[(&str, &str)]) -> GraphDeclaration {
+        let mut builder = GraphBuilder::new("g");
+        if let Some(tenant) = tenant {
+            builder = builder.tenant(tenant);
+        }
+        for (name, topic) in sources {
+            builder = builder.accumulator(AccumulatorSpec::passthrough(*name).topic(*topic));
+        }
+        builder
+            .function("snapshot", &FunctionRegistry::default(), "snapshot")
+            .output("snapshot", "out")
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn sources_read_under_the_graphs_group_unless_they_share_a_topic() {
+        let decl = declare(None, &[("a", "x"), ("b", "y")]);
+        assert_eq!(decl.source_group(0), "weir.g");
+        assert_eq!(decl.source_group(1), "weir.g");
+        let decl = declare(None, &[("a", "x"), ("b", "x"), ("c", "y")]);
+        assert_eq!(decl.source_group(0), "weir.g.a");
+        assert_eq!(decl.source_group(1), "weir.g.b");
+        assert_eq!(decl.source_group(2), "weir.g");
+        let decl = declare(Some("t"), &[("a", "x")]);
+        assert_eq!(decl.source_group(0), "weir.t.g");
     }
 }

@@ -43,7 +43,8 @@ pub(crate) struct KeyedPartitions {
     dead_letters: Vec<String>,
     /// Per output binding: the topic, qualified for the tenant.
     outputs: Vec<String>,
-    group: String,
+    /// Per source: the consumer group it reads under.
+    groups: Vec<String>,
     broker: Arc<dyn Broker>,
     sink: Arc<dyn Sink>,
     store: Arc<dyn KeyedStore>,
@@ -78,7 +79,9 @@ impl KeyedPartitions {
             .collect();
         Self {
             graph: Arc::from(decl.key()),
-            group: format!("weir.{}", decl.key().replace('/', ".")),
+            groups: (0..decl.accumulators.len())
+                .map(|index| decl.source_group(index))
+                .collect(),
             sink: broker.sink(),
             names,
             dead_letters,
@@ -178,9 +181,10 @@ impl<'a> Serving<'a> {
         let stored = graph.store.load_positions(&graph.graph, partition).await?;
         let mut sources = Vec::with_capacity(graph.names.len());
         let mut positions = Vec::with_capacity(graph.names.len());
-        for (name, topic) in graph.names.iter().zip(&graph.topics.sources) {
+        let sources_of = graph.names.iter().zip(&graph.topics.sources);
+        for ((name, topic), group) in sources_of.zip(&graph.groups) {
             let position = stored.get(&**name).copied();
-            let subscription = topic.subscription(partition, &graph.group, position);
+            let subscription = topic.subscription(partition, group, position);
             sources.push(graph.broker.subscribe(&subscription).await?);
             positions.push(position);
         }

@@ -12,10 +12,9 @@ pub(super) struct GraphWiring {
 
 impl GraphWiring {
     pub(super) fn resolve(decl: &GraphDeclaration, runtime: &Runtime) -> Self {
-        let group = format!("weir.{}", decl.key().replace('/', "."));
         let mut sources = Vec::new();
         let mut dead_letter_topics = Vec::new();
-        for spec in &decl.accumulators {
+        for (index, spec) in decl.accumulators.iter().enumerate() {
             let (source, default_dlq): (Option<Arc<dyn SourceFactory>>, String) = match &spec.source
             {
                 SourceSpec::None => (
@@ -25,22 +24,9 @@ impl GraphWiring {
                     )),
                 ),
                 SourceSpec::Topic { topic, start } => {
-                    // Two sources reading one topic each read all of it, under groups of
-                    // their own: one group would have them share its messages (and, on
-                    // NATS, its durable).
-                    let shared = decl
-                        .accumulators
-                        .iter()
-                        .filter(|other| matches!(&other.source, SourceSpec::Topic { topic: t, .. } if t == topic))
-                        .count()
-                        > 1;
-                    let group = if shared {
-                        format!("{group}.{}", spec.name)
-                    } else {
-                        group.clone()
-                    };
                     let topic = decl.qualify_topic(topic);
-                    let mut subscription = Subscription::new(topic.clone(), group);
+                    let mut subscription =
+                        Subscription::new(topic.clone(), decl.source_group(index));
                     subscription.start = *start;
                     // One active instance per graph: read every partition directly.
                     subscription.assignment = Assignment::All;

@@ -579,14 +579,16 @@ impl Broker for NatsBroker {
                 StartFrom::Latest => consumer::DeliverPolicy::New,
             },
         };
-        let durable = if subscription.assignment == Assignment::All {
+        let sole_reader = subscription.assignment == Assignment::All;
+        let description = sole_reader.then(|| sole_reader_description(&group_durable));
+        let durable = if sole_reader {
             // The only reader of its durable: start one afresh at the checkpoint, so what
             // a crashed predecessor held unacknowledged comes again now, in order,
             // rather than after the ack wait.
             self.delete_sole_readers(&stream, &group_durable).await;
             sole_reader_durable(&group_durable)
         } else {
-            group_durable.clone()
+            group_durable
         };
         let (ack_policy, prefetch) = match subscription.acks {
             Acks::Cumulative => (consumer::AckPolicy::All, None),
@@ -595,12 +597,10 @@ impl Broker for NatsBroker {
         // A sole reader's durable is made afresh at every subscribe, so nothing relies on
         // it outliving its reader: the server removes it once idle, rather than keeping
         // one per `weir tail` or per graph renamed away.
-        let (inactive_threshold, description) = match subscription.assignment {
-            Assignment::All => (
-                SOLE_READER_IDLE_LIMIT,
-                Some(sole_reader_description(&group_durable)),
-            ),
-            _ => (Duration::ZERO, None),
+        let inactive_threshold = if sole_reader {
+            SOLE_READER_IDLE_LIMIT
+        } else {
+            Duration::ZERO
         };
         let config = consumer::pull::Config {
             durable_name: Some(durable.clone()),
