@@ -153,6 +153,40 @@ async fn every_message_is_applied_once_while_nodes_join_leave_and_die() {
 }
 
 #[tokio::test]
+async fn partitions_working_off_a_backlog_longer_than_their_lease_keep_it() {
+    // One thread, and a backlog that takes longer than the lease TTL to work off: the
+    // lease keepers share the thread with loops whose sources are always ready. Should
+    // they miss their renewals, partitions are taken back and start again under newer
+    // tokens.
+    const MESSAGES: u64 = 150_000;
+    let cluster = Cluster::new().await;
+    let client = cluster.client().await;
+    // One job: its partition's loop has the whole backlog.
+    let ids = ["job-0".to_string()];
+    client.put(&ids[0], &json!({})).await.unwrap();
+    for round in 0..MESSAGES {
+        send_round(&client, &ids, round).await;
+    }
+    let started = tokio::time::Instant::now();
+    let node = cluster.node("n");
+    cluster.await_counts(&ids, MESSAGES).await;
+    let ttl = Duration::from_millis(600);
+    assert!(
+        started.elapsed() > ttl,
+        "the backlog took {:?}, within the lease TTL of {ttl:?}: make it longer",
+        started.elapsed()
+    );
+    let group = weir::jobs::ownership_group(TYPE);
+    for partition in 0..PARTITIONS as i32 {
+        let name = weir::ownership::partition_lease(&group, partition);
+        let lease = cluster.store.current_lease(&name).await.unwrap();
+        let token = lease.map(|l| l.token);
+        assert_eq!(token, Some(1), "partition {partition} changed hands");
+    }
+    node.stop().await;
+}
+
+#[tokio::test]
 async fn a_timeout_due_while_its_partition_had_no_owner_fires_once_on_the_next() {
     let cluster = Cluster::new().await;
     let client = cluster.client().await;

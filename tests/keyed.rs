@@ -192,6 +192,50 @@ async fn every_input_reaches_an_output_in_its_keys_order_across_joins_and_kills(
 }
 
 #[tokio::test]
+async fn a_partition_working_off_a_backlog_longer_than_its_lease_keeps_it() {
+    // One thread, one partition, and a backlog that takes longer than the lease TTL to
+    // work off: the lease keeper shares the thread with a loop whose source is always
+    // ready. Should it miss its renewals, the partition is taken back and restarts from
+    // the store, and part of the backlog fires twice under a newer fencing token.
+    let mut decl = graph("backlog", &["a"], Criteria::WhenAny);
+    let keying = decl.keyed.as_mut().unwrap();
+    keying.partitions = 1;
+    keying.max_keys_in_memory = 1000;
+    let ttl = keying.lease_ttl;
+    let cluster = Cluster::new(decl).await;
+    let mut sent = HashSet::new();
+    for seq in 0..60_000u64 {
+        let user = format!("u{}", seq % 40);
+        cluster.send("a", &user, seq).await;
+        sent.insert((user, seq));
+    }
+    let started = tokio::time::Instant::now();
+    let node = cluster.node("n");
+    let deadline = started + Duration::from_secs(60);
+    while cluster.memory.messages("backlog.out").len() < sent.len() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "backlog not worked off"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        started.elapsed() > ttl,
+        "the backlog took {:?}, within the lease TTL of {ttl:?}: make it longer",
+        started.elapsed()
+    );
+    node.stop().await;
+    cluster.await_outputs(&sent).await;
+    let outputs = cluster.memory.messages("backlog.out");
+    assert_eq!(outputs.len(), sent.len(), "some inputs fired twice");
+    let tokens: HashSet<&str> = outputs
+        .iter()
+        .map(|m| m.header(weir::wire::FENCING_HEADER).unwrap())
+        .collect();
+    assert_eq!(tokens.len(), 1, "the partition changed hands: {tokens:?}");
+}
+
+#[tokio::test]
 async fn when_all_waits_for_every_source_of_the_same_key() {
     let cluster = Cluster::new(graph("pairs", &["a", "b"], Criteria::WhenAll)).await;
     let node = cluster.node("n");

@@ -191,7 +191,7 @@ mod cases {
             snapshot.sources.insert(
                 "a",
                 SourceSnapshot {
-                    seen: vec![position],
+                    seen: vec![position].into(),
                     dirty: true,
                     current: Some(Arc::new(weir::Boundary {
                         source: Arc::from("a"),

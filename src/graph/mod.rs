@@ -220,7 +220,7 @@ pub enum KeySource {
     MessageKey,
     /// A JSON pointer into the event (`/user`); a string is the key as it is, any other
     /// value its JSON text.
-    Pointer(String),
+    Pointer(KeyPointer),
 }
 
 impl KeySource {
@@ -228,9 +228,74 @@ impl KeySource {
     pub fn parse(text: &str) -> Option<Self> {
         match text {
             "message_key" => Some(Self::MessageKey),
-            pointer if pointer.starts_with('/') => Some(Self::Pointer(pointer.to_string())),
+            pointer if pointer.starts_with('/') => Some(Self::Pointer(pointer.into())),
             _ => None,
         }
+    }
+}
+
+/// A JSON pointer (RFC 6901) split into its reference tokens once, so that looking up
+/// every event's key unescapes nothing and allocates nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyPointer {
+    text: String,
+    tokens: Vec<String>,
+}
+
+impl KeyPointer {
+    /// The value the pointer refers to in `value`, as [`Value::pointer`] finds it.
+    pub fn find<'v>(&self, value: &'v Value) -> Option<&'v Value> {
+        if self.text.is_empty() {
+            return Some(value);
+        }
+        if !self.text.starts_with('/') {
+            return None;
+        }
+        self.tokens
+            .iter()
+            .try_fold(value, |target, token| match target {
+                Value::Object(map) => map.get(token),
+                Value::Array(items) => array_index(token).and_then(|i| items.get(i)),
+                _ => None,
+            })
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+}
+
+/// An array index as a pointer writes it: digits without a sign or a leading zero.
+fn array_index(token: &str) -> Option<usize> {
+    if token.starts_with('+') || (token.starts_with('0') && token.len() != 1) {
+        return None;
+    }
+    token.parse().ok()
+}
+
+impl From<&str> for KeyPointer {
+    fn from(text: &str) -> Self {
+        let tokens = text
+            .split('/')
+            .skip(1)
+            .map(|token| token.replace("~1", "/").replace("~0", "~"))
+            .collect();
+        Self {
+            text: text.to_string(),
+            tokens,
+        }
+    }
+}
+
+impl From<String> for KeyPointer {
+    fn from(text: String) -> Self {
+        Self::from(text.as_str())
+    }
+}
+
+impl std::fmt::Display for KeyPointer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
     }
 }
 
@@ -511,6 +576,46 @@ impl GraphBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn key_pointers_find_what_serde_json_pointers_find() {
+        let event = serde_json::json!({
+            "user": "ann",
+            "a/b": 1,
+            "m~n": 2,
+            "": {"": 3},
+            "list": [10, 11, {"id": "x"}],
+            "nested": {"id": 4, "null": null},
+        });
+        let pointers = [
+            "",
+            "/",
+            "/user",
+            "/a~1b",
+            "/m~0n",
+            "//",
+            "/list/0",
+            "/list/2/id",
+            "/list/01",
+            "/list/+1",
+            "/list/3",
+            "/list/-",
+            "/nested/id",
+            "/nested/null",
+            "/missing",
+            "/user/deeper",
+            "user",
+        ];
+        for text in pointers {
+            let pointer = KeyPointer::from(text);
+            assert_eq!(
+                pointer.find(&event),
+                event.pointer(text),
+                "pointer {text:?}"
+            );
+            assert_eq!(pointer.to_string(), text);
+        }
+    }
 
     fn declare(tenant: Option<&str>, sources: &[(&str, &str)]) -> GraphDeclaration {
         let mut builder = GraphBuilder::new("g");

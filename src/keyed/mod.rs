@@ -138,7 +138,7 @@ pub fn key_of<'a>(
             .and_then(|k| std::str::from_utf8(k).ok())
             .filter(|k| !k.is_empty())
             .map(Cow::Borrowed),
-        KeySource::Pointer(pointer) => match event.pointer(pointer)? {
+        KeySource::Pointer(pointer) => match pointer.find(event)? {
             Value::String(s) => Some(Cow::Borrowed(s)),
             Value::Null => None,
             other => Some(Cow::Owned(other.to_string())),

@@ -7,12 +7,19 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 use super::{Criteria, Strategy};
 use crate::accumulator::Boundary;
 use crate::lease::Fence;
 use crate::store_error::StoreError;
 use crate::transport::Position;
+
+/// Highest position taken per partition. A source is mostly read in one partition per
+/// reader, and always so in a keyed graph's partition, where every key keeps its own: one
+/// position is kept inline, so that costs a key no allocation and no cache line of its
+/// own.
+pub type SeenPositions = SmallVec<[Position; 1]>;
 
 /// What the store keeps of a cache, so a respawned reactor resumes where it was.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -28,7 +35,7 @@ pub struct CacheSnapshot {
 pub struct SourceSnapshot {
     /// Highest position taken per partition: what a replay repeats.
     #[serde(default)]
-    pub seen: Vec<Position>,
+    pub seen: SeenPositions,
     pub dirty: bool,
     /// Shared with the cache it was taken from: a snapshot copies no event.
     pub current: Option<Arc<Boundary>>,
@@ -40,7 +47,7 @@ pub struct SourceSnapshot {
 /// changes, so a tree node per snapshot (about a kilobyte) would cost more than the
 /// state it holds.
 #[derive(Debug, Clone, PartialEq, Default)]
-pub struct SourceSnapshots(Vec<(Arc<str>, SourceSnapshot)>);
+pub struct SourceSnapshots(SmallVec<[(Arc<str>, SourceSnapshot); 1]>);
 
 impl SourceSnapshots {
     pub fn get(&self, name: &str) -> Option<&SourceSnapshot> {
@@ -91,7 +98,7 @@ impl std::ops::Index<&str> for SourceSnapshots {
 
 impl<N: Into<Arc<str>>> FromIterator<(N, SourceSnapshot)> for SourceSnapshots {
     fn from_iter<I: IntoIterator<Item = (N, SourceSnapshot)>>(iter: I) -> Self {
-        let mut sources: Vec<(Arc<str>, SourceSnapshot)> = iter
+        let mut sources: SmallVec<[(Arc<str>, SourceSnapshot); 1]> = iter
             .into_iter()
             .map(|(name, snapshot)| (name.into(), snapshot))
             .collect();
@@ -137,7 +144,7 @@ struct Slot {
     received: u64,
     /// Highest position taken per partition, kept across restarts, by partition: a
     /// source has few partitions, and a keyed graph keeps a slot per key.
-    seen: Vec<Position>,
+    seen: SeenPositions,
 }
 
 impl Slot {
@@ -174,7 +181,7 @@ impl Slot {
 pub struct InputCache {
     strategy: Strategy,
     names: Arc<[Arc<str>]>,
-    slots: Vec<Slot>,
+    slots: SmallVec<[Slot; 1]>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -254,26 +261,39 @@ impl InputCache {
     /// non-empty queue (sequential). Clears the dirty flags of what was taken.
     pub fn take(&mut self) -> (Vec<Option<Arc<Boundary>>>, Consumed) {
         let mut consumed = Vec::new();
+        self.take_recording(Some(&mut consumed));
+        (self.values(), consumed)
+    }
+
+    /// As [`take`](Self::take), for a caller that keeps no record of what each fire
+    /// consumed (a keyed graph stores its keys only once their outputs are acknowledged).
+    pub fn take_values(&mut self) -> Vec<Option<Arc<Boundary>>> {
+        self.take_recording(None);
+        self.values()
+    }
+
+    fn take_recording(&mut self, mut consumed: Option<&mut Consumed>) {
         for (i, slot) in self.slots.iter_mut().enumerate() {
             match self.strategy {
                 Strategy::Latest => {
                     if slot.dirty {
                         slot.dirty = false;
-                        if let Some(b) = &slot.current {
+                        if let (Some(b), Some(consumed)) = (&slot.current, consumed.as_mut()) {
                             consumed.push((i, b.clone()));
                         }
                     }
                 }
                 Strategy::Sequential => {
                     if let Some(head) = slot.queue.pop_front() {
-                        consumed.push((i, head.clone()));
+                        if let Some(consumed) = consumed.as_mut() {
+                            consumed.push((i, head.clone()));
+                        }
                         slot.current = Some(head);
                     }
                     slot.dirty = !slot.queue.is_empty();
                 }
             }
         }
-        (self.values(), consumed)
     }
 
     /// The value each source would show a fire now.
@@ -306,7 +326,7 @@ impl InputCache {
 
     /// Highest position taken per partition.
     pub fn seen(&self, source: usize) -> Vec<Position> {
-        self.slots[source].seen.clone()
+        self.slots[source].seen.to_vec()
     }
 
     /// A snapshot for the store. Boundaries taken by fires whose outputs are not yet
