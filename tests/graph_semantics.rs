@@ -1079,6 +1079,54 @@ async fn shutdown_is_bounded_and_stops_every_graph() {
 }
 
 #[tokio::test]
+async fn a_leased_graph_working_off_a_backlog_longer_than_its_lease_keeps_it() {
+    // One thread, and a backlog that takes longer than the lease TTL to work off: the
+    // lease keeper shares the thread with the graph's accumulator and reactor. Should it
+    // miss its renewals, the graph stops and starts again from its checkpoint, and part
+    // of the backlog fires twice under a newer fencing token.
+    const EVENTS: usize = 60_000;
+    let ttl = Duration::from_millis(600);
+    let policy = weir::SupervisionPolicy {
+        graph_lease_ttl: Some(ttl),
+        ..weir::SupervisionPolicy::default()
+    };
+    let h = Harness::with_policy(policy);
+    for n in 0..EVENTS {
+        h.pipe_bytes("backlog.in", n.to_string().as_bytes()).await;
+    }
+    let sequential = ReactorConfig {
+        strategy: Strategy::Sequential,
+        ..ReactorConfig::default()
+    };
+    let started = tokio::time::Instant::now();
+    let graph = h.spawn(snapshot_graph(
+        "backlog",
+        vec![AccumulatorSpec::passthrough("a").topic("backlog.in")],
+        sequential,
+    ));
+    let deadline = started + Duration::from_secs(60);
+    while h.broker.messages("backlog.out").len() < EVENTS {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "backlog not worked off"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        started.elapsed() > ttl,
+        "the backlog took {:?}, within the lease TTL of {ttl:?}: make it longer",
+        started.elapsed()
+    );
+    assert!(h.supervisor.shutdown().await);
+    let outputs = h.broker.messages("backlog.out");
+    assert_eq!(outputs.len(), EVENTS, "some inputs fired twice");
+    let tokens: std::collections::HashSet<_> =
+        outputs.iter().map(|m| m.header("weir-fencing")).collect();
+    assert_eq!(tokens.len(), 1, "the graph changed hands: {tokens:?}");
+    drop(graph);
+}
+
+#[tokio::test]
 async fn a_leased_graph_runs_once_and_fences_its_outputs() {
     use weir::supervisor::GraphStatus;
     let policy = weir::SupervisionPolicy {
