@@ -525,6 +525,9 @@ impl<'a> Serving<'a> {
     /// Sends a message no job can take to the type's dead-letter topic, so it is kept
     /// and the partition goes on.
     async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), PartitionError> {
+        // A node paused past its lease dead-letters nothing more, or the owner after it
+        // would record the same message a second time.
+        self.held.write_fence()?;
         let mut outbound =
             Outbound::new(self.jobs.dead_letter_topic.clone(), message.payload.clone())
                 .header(wire::ERROR_HEADER, reason)

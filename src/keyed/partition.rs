@@ -220,6 +220,7 @@ impl<'a> Serving<'a> {
         release: &CancellationToken,
         lost: &CancellationToken,
     ) -> Result<(), PartitionError> {
+        let lost_token = lost;
         // Made once and polled again each turn: a new timer or token wait per event
         // would cost more than the event.
         let lost = lost.cancelled();
@@ -254,8 +255,13 @@ impl<'a> Serving<'a> {
                     // What the source already holds is applied without another turn of
                     // the select, which costs about as much as an event; in bursts, so
                     // loss, release and the timer are still looked at between them.
-                    for _ in 1..BURST {
-                        if self.batch_full() {
+                    // With several sources each is read in turn, event by event, so none
+                    // runs ahead of the others while they all have a backlog.
+                    let burst = if self.sources.len() == 1 { BURST } else { 1 };
+                    for _ in 1..burst {
+                        // A lease found taken over ends the burst: nothing more is
+                        // published under its token.
+                        if self.batch_full() || lost_token.is_cancelled() {
                             break;
                         }
                         match self.sources[source].ready() {
@@ -467,6 +473,9 @@ impl<'a> Serving<'a> {
         message: &Message,
         reason: &str,
     ) -> Result<(), PartitionError> {
+        // As for outputs: a node paused past its lease dead-letters nothing more, or the
+        // owner after it would record the same event a second time.
+        self.held.write_fence()?;
         let topic = self.graph.dead_letters[source].clone();
         let mut outbound = Outbound::new(topic.clone(), message.payload.clone())
             .header(wire::ERROR_HEADER, reason)
