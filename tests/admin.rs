@@ -1088,6 +1088,113 @@ mod services {
         assert_eq!(tick["fencing_token"], 3);
         drop(config);
     }
+
+    /// Runs `weir produce SUBJECT` with the config at `path` and `flags`, `input` on its
+    /// stdin.
+    fn produce(
+        subject: &str,
+        path: &std::path::Path,
+        flags: &[&str],
+        input: &[u8],
+    ) -> std::process::Output {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(["produce", subject, "--config"])
+            .arg(path)
+            .args(flags)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(input).unwrap();
+        drop(stdin);
+        child.wait_with_output().unwrap()
+    }
+
+    /// The payloads on a subject from its beginning, as text: `count` of them, then
+    /// whatever else arrives within half a second.
+    async fn payloads(path: &std::path::Path, subject: &str, count: usize) -> Vec<String> {
+        use weir::transport::{Assignment, StartFrom, Subscription};
+        let broker = weir::config::Config::load(path)
+            .unwrap()
+            .connect_broker()
+            .await
+            .unwrap();
+        let mut subscription = Subscription::new(subject.to_string(), unique("reader"));
+        subscription.assignment = Assignment::All;
+        subscription.start = StartFrom::Earliest;
+        let mut source = broker.subscribe(&subscription).await.unwrap();
+        let mut read = Vec::new();
+        loop {
+            let wait = if read.len() < count {
+                Duration::from_secs(30)
+            } else {
+                Duration::from_millis(500)
+            };
+            match tokio::time::timeout(wait, source.next()).await {
+                Ok(message) => {
+                    let message = message.unwrap();
+                    read.push(String::from_utf8(message.payload.to_vec()).unwrap());
+                }
+                Err(_) if read.len() < count => panic!("{} of {count} read", read.len()),
+                Err(_) => return read,
+            }
+        }
+    }
+
+    /// 20,000 lines through `weir produce` (many awaiting acknowledgement at once) arrive
+    /// once each, in their order.
+    async fn many_lines_keep_their_order(broker_table: &str, flags: &[&str]) {
+        let subject = unique("produce");
+        let mut config = tempfile::NamedTempFile::new().unwrap();
+        write!(config, "[broker]\n{broker_table}\n").unwrap();
+        let lines: Vec<String> = (0..20_000).map(|n| format!("line {n}")).collect();
+        let produced = produce(&subject, config.path(), flags, lines.join("\n").as_bytes());
+        assert!(produced.status.success(), "{produced:?}");
+        let report = String::from_utf8_lossy(&produced.stderr);
+        assert!(report.contains("20000 messages published"), "{report}");
+        assert_eq!(payloads(config.path(), &subject, lines.len()).await, lines);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn produce_publishes_many_lines_in_their_order_on_nats() {
+        many_lines_keep_their_order(&nats_table(), &[]).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn produce_publishes_many_lines_in_their_order_on_kafka() {
+        // One key: one partition, whose order is the lines'.
+        let table = common::services::kafka_table();
+        many_lines_keep_their_order(&table, &["--key", "k"]).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn produce_stops_at_a_line_the_broker_refuses_and_says_which() {
+        let server = common::servers::Server::nats("max_payload: 1024");
+        let subject = unique("produce");
+        let mut config = tempfile::NamedTempFile::new().unwrap();
+        write!(
+            config,
+            "[broker]\nkind = \"nats\"\nurl = \"{}\"\n",
+            server.nats_url()
+        )
+        .unwrap();
+        let big = "x".repeat(4096);
+        let input = format!("first\nsecond\n{big}\nfourth\n");
+        let produced = produce(&subject, config.path(), &[], input.as_bytes());
+        assert!(!produced.status.success(), "{produced:?}");
+        let report = String::from_utf8_lossy(&produced.stderr);
+        assert!(
+            report.contains("2 messages published to") && report.contains("before line 3"),
+            "{report}"
+        );
+        // Nothing after the refused line was read, so nothing after it was sent.
+        assert_eq!(
+            payloads(config.path(), &subject, 2).await,
+            ["first", "second"]
+        );
+    }
 }
 
 #[tokio::test]

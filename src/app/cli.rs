@@ -100,8 +100,9 @@ pub enum Command {
     /// Print each message of a topic on one line: weir's Avro records and JSON payloads
     /// as compact JSON, anything else as text.
     Tail(TailArgs),
-    /// Publish each line of standard input to a topic as one message, waiting for every
-    /// acknowledgement; blank lines are skipped.
+    /// Publish each line of standard input to a topic as one message, in order, up to
+    /// 1,024 awaiting acknowledgement at once; blank lines are skipped. Stops at a line
+    /// the broker refuses.
     Produce(ProduceArgs),
 }
 

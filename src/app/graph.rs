@@ -1,6 +1,7 @@
 //! `weir graph …` (through a running weir's admin API), `weir tail` and `weir produce`
 //! (straight to the configured broker).
 
+use std::collections::VecDeque;
 use std::io::Write;
 
 use serde_json::Value;
@@ -13,7 +14,7 @@ use crate::app::error::Error;
 use weir::admin::client::{segment, AdminClient};
 use weir::codec::records::decode_known;
 use weir::config::{BrokerKind, Config};
-use weir::transport::{Assignment, Broker, Outbound, StartFrom, Subscription};
+use weir::transport::{Assignment, Broker, Outbound, PendingAck, StartFrom, Subscription};
 
 /// Runs one graph command and prints the API's JSON answer.
 pub async fn graph(
@@ -112,8 +113,15 @@ pub fn render(payload: &[u8]) -> String {
     }
 }
 
-/// Publishes each non-blank line of `input` as one message, each acknowledged before
-/// the next is sent (so they keep their order), then reports the count on `report`.
+/// Lines handed to the broker client before the oldest of them is awaited: enough to
+/// keep the client's batches full, and few enough that a failure leaves a short tail.
+const PRODUCE_WINDOW: usize = 1024;
+
+/// Publishes each non-blank line of `input` as one message, in order (the broker client
+/// sends what it is handed in order), with up to [`PRODUCE_WINDOW`] awaiting the broker's
+/// acknowledgement at once; then reports the count on `report`. After a line is refused,
+/// nothing more is read, and the report says which lines the broker took: those before
+/// it, and how many of those already handed over after it.
 pub async fn produce(
     args: &ProduceArgs,
     input: impl AsyncBufRead + Unpin,
@@ -122,8 +130,30 @@ pub async fn produce(
     let broker = broker(&args.config, "produce").await?;
     let sink = broker.sink();
     let mut lines = input.lines();
-    let mut count: u64 = 0;
-    while let Some(line) = lines.next_line().await? {
+    let mut pending: VecDeque<(u64, PendingAck)> = VecDeque::with_capacity(PRODUCE_WINDOW);
+    let mut progress = Progress::default();
+    let mut number: u64 = 0;
+    // A line that could not be read or handed over: every line before it is settled
+    // first.
+    let mut stopped: Option<(u64, Error)> = None;
+    loop {
+        if pending.len() >= PRODUCE_WINDOW {
+            if let Some((line, ack)) = pending.pop_front() {
+                progress.settled(line, ack.await.map_err(Error::from));
+                if progress.failed.is_some() {
+                    break;
+                }
+            }
+        }
+        let line = match lines.next_line().await {
+            Ok(Some(line)) => line,
+            Ok(None) => break,
+            Err(e) => {
+                stopped = Some((number + 1, e.into()));
+                break;
+            }
+        };
+        number += 1;
         if line.trim().is_empty() {
             continue;
         }
@@ -131,11 +161,61 @@ pub async fn produce(
         if let Some(key) = &args.key {
             message = message.key(key.clone().into_bytes());
         }
-        sink.publish(message).await?;
-        count += 1;
+        match sink.enqueue(message).await {
+            Ok(ack) => pending.push_back((number, ack)),
+            Err(e) => {
+                stopped = Some((number, e.into()));
+                break;
+            }
+        }
     }
-    writeln!(report, "{count} messages published to {}", args.topic)?;
-    Ok(())
+    for (line, ack) in pending {
+        progress.settled(line, ack.await.map_err(Error::from));
+    }
+    if let (Some(stop), None) = (stopped, &progress.failed) {
+        progress.failed = Some(stop);
+    }
+    match progress.failed {
+        None => {
+            writeln!(
+                report,
+                "{} messages published to {}",
+                progress.published, args.topic
+            )?;
+            Ok(())
+        }
+        Some((line, error)) => {
+            writeln!(
+                report,
+                "{} messages published to {} before line {line}, which was not; \
+                 of the lines handed over after it, {} were published and {} were not",
+                progress.published, args.topic, progress.published_after, progress.lost_after
+            )?;
+            Err(error)
+        }
+    }
+}
+
+/// What the broker made of the lines so far, in line order.
+#[derive(Default)]
+struct Progress {
+    /// Lines published before the first that was not.
+    published: u64,
+    /// The first line not published, and why.
+    failed: Option<(u64, Error)>,
+    published_after: u64,
+    lost_after: u64,
+}
+
+impl Progress {
+    fn settled<T>(&mut self, line: u64, outcome: Result<T, Error>) {
+        match (&self.failed, outcome) {
+            (None, Ok(_)) => self.published += 1,
+            (None, Err(e)) => self.failed = Some((line, e)),
+            (Some(_), Ok(_)) => self.published_after += 1,
+            (Some(_), Err(_)) => self.lost_after += 1,
+        }
+    }
 }
 
 #[cfg(test)]
