@@ -68,6 +68,14 @@ impl Error {
             Self::Transport(e) if e.kind() == weir::transport::TransportErrorKind::InvalidTopic => {
                 2
             }
+            // A message the broker refuses for good (too large, not allowed): trying
+            // again cannot help, so the input is at fault, not the infrastructure.
+            Self::Transport(e)
+                if e.kind() == weir::transport::TransportErrorKind::Publish
+                    && !e.is_retryable() =>
+            {
+                2
+            }
             Self::Admin(e) if is_bad_admin_setting(e) => 2,
             Self::Demo(weir::demo::DemoError::Graph(_)) => 2,
             Self::Demo(weir::demo::DemoError::Admin(e)) if is_bad_admin_setting(e) => 2,
