@@ -261,10 +261,6 @@ impl<'a> Serving<'a> {
                         flush_armed = false;
                         self.flush(false).await?;
                     }
-                    // A source with a backlog is always ready: without this the loop
-                    // would keep the thread until the backlog is gone, and the lease
-                    // keepers sharing it would miss their renewals.
-                    tokio::task::consume_budget().await;
                 }
             }
         }

@@ -247,11 +247,6 @@ impl<'a> Serving<'a> {
                 (source, message) = next_message(&mut self.sources, self.first_source) => {
                     self.first_source = (source + 1) % self.sources.len();
                     self.apply(source, message?).await?;
-                    // A source with a backlog is always ready, and reading it spends
-                    // nothing of tokio's budget: without spending it here the loop would
-                    // keep the thread until the backlog is gone, and the lease keepers
-                    // sharing the thread would miss their renewals.
-                    tokio::task::consume_budget().await;
                     // What the source already holds is applied without another turn of
                     // the select, which costs about as much as an event; in bursts, so
                     // loss, release and the timer are still looked at between them.
@@ -266,9 +261,9 @@ impl<'a> Serving<'a> {
                         }
                         match self.sources[source].ready() {
                             Some(message) => self.apply(source, message?).await?,
+                            // Nothing at hand, or the read would yield the thread.
                             None => break,
                         }
-                        tokio::task::consume_budget().await;
                     }
                     if self.batch_full() {
                         timer_armed = false;

@@ -915,6 +915,10 @@ impl Source for KafkaSource {
     }
 
     async fn next(&mut self) -> Result<Message, TransportError> {
+        // librdkafka hands over what it fetched without tokio's budget knowing: spent
+        // here, as a read from a tokio channel spends it, a reader with a backlog yields
+        // its thread every so often, so the tasks sharing it (lease keepers) still run.
+        tokio::task::consume_budget().await;
         if !self.held.is_empty() {
             // Held messages of partitions lost meanwhile are their new owner's.
             self.forget_revoked();

@@ -326,6 +326,9 @@ impl Source for MemorySource {
     }
 
     async fn next(&mut self) -> Result<Message, TransportError> {
+        // As a read from a tokio channel spends the task's budget: a reader with a backlog
+        // yields its thread every so often, so the tasks sharing it (lease keepers) run.
+        tokio::task::consume_budget().await;
         loop {
             if let Some(message) = self.buffer.pop_front() {
                 if let Some(prefix) = &mut self.prefix {
