@@ -847,3 +847,56 @@ async fn a_kafka_producer_that_failed_fatally_is_replaced() {
         .expect("published within 30 s")
         .expect("published through a producer made later");
 }
+
+/// A consumer let go while its broker is paused (SIGSTOP) cannot finish leaving its
+/// group; that must hold up neither the runtime's shutdown nor the process's exit.
+#[test]
+fn a_kafka_consumer_let_go_while_its_broker_is_paused_holds_up_no_shutdown() {
+    let server = Server::tansu(None, &[]);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    runtime.block_on(async {
+        let broker: Arc<dyn Broker> = Arc::new(
+            KafkaBroker::connect(KafkaSettings {
+                brokers: format!("127.0.0.1:{}", server.port),
+                options: services::fast_group_options(),
+                ..KafkaSettings::default()
+            })
+            .expect("kafka client"),
+        );
+        let topic = services::unique("paused-close");
+        publish_ids(&broker, &topic, 0..1).await;
+        // Read through the consumer group: the source is a member when it is let go.
+        let mut source = broker
+            .subscribe(&Subscription::new(
+                &topic,
+                services::unique("paused-close-group"),
+            ))
+            .await
+            .expect("subscribed");
+        let read = tokio::time::timeout(Duration::from_secs(30), source.next())
+            .await
+            .expect("a message within 30 s");
+        assert!(read.is_ok(), "read the message");
+        server.signal("STOP");
+        drop(source);
+        drop(broker);
+    });
+    let (shut, shut_down) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(runtime);
+        let _ = shut.send(());
+    });
+    // Leaving the group waits for the broker's answer (librdkafka's own limit on it is
+    // several seconds at best, none at worst); a runtime with nothing else to wait for
+    // shuts down at once.
+    let outcome = shut_down.recv_timeout(Duration::from_secs(2));
+    server.signal("CONT");
+    assert!(
+        outcome.is_ok(),
+        "the runtime's shutdown waited for a consumer leaving a paused broker's group"
+    );
+}

@@ -23,6 +23,9 @@ use weir::{demo, shutdown};
 
 use cli::{Cli, Command};
 
+/// How long an exiting process waits for its Kafka clients to close.
+const CLIENT_CLOSE_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Runs a command line to its end; the exit status, when it is not 0.
 pub async fn main(cli: Cli) -> Option<i32> {
     cli::init_tracing(cli.log_format, &cli.log);
@@ -33,6 +36,16 @@ pub async fn main(cli: Cli) -> Option<i32> {
         Ok(result) => result,
         Err(e) => std::panic::resume_unwind(e.into_panic()),
     };
+    // Consumers leave their groups on threads of their own; give them a bounded time, so
+    // their partitions go to the other members at once rather than after the session
+    // timeout, and a broker that never answers cannot keep the process alive.
+    let unclosed = weir::transport::kafka::let_clients_close(CLIENT_CLOSE_LIMIT).await;
+    if unclosed > 0 {
+        tracing::warn!(
+            unclosed,
+            "kafka clients still closing after {CLIENT_CLOSE_LIMIT:?}; exiting without them"
+        );
+    }
     if let Err(e) = &result {
         eprintln!("weir: {e}");
     }

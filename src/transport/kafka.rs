@@ -3,6 +3,7 @@
 //! and other Kafka-compatible brokers.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
 
@@ -131,7 +132,7 @@ pub struct KafkaBroker {
 }
 
 /// A producer shared by the publishes in flight on it. Its last holder lets it go on a
-/// blocking thread, since librdkafka's teardown flushes and joins the client's threads.
+/// thread of its own (see [`close_in_background`]).
 struct SharedProducer(Option<FutureProducer<ClientErrors>>);
 
 impl std::ops::Deref for SharedProducer {
@@ -146,11 +147,51 @@ impl std::ops::Deref for SharedProducer {
 
 impl Drop for SharedProducer {
     fn drop(&mut self) {
-        if let (Some(producer), Ok(runtime)) =
-            (self.0.take(), tokio::runtime::Handle::try_current())
-        {
-            runtime.spawn_blocking(move || drop(producer));
+        if let Some(producer) = self.0.take() {
+            close_in_background(producer);
         }
+    }
+}
+
+/// Clients being closed on threads of their own.
+static CLOSING: AtomicUsize = AtomicUsize::new(0);
+
+/// Lets a client go on a thread of its own. Closing a consumer waits until the broker
+/// confirms it left its group, and librdkafka puts no limit on that wait; a producer's
+/// teardown flushes and joins the client's threads. On a runtime's blocking pool a
+/// broker that never answers would hold up the runtime's shutdown for good, since a
+/// runtime waits for its blocking tasks; a thread of its own holds up nothing, and a
+/// process about to exit gives it a bounded time with [`let_clients_close`].
+fn close_in_background<T: Send + 'static>(client: T) {
+    /// Counts the close under way until the client is gone, on whichever thread.
+    struct Closing<T>(Option<T>);
+    impl<T> Drop for Closing<T> {
+        fn drop(&mut self) {
+            drop(self.0.take());
+            CLOSING.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    CLOSING.fetch_add(1, Ordering::SeqCst);
+    let closing = Closing(Some(client));
+    if let Err(e) = std::thread::Builder::new()
+        .name("weir-kafka-close".into())
+        .spawn(move || drop(closing))
+    {
+        // The closure, and the client with it, is dropped here, on this thread.
+        tracing::warn!(error = %e, "no thread to close a kafka client on; closing it in place");
+    }
+}
+
+/// Waits, at most `within`, for the Kafka clients let go so far to finish closing
+/// (consumers leaving their groups); returns how many have not.
+pub async fn let_clients_close(within: Duration) -> usize {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let closing = CLOSING.load(Ordering::SeqCst);
+        if closing == 0 || tokio::time::Instant::now() >= deadline {
+            return closing;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
@@ -820,12 +861,7 @@ impl Drop for KafkaSource {
         // Closing a consumer waits for the broker (leaving the group), which must not
         // block an async worker thread.
         if let Some(consumer) = self.consumer.take() {
-            match tokio::runtime::Handle::try_current() {
-                Ok(handle) => {
-                    handle.spawn_blocking(move || drop(consumer));
-                }
-                Err(_) => drop(consumer),
-            }
+            close_in_background(consumer);
         }
     }
 }

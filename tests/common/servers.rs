@@ -261,6 +261,11 @@ impl Server {
         }
     }
 
+    /// Sends the running server a signal (`STOP` pauses it, `CONT` resumes it).
+    pub fn signal(&self, name: &str) {
+        signal(self.child.as_ref().expect("the server runs"), name);
+    }
+
     pub fn restart(&mut self) {
         self.stop();
         self.start();
