@@ -1,8 +1,8 @@
 //! JetStream streams weir did not make: a subject an existing stream captures is read and
 //! written through that stream; a stream is made only for a subject no stream captures,
 //! never one overlapping another; wildcard subjects work as sources; subjects whose
-//! sanitised names collide get streams of their own; header values with line breaks
-//! travel on one line.
+//! sanitised names collide get streams of their own; clients racing to make a subject's
+//! stream share the one made; header values with line breaks travel on one line.
 #![cfg(feature = "it")]
 
 mod common;
@@ -260,4 +260,33 @@ async fn a_header_value_with_line_breaks_is_published_on_one_line() {
     );
     let made = streams.capturing(&subject).await;
     streams.clean(&made).await;
+}
+
+/// Clients that each find no stream for a new subject and race to make one all end up
+/// on the one that won: the server refuses the others as overlapping it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_racing_to_make_a_subjects_stream_share_the_one_made() {
+    const CLIENTS: usize = 16;
+    let subject = format!("{}.race", unique("race"));
+    let mut streams = Streams::connect().await;
+    let mut brokers = Vec::new();
+    for _ in 0..CLIENTS {
+        brokers.push(nats(true).await);
+    }
+    let publishes = brokers.iter().enumerate().map(|(i, broker)| {
+        let subject = subject.clone();
+        async move {
+            broker
+                .sink()
+                .publish(Outbound::new(subject, format!("{i}")))
+                .await
+        }
+    });
+    let published = futures::future::join_all(publishes).await;
+    let made = streams.capturing(&subject).await;
+    streams.clean(&made).await;
+    for (i, outcome) in published.into_iter().enumerate() {
+        outcome.unwrap_or_else(|e| panic!("client {i}: {e}"));
+    }
+    assert_eq!(made.len(), 1, "{made:?}");
 }

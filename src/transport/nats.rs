@@ -275,31 +275,8 @@ impl NatsBroker {
         js: &jetstream::Context,
         subject: &str,
     ) -> Result<String, TransportError> {
-        let mut overlapping = Vec::new();
-        let mut streams = js.streams();
-        while let Some(info) = streams
-            .try_next()
-            .await
-            .map_err(|e| self.unreachable(format!("listing streams: {e}")))?
-        {
-            let subjects = &info.config.subjects;
-            if subjects.iter().any(|s| subject_covers(s, subject)) {
-                return Ok(info.config.name);
-            }
-            if subjects.iter().any(|s| subjects_overlap(s, subject)) {
-                overlapping.push(format!("{} {:?}", info.config.name, subjects));
-            }
-        }
-        if !overlapping.is_empty() {
-            return Err(TransportError::InvalidTopic {
-                topic: subject.to_string(),
-                reason: format!(
-                    "stream {} captures part of it but not all; weir will not create a \
-                     stream overlapping another: widen that stream's subjects, or use a \
-                     subject one stream captures whole",
-                    overlapping.join(", ")
-                ),
-            });
+        if let Some(name) = self.existing_stream(js, subject).await? {
+            return Ok(name);
         }
         // The plain name may belong to a stream of another subject (`orders.new` and
         // `orders_new` sanitise alike); then the subject's hash tells them apart.
@@ -312,12 +289,21 @@ impl NatsBroker {
                 max_age: self.inner.retention.unwrap_or_default(),
                 ..Default::default()
             };
-            let mut stream = js.get_or_create_stream(config).await.map_err(|e| {
-                TransportError::InvalidTopic {
-                    topic: subject.to_string(),
-                    reason: format!("cannot create or open stream {name}: {e}"),
+            let mut stream = match js.get_or_create_stream(config).await {
+                Ok(stream) => stream,
+                Err(e) => {
+                    // Another client (a reader, another node) may have made the subject's
+                    // stream since the look-up: the server then refuses this one as
+                    // overlapping it, and that stream is the one to use.
+                    if let Some(name) = self.existing_stream(js, subject).await? {
+                        return Ok(name);
+                    }
+                    return Err(TransportError::InvalidTopic {
+                        topic: subject.to_string(),
+                        reason: format!("cannot create or open stream {name}: {e}"),
+                    });
                 }
-            })?;
+            };
             let info = stream
                 .info()
                 .await
@@ -329,6 +315,42 @@ impl NatsBroker {
         Err(TransportError::InvalidTopic {
             topic: subject.to_string(),
             reason: "the stream names weir would give it are taken by other streams".into(),
+        })
+    }
+
+    /// The existing stream whose subjects cover `subject`, if any; an error if a stream
+    /// captures part of it but not all.
+    async fn existing_stream(
+        &self,
+        js: &jetstream::Context,
+        subject: &str,
+    ) -> Result<Option<String>, TransportError> {
+        let mut overlapping = Vec::new();
+        let mut streams = js.streams();
+        while let Some(info) = streams
+            .try_next()
+            .await
+            .map_err(|e| self.unreachable(format!("listing streams: {e}")))?
+        {
+            let subjects = &info.config.subjects;
+            if subjects.iter().any(|s| subject_covers(s, subject)) {
+                return Ok(Some(info.config.name));
+            }
+            if subjects.iter().any(|s| subjects_overlap(s, subject)) {
+                overlapping.push(format!("{} {:?}", info.config.name, subjects));
+            }
+        }
+        if overlapping.is_empty() {
+            return Ok(None);
+        }
+        Err(TransportError::InvalidTopic {
+            topic: subject.to_string(),
+            reason: format!(
+                "stream {} captures part of it but not all; weir will not create a \
+                 stream overlapping another: widen that stream's subjects, or use a \
+                 subject one stream captures whole",
+                overlapping.join(", ")
+            ),
         })
     }
 
