@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use futures::Stream;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::warn;
@@ -60,13 +61,10 @@ impl<T: Send + Sync + 'static> WriteBehind<T> {
         *self.written.borrow()
     }
 
-    /// Waits until the newest version stored changes; returns it. Pends forever once the
-    /// writer has stopped, so it can sit in a `select!` beside other work.
-    pub(crate) async fn changed(&mut self) -> u64 {
-        if self.written.changed().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-        *self.written.borrow_and_update()
+    /// The newest version stored, each time it changes from now on; ends once the
+    /// writer has stopped. For a `select!` loop: see [`changes`].
+    pub(crate) fn stored_versions(&self) -> impl Stream<Item = u64> + Send + 'static {
+        changes(self.written.clone())
     }
 
     /// Waits at most `limit` for everything handed over to be stored; true if it was.
@@ -115,6 +113,23 @@ async fn run<T>(
             }
         }
     }
+}
+
+/// A watched value each time it changes after `receiver` last saw it; ends when the
+/// sender is gone. A `select!` loop polling `changed()` afresh each turn registers and
+/// removes a waiter under the channel's lock every turn, whether or not anything
+/// changed; the stream keeps one wait across turns, so a turn that finds nothing new
+/// costs no lock.
+pub(crate) fn changes<T: Clone + Send + Sync + 'static>(
+    receiver: watch::Receiver<T>,
+) -> impl Stream<Item = T> + Send + 'static {
+    let values = futures::stream::unfold(receiver, |mut receiver| async move {
+        receiver.changed().await.ok()?;
+        let value = receiver.borrow_and_update().clone();
+        Some((value, receiver))
+    });
+    // Ended, it answers `None` to every later poll: a loop may go on polling it.
+    futures::StreamExt::fuse(values)
 }
 
 #[cfg(test)]
@@ -177,5 +192,23 @@ mod tests {
         behind.submit(1);
         assert!(!behind.flush(Duration::from_secs(1)).await);
         assert_eq!(behind.written(), 0);
+    }
+
+    #[tokio::test]
+    async fn changes_yield_each_new_value_and_end_with_the_sender() {
+        use futures::StreamExt;
+        let (sender, receiver) = watch::channel(0u64);
+        sender.send_replace(1);
+        let mut values = Box::pin(changes(receiver));
+        // What the receiver had not seen yet comes first.
+        assert_eq!(values.next().await, Some(1));
+        // A turn of a `select!` that finds nothing new leaves the wait in place.
+        assert!(futures::poll!(values.next()).is_pending());
+        sender.send_replace(2);
+        sender.send_replace(3);
+        assert_eq!(values.next().await, Some(3));
+        drop(sender);
+        assert_eq!(values.next().await, None);
+        assert_eq!(values.next().await, None, "polled again once ended");
     }
 }

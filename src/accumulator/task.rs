@@ -6,6 +6,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use futures::StreamExt;
 use serde_json::Value;
 use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::time::Interval;
@@ -20,7 +21,7 @@ use super::{
 };
 use crate::stats::GraphStats;
 use crate::transport::{now_ms, Message, Outbound, Position, Sink, Source, SourceFactory};
-use crate::write_behind::WriteBehind;
+use crate::write_behind::{changes, WriteBehind};
 
 pub(crate) type SocketReceiver = Arc<tokio::sync::Mutex<mpsc::Receiver<Value>>>;
 
@@ -195,19 +196,22 @@ impl AccumulatorTask {
             interval
         });
         self.durable.borrow_and_update();
+        // Made once, not per turn of the loop: each would register a waiter afresh.
+        let cancel = self.cancel.clone();
+        let stopping = cancel.cancelled();
+        tokio::pin!(stopping);
+        let mut durable_changes = Box::pin(changes(self.durable.clone()));
+        let mut stored = Box::pin(run.checkpoints.stored_versions());
 
         loop {
             tokio::select! {
                 biased;
-                _ = self.cancel.cancelled() => return Ok(()),
-                changed = self.durable.changed() => {
-                    if changed.is_err() {
-                        return Ok(());
-                    }
-                    let durable = *self.durable.borrow_and_update();
-                    self.commit(&mut run, source.is_some(), durable);
-                }
-                version = run.checkpoints.changed() => {
+                _ = &mut stopping => return Ok(()),
+                durable = durable_changes.next() => match durable {
+                    Some(durable) => self.commit(&mut run, source.is_some(), durable),
+                    None => return Ok(()),
+                },
+                Some(version) = stored.next() => {
                     self.checkpoint_stored(&mut run, source.as_deref_mut(), version).await;
                 }
                 pushed = socket.recv() => match pushed {

@@ -85,6 +85,8 @@ pub(crate) struct Reactor {
     /// Durable sequence per source not yet told to its accumulator: published once per
     /// loop turn, not once per fire.
     durable_pending: Vec<u64>,
+    /// What each accumulator was last told is durable.
+    durable_told: Vec<u64>,
     permits: Vec<Option<Arc<Semaphore>>>,
     /// Queue slots freed since the last loop turn, per source.
     permits_pending: Vec<usize>,
@@ -188,6 +190,7 @@ impl Reactor {
             cache,
             health: vec![Health::Starting; names.len()],
             durable_pending: durable.iter().map(|d| *d.borrow()).collect(),
+            durable_told: durable.iter().map(|d| *d.borrow()).collect(),
             durable,
             permits_pending: vec![0; permits.len()],
             permits: permits.clone(),
@@ -223,6 +226,10 @@ impl Reactor {
         self.update_state();
         let snapshot_timer = tokio::time::sleep(self.config.snapshot_interval);
         tokio::pin!(snapshot_timer);
+        // Made once, not per turn of the loop: each would register a waiter afresh.
+        let stopping = cancel.cancelled();
+        tokio::pin!(stopping);
+        let mut stored = Box::pin(self.snapshots.stored_versions());
         let mut timer_armed = false;
         loop {
             while self.should_fire() {
@@ -242,13 +249,13 @@ impl Reactor {
             }
             tokio::select! {
                 biased;
-                _ = cancel.cancelled() => break,
+                _ = &mut stopping => break,
                 Some(done) = self.in_flight.next(), if !self.in_flight.is_empty() => {
                     done?;
                     self.acknowledged();
                 }
                 Some(command) = commands.recv() => self.command(command).await?,
-                version = self.snapshots.changed() => {
+                Some(version) = stored.next() => {
                     self.snapshot_stored(version);
                     self.publish_progress();
                 }
@@ -498,14 +505,11 @@ impl Reactor {
     /// Tells accumulators what became durable and which queue slots are free.
     fn publish_progress(&mut self) {
         for (i, pending) in self.durable_pending.iter().enumerate() {
-            let pending = *pending;
-            self.durable[i].send_if_modified(|d| {
-                let advance = pending > *d;
-                if advance {
-                    *d = pending;
-                }
-                advance
-            });
+            // Told only when it moved: sending takes the channel's lock.
+            if *pending > self.durable_told[i] {
+                self.durable_told[i] = *pending;
+                self.durable[i].send_replace(*pending);
+            }
         }
         for (i, freed) in self.permits_pending.iter_mut().enumerate() {
             if *freed > 0 {
