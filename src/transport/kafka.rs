@@ -163,12 +163,19 @@ static CLOSING: AtomicUsize = AtomicUsize::new(0);
 /// runtime waits for its blocking tasks; a thread of its own holds up nothing, and a
 /// process about to exit gives it a bounded time with [`let_clients_close`].
 fn close_in_background<T: Send + 'static>(client: T) {
-    /// Counts the close under way until the client is gone, on whichever thread.
+    /// Counts the close under way until the client is gone, on whichever thread, and
+    /// even if dropping the client panics.
     struct Closing<T>(Option<T>);
     impl<T> Drop for Closing<T> {
         fn drop(&mut self) {
+            struct Counted;
+            impl Drop for Counted {
+                fn drop(&mut self) {
+                    CLOSING.fetch_sub(1, Ordering::SeqCst);
+                }
+            }
+            let _counted = Counted;
             drop(self.0.take());
-            CLOSING.fetch_sub(1, Ordering::SeqCst);
         }
     }
     CLOSING.fetch_add(1, Ordering::SeqCst);

@@ -294,8 +294,9 @@ impl NatsBroker {
                 Err(e) => {
                     // Another client (a reader, another node) may have made the subject's
                     // stream since the look-up: the server then refuses this one as
-                    // overlapping it, and that stream is the one to use.
-                    if let Some(name) = self.existing_stream(js, subject).await? {
+                    // overlapping it, and that stream is the one to use. Otherwise the
+                    // refusal is what to report.
+                    if let Ok(Some(name)) = self.existing_stream(js, subject).await {
                         return Ok(name);
                     }
                     return Err(TransportError::InvalidTopic {
