@@ -211,19 +211,10 @@ async fn a_partition_working_off_a_backlog_longer_than_its_lease_keeps_it() {
     }
     let started = tokio::time::Instant::now();
     let node = cluster.node("n");
-    let deadline = started + Duration::from_secs(60);
-    while cluster.memory.messages("backlog.out").len() < sent.len() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "backlog not worked off"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(
-        started.elapsed() > ttl,
-        "the backlog took {:?}, within the lease TTL of {ttl:?}: make it longer",
-        started.elapsed()
-    );
+    common::work_off_past_ttl(started, ttl, sent.len(), || {
+        cluster.memory.messages("backlog.out").len()
+    })
+    .await;
     node.stop().await;
     cluster.await_outputs(&sent).await;
     let outputs = cluster.memory.messages("backlog.out");

@@ -44,3 +44,27 @@ impl TaskNode {
         self.task.abort();
     }
 }
+
+/// Waits (a minute at most) until `done` counts `wanted`, then asserts that took longer
+/// than `ttl`, counted from `started`: a test of a lease kept through a backlog proves
+/// nothing if the backlog was worked off within the lease.
+pub async fn work_off_past_ttl(
+    started: tokio::time::Instant,
+    ttl: std::time::Duration,
+    wanted: usize,
+    done: impl Fn() -> usize,
+) {
+    let deadline = started + std::time::Duration::from_secs(60);
+    while done() < wanted {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "backlog not worked off"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        started.elapsed() > ttl,
+        "the backlog took {:?}, within the lease TTL of {ttl:?}: make it longer",
+        started.elapsed()
+    );
+}
