@@ -900,3 +900,78 @@ fn a_kafka_consumer_let_go_while_its_broker_is_paused_holds_up_no_shutdown() {
         "the runtime's shutdown waited for a consumer leaving a paused broker's group"
     );
 }
+
+/// `weir run` stopped with SIGTERM while its Kafka broker is paused still exits, within
+/// its shutdown limits: nothing it waits for on the way out (graphs stopping, clients
+/// closing) waits on the broker without a bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weir_run_stops_while_its_kafka_broker_is_paused() {
+    let server = Server::tansu(None, &[]);
+    let brokers = format!("127.0.0.1:{}", server.port);
+    let prefix = services::unique("paused-exit");
+    let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
+    let config = tempfile::NamedTempFile::new().expect("config file");
+    std::fs::write(
+        config.path(),
+        format!(
+            r#"
+[broker]
+kind = "kafka"
+brokers = "{brokers}"
+{options}
+[store]
+kind = "memory"
+[[graph]]
+name = "paused"
+criteria = "when_any"
+strategy = "sequential"
+function = "snapshot"
+output = "{output}"
+[[graph.accumulator]]
+name = "a"
+topic = "{input}"
+format = "json"
+"#,
+            options = services::fast_group_options_line(),
+        ),
+    )
+    .expect("config written");
+    let mut weir = std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(["run", "--config"])
+        .arg(config.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("weir starts");
+    {
+        let broker: Arc<dyn Broker> = Arc::new(
+            KafkaBroker::connect(KafkaSettings {
+                brokers: brokers.clone(),
+                ..KafkaSettings::default()
+            })
+            .expect("kafka client"),
+        );
+        publish_ids(&broker, &input, 0..1).await;
+        // An output: the graph reads and publishes through the broker about to pause.
+        read_until(&broker, &output, Duration::from_secs(60), |seen| {
+            !seen.is_empty()
+        })
+        .await;
+    }
+    server.signal("STOP");
+    common::servers::signal(&weir, "TERM");
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let status = loop {
+        if let Some(status) = weir.try_wait().expect("weir's status") {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = weir.kill();
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    server.signal("CONT");
+    let status = status.expect("weir exits within 40 s of SIGTERM while its broker is paused");
+    assert_eq!(status.code(), Some(130), "{status}");
+}
