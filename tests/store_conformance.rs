@@ -196,7 +196,7 @@ mod cases {
                     current: Some(Arc::new(weir::Boundary {
                         source: Arc::from("a"),
                         sequence: 0,
-                        positions: vec![position],
+                        positions: vec![position].into(),
                         event_time_ms: 1,
                         emit_time_ms: 2,
                         value: serde_json::json!([1, 2]),

@@ -8,6 +8,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use super::Positions;
 use crate::transport::Position;
 
 #[derive(Debug, Default)]
@@ -21,7 +22,7 @@ pub struct CommitTracker {
     /// Highest offset per partition of the events taken in since the last emission,
     /// by partition: what the next boundary covers. Handed over whole at each emission,
     /// so kept in the form the boundary holds it.
-    uncovered: Vec<Position>,
+    uncovered: Positions,
 }
 
 /// Positions to commit now.
@@ -44,7 +45,7 @@ impl CommitTracker {
                     .map(|(&partition, &offset)| Position { partition, offset })
                     .collect()
             } else {
-                Vec::new()
+                Positions::new()
             },
             committed: offsets.clone(),
             processed: offsets,
@@ -77,7 +78,7 @@ impl CommitTracker {
     }
 
     /// Records an emitted boundary; returns the positions it covers.
-    pub fn emitted(&mut self, sequence: u64, position: Option<Position>) -> Vec<Position> {
+    pub fn emitted(&mut self, sequence: u64, position: Option<Position>) -> Positions {
         self.pending.push_back((sequence, position));
         std::mem::take(&mut self.uncovered)
     }
@@ -230,17 +231,20 @@ mod tests {
         t.processed(pos(1, 4));
         t.processed(pos(0, 8));
         t.processed(pos(1, 5));
-        assert_eq!(t.emitted(1, Some(pos(1, 5))), vec![pos(0, 8), pos(1, 5)]);
+        assert_eq!(
+            t.emitted(1, Some(pos(1, 5))).to_vec(),
+            vec![pos(0, 8), pos(1, 5)]
+        );
         t.processed(pos(0, 9));
-        assert_eq!(t.emitted(2, Some(pos(0, 9))), vec![pos(0, 9)]);
-        assert_eq!(t.emitted(3, None), vec![]);
+        assert_eq!(t.emitted(2, Some(pos(0, 9))).to_vec(), vec![pos(0, 9)]);
+        assert_eq!(t.emitted(3, None).to_vec(), vec![]);
     }
 
     #[test]
     fn restored_state_covers_its_checkpoint() {
         let mut t = CommitTracker::new(&[pos(0, 7), pos(-1, 30)], true);
-        assert_eq!(t.emitted(1, None), vec![pos(-1, 30), pos(0, 7)]);
+        assert_eq!(t.emitted(1, None).to_vec(), vec![pos(-1, 30), pos(0, 7)]);
         let mut t = CommitTracker::new(&[pos(0, 7)], false);
-        assert_eq!(t.emitted(1, None), vec![]);
+        assert_eq!(t.emitted(1, None).to_vec(), vec![]);
     }
 }

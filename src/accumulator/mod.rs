@@ -27,6 +27,10 @@ pub use kinds::{Batch, Passthrough, PollSource, Stateful};
 /// replayed. It is never committed to a broker.
 pub const PUSH_PARTITION: i32 = -1;
 
+/// The positions one boundary covers, one per partition: mostly one, held inline, so a
+/// boundary costs no allocation for them.
+pub type Positions = smallvec::SmallVec<[Position; 1]>;
+
 /// A typed snapshot an accumulator emits: one source's new input for the reactor.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Boundary {
@@ -38,7 +42,7 @@ pub struct Boundary {
     /// (pushes at [`PUSH_PARTITION`]). A replay is recognised by these: a boundary all of
     /// whose positions the reactor has already taken is a repeat; any newer one is not.
     #[serde(default)]
-    pub positions: Vec<Position>,
+    pub positions: Positions,
     pub event_time_ms: i64,
     pub emit_time_ms: i64,
     pub value: Value,

@@ -75,7 +75,7 @@ mod tests {
         let a = crate::accumulator::Boundary {
             source: Arc::from("a"),
             sequence: 1,
-            positions: Vec::new(),
+            positions: crate::accumulator::Positions::new(),
             event_time_ms: 0,
             emit_time_ms: 0,
             value: json!({"px": 1}),

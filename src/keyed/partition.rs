@@ -20,6 +20,7 @@ use crate::graph::{FireInput, GraphDeclaration, Keying};
 use crate::lease::Held;
 use crate::ownership::{PartitionError, PartitionWork};
 use crate::reactor::cache::{InputCache, Inserted};
+use crate::reactor::CacheSnapshot;
 use crate::store_error::StoreError;
 use crate::transport::{
     now_ms, publish_persistently, Broker, Message, Outbound, PendingAck, Position, Sink, Source,
@@ -128,8 +129,11 @@ struct KeyState {
     fires: u64,
     /// When the key was last used, in events of this partition.
     used: u64,
-    /// Changed since the last batch was written: listed in the batch.
-    changed: bool,
+    /// The number of the batch that last listed the key, and where in its list: a key
+    /// changed again in the same batch replaces its entry, and writing the batch needs
+    /// no look-up of its keys.
+    listed_in: u64,
+    listed_at: usize,
 }
 
 struct Serving<'a> {
@@ -152,6 +156,8 @@ struct Serving<'a> {
     stored_keys: bool,
     events: u64,
     batch: Batch,
+    /// The number of the batch being gathered, from 1.
+    batch_number: u64,
 }
 
 /// An output handed to the broker, awaiting its acknowledgement: enough to make it
@@ -164,8 +170,8 @@ struct Sent {
 
 #[derive(Default)]
 struct Batch {
-    /// Keys changed since the last write, each once.
-    changed: Vec<Arc<str>>,
+    /// Keys changed since the last write, each once, with its state as it stands now.
+    keys: Vec<(Arc<str>, CacheSnapshot)>,
     acks: Vec<(PendingAck, Sent)>,
     /// Per source: the broker position to commit once written.
     commit: BTreeMap<usize, Position>,
@@ -212,6 +218,7 @@ impl<'a> Serving<'a> {
             stored_keys: !stored.is_empty(),
             events: 0,
             batch: Batch::default(),
+            batch_number: 1,
         })
     }
 
@@ -309,7 +316,8 @@ impl<'a> Serving<'a> {
                     cache,
                     fires,
                     used: 0,
-                    changed: false,
+                    listed_in: 0,
+                    listed_at: 0,
                 });
                 (entry.key().clone(), entry.into_mut())
             }
@@ -348,11 +356,12 @@ impl<'a> Serving<'a> {
         let source_name = self.graph.names[source].clone();
         let partition = self.partition;
         let criteria = self.graph.decl.reactor.criteria;
+        let (batch_number, next_listed) = (self.batch_number, self.batch.keys.len());
         let (key, state) = self.key_state(&key).await?;
         let boundary = Boundary {
             source: source_name,
             sequence: 0,
-            positions: vec![Position { partition, offset }],
+            positions: smallvec::smallvec![Position { partition, offset }],
             event_time_ms: message.timestamp_ms,
             emit_time_ms: now_ms(),
             value,
@@ -366,9 +375,14 @@ impl<'a> Serving<'a> {
             state.fires += 1;
             fires.push((state.fires, values));
         }
-        let newly_changed = !std::mem::replace(&mut state.changed, true);
-        if newly_changed {
-            self.batch.changed.push(key.clone());
+        // The key's state as the batch will store it, taken while the key is at hand
+        // rather than looked up again when the batch is written.
+        let snapshot = state.cache.snapshot(state.fires, std::iter::empty());
+        let listed_at = (state.listed_in == batch_number).then_some(state.listed_at);
+        (state.listed_in, state.listed_at) = (batch_number, listed_at.unwrap_or(next_listed));
+        match listed_at {
+            Some(at) => self.batch.keys[at].1 = snapshot,
+            None => self.batch.keys.push((key.clone(), snapshot)),
         }
         for (fire, values) in fires {
             self.fire(&key, fire, values).await?;
@@ -502,18 +516,12 @@ impl<'a> Serving<'a> {
                 Err(e) => return Err(e.into()),
             }
         }
+        self.batch_number += 1;
         let mut changes = KeyedChanges {
-            keys: Vec::with_capacity(batch.changed.len()),
+            keys: batch.keys,
             released: releasing.then(|| (self.held.lease.token, now_ms())),
             ..Default::default()
         };
-        for key in &batch.changed {
-            if let Some(state) = self.keys.get_mut(key) {
-                state.changed = false;
-                let snapshot = state.cache.snapshot(state.fires, std::iter::empty());
-                changes.keys.push((key.clone(), snapshot));
-            }
-        }
         for (i, position) in self.positions.iter().enumerate() {
             if let Some(position) = position {
                 changes

@@ -135,10 +135,59 @@ impl<'de> Deserialize<'de> for SourceSnapshots {
 /// Boundaries taken from the cache by one fire.
 pub type Consumed = Vec<(usize, Arc<Boundary>)>;
 
+/// A source's boundaries waiting for fires (sequential strategy). Mostly it holds one at
+/// most, queued and taken by the fire it makes, and a keyed graph keeps one per key: the
+/// first is held inline, so such a queue costs no allocation and no cache line of its
+/// own.
+#[derive(Debug, Default)]
+struct Queue {
+    /// Empty only when `rest` is.
+    head: Option<Arc<Boundary>>,
+    rest: VecDeque<Arc<Boundary>>,
+}
+
+impl Queue {
+    fn push_back(&mut self, boundary: Arc<Boundary>) {
+        if self.head.is_none() {
+            self.head = Some(boundary);
+        } else {
+            self.rest.push_back(boundary);
+        }
+    }
+
+    fn pop_front(&mut self) -> Option<Arc<Boundary>> {
+        let head = self.head.take()?;
+        self.head = self.rest.pop_front();
+        Some(head)
+    }
+
+    fn len(&self) -> usize {
+        usize::from(self.head.is_some()) + self.rest.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.head.is_none()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &Arc<Boundary>> {
+        self.head.iter().chain(&self.rest)
+    }
+}
+
+impl FromIterator<Arc<Boundary>> for Queue {
+    fn from_iter<I: IntoIterator<Item = Arc<Boundary>>>(iter: I) -> Self {
+        let mut queue = Queue::default();
+        for boundary in iter {
+            queue.push_back(boundary);
+        }
+        queue
+    }
+}
+
 #[derive(Debug, Default)]
 struct Slot {
     current: Option<Arc<Boundary>>,
-    queue: VecDeque<Arc<Boundary>>,
+    queue: Queue,
     dirty: bool,
     /// Highest sequence received in this run, for telling accumulators what is durable.
     received: u64,

@@ -20,7 +20,7 @@ use super::{
     ReactorStatus, SourceStatus, Strategy,
 };
 use crate::accumulator::task::{SourceCounters, HANDOFF};
-use crate::accumulator::{Boundary, Health, PUSH_PARTITION};
+use crate::accumulator::{Boundary, Health, Positions, PUSH_PARTITION};
 use crate::graph::{CompiledGraph, FireInput, GraphDeclaration};
 use crate::stats::GraphStats;
 use crate::store_error::StoreError;
@@ -585,7 +585,7 @@ impl Reactor {
                     let boundary = Boundary {
                         source: names[i].clone(),
                         sequence: 0,
-                        positions: Vec::new(),
+                        positions: Positions::new(),
                         event_time_ms: now,
                         emit_time_ms: now,
                         value,
