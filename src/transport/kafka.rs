@@ -458,9 +458,20 @@ impl Broker for KafkaBroker {
         }
         let context = GroupContext::default();
         let revoked = context.revoked.clone();
-        let mut consumer: StreamConsumer<GroupContext> = config
+        let consumer: StreamConsumer<GroupContext> = config
             .create_with_context(context)
             .map_err(|e| unreachable(&settings.brokers, e))?;
+        // Made at once, so that should setting the consumer up fail below, dropping the
+        // source lets the consumer go off the async workers, as any source's does.
+        let mut source = KafkaSource {
+            topic: Arc::from(subscription.topic.as_str()),
+            consumer: Some(consumer),
+            prefix: matches!(subscription.acks, Acks::Each { .. }).then(FinishedPrefix::default),
+            revoked,
+            held: VecDeque::new(),
+            paused: false,
+            watch: None,
+        };
         let direct = match &subscription.assignment {
             Assignment::Group => None,
             Assignment::Partitions(partitions) => Some(partitions.clone()),
@@ -468,7 +479,7 @@ impl Broker for KafkaBroker {
         };
         // A reader of every partition looks for partitions added while it runs, as often
         // as the client refreshes its metadata (a group member is given them by the group).
-        let watch = match (&subscription.assignment, &direct) {
+        source.watch = match (&subscription.assignment, &direct) {
             (Assignment::All, Some(partitions)) => {
                 let every = self.metadata_refresh();
                 Some(PartitionWatch {
@@ -489,16 +500,21 @@ impl Broker for KafkaBroker {
                     wanted.add_partition(&subscription.topic, *p);
                 }
                 // A broker round trip that blocks: off the async workers, which keep
-                // leases renewed meanwhile.
+                // leases renewed meanwhile. The source goes along, so the consumer is
+                // let go as usual should the call fail.
+                let brokers = settings.brokers.clone();
                 let (returned, committed) = tokio::task::spawn_blocking(move || {
-                    let committed =
-                        consumer.committed_offsets(wanted, Timeout::After(Duration::from_secs(10)));
-                    (consumer, committed)
+                    let committed = source.consumer().and_then(|consumer| {
+                        consumer
+                            .committed_offsets(wanted, Timeout::After(Duration::from_secs(10)))
+                            .map_err(|e| unreachable(&brokers, e))
+                    });
+                    (source, committed)
                 })
                 .await
                 .map_err(|e| unreachable(&settings.brokers, e))?;
-                consumer = returned;
-                let committed = committed.map_err(|e| unreachable(&settings.brokers, e))?;
+                source = returned;
+                let committed = committed?;
                 let mut assignment = TopicPartitionList::new();
                 for element in committed.elements() {
                     let resume = subscription
@@ -517,23 +533,17 @@ impl Broker for KafkaBroker {
                         .add_partition_offset(&subscription.topic, element.partition(), offset)
                         .map_err(|e| unreachable(&settings.brokers, e))?;
                 }
-                consumer
+                source
+                    .consumer()?
                     .assign(&assignment)
                     .map_err(|e| unreachable(&settings.brokers, e))?;
             }
-            None => consumer
+            None => source
+                .consumer()?
                 .subscribe(&[&subscription.topic])
                 .map_err(|e| unreachable(&settings.brokers, e))?,
         }
-        Ok(Box::new(KafkaSource {
-            topic: Arc::from(subscription.topic.as_str()),
-            consumer: Some(consumer),
-            prefix: matches!(subscription.acks, Acks::Each { .. }).then(FinishedPrefix::default),
-            revoked,
-            held: VecDeque::new(),
-            paused: false,
-            watch,
-        }))
+        Ok(Box::new(source))
     }
 
     fn sink(&self) -> Arc<dyn Sink> {
@@ -667,8 +677,8 @@ impl Sink for KafkaBroker {
             source: e.clone().into(),
         };
         // The client's queue is bounded: while it is full, wait for room, as long as a
-        // publish may take.
-        let deadline = tokio::time::Instant::now() + PRODUCE_TIMEOUT;
+        // publish may take. The clock is read only once the queue is full.
+        let mut deadline = None;
         let producer = self.producer_for(&message.topic)?;
         let delivery = loop {
             let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
@@ -687,7 +697,10 @@ impl Sink for KafkaBroker {
             match producer.send_result(record) {
                 Ok(delivery) => break delivery,
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _))
-                    if tokio::time::Instant::now() < deadline =>
+                    if tokio::time::Instant::now()
+                        < *deadline.get_or_insert_with(|| {
+                            tokio::time::Instant::now() + PRODUCE_TIMEOUT
+                        }) =>
                 {
                     tokio::time::sleep(QUEUE_FULL_PAUSE).await;
                 }
