@@ -11,6 +11,11 @@
 //! output read to the last, so start-up (connecting, creating consumers) is left out of
 //! both.
 //!
+//! Last, latency at a steady pace against the same raw-client loop: each of the two alone
+//! in a process of its own, this one publishing `WEIR_BENCH_PACED_RATE` events a second
+//! (default 2000) for `WEIR_BENCH_PACED_SECONDS` (default 5; 0 skips it) and reading the
+//! outputs, after a warm-up the process under test has answered.
+//!
 //! Run `scripts/services` first, then `cargo bench --bench e2e`. Environment:
 //! `WEIR_BENCH_EVENTS` (throughput phase, default 20000), `WEIR_BENCH_RATE` and
 //! `WEIR_BENCH_SECONDS` (latency phase, default 1000 events/s for 5 s),
@@ -38,6 +43,9 @@ use weir::{
 mod raw;
 
 const WINDOW: usize = 256;
+/// Events the paced comparison sends first, unmeasured, until the process under test
+/// answers them.
+const PACED_WARM_UP: usize = 200;
 
 /// Set in the child running a raw-client loop: `raw-kafka` or `raw-nats`.
 const ROLE: &str = "WEIR_BENCH_ROLE";
@@ -525,6 +533,79 @@ async fn compare_prefilled(kind: &str, events: usize) {
     );
 }
 
+/// Latency at a steady pace, with the process under test (the raw-client loop, or
+/// `weir run`) alone in a process of its own: this one publishes `rate` events a second
+/// for `seconds` and reads the outputs; an output's latency runs from its event's publish
+/// to its read, on this process's clock.
+async fn paced_latency(
+    kind: &str,
+    broker: &Arc<dyn Broker>,
+    rate: u32,
+    seconds: usize,
+    with_weir: bool,
+) -> Figures {
+    let prefix = unique("paced");
+    let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
+    let paced = rate as usize * seconds;
+    // Reading first: on NATS this makes the output's stream before anything publishes.
+    let mut subscription = Subscription::new(&output, unique("reader"));
+    subscription.assignment = Assignment::All;
+    let mut warm_reader = broker.subscribe(&subscription).await.expect("reader");
+    // The warm-up events make the input (the raw loop looks it up as it starts); their
+    // outputs coming back say the process under test is running.
+    let sink = broker.sink();
+    for n in 0..PACED_WARM_UP {
+        let event = json!({"warm_up": n});
+        sink.publish(Outbound::new(input.clone(), event.to_string()))
+            .await
+            .expect("warm-up event");
+    }
+    let mut config = tempfile::NamedTempFile::new().expect("config file");
+    let mut child = process_under_test(
+        kind,
+        with_weir,
+        &input,
+        &output,
+        &prefix,
+        PACED_WARM_UP + paced,
+        &mut config,
+    );
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut warmed = std::collections::HashSet::new();
+    while warmed.len() < PACED_WARM_UP {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let message = tokio::time::timeout(left, warm_reader.next())
+            .await
+            .expect("the process under test answers the warm-up in time")
+            .expect("read");
+        warmed.insert((message.position.partition, message.position.offset));
+    }
+    drop(warm_reader);
+    let figures = measure(broker, &input, &output, paced, Some(rate)).await;
+    let _ = child.kill();
+    let _ = child.wait();
+    remove_prefix(&prefix).await;
+    figures
+}
+
+async fn compare_paced(kind: &str, rate: u32, seconds: usize) {
+    let broker = broker(kind).await;
+    let raw = paced_latency(kind, &broker, rate, seconds, false).await;
+    let weir = paced_latency(kind, &broker, rate, seconds, true).await;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "{kind:5} paced {rate} events/s for {seconds} s, each alone in its process: raw-client \
+         loop p50 {:.2} ms p99 {:.2} ms, weir run p50 {:.2} ms p99 {:.2} ms: weir adds {:.2} ms \
+         at p99 ({:.2} ms at p50)",
+        ms(raw.p50),
+        ms(raw.p99),
+        ms(weir.p50),
+        ms(weir.p99),
+        ms(weir.p99) - ms(raw.p99),
+        ms(weir.p50) - ms(raw.p50),
+    );
+}
+
 #[tokio::main]
 async fn main() {
     if let Ok(role) = std::env::var(ROLE) {
@@ -537,10 +618,15 @@ async fn main() {
     }
     let brokers = std::env::var("WEIR_BENCH_BROKERS").unwrap_or_else(|_| "kafka,nats".into());
     let prefilled: usize = env("WEIR_BENCH_PREFILLED", 100_000);
+    let paced_rate: u32 = env("WEIR_BENCH_PACED_RATE", 2000);
+    let paced_seconds: usize = env("WEIR_BENCH_PACED_SECONDS", 5);
     for kind in brokers.split(',') {
         run(kind.trim()).await;
         if prefilled > 0 {
             compare_prefilled(kind.trim(), prefilled).await;
+        }
+        if paced_seconds > 0 {
+            compare_paced(kind.trim(), paced_rate, paced_seconds).await;
         }
     }
 }
