@@ -901,6 +901,85 @@ fn a_kafka_consumer_let_go_while_its_broker_is_paused_holds_up_no_shutdown() {
     );
 }
 
+/// A worker is a member of its executor's consumer group, and leaving a group waits for
+/// the broker. `weir worker` stopped with SIGTERM while its broker is paused still exits,
+/// within the time weir gives its clients to close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weir_worker_stops_while_its_kafka_broker_is_paused() {
+    let server = Server::tansu(None, &[]);
+    let brokers = format!("127.0.0.1:{}", server.port);
+    let prefix = services::unique("paused-worker");
+    let executor = format!("{prefix}x");
+    let config = tempfile::NamedTempFile::new().expect("config file");
+    std::fs::write(
+        config.path(),
+        format!(
+            r#"
+[broker]
+kind = "kafka"
+brokers = "{brokers}"
+{options}
+[store]
+kind = "memory"
+[dispatch]
+default_executor = "{executor}"
+results_topic = "{prefix}.results"
+"#,
+            options = services::fast_group_options_line(),
+        ),
+    )
+    .expect("config written");
+    let mut worker = std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(["worker", "--executor", &executor, "--config"])
+        .arg(config.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("weir worker starts");
+    // Paused only once the worker is a member of its group, since leaving is what waits:
+    // a task event it cannot decode coming back on the dead-letter topic says it reads.
+    let broker: Arc<dyn Broker> = Arc::new(
+        KafkaBroker::connect(KafkaSettings {
+            brokers: brokers.clone(),
+            ..KafkaSettings::default()
+        })
+        .expect("kafka client"),
+    );
+    let tasks = weir::wire::executor_topic(&executor);
+    publish_persistently(
+        broker.sink().as_ref(),
+        Outbound::new(tasks.clone(), "not a task event"),
+        &CancellationToken::new(),
+    )
+    .await
+    .expect("a task event published");
+    read_until(
+        &broker,
+        &weir::wire::dead_letter_topic(&tasks),
+        Duration::from_secs(60),
+        |seen| !seen.is_empty(),
+    )
+    .await;
+    drop(broker);
+    server.signal("STOP");
+    common::servers::signal(&worker, "TERM");
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let status = loop {
+        if let Some(status) = worker.try_wait().expect("the worker's status") {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = worker.kill();
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    server.signal("CONT");
+    let status =
+        status.expect("weir worker exits within 40 s of SIGTERM while its broker is paused");
+    assert_eq!(status.code(), Some(130), "{status}");
+}
+
 /// `weir run` stopped with SIGTERM while its Kafka broker is paused still exits, within
 /// its shutdown limits: nothing it waits for on the way out (graphs stopping, clients
 /// closing) waits on the broker without a bound.
