@@ -901,9 +901,38 @@ fn a_kafka_consumer_let_go_while_its_broker_is_paused_holds_up_no_shutdown() {
     );
 }
 
+/// A `weir` process a test started: killed, should the test end before the process does.
+struct WeirProcess(std::process::Child);
+
+impl WeirProcess {
+    /// Sends SIGTERM and waits for the exit status, at most `within`.
+    async fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        common::servers::signal(&self.0, "TERM");
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.0.try_wait().expect("the process's status") {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+impl Drop for WeirProcess {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+        }
+        let _ = self.0.wait();
+    }
+}
+
 /// A worker is a member of its executor's consumer group, and leaving a group waits for
 /// the broker. `weir worker` stopped with SIGTERM while its broker is paused still exits,
-/// within the time weir gives its clients to close.
+/// about as soon as the time weir gives its clients to close (5 s) is up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn weir_worker_stops_while_its_kafka_broker_is_paused() {
     let server = Server::tansu(None, &[]);
@@ -929,13 +958,15 @@ results_topic = "{prefix}.results"
         ),
     )
     .expect("config written");
-    let mut worker = std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
-        .args(["worker", "--executor", &executor, "--config"])
-        .arg(config.path())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("weir worker starts");
+    let mut worker = WeirProcess(
+        std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(["worker", "--executor", &executor, "--config"])
+            .arg(config.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("weir worker starts"),
+    );
     // Paused only once the worker is a member of its group, since leaving is what waits:
     // a task event it cannot decode coming back on the dead-letter topic says it reads.
     let broker: Arc<dyn Broker> = Arc::new(
@@ -962,21 +993,10 @@ results_topic = "{prefix}.results"
     .await;
     drop(broker);
     server.signal("STOP");
-    common::servers::signal(&worker, "TERM");
-    let deadline = Instant::now() + Duration::from_secs(40);
-    let status = loop {
-        if let Some(status) = worker.try_wait().expect("the worker's status") {
-            break Some(status);
-        }
-        if Instant::now() > deadline {
-            let _ = worker.kill();
-            break None;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let status = worker.terminate(Duration::from_secs(15)).await;
     server.signal("CONT");
     let status =
-        status.expect("weir worker exits within 40 s of SIGTERM while its broker is paused");
+        status.expect("weir worker exits within 15 s of SIGTERM while its broker is paused");
     assert_eq!(status.code(), Some(130), "{status}");
 }
 
@@ -1015,13 +1035,15 @@ format = "json"
         ),
     )
     .expect("config written");
-    let mut weir = std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
-        .args(["run", "--config"])
-        .arg(config.path())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("weir starts");
+    let mut weir = WeirProcess(
+        std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(["run", "--config"])
+            .arg(config.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("weir starts"),
+    );
     {
         let broker: Arc<dyn Broker> = Arc::new(
             KafkaBroker::connect(KafkaSettings {
@@ -1038,18 +1060,7 @@ format = "json"
         .await;
     }
     server.signal("STOP");
-    common::servers::signal(&weir, "TERM");
-    let deadline = Instant::now() + Duration::from_secs(40);
-    let status = loop {
-        if let Some(status) = weir.try_wait().expect("weir's status") {
-            break Some(status);
-        }
-        if Instant::now() > deadline {
-            let _ = weir.kill();
-            break None;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let status = weir.terminate(Duration::from_secs(40)).await;
     server.signal("CONT");
     let status = status.expect("weir exits within 40 s of SIGTERM while its broker is paused");
     assert_eq!(status.code(), Some(130), "{status}");

@@ -257,6 +257,34 @@ async fn when_all_waits_for_every_source_of_the_same_key() {
 }
 
 #[tokio::test]
+async fn a_key_changed_several_times_in_one_batch_is_stored_as_it_ends() {
+    let cluster = Cluster::new(graph("queued", &["a", "b"], Criteria::WhenAll)).await;
+    let node = cluster.node("n");
+    // Sent together, so they are applied in one batch: the stored state must hold all
+    // three queued, not the key as the batch first saw it.
+    for seq in 1..=3 {
+        cluster.send("a", "ann", seq).await;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let queued = weir::keyed::view(cluster.store.as_ref(), "queued", 4, "ann")
+            .await
+            .unwrap()
+            .and_then(|view| view.state)
+            .map(|state| state.sources["a"].queue.len());
+        if queued == Some(3) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "ann stored with {queued:?} events queued, not 3"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    node.stop().await;
+}
+
+#[tokio::test]
 async fn sources_with_different_partition_counts_are_refused_by_name() {
     let decl = graph("mixed", &["a", "b"], Criteria::WhenAny);
     let memory = MemoryBroker::new(1);

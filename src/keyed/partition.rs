@@ -129,9 +129,7 @@ struct KeyState {
     fires: u64,
     /// When the key was last used, in events of this partition.
     used: u64,
-    /// The number of the batch that last listed the key, and where in its list: a key
-    /// changed again in the same batch replaces its entry, and writing the batch needs
-    /// no look-up of its keys.
+    /// The number of the batch that last listed the key, and where in its list.
     listed_in: u64,
     listed_at: usize,
 }
@@ -170,8 +168,11 @@ struct Sent {
 
 #[derive(Default)]
 struct Batch {
-    /// Keys changed since the last write, each once, with its state as it stands now.
-    keys: Vec<(Arc<str>, CacheSnapshot)>,
+    /// Keys changed since the last write, each once. With the state it had when first
+    /// listed: most keys change once per batch, and writing the batch then needs no
+    /// look-up of them. `None` once the key changed again: looked up when written, so a
+    /// key changed often takes one snapshot per batch, not one per event.
+    keys: Vec<(Arc<str>, Option<CacheSnapshot>)>,
     acks: Vec<(PendingAck, Sent)>,
     /// Per source: the broker position to commit once written.
     commit: BTreeMap<usize, Position>,
@@ -375,14 +376,13 @@ impl<'a> Serving<'a> {
             state.fires += 1;
             fires.push((state.fires, values));
         }
-        // The key's state as the batch will store it, taken while the key is at hand
-        // rather than looked up again when the batch is written.
-        let snapshot = state.cache.snapshot(state.fires, std::iter::empty());
-        let listed_at = (state.listed_in == batch_number).then_some(state.listed_at);
-        (state.listed_in, state.listed_at) = (batch_number, listed_at.unwrap_or(next_listed));
-        match listed_at {
-            Some(at) => self.batch.keys[at].1 = snapshot,
-            None => self.batch.keys.push((key.clone(), snapshot)),
+        if state.listed_in == batch_number {
+            let at = state.listed_at;
+            self.batch.keys[at].1 = None;
+        } else {
+            (state.listed_in, state.listed_at) = (batch_number, next_listed);
+            let snapshot = state.cache.snapshot(state.fires, std::iter::empty());
+            self.batch.keys.push((key.clone(), Some(snapshot)));
         }
         for (fire, values) in fires {
             self.fire(&key, fire, values).await?;
@@ -518,10 +518,21 @@ impl<'a> Serving<'a> {
         }
         self.batch_number += 1;
         let mut changes = KeyedChanges {
-            keys: batch.keys,
+            keys: Vec::with_capacity(batch.keys.len()),
             released: releasing.then(|| (self.held.lease.token, now_ms())),
             ..Default::default()
         };
+        for (key, listed) in batch.keys {
+            let snapshot = match listed {
+                Some(snapshot) => snapshot,
+                None => match self.keys.get(&key) {
+                    Some(state) => state.cache.snapshot(state.fires, std::iter::empty()),
+                    // Keys leave memory only after a batch is written.
+                    None => continue,
+                },
+            };
+            changes.keys.push((key, snapshot));
+        }
         for (i, position) in self.positions.iter().enumerate() {
             if let Some(position) = position {
                 changes
