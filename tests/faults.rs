@@ -905,6 +905,20 @@ fn a_kafka_consumer_let_go_while_its_broker_is_paused_holds_up_no_shutdown() {
 struct WeirProcess(std::process::Child);
 
 impl WeirProcess {
+    /// Starts `weir` with these arguments and `--config`, its output discarded.
+    fn start(args: &[&str], config: &std::path::Path) -> Self {
+        Self(
+            std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+                .args(args)
+                .arg("--config")
+                .arg(config)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("weir starts"),
+        )
+    }
+
     /// Sends SIGTERM and waits for the exit status, at most `within`.
     async fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
         common::servers::signal(&self.0, "TERM");
@@ -958,15 +972,7 @@ results_topic = "{prefix}.results"
         ),
     )
     .expect("config written");
-    let mut worker = WeirProcess(
-        std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
-            .args(["worker", "--executor", &executor, "--config"])
-            .arg(config.path())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("weir worker starts"),
-    );
+    let mut worker = WeirProcess::start(&["worker", "--executor", &executor], config.path());
     // Paused only once the worker is a member of its group, since leaving is what waits:
     // a task event it cannot decode coming back on the dead-letter topic says it reads.
     let broker: Arc<dyn Broker> = Arc::new(
@@ -1035,15 +1041,7 @@ format = "json"
         ),
     )
     .expect("config written");
-    let mut weir = WeirProcess(
-        std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
-            .args(["run", "--config"])
-            .arg(config.path())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("weir starts"),
-    );
+    let mut weir = WeirProcess::start(&["run"], config.path());
     {
         let broker: Arc<dyn Broker> = Arc::new(
             KafkaBroker::connect(KafkaSettings {
