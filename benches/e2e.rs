@@ -329,6 +329,17 @@ fn redis_url() -> String {
     std::env::var("WEIR_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
 
+/// A process under test, killed when dropped: at the end of its phase, or should the
+/// bench fail midway.
+struct UnderTest(std::process::Child);
+
+impl Drop for UnderTest {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// The process under test: this bench again as a raw-client loop, or `weir run`.
 fn process_under_test(
     kind: &str,
@@ -338,20 +349,22 @@ fn process_under_test(
     prefix: &str,
     events: usize,
     config: &mut tempfile::NamedTempFile,
-) -> std::process::Child {
+) -> UnderTest {
     use std::io::Write;
     use std::process::{Command, Stdio};
     if !with_weir {
-        return Command::new(std::env::current_exe().expect("this bench"))
-            .arg("--bench")
-            .env(ROLE, format!("raw-{kind}"))
-            .env("WEIR_BENCH_INPUT", input)
-            .env("WEIR_BENCH_OUTPUT", output)
-            .env("WEIR_BENCH_PREFIX", prefix)
-            .env("WEIR_BENCH_COUNT", events.to_string())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("raw loop starts");
+        return UnderTest(
+            Command::new(std::env::current_exe().expect("this bench"))
+                .arg("--bench")
+                .env(ROLE, format!("raw-{kind}"))
+                .env("WEIR_BENCH_INPUT", input)
+                .env("WEIR_BENCH_OUTPUT", output)
+                .env("WEIR_BENCH_PREFIX", prefix)
+                .env("WEIR_BENCH_COUNT", events.to_string())
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("raw loop starts"),
+        );
     }
     let broker = match kind {
         "kafka" => format!("kind = \"kafka\"\nbrokers = \"{}\"", kafka_brokers()),
@@ -381,12 +394,14 @@ topic = "{input}"
         awaited = raw::OUTPUTS_AWAITED,
     );
     config.write_all(text.as_bytes()).expect("config");
-    Command::new(env!("CARGO_BIN_EXE_weir"))
-        .args(["run", "--config"])
-        .arg(config.path())
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("weir starts")
+    UnderTest(
+        Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(["run", "--config"])
+            .arg(config.path())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("weir starts"),
+    )
 }
 
 /// What one process under test did with a pre-filled input.
@@ -446,7 +461,7 @@ async fn prefilled(
     let mut source = broker.subscribe(&subscription).await.expect("reader");
     let mut config = tempfile::NamedTempFile::new().expect("config file");
     let commands_before = redis_commands().await;
-    let mut child = process_under_test(
+    let child = process_under_test(
         kind,
         with_weir,
         &input,
@@ -475,8 +490,7 @@ async fn prefilled(
         }
     }
     let took = first.map_or(Duration::ZERO, |f| f.elapsed());
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
     // Less the one INFO of this count.
     let commands = redis_commands().await.saturating_sub(commands_before + 1);
     remove_prefix(&prefix).await;
@@ -561,7 +575,7 @@ async fn paced_latency(
             .expect("warm-up event");
     }
     let mut config = tempfile::NamedTempFile::new().expect("config file");
-    let mut child = process_under_test(
+    let child = process_under_test(
         kind,
         with_weir,
         &input,
@@ -582,8 +596,7 @@ async fn paced_latency(
     }
     drop(warm_reader);
     let figures = measure(broker, &input, &output, paced, Some(rate)).await;
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
     remove_prefix(&prefix).await;
     figures
 }
