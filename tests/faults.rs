@@ -944,6 +944,18 @@ impl Drop for WeirProcess {
     }
 }
 
+/// A config for a `weir` process on the Kafka broker `brokers` (group timings for tests)
+/// and the memory store, with `sections` after.
+fn kafka_config(brokers: &str, sections: &str) -> tempfile::NamedTempFile {
+    let config = tempfile::NamedTempFile::new().expect("config file");
+    let text = format!(
+        "[broker]\nkind = \"kafka\"\nbrokers = \"{brokers}\"\n{options}\n[store]\nkind = \"memory\"\n{sections}",
+        options = services::fast_group_options_line(),
+    );
+    std::fs::write(config.path(), text).expect("config written");
+    config
+}
+
 /// A worker is a member of its executor's consumer group, and leaving a group waits for
 /// the broker. `weir worker` stopped with SIGTERM while its broker is paused still exits,
 /// about as soon as the time weir gives its clients to close (5 s) is up.
@@ -953,25 +965,15 @@ async fn weir_worker_stops_while_its_kafka_broker_is_paused() {
     let brokers = format!("127.0.0.1:{}", server.port);
     let prefix = services::unique("paused-worker");
     let executor = format!("{prefix}x");
-    let config = tempfile::NamedTempFile::new().expect("config file");
-    std::fs::write(
-        config.path(),
-        format!(
-            r#"
-[broker]
-kind = "kafka"
-brokers = "{brokers}"
-{options}
-[store]
-kind = "memory"
-[dispatch]
+    let config = kafka_config(
+        &brokers,
+        &format!(
+            r#"[dispatch]
 default_executor = "{executor}"
 results_topic = "{prefix}.results"
-"#,
-            options = services::fast_group_options_line(),
+"#
         ),
-    )
-    .expect("config written");
+    );
     let mut worker = WeirProcess::start(&["worker", "--executor", &executor], config.path());
     // Paused only once the worker is a member of its group, since leaving is what waits:
     // a task event it cannot decode coming back on the dead-letter topic says it reads.
@@ -1015,18 +1017,10 @@ async fn weir_run_stops_while_its_kafka_broker_is_paused() {
     let brokers = format!("127.0.0.1:{}", server.port);
     let prefix = services::unique("paused-exit");
     let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
-    let config = tempfile::NamedTempFile::new().expect("config file");
-    std::fs::write(
-        config.path(),
-        format!(
-            r#"
-[broker]
-kind = "kafka"
-brokers = "{brokers}"
-{options}
-[store]
-kind = "memory"
-[[graph]]
+    let config = kafka_config(
+        &brokers,
+        &format!(
+            r#"[[graph]]
 name = "paused"
 criteria = "when_any"
 strategy = "sequential"
@@ -1036,11 +1030,9 @@ output = "{output}"
 name = "a"
 topic = "{input}"
 format = "json"
-"#,
-            options = services::fast_group_options_line(),
+"#
         ),
-    )
-    .expect("config written");
+    );
     let mut weir = WeirProcess::start(&["run"], config.path());
     {
         let broker: Arc<dyn Broker> = Arc::new(
