@@ -10,8 +10,9 @@ pub fn decode(bytes: &[u8]) -> Result<Value, CodecError> {
     Ok(serde_json::from_slice(bytes)?)
 }
 
-pub fn encode(value: &Value) -> Vec<u8> {
-    // Serializing a `serde_json::Value` to a Vec cannot fail: every map key is a string.
+pub fn encode<T: serde::Serialize + ?Sized>(value: &T) -> Vec<u8> {
+    // Serializing a JSON value or weir's records to a Vec cannot fail: every map key is a
+    // string.
     serde_json::to_vec(value).unwrap_or_default()
 }
 

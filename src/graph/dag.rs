@@ -5,11 +5,14 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::{FireInput, GraphBuildError, NodeContext, NodeDecl, NodeError, NodeFn, OutputBinding};
+use super::registry::{snapshot_value, SnapshotRecord};
+use super::{
+    FireInput, GraphBuildError, NodeContext, NodeDecl, NodeError, NodeFunction, OutputBinding,
+};
 
 struct CompiledNode {
     name: Arc<str>,
-    function: NodeFn,
+    function: NodeFunction,
     /// Upstream node indices.
     upstream: Vec<usize>,
 }
@@ -20,6 +23,55 @@ pub struct CompiledGraph {
     levels: Vec<Vec<usize>>,
     /// Node index per output binding, in binding order.
     outputs: Vec<usize>,
+}
+
+/// A node's value in one fire.
+#[derive(Debug, Clone)]
+enum NodeValue {
+    Value(Arc<Value>),
+    /// The `snapshot` record of the fire's inputs, built only when something reads it.
+    Snapshot,
+}
+
+impl NodeValue {
+    fn to_value(&self, fire: &FireInput) -> Arc<Value> {
+        match self {
+            Self::Value(value) => value.clone(),
+            Self::Snapshot => Arc::new(snapshot_value(fire)),
+        }
+    }
+}
+
+/// What one fire produced for each output binding, in binding order.
+#[derive(Debug)]
+pub struct FireOutputs {
+    fire: Arc<FireInput>,
+    values: Vec<Option<NodeValue>>,
+}
+
+impl FireOutputs {
+    /// The number of output bindings.
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    /// The JSON payload for output binding `index`; `None` when the fire routed it away.
+    pub fn encoded(&self, index: usize) -> Option<Vec<u8>> {
+        Some(match self.values.get(index)?.as_ref()? {
+            NodeValue::Value(value) => crate::codec::json::encode(&**value),
+            NodeValue::Snapshot => crate::codec::json::encode(&SnapshotRecord(&self.fire)),
+        })
+    }
+
+    /// The value of output binding `index`; `None` when the fire routed it away.
+    pub fn value(&self, index: usize) -> Option<Arc<Value>> {
+        let value = self.values.get(index)?.as_ref()?;
+        Some(value.to_value(&self.fire))
+    }
 }
 
 /// A node failed during a fire.
@@ -130,8 +182,8 @@ impl CompiledGraph {
     }
 
     /// Runs one fire; returns each output binding's value (`None` when routed away).
-    pub async fn run(&self, fire: Arc<FireInput>) -> Result<Vec<Option<Arc<Value>>>, FireError> {
-        let mut values: Vec<Option<Arc<Value>>> = vec![None; self.nodes.len()];
+    pub async fn run(&self, fire: Arc<FireInput>) -> Result<FireOutputs, FireError> {
+        let mut values: Vec<Option<NodeValue>> = vec![None; self.nodes.len()];
         for level in &self.levels {
             let mut runs = Vec::with_capacity(level.len());
             for &i in level {
@@ -139,36 +191,46 @@ impl CompiledGraph {
                 let upstream: Vec<(Arc<str>, Arc<Value>)> = node
                     .upstream
                     .iter()
-                    .filter_map(|&j| values[j].clone().map(|v| (self.nodes[j].name.clone(), v)))
+                    .filter_map(|&j| {
+                        let value = values[j].as_ref()?.to_value(&fire);
+                        Some((self.nodes[j].name.clone(), value))
+                    })
                     .collect();
                 // A node fed only by nodes runs when at least one of them produced output:
                 // returning `None` from a node routes around its descendants.
                 if !node.upstream.is_empty() && upstream.is_empty() {
                     continue;
                 }
+                let function = match &node.function {
+                    NodeFunction::Code(function) => function,
+                    NodeFunction::Snapshot => {
+                        values[i] = Some(NodeValue::Snapshot);
+                        continue;
+                    }
+                };
                 let ctx = NodeContext {
                     node: node.name.clone(),
                     fire: fire.clone(),
                     upstream,
                 };
-                runs.push((i, (node.function)(ctx)));
+                runs.push((i, function(ctx)));
             }
-            let results = if runs.len() == 1 {
-                let (i, run) = runs
-                    .pop()
-                    .into_iter()
-                    .next()
-                    .unwrap_or_else(|| unreachable!());
-                vec![(i, run.await)]
-            } else {
-                let (ids, futures): (Vec<usize>, Vec<_>) = runs.into_iter().unzip();
-                ids.into_iter()
-                    .zip(futures::future::join_all(futures).await)
-                    .collect()
+            let results = match runs.len() {
+                0 => Vec::new(),
+                1 => {
+                    let (i, run) = runs.pop().unwrap_or_else(|| unreachable!());
+                    vec![(i, run.await)]
+                }
+                _ => {
+                    let (ids, futures): (Vec<usize>, Vec<_>) = runs.into_iter().unzip();
+                    ids.into_iter()
+                        .zip(futures::future::join_all(futures).await)
+                        .collect()
+                }
             };
             for (i, result) in results {
                 match result {
-                    Ok(v) => values[i] = v.map(Arc::new),
+                    Ok(v) => values[i] = v.map(|v| NodeValue::Value(Arc::new(v))),
                     Err(error) => {
                         return Err(FireError {
                             node: self.nodes[i].name.to_string(),
@@ -178,7 +240,8 @@ impl CompiledGraph {
                 }
             }
         }
-        Ok(self.outputs.iter().map(|&i| values[i].clone()).collect())
+        let values = self.outputs.iter().map(|&i| values[i].clone()).collect();
+        Ok(FireOutputs { fire, values })
     }
 }
 
@@ -374,7 +437,7 @@ mod tests {
         .await
         .expect("branches ran concurrently")
         .unwrap();
-        assert_eq!(out[0].as_deref(), Some(&json!(["l", "r"])));
+        assert_eq!(out.value(0).as_deref(), Some(&json!(["l", "r"])));
     }
 
     #[tokio::test]
@@ -394,9 +457,14 @@ mod tests {
             .output("after", "o")
             .build()
             .unwrap();
-        assert_eq!(decl.graph.run(fire_input(5)).await.unwrap(), vec![None]);
+        assert_eq!(decl.graph.run(fire_input(5)).await.unwrap().value(0), None);
         assert_eq!(
-            decl.graph.run(fire_input(20)).await.unwrap()[0].as_deref(),
+            decl.graph
+                .run(fire_input(20))
+                .await
+                .unwrap()
+                .value(0)
+                .as_deref(),
             Some(&json!(40))
         );
         let err = decl.graph.run(fire_input(200)).await.unwrap_err();

@@ -143,10 +143,21 @@ where
     Arc::new(move |ctx| Box::pin(f(ctx)))
 }
 
+/// How a node computes its value.
+#[derive(Clone)]
+pub(crate) enum NodeFunction {
+    /// A function of the node's context.
+    Code(NodeFn),
+    /// The built-in `snapshot`: a record of every source, encoded straight from the
+    /// fire's inputs when it is published, and built as a value only for a node that
+    /// reads it.
+    Snapshot,
+}
+
 pub(crate) struct NodeDecl {
     pub name: String,
     pub inputs: Vec<String>,
-    pub function: NodeFn,
+    pub function: NodeFunction,
 }
 
 /// Where a node's output is published.
@@ -451,7 +462,20 @@ impl GraphBuilder {
         self.node_with(name, inputs, node_fn(f))
     }
 
-    pub fn node_with<I, S>(mut self, name: impl Into<String>, inputs: I, function: NodeFn) -> Self
+    pub fn node_with<I, S>(self, name: impl Into<String>, inputs: I, function: NodeFn) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.declare_node(name, inputs, NodeFunction::Code(function))
+    }
+
+    fn declare_node<I, S>(
+        mut self,
+        name: impl Into<String>,
+        inputs: I,
+        function: NodeFunction,
+    ) -> Self
     where
         I: IntoIterator<Item = S>,
         S: Into<String>,
@@ -471,11 +495,11 @@ impl GraphBuilder {
         registry: &FunctionRegistry,
         function: &str,
     ) -> Self {
-        match registry.get(function) {
+        match registry.function(function) {
             Some(f) => {
                 let sources: Vec<String> =
                     self.accumulators.iter().map(|a| a.name.clone()).collect();
-                self.node_with(node, sources, f)
+                self.declare_node(node, sources, f)
             }
             None => {
                 self.function_error = Some(GraphBuildError::UnknownFunction {

@@ -431,18 +431,16 @@ impl<'a> Serving<'a> {
                 return Ok(());
             }
         };
-        for (output, value) in outputs
-            .into_iter()
-            .enumerate()
-            .take(self.graph.outputs.len())
-        {
-            let Some(value) = value else { continue };
+        for output in 0..outputs.len().min(self.graph.outputs.len()) {
+            let Some(payload) = outputs.encoded(output) else {
+                continue;
+            };
             let sent = Sent {
                 output,
                 key: key.clone(),
                 fire,
             };
-            let message = self.output_message(&sent, crate::codec::json::encode(&value));
+            let message = self.output_message(&sent, payload);
             match self.graph.sink.enqueue(message).await {
                 Ok(ack) => self.batch.acks.push((ack, sent)),
                 Err(e) if !e.is_retryable() => self.dead_letter_output(&sent, &e).await?,

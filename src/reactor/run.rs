@@ -404,12 +404,12 @@ impl Reactor {
             result = self.compiled.run(input.clone()).await;
         }
         let messages: Vec<(Outbound, Arc<dyn Sink>)> = match result {
-            Ok(values) => values
+            Ok(outputs) => self
+                .outputs
                 .iter()
-                .zip(self.outputs.iter())
-                .filter_map(|(value, (topic, sink))| {
-                    let value = value.as_ref()?;
-                    let message = Outbound::new(topic.clone(), crate::codec::json::encode(value));
+                .enumerate()
+                .filter_map(|(i, (topic, sink))| {
+                    let message = Outbound::new(topic.clone(), outputs.encoded(i)?);
                     Some((self.stamp.apply(message, fire, degraded), sink.clone()))
                 })
                 .collect(),
