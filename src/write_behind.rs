@@ -2,6 +2,9 @@
 //! a task writes the newest one, waiting out an unreachable store with backoff, and
 //! reports which version is stored. Only the newest value matters (a cache snapshot, a
 //! checkpoint), so values handed over while a write is under way replace each other.
+//! A writer may also keep a least time between the starts of its writes: at a steady
+//! trickle of values, one write per value would cost the store (and the machine) a round
+//! trip per event where one per interval does.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -20,26 +23,49 @@ const LONGEST_PAUSE: Duration = Duration::from_secs(5);
 
 type Write<T> = Arc<dyn Fn(Arc<T>) -> BoxFuture<'static, Result<(), StoreError>> + Send + Sync>;
 
+/// A value handed over, with its version.
+struct Handed<T> {
+    version: u64,
+    value: Option<Arc<T>>,
+    /// Written as soon as the write under way is done, whatever the spacing.
+    at_once: bool,
+}
+
+impl<T> Clone for Handed<T> {
+    fn clone(&self) -> Self {
+        Self {
+            version: self.version,
+            value: self.value.clone(),
+            at_once: self.at_once,
+        }
+    }
+}
+
 /// The owner's end. Dropping it stops the writer, even mid-backoff: a value its owner
 /// no longer stands behind must not land after a successor's.
 pub(crate) struct WriteBehind<T> {
-    latest: watch::Sender<(u64, Option<Arc<T>>)>,
+    latest: watch::Sender<Handed<T>>,
     written: watch::Receiver<u64>,
     version: u64,
     task: JoinHandle<()>,
 }
 
 impl<T: Send + Sync + 'static> WriteBehind<T> {
-    /// Starts the writer; `what` names the values in logs.
-    pub(crate) fn spawn<F, Fut>(what: &'static str, write: F) -> Self
+    /// Starts the writer; `what` names the values in logs. Successful writes start at
+    /// least `spacing` apart (zero: each as soon as the last is done).
+    pub(crate) fn spawn<F, Fut>(what: &'static str, spacing: Duration, write: F) -> Self
     where
         F: Fn(Arc<T>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<(), StoreError>> + Send + 'static,
     {
         let write: Write<T> = Arc::new(move |value| Box::pin(write(value)));
-        let (latest, values) = watch::channel((0, None));
+        let (latest, values) = watch::channel(Handed {
+            version: 0,
+            value: None,
+            at_once: false,
+        });
         let (done, written) = watch::channel(0);
-        let task = tokio::spawn(run(what, write, values, done));
+        let task = tokio::spawn(run(what, spacing, write, values, done));
         Self {
             latest,
             written,
@@ -48,11 +74,25 @@ impl<T: Send + Sync + 'static> WriteBehind<T> {
         }
     }
 
-    /// Hands a value over; returns its version.
+    /// Hands a value over; returns its version. It is written once the spacing since
+    /// the last write has passed, unless a newer value replaces it first.
     pub(crate) fn submit(&mut self, value: T) -> u64 {
+        self.hand_over(value, false)
+    }
+
+    /// Hands a value over to be written as soon as the write under way is done, without
+    /// waiting out the spacing: for a value nothing could rebuild if it were lost.
+    pub(crate) fn submit_at_once(&mut self, value: T) -> u64 {
+        self.hand_over(value, true)
+    }
+
+    fn hand_over(&mut self, value: T, at_once: bool) -> u64 {
         self.version += 1;
-        self.latest
-            .send_replace((self.version, Some(Arc::new(value))));
+        self.latest.send_replace(Handed {
+            version: self.version,
+            value: Some(Arc::new(value)),
+            at_once,
+        });
         self.version
     }
 
@@ -83,25 +123,35 @@ impl<T> Drop for WriteBehind<T> {
 
 async fn run<T>(
     what: &'static str,
+    spacing: Duration,
     write: Write<T>,
-    mut values: watch::Receiver<(u64, Option<Arc<T>>)>,
+    mut values: watch::Receiver<Handed<T>>,
     done: watch::Sender<u64>,
 ) {
-    while values.changed().await.is_ok() {
+    // A value seen while waiting out the spacing, not yet written.
+    let mut pending = false;
+    loop {
+        if !pending && values.changed().await.is_err() {
+            return;
+        }
+        pending = false;
+        let began = tokio::time::Instant::now();
         let mut pause = FIRST_PAUSE;
-        loop {
-            let (version, value) = values.borrow_and_update().clone();
-            let Some(value) = value else { break };
+        let stored = loop {
+            let handed = values.borrow_and_update().clone();
+            let Some(value) = handed.value else {
+                break false;
+            };
             match write(value).await {
                 Ok(()) => {
-                    done.send_replace(version);
-                    break;
+                    done.send_replace(handed.version);
+                    break true;
                 }
                 Err(e) if !e.is_retryable() => {
                     // Refused for good (its writer's lease has a newer holder): a retry
                     // would be refused too, and a newer value will be tried in its turn.
                     warn!(%what, error = %e, "store refused the write; given up");
-                    break;
+                    break false;
                 }
                 Err(e) => {
                     warn!(%what, error = %e, retry_in = ?pause, "store write failed; retrying");
@@ -109,6 +159,26 @@ async fn run<T>(
                     // whichever value is tried.
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(LONGEST_PAUSE);
+                }
+            }
+        };
+        if stored && !spacing.is_zero() {
+            // Values handed over meanwhile replace each other until the spacing has
+            // passed, unless one must be written at once.
+            let spaced = tokio::time::sleep_until(began + spacing);
+            tokio::pin!(spaced);
+            loop {
+                tokio::select! {
+                    _ = &mut spaced => break,
+                    changed = values.changed() => {
+                        if changed.is_err() {
+                            return;
+                        }
+                        pending = true;
+                        if values.borrow().at_once {
+                            break;
+                        }
+                    }
                 }
             }
         }
@@ -143,7 +213,7 @@ mod tests {
         let failures_left = Arc::new(AtomicUsize::new(3));
         let stored = Arc::new(Mutex::new(Vec::new()));
         let (left, into) = (failures_left.clone(), stored.clone());
-        let mut behind = WriteBehind::spawn("test", move |v: Arc<u32>| {
+        let mut behind = WriteBehind::spawn("test", Duration::ZERO, move |v: Arc<u32>| {
             let (left, into) = (left.clone(), into.clone());
             async move {
                 if left
@@ -170,7 +240,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_refused_write_is_given_up() {
-        let mut behind = WriteBehind::spawn("test", |_: Arc<u32>| async {
+        let mut behind = WriteBehind::spawn("test", Duration::ZERO, |_: Arc<u32>| async {
             Err(StoreError::Fenced {
                 lease: "graph:g".into(),
                 token: 1,
@@ -183,7 +253,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_flush_is_bounded_while_the_store_is_away() {
-        let mut behind = WriteBehind::spawn("test", |_: Arc<u32>| async {
+        let mut behind = WriteBehind::spawn("test", Duration::ZERO, |_: Arc<u32>| async {
             Err(StoreError::Unreachable {
                 what: "test store".into(),
                 source: "down".into(),
@@ -192,6 +262,59 @@ mod tests {
         behind.submit(1);
         assert!(!behind.flush(Duration::from_secs(1)).await);
         assert_eq!(behind.written(), 0);
+    }
+
+    type Stored = Arc<Mutex<Vec<(u32, tokio::time::Instant)>>>;
+
+    /// A writer with `spacing` that records each value it stores, and when.
+    fn recording(spacing: Duration) -> (WriteBehind<u32>, Stored) {
+        let stored = Arc::new(Mutex::new(Vec::new()));
+        let into = stored.clone();
+        let behind = WriteBehind::spawn("test", spacing, move |v: Arc<u32>| {
+            let into = into.clone();
+            async move {
+                into.lock().unwrap().push((*v, tokio::time::Instant::now()));
+                Ok(())
+            }
+        });
+        (behind, stored)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn values_within_the_spacing_wait_for_it_and_replace_each_other() {
+        let spacing = Duration::from_millis(50);
+        let (mut behind, stored) = recording(spacing);
+        let start = tokio::time::Instant::now();
+        behind.submit(1);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        behind.submit(2);
+        behind.submit(3);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(
+            behind.written(),
+            1,
+            "the second write waits out the spacing"
+        );
+        assert!(behind.flush(Duration::from_secs(1)).await);
+        let stored = stored.lock().unwrap().clone();
+        assert_eq!(
+            stored.iter().map(|(v, _)| *v).collect::<Vec<_>>(),
+            vec![1, 3]
+        );
+        assert!(stored[1].1 - start >= spacing, "{:?}", stored[1].1 - start);
+        assert_eq!(behind.written(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_value_for_at_once_does_not_wait_out_the_spacing() {
+        let (mut behind, stored) = recording(Duration::from_secs(60));
+        behind.submit(1);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        behind.submit(2);
+        behind.submit_at_once(3);
+        assert!(behind.flush(Duration::from_secs(1)).await);
+        let values: Vec<u32> = stored.lock().unwrap().iter().map(|(v, _)| *v).collect();
+        assert_eq!(values, vec![1, 3]);
     }
 
     #[tokio::test]

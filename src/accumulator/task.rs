@@ -98,6 +98,8 @@ pub(crate) struct AccumulatorTask {
     pub health: Arc<watch::Sender<Health>>,
     pub stats: Arc<GraphStats>,
     pub cancel: CancellationToken,
+    /// Least time between the starts of two checkpoint writes.
+    pub checkpoint_interval: std::time::Duration,
 }
 
 /// How taking a batch of messages ended.
@@ -145,7 +147,7 @@ impl AccumulatorTask {
             let (store, graph, name) =
                 (self.store.clone(), self.key.clone(), self.spec.name.clone());
             let lease = self.lease.clone();
-            WriteBehind::spawn("checkpoint", move |checkpoint| {
+            WriteBehind::spawn("checkpoint", self.checkpoint_interval, move |checkpoint| {
                 let (store, graph, name) = (store.clone(), graph.clone(), name.clone());
                 let lease = lease.clone();
                 async move {
@@ -208,7 +210,7 @@ impl AccumulatorTask {
                 biased;
                 _ = &mut stopping => return Ok(()),
                 durable = durable_changes.next() => match durable {
-                    Some(durable) => self.commit(&mut run, source.is_some(), durable),
+                    Some(durable) => self.commit(&mut run, source.is_some(), durable, false),
                     None => return Ok(()),
                 },
                 Some(version) = stored.next() => {
@@ -227,7 +229,7 @@ impl AccumulatorTask {
                             // Pushes are never replayed: what they left in the state is
                             // stored now rather than at the next emission.
                             let durable = *self.durable.borrow();
-                            self.commit(&mut run, source.is_some(), durable);
+                            self.commit(&mut run, source.is_some(), durable, true);
                         }
                     }
                     // The supervisor keeps a sender for the graph's lifetime.
@@ -510,8 +512,10 @@ impl AccumulatorTask {
         Ok(())
     }
 
-    /// Hands the checkpoint that what is durable allows to the store's writer.
-    fn commit(&self, run: &mut Running, has_source: bool, durable: u64) {
+    /// Hands the checkpoint that what is durable allows to the store's writer; `at_once`
+    /// skips the spacing between checkpoint writes, for a state left by pushes, which
+    /// are never replayed.
+    fn commit(&self, run: &mut Running, has_source: bool, durable: u64, at_once: bool) {
         let Some(point) = run.tracker.durable(durable, run.stateful) else {
             return;
         };
@@ -535,7 +539,11 @@ impl AccumulatorTask {
             .into_iter()
             .filter(|p| p.partition != PUSH_PARTITION)
             .collect();
-        let version = run.checkpoints.submit(checkpoint);
+        let version = if at_once {
+            run.checkpoints.submit_at_once(checkpoint)
+        } else {
+            run.checkpoints.submit(checkpoint)
+        };
         run.unstored.push_back((version, broker_positions));
     }
 

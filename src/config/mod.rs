@@ -689,6 +689,9 @@ fn default_max_in_flight() -> usize {
 fn default_snapshot_interval_ms() -> u64 {
     ms(ReactorConfig::default().snapshot_interval)
 }
+fn default_checkpoint_interval_ms() -> u64 {
+    ms(ReactorConfig::default().checkpoint_interval)
+}
 fn default_node_retries() -> u32 {
     ReactorConfig::default().node_retries
 }
@@ -719,6 +722,9 @@ pub struct GraphConfig {
     pub max_in_flight: usize,
     #[serde(default = "default_snapshot_interval_ms")]
     pub snapshot_interval_ms: u64,
+    /// Least time between the starts of an accumulator's checkpoint writes.
+    #[serde(default = "default_checkpoint_interval_ms")]
+    pub checkpoint_interval_ms: u64,
     /// Retries of a fire whose graph failed, before its inputs are dead-lettered.
     #[serde(default = "default_node_retries")]
     pub node_retries: u32,
@@ -1320,6 +1326,7 @@ impl GraphConfig {
             queue_capacity: self.queue_capacity,
             max_in_flight: self.max_in_flight,
             snapshot_interval: Duration::from_millis(self.snapshot_interval_ms),
+            checkpoint_interval: Duration::from_millis(self.checkpoint_interval_ms),
             node_retries: self.node_retries,
             ..ReactorConfig::default()
         });

@@ -40,6 +40,10 @@ pub struct ReactorConfig {
     pub max_in_flight: usize,
     /// Least time between cache snapshots to the store; zero snapshots after every batch.
     pub snapshot_interval: Duration,
+    /// Least time between the starts of an accumulator's checkpoint writes (its source
+    /// positions are committed to the broker after each); zero writes each one as soon
+    /// as the last is stored.
+    pub checkpoint_interval: Duration,
     /// Times a fire whose graph failed is run again before its inputs are dead-lettered.
     pub node_retries: u32,
     /// Wait before the first retry of a failed fire; doubles with each retry.
@@ -54,6 +58,7 @@ impl Default for ReactorConfig {
             queue_capacity: 1024,
             max_in_flight: 64,
             snapshot_interval: Duration::from_millis(200),
+            checkpoint_interval: Duration::from_millis(100),
             node_retries: 3,
             node_retry_backoff: Duration::from_millis(100),
         }

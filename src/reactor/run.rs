@@ -161,16 +161,20 @@ impl Reactor {
         let snapshots = {
             let key = key.clone();
             let lease = lease.clone();
-            WriteBehind::spawn("cache snapshot", move |snapshot| {
-                let (store, key, lease) = (store.clone(), key.clone(), lease.clone());
-                async move {
-                    let fence = lease
-                        .as_ref()
-                        .map(crate::lease::Held::write_fence)
-                        .transpose()?;
-                    store.save_cache(&key, &snapshot, fence.as_ref()).await
-                }
-            })
+            WriteBehind::spawn(
+                "cache snapshot",
+                std::time::Duration::ZERO,
+                move |snapshot| {
+                    let (store, key, lease) = (store.clone(), key.clone(), lease.clone());
+                    async move {
+                        let fence = lease
+                            .as_ref()
+                            .map(crate::lease::Held::write_fence)
+                            .transpose()?;
+                        store.save_cache(&key, &snapshot, fence.as_ref()).await
+                    }
+                },
+            )
         };
         let reactor = Self {
             graph: Arc::from(decl.name.as_str()),

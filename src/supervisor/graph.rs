@@ -350,6 +350,7 @@ impl SupervisedGraph {
             health: self.health[index].clone(),
             stats: self.stats.clone(),
             cancel: cancel.clone(),
+            checkpoint_interval: self.decl.reactor.checkpoint_interval,
         }
     }
 
