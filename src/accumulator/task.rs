@@ -122,6 +122,9 @@ struct Running {
     unstored: VecDeque<(u64, Vec<Position>)>,
     /// Boundaries emitted and not yet handed to the reactor; each holds its queue slot.
     unsent: Vec<Boundary>,
+    /// When the burst of source messages being taken was read: their boundaries' emit
+    /// time. One clock reading per burst, since its messages are read a moment apart.
+    received_ms: i64,
 }
 
 impl AccumulatorTask {
@@ -169,6 +172,7 @@ impl AccumulatorTask {
             checkpoints,
             unstored: VecDeque::new(),
             unsent: Vec::new(),
+            received_ms: 0,
         };
         // The previous incarnation's guard was dropped when it ended.
         let socket = self.socket.clone();
@@ -295,6 +299,7 @@ impl AccumulatorTask {
         mut source: Option<&mut (dyn Source + '_)>,
         first: Message,
     ) -> Result<Taken, AccumulatorError> {
+        run.received_ms = now_ms();
         if !self.handle_message(run, first).await? {
             return Ok(Taken::ReactorGone);
         }
@@ -457,9 +462,14 @@ impl AccumulatorTask {
             sequence,
             positions,
             event_time_ms,
-            // Pushed and flushed events were stamped a moment ago; reading the clock again
-            // would cost more than the difference is worth.
-            emit_time_ms: if from_source { now_ms() } else { event_time_ms },
+            // Pushed and flushed events were stamped a moment ago, and source messages
+            // when their burst was read; reading the clock again would cost more than
+            // the difference is worth.
+            emit_time_ms: if from_source {
+                run.received_ms
+            } else {
+                event_time_ms
+            },
             value,
         });
         run.unsent.len() < HANDOFF || self.hand_over(run).await

@@ -3,11 +3,14 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use futures::future::{join_all, BoxFuture};
 use serde_json::Value;
+use smallvec::{smallvec, SmallVec};
 
 use super::registry::{snapshot_value, SnapshotRecord};
 use super::{
-    FireInput, GraphBuildError, NodeContext, NodeDecl, NodeError, NodeFunction, OutputBinding,
+    FireInput, GraphBuildError, NodeContext, NodeDecl, NodeError, NodeFunction, NodeResult,
+    OutputBinding,
 };
 
 struct CompiledNode {
@@ -46,7 +49,7 @@ impl NodeValue {
 #[derive(Debug)]
 pub struct FireOutputs {
     fire: Arc<FireInput>,
-    values: Vec<Option<NodeValue>>,
+    values: SmallVec<[Option<NodeValue>; 2]>,
 }
 
 impl FireOutputs {
@@ -183,9 +186,10 @@ impl CompiledGraph {
 
     /// Runs one fire; returns each output binding's value (`None` when routed away).
     pub async fn run(&self, fire: Arc<FireInput>) -> Result<FireOutputs, FireError> {
-        let mut values: Vec<Option<NodeValue>> = vec![None; self.nodes.len()];
+        // Inline: most graphs have a handful of nodes, and most levels one node.
+        let mut values: SmallVec<[Option<NodeValue>; 8]> = smallvec![None; self.nodes.len()];
         for level in &self.levels {
-            let mut runs = Vec::with_capacity(level.len());
+            let mut runs: SmallVec<[(usize, BoxFuture<'static, NodeResult>); 2]> = SmallVec::new();
             for &i in level {
                 let node = &self.nodes[i];
                 let upstream: Vec<(Arc<str>, Arc<Value>)> = node
@@ -215,33 +219,38 @@ impl CompiledGraph {
                 };
                 runs.push((i, function(ctx)));
             }
-            let results = match runs.len() {
-                0 => Vec::new(),
-                1 => {
-                    let (i, run) = runs.pop().unwrap_or_else(|| unreachable!());
-                    vec![(i, run.await)]
-                }
-                _ => {
-                    let (ids, futures): (Vec<usize>, Vec<_>) = runs.into_iter().unzip();
-                    ids.into_iter()
-                        .zip(futures::future::join_all(futures).await)
-                        .collect()
-                }
-            };
-            for (i, result) in results {
-                match result {
-                    Ok(v) => values[i] = v.map(|v| NodeValue::Value(Arc::new(v))),
-                    Err(error) => {
-                        return Err(FireError {
-                            node: self.nodes[i].name.to_string(),
-                            error,
-                        })
-                    }
+            if runs.len() == 1 {
+                let (i, run) = runs.remove(0);
+                let result = run.await;
+                self.settle(&mut values, i, result)?;
+            } else if !runs.is_empty() {
+                let (ids, futures): (Vec<usize>, Vec<_>) = runs.into_iter().unzip();
+                for (i, result) in ids.into_iter().zip(join_all(futures).await) {
+                    self.settle(&mut values, i, result)?;
                 }
             }
         }
         let values = self.outputs.iter().map(|&i| values[i].clone()).collect();
         Ok(FireOutputs { fire, values })
+    }
+
+    /// Keeps node `i`'s value for the nodes after it, or ends the fire with its error.
+    fn settle(
+        &self,
+        values: &mut [Option<NodeValue>],
+        i: usize,
+        result: NodeResult,
+    ) -> Result<(), FireError> {
+        match result {
+            Ok(value) => {
+                values[i] = value.map(|v| NodeValue::Value(Arc::new(v)));
+                Ok(())
+            }
+            Err(error) => Err(FireError {
+                node: self.nodes[i].name.to_string(),
+                error,
+            }),
+        }
     }
 }
 

@@ -156,6 +156,9 @@ struct Serving<'a> {
     batch: Batch,
     /// The number of the batch being gathered, from 1.
     batch_number: u64,
+    /// When the burst being applied was read: its events' emit time. One clock reading
+    /// per burst, since its events are read a moment apart.
+    burst_ms: i64,
 }
 
 /// An output handed to the broker, awaiting its acknowledgement: enough to make it
@@ -220,6 +223,7 @@ impl<'a> Serving<'a> {
             events: 0,
             batch: Batch::default(),
             batch_number: 1,
+            burst_ms: 0,
         })
     }
 
@@ -254,6 +258,7 @@ impl<'a> Serving<'a> {
                 }
                 (source, message) = next_message(&mut self.sources, self.first_source) => {
                     self.first_source = (source + 1) % self.sources.len();
+                    self.burst_ms = now_ms();
                     self.apply(source, message?).await?;
                     // What the source already holds is applied without another turn of
                     // the select, which costs about as much as an event; in bursts, so
@@ -358,19 +363,21 @@ impl<'a> Serving<'a> {
         let partition = self.partition;
         let criteria = self.graph.decl.reactor.criteria;
         let (batch_number, next_listed) = (self.batch_number, self.batch.keys.len());
+        let emit_time_ms = self.burst_ms;
         let (key, state) = self.key_state(&key).await?;
         let boundary = Boundary {
             source: source_name,
             sequence: 0,
             positions: smallvec::smallvec![Position { partition, offset }],
             event_time_ms: message.timestamp_ms,
-            emit_time_ms: now_ms(),
+            emit_time_ms,
             value,
         };
         if state.cache.insert(source, boundary) == Inserted::Duplicate {
             return Ok(());
         }
-        let mut fires = Vec::new();
+        // Inline: an event mostly makes one fire.
+        let mut fires: smallvec::SmallVec<[_; 1]> = smallvec::SmallVec::new();
         while state.cache.ready(criteria) {
             let values = state.cache.take_values();
             state.fires += 1;

@@ -8,6 +8,7 @@ use std::time::Instant as StdInstant;
 use futures::future::BoxFuture;
 use futures::stream::{FuturesOrdered, StreamExt};
 use serde_json::Value;
+use smallvec::SmallVec;
 use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -407,7 +408,8 @@ impl Reactor {
             }
             result = self.compiled.run(input.clone()).await;
         }
-        let messages: Vec<(Outbound, Arc<dyn Sink>)> = match result {
+        // Inline: most graphs publish one output per fire.
+        let messages: SmallVec<[(Outbound, Arc<dyn Sink>); 1]> = match result {
             Ok(outputs) => self
                 .outputs
                 .iter()
@@ -433,7 +435,7 @@ impl Reactor {
                 )
                 .header(crate::wire::ERROR_HEADER, e.to_string());
                 self.stats.dead_lettered();
-                vec![(self.stamp.apply(letter, fire, degraded), sink.clone())]
+                smallvec::smallvec![(self.stamp.apply(letter, fire, degraded), sink.clone())]
             }
         };
         let report = FireReport {
