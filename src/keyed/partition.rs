@@ -514,6 +514,10 @@ impl<'a> Serving<'a> {
         if batch.commit.is_empty() && batch.acks.is_empty() && !releasing {
             return Ok(());
         }
+        // The next batch is likely as large as this one: room made once, not grown
+        // key by key.
+        self.batch.keys.reserve(batch.keys.len());
+        self.batch.acks.reserve(batch.acks.len());
         for (ack, sent) in batch.acks {
             match ack.await {
                 Ok(_) => {}

@@ -69,7 +69,9 @@ struct State {
 
 #[derive(Default)]
 struct KeyedPartition {
-    keys: HashMap<Arc<str>, CacheSnapshot>,
+    /// Written once per changed key per batch: a fast hash, as the graph's own key map
+    /// has, rather than SipHash.
+    keys: HashMap<Arc<str>, CacheSnapshot, foldhash::fast::RandomState>,
     positions: BTreeMap<String, i64>,
     released: Option<(u64, i64)>,
 }
