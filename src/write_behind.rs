@@ -88,10 +88,16 @@ impl<T: Send + Sync + 'static> WriteBehind<T> {
 
     fn hand_over(&mut self, value: T, at_once: bool) -> u64 {
         self.version += 1;
+        // A value replacing one due at once and not stored yet is due at once too: it
+        // holds what the other held.
+        let inherited = {
+            let replaced = self.latest.borrow();
+            replaced.at_once && replaced.version > *self.written.borrow()
+        };
         self.latest.send_replace(Handed {
             version: self.version,
             value: Some(Arc::new(value)),
-            at_once,
+            at_once: at_once || inherited,
         });
         self.version
     }
@@ -312,6 +318,18 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(1)).await;
         behind.submit(2);
         behind.submit_at_once(3);
+        assert!(behind.flush(Duration::from_secs(1)).await);
+        let values: Vec<u32> = stored.lock().unwrap().iter().map(|(v, _)| *v).collect();
+        assert_eq!(values, vec![1, 3]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_value_replacing_one_for_at_once_is_written_at_once_too() {
+        let (mut behind, stored) = recording(Duration::from_secs(60));
+        behind.submit(1);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        behind.submit_at_once(2);
+        behind.submit(3);
         assert!(behind.flush(Duration::from_secs(1)).await);
         let values: Vec<u32> = stored.lock().unwrap().iter().map(|(v, _)| *v).collect();
         assert_eq!(values, vec![1, 3]);

@@ -304,6 +304,42 @@ async fn a_push_only_stateful_accumulator_keeps_its_state_across_a_restart() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn state_left_by_pushes_is_stored_without_waiting_out_the_checkpoint_interval() {
+    let h = Harness::new();
+    let sum = AccumulatorSpec::stateful("a", json!(0), |state, event| {
+        let total = state.as_i64().unwrap_or(0) + event.as_i64().unwrap_or(0);
+        *state = json!(total);
+        Some(json!(total))
+    });
+    // Checkpoints from what fires make durable wait an hour between writes; pushes are
+    // never replayed, so what they leave in the state must not wait with them.
+    let decl = GraphBuilder::new("spaced")
+        .reactor(ReactorConfig {
+            criteria: Criteria::WhenAny,
+            strategy: Strategy::Sequential,
+            snapshot_interval: Duration::from_secs(3600),
+            checkpoint_interval: Duration::from_secs(3600),
+            ..ReactorConfig::default()
+        })
+        .accumulator(sum)
+        .function("snapshot", &FunctionRegistry::default(), "snapshot")
+        .output("snapshot", "spaced.out")
+        .build()
+        .expect("valid graph");
+    let g = h.spawn(decl);
+    g.wait_for_state(ReactorState::Live).await;
+    for v in [1, 2, 3] {
+        g.push("a", json!(v)).await.unwrap();
+        settle().await;
+    }
+    eventually(
+        "the pushed state stored within the eventually limit",
+        || async { stored_state(&h, "spaced").await == Some(json!(6)) },
+    )
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_polling_source_resumes_from_its_position() {
     let h = Harness::new();
     let calls = Arc::new(AtomicUsize::new(0));

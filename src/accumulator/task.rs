@@ -125,6 +125,8 @@ struct Running {
     /// When the burst of source messages being taken was read: their boundaries' emit
     /// time. One clock reading per burst, since its messages are read a moment apart.
     received_ms: i64,
+    /// A push changed the state since the last checkpoint handed over.
+    pushes_unstored: bool,
 }
 
 impl AccumulatorTask {
@@ -173,6 +175,7 @@ impl AccumulatorTask {
             unstored: VecDeque::new(),
             unsent: Vec::new(),
             received_ms: 0,
+            pushes_unstored: false,
         };
         // The previous incarnation's guard was dropped when it ended.
         let socket = self.socket.clone();
@@ -214,7 +217,7 @@ impl AccumulatorTask {
                 biased;
                 _ = &mut stopping => return Ok(()),
                 durable = durable_changes.next() => match durable {
-                    Some(durable) => self.commit(&mut run, source.is_some(), durable, false),
+                    Some(durable) => self.commit(&mut run, source.is_some(), durable),
                     None => return Ok(()),
                 },
                 Some(version) = stored.next() => {
@@ -231,9 +234,11 @@ impl AccumulatorTask {
                         }
                         if run.stateful {
                             // Pushes are never replayed: what they left in the state is
-                            // stored now rather than at the next emission.
+                            // stored now rather than at the next emission, and without
+                            // waiting out the checkpoint interval.
+                            run.pushes_unstored = true;
                             let durable = *self.durable.borrow();
-                            self.commit(&mut run, source.is_some(), durable, true);
+                            self.commit(&mut run, source.is_some(), durable);
                         }
                     }
                     // The supervisor keeps a sender for the graph's lifetime.
@@ -522,10 +527,10 @@ impl AccumulatorTask {
         Ok(())
     }
 
-    /// Hands the checkpoint that what is durable allows to the store's writer; `at_once`
-    /// skips the spacing between checkpoint writes, for a state left by pushes, which
-    /// are never replayed.
-    fn commit(&self, run: &mut Running, has_source: bool, durable: u64, at_once: bool) {
+    /// Hands the checkpoint that what is durable allows to the store's writer: at once,
+    /// without the spacing between checkpoint writes, when it holds a state pushes
+    /// changed, since pushes are never replayed.
+    fn commit(&self, run: &mut Running, has_source: bool, durable: u64) {
         let Some(point) = run.tracker.durable(durable, run.stateful) else {
             return;
         };
@@ -549,7 +554,7 @@ impl AccumulatorTask {
             .into_iter()
             .filter(|p| p.partition != PUSH_PARTITION)
             .collect();
-        let version = if at_once {
+        let version = if std::mem::take(&mut run.pushes_unstored) {
             run.checkpoints.submit_at_once(checkpoint)
         } else {
             run.checkpoints.submit(checkpoint)
