@@ -7,6 +7,7 @@
 //! trip per event where one per interval does.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -45,6 +46,8 @@ impl<T> Clone for Handed<T> {
 /// no longer stands behind must not land after a successor's.
 pub(crate) struct WriteBehind<T> {
     latest: watch::Sender<Handed<T>>,
+    /// The newest version the writer has taken up to write.
+    taken: Arc<AtomicU64>,
     written: watch::Receiver<u64>,
     version: u64,
     task: JoinHandle<()>,
@@ -52,7 +55,8 @@ pub(crate) struct WriteBehind<T> {
 
 impl<T: Send + Sync + 'static> WriteBehind<T> {
     /// Starts the writer; `what` names the values in logs. Successful writes start at
-    /// least `spacing` apart (zero: each as soon as the last is done).
+    /// least `spacing` apart (zero: each as soon as the last is done), except that a
+    /// value handed over with [`WriteBehind::submit_at_once`] does not wait.
     pub(crate) fn spawn<F, Fut>(what: &'static str, spacing: Duration, write: F) -> Self
     where
         F: Fn(Arc<T>) -> Fut + Send + Sync + 'static,
@@ -65,9 +69,11 @@ impl<T: Send + Sync + 'static> WriteBehind<T> {
             at_once: false,
         });
         let (done, written) = watch::channel(0);
-        let task = tokio::spawn(run(what, spacing, write, values, done));
+        let taken = Arc::new(AtomicU64::new(0));
+        let task = tokio::spawn(run(what, spacing, write, values, taken.clone(), done));
         Self {
             latest,
+            taken,
             written,
             version: 0,
             task,
@@ -88,11 +94,12 @@ impl<T: Send + Sync + 'static> WriteBehind<T> {
 
     fn hand_over(&mut self, value: T, at_once: bool) -> u64 {
         self.version += 1;
-        // A value replacing one due at once and not stored yet is due at once too: it
-        // holds what the other held.
+        // A value replacing one due at once that the writer has not taken up yet is due
+        // at once too: it holds what the other held. (Once taken, the other is being
+        // written already.)
         let inherited = {
             let replaced = self.latest.borrow();
-            replaced.at_once && replaced.version > *self.written.borrow()
+            replaced.at_once && replaced.version > self.taken.load(Ordering::Acquire)
         };
         self.latest.send_replace(Handed {
             version: self.version,
@@ -132,6 +139,7 @@ async fn run<T>(
     spacing: Duration,
     write: Write<T>,
     mut values: watch::Receiver<Handed<T>>,
+    taken: Arc<AtomicU64>,
     done: watch::Sender<u64>,
 ) {
     // A value seen while waiting out the spacing, not yet written.
@@ -148,6 +156,7 @@ async fn run<T>(
             let Some(value) = handed.value else {
                 break false;
             };
+            taken.store(handed.version, Ordering::Release);
             match write(value).await {
                 Ok(()) => {
                     done.send_replace(handed.version);
@@ -274,11 +283,17 @@ mod tests {
 
     /// A writer with `spacing` that records each value it stores, and when.
     fn recording(spacing: Duration) -> (WriteBehind<u32>, Stored) {
+        recording_slowly(spacing, Duration::ZERO)
+    }
+
+    /// The same, each write taking `takes`.
+    fn recording_slowly(spacing: Duration, takes: Duration) -> (WriteBehind<u32>, Stored) {
         let stored = Arc::new(Mutex::new(Vec::new()));
         let into = stored.clone();
         let behind = WriteBehind::spawn("test", spacing, move |v: Arc<u32>| {
             let into = into.clone();
             async move {
+                tokio::time::sleep(takes).await;
                 into.lock().unwrap().push((*v, tokio::time::Instant::now()));
                 Ok(())
             }
@@ -333,6 +348,23 @@ mod tests {
         assert!(behind.flush(Duration::from_secs(1)).await);
         let values: Vec<u32> = stored.lock().unwrap().iter().map(|(v, _)| *v).collect();
         assert_eq!(values, vec![1, 3]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_value_handed_over_while_one_for_at_once_is_written_waits_out_the_spacing() {
+        let write = Duration::from_millis(5);
+        let (mut behind, stored) = recording_slowly(Duration::from_secs(60), write);
+        behind.submit(1);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        behind.submit_at_once(2);
+        // 2 is being written: 3 holds nothing that must not wait.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        behind.submit(3);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(behind.written(), 2);
+        assert!(behind.flush(Duration::from_secs(61)).await);
+        let values: Vec<u32> = stored.lock().unwrap().iter().map(|(v, _)| *v).collect();
+        assert_eq!(values, vec![1, 2, 3]);
     }
 
     #[tokio::test]

@@ -306,13 +306,14 @@ async fn a_push_only_stateful_accumulator_keeps_its_state_across_a_restart() {
 #[tokio::test(start_paused = true)]
 async fn state_left_by_pushes_is_stored_without_waiting_out_the_checkpoint_interval() {
     let h = Harness::new();
+    // It also reads a topic, whose checkpoints are spaced (an hour apart here); pushes
+    // are never replayed, so what they leave in the state must not wait with them.
     let sum = AccumulatorSpec::stateful("a", json!(0), |state, event| {
         let total = state.as_i64().unwrap_or(0) + event.as_i64().unwrap_or(0);
         *state = json!(total);
         Some(json!(total))
-    });
-    // Checkpoints from what fires make durable wait an hour between writes; pushes are
-    // never replayed, so what they leave in the state must not wait with them.
+    })
+    .topic("spaced.in");
     let decl = GraphBuilder::new("spaced")
         .reactor(ReactorConfig {
             criteria: Criteria::WhenAny,
@@ -362,6 +363,54 @@ async fn a_polling_source_resumes_from_its_position() {
     // The first poll after the restart comes at once and is a new value: it fires.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(h.outputs("poll.out").len(), fired + 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fast_poll_resumes_from_its_position_whatever_the_checkpoint_interval() {
+    let h = Harness::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    // A poll numbers on from its checkpoint: were its checkpoints spaced out like a
+    // topic's, the cache stored at the stop would be ahead of them, and the polls after
+    // a restart would be taken for repeats and dropped.
+    let declare = |calls: Arc<AtomicUsize>| {
+        let poll = AccumulatorSpec::polling("a", Duration::from_millis(10), move || {
+            let n = calls.fetch_add(1, Ordering::SeqCst);
+            async move { Some(json!(n)) }
+        });
+        GraphBuilder::new("fastpoll")
+            .reactor(ReactorConfig {
+                criteria: Criteria::WhenAny,
+                strategy: Strategy::Sequential,
+                snapshot_interval: Duration::from_secs(3600),
+                checkpoint_interval: Duration::from_secs(3600),
+                ..ReactorConfig::default()
+            })
+            .accumulator(poll)
+            .function("snapshot", &FunctionRegistry::default(), "snapshot")
+            .output("snapshot", "fastpoll.out")
+            .build()
+            .expect("valid graph")
+    };
+    let g = h.spawn(declare(calls.clone()));
+    g.wait_for_state(ReactorState::Live).await;
+    eventually("twenty polls fired", || async {
+        h.outputs("fastpoll.out").len() >= 20
+    })
+    .await;
+    let h = h.restart().await;
+    let fired = h.outputs("fastpoll.out").len();
+    let next = calls.load(Ordering::SeqCst);
+    let g = h.spawn(declare(calls.clone()));
+    g.wait_for_state(ReactorState::Live).await;
+    eventually("a fire after the restart", || async {
+        h.outputs("fastpoll.out").len() > fired
+    })
+    .await;
+    assert_eq!(
+        h.outputs("fastpoll.out")[fired]["inputs"]["a"],
+        json!(next),
+        "the first poll after the restart fired"
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -11,8 +11,8 @@ pub fn decode(bytes: &[u8]) -> Result<Value, CodecError> {
 }
 
 pub fn encode<T: serde::Serialize + ?Sized>(value: &T) -> Vec<u8> {
-    // Serializing a JSON value or weir's records to a Vec cannot fail: every map key is a
-    // string.
+    // For JSON values and weir's records, whose serialization to a Vec cannot fail:
+    // every map key is a string.
     serde_json::to_vec(value).unwrap_or_default()
 }
 

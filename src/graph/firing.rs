@@ -40,9 +40,10 @@ pub struct ReactorConfig {
     pub max_in_flight: usize,
     /// Least time between cache snapshots to the store; zero snapshots after every batch.
     pub snapshot_interval: Duration,
-    /// Least time between the starts of an accumulator's checkpoint writes (its source
-    /// positions are committed to the broker after each); zero writes each one as soon
-    /// as the last is stored.
+    /// Least time between the starts of the checkpoint writes of an accumulator reading
+    /// a topic (its positions are committed to the broker after each); zero writes each
+    /// one as soon as the last is stored. Sources that cannot replay are checkpointed
+    /// at once.
     pub checkpoint_interval: Duration,
     /// Times a fire whose graph failed is run again before its inputs are dead-lettered.
     pub node_retries: u32,

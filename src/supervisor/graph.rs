@@ -350,7 +350,13 @@ impl SupervisedGraph {
             health: self.health[index].clone(),
             stats: self.stats.clone(),
             cancel: cancel.clone(),
-            checkpoint_interval: self.decl.reactor.checkpoint_interval,
+            // Only a broker topic replays what a lagging checkpoint left out: a poll
+            // numbers on from its checkpoint and pushes are never replayed, so their
+            // checkpoints are written at once.
+            checkpoint_interval: match self.decl.accumulators[index].source {
+                SourceSpec::Topic { .. } => self.decl.reactor.checkpoint_interval,
+                SourceSpec::None | SourceSpec::Custom(_) => std::time::Duration::ZERO,
+            },
         }
     }
 
