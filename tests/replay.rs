@@ -22,12 +22,26 @@ use weir::{AccumulatorSpec, Criteria, GraphBuilder, ReactorConfig, ReactorState,
 /// A graph whose every boundary fires once (sequential, when_any) into `<name>.out`;
 /// snapshots are rare, so only fires make anything durable.
 fn graph(name: &str, accumulator: AccumulatorSpec) -> weir::GraphDeclaration {
+    graph_spacing_checkpoints(
+        name,
+        accumulator,
+        ReactorConfig::default().checkpoint_interval,
+    )
+}
+
+/// The same graph, with checkpoint writes `spacing` apart where they may be.
+fn graph_spacing_checkpoints(
+    name: &str,
+    accumulator: AccumulatorSpec,
+    spacing: Duration,
+) -> weir::GraphDeclaration {
     let registry = FunctionRegistry::default();
     GraphBuilder::new(name)
         .reactor(ReactorConfig {
             criteria: Criteria::WhenAny,
             strategy: Strategy::Sequential,
             snapshot_interval: Duration::from_secs(3600),
+            checkpoint_interval: spacing,
             ..ReactorConfig::default()
         })
         .accumulator(accumulator)
@@ -314,20 +328,11 @@ async fn state_left_by_pushes_is_stored_without_waiting_out_the_checkpoint_inter
         Some(json!(total))
     })
     .topic("spaced.in");
-    let decl = GraphBuilder::new("spaced")
-        .reactor(ReactorConfig {
-            criteria: Criteria::WhenAny,
-            strategy: Strategy::Sequential,
-            snapshot_interval: Duration::from_secs(3600),
-            checkpoint_interval: Duration::from_secs(3600),
-            ..ReactorConfig::default()
-        })
-        .accumulator(sum)
-        .function("snapshot", &FunctionRegistry::default(), "snapshot")
-        .output("snapshot", "spaced.out")
-        .build()
-        .expect("valid graph");
-    let g = h.spawn(decl);
+    let g = h.spawn(graph_spacing_checkpoints(
+        "spaced",
+        sum,
+        Duration::from_secs(3600),
+    ));
     g.wait_for_state(ReactorState::Live).await;
     for v in [1, 2, 3] {
         g.push("a", json!(v)).await.unwrap();
@@ -377,19 +382,7 @@ async fn a_fast_poll_resumes_from_its_position_whatever_the_checkpoint_interval(
             let n = calls.fetch_add(1, Ordering::SeqCst);
             async move { Some(json!(n)) }
         });
-        GraphBuilder::new("fastpoll")
-            .reactor(ReactorConfig {
-                criteria: Criteria::WhenAny,
-                strategy: Strategy::Sequential,
-                snapshot_interval: Duration::from_secs(3600),
-                checkpoint_interval: Duration::from_secs(3600),
-                ..ReactorConfig::default()
-            })
-            .accumulator(poll)
-            .function("snapshot", &FunctionRegistry::default(), "snapshot")
-            .output("snapshot", "fastpoll.out")
-            .build()
-            .expect("valid graph")
+        graph_spacing_checkpoints("fastpoll", poll, Duration::from_secs(3600))
     };
     let g = h.spawn(declare(calls.clone()));
     g.wait_for_state(ReactorState::Live).await;
