@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use serde::de::DeserializeOwned;
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use crate::accumulator::{AccumulatorSpec, Boundary, SourceSpec};
 use crate::transport::Sink;
@@ -68,15 +68,8 @@ impl FireInput {
 
     /// Source name → value (`null` for a source that never emitted).
     pub fn inputs_json(&self) -> Value {
-        let mut map = Map::with_capacity(self.names.len());
-        for (name, value) in self.names.iter().zip(&self.values) {
-            let v = value
-                .as_ref()
-                .map(|b| b.value.clone())
-                .unwrap_or(Value::Null);
-            map.insert(name.to_string(), v);
-        }
-        Value::Object(map)
+        // Cannot fail: every key is a source name.
+        serde_json::to_value(registry::SnapshotInputs(self)).unwrap_or(Value::Null)
     }
 }
 

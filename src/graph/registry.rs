@@ -83,8 +83,9 @@ impl Serialize for SnapshotRecord<'_> {
     }
 }
 
-/// Source name → value (`null` for a source that never emitted), by name.
-struct SnapshotInputs<'a>(&'a FireInput);
+/// Source name → value (`null` for a source that never emitted), by name: `snapshot`'s
+/// `inputs`, and what a dead letter records of a fire.
+pub(crate) struct SnapshotInputs<'a>(pub &'a FireInput);
 
 impl Serialize for SnapshotInputs<'_> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
