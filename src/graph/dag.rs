@@ -1,11 +1,12 @@
 //! Compiles a node declaration list into levels of a DAG, validating it once.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use futures::future::{join_all, BoxFuture};
 use serde_json::Value;
-use smallvec::{smallvec, SmallVec};
+use smallvec::SmallVec;
 
 use super::registry::{snapshot_value, SnapshotRecord};
 use super::{
@@ -29,18 +30,38 @@ pub struct CompiledGraph {
 }
 
 /// A node's value in one fire.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 enum NodeValue {
-    Value(Arc<Value>),
+    /// As the node returned it: shared only once a later node reads it, so an output
+    /// node's value costs no allocation of its own.
+    Owned(Value),
+    Shared(Arc<Value>),
     /// The `snapshot` record of the fire's inputs, built only when something reads it.
     Snapshot,
 }
 
 impl NodeValue {
-    fn to_value(&self, fire: &FireInput) -> Arc<Value> {
-        match self {
-            Self::Value(value) => value.clone(),
+    /// The value for a later node to read, shared from now on.
+    fn share(&mut self, fire: &FireInput) -> Arc<Value> {
+        match std::mem::replace(self, Self::Snapshot) {
+            Self::Owned(value) => {
+                let value = Arc::new(value);
+                *self = Self::Shared(value.clone());
+                value
+            }
+            Self::Shared(value) => {
+                *self = Self::Shared(value.clone());
+                value
+            }
             Self::Snapshot => Arc::new(snapshot_value(fire)),
+        }
+    }
+
+    fn get<'a>(&'a self, fire: &FireInput) -> Cow<'a, Value> {
+        match self {
+            Self::Owned(value) => Cow::Borrowed(value),
+            Self::Shared(value) => Cow::Borrowed(&**value),
+            Self::Snapshot => Cow::Owned(snapshot_value(fire)),
         }
     }
 }
@@ -65,15 +86,16 @@ impl FireOutputs {
     /// The JSON payload for output binding `index`; `None` when the fire routed it away.
     pub fn encoded(&self, index: usize) -> Option<Vec<u8>> {
         Some(match self.values.get(index)?.as_ref()? {
-            NodeValue::Value(value) => crate::codec::json::encode(&**value),
+            NodeValue::Owned(value) => crate::codec::json::encode(value),
+            NodeValue::Shared(value) => crate::codec::json::encode(&**value),
             NodeValue::Snapshot => crate::codec::json::encode(&SnapshotRecord(&self.fire)),
         })
     }
 
     /// The value of output binding `index`; `None` when the fire routed it away.
-    pub fn value(&self, index: usize) -> Option<Arc<Value>> {
+    pub fn value(&self, index: usize) -> Option<Cow<'_, Value>> {
         let value = self.values.get(index)?.as_ref()?;
-        Some(value.to_value(&self.fire))
+        Some(value.get(&self.fire))
     }
 }
 
@@ -187,7 +209,8 @@ impl CompiledGraph {
     /// Runs one fire; returns each output binding's value (`None` when routed away).
     pub async fn run(&self, fire: Arc<FireInput>) -> Result<FireOutputs, FireError> {
         // Inline: most graphs have a handful of nodes, and most levels one node.
-        let mut values: SmallVec<[Option<NodeValue>; 8]> = smallvec![None; self.nodes.len()];
+        let mut values: SmallVec<[Option<NodeValue>; 8]> =
+            (0..self.nodes.len()).map(|_| None).collect();
         for level in &self.levels {
             let mut runs: SmallVec<[(usize, BoxFuture<'static, NodeResult>); 2]> = SmallVec::new();
             for &i in level {
@@ -196,7 +219,7 @@ impl CompiledGraph {
                     .upstream
                     .iter()
                     .filter_map(|&j| {
-                        let value = values[j].as_ref()?.to_value(&fire);
+                        let value = values[j].as_mut()?.share(&fire);
                         Some((self.nodes[j].name.clone(), value))
                     })
                     .collect();
@@ -230,7 +253,23 @@ impl CompiledGraph {
                 }
             }
         }
-        let values = self.outputs.iter().map(|&i| values[i].clone()).collect();
+        // A node bound to several outputs is shared among them; otherwise each output
+        // takes its node's value as it is.
+        let values = self
+            .outputs
+            .iter()
+            .enumerate()
+            .map(|(k, &i)| {
+                if self.outputs[k + 1..].contains(&i) {
+                    values[i].as_mut().map(|v| match v {
+                        NodeValue::Snapshot => NodeValue::Snapshot,
+                        v => NodeValue::Shared(v.share(&fire)),
+                    })
+                } else {
+                    values[i].take()
+                }
+            })
+            .collect();
         Ok(FireOutputs { fire, values })
     }
 
@@ -243,7 +282,7 @@ impl CompiledGraph {
     ) -> Result<(), FireError> {
         match result {
             Ok(value) => {
-                values[i] = value.map(|v| NodeValue::Value(Arc::new(v)));
+                values[i] = value.map(NodeValue::Owned);
                 Ok(())
             }
             Err(error) => Err(FireError {

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
+use smallvec::SmallVec;
 
 use crate::accumulator::{AccumulatorSpec, Boundary, SourceSpec};
 use crate::transport::Sink;
@@ -29,8 +30,12 @@ pub struct FireInput {
     /// The key fired for, in a keyed graph.
     pub key: Option<Arc<str>>,
     pub(crate) names: Arc<[Arc<str>]>,
-    pub(crate) values: Vec<Option<Arc<Boundary>>>,
+    pub(crate) values: FireValues,
 }
+
+/// Per source, in declaration order, the boundary a fire sees (`None` before the first).
+/// Inline: a graph has a handful of sources.
+pub type FireValues = SmallVec<[Option<Arc<Boundary>>; 4]>;
 
 impl FireInput {
     pub fn new(
@@ -38,7 +43,7 @@ impl FireInput {
         fire: u64,
         degraded: bool,
         names: Arc<[Arc<str>]>,
-        values: Vec<Option<Arc<Boundary>>>,
+        values: impl Into<FireValues>,
     ) -> Self {
         Self {
             graph,
@@ -46,7 +51,7 @@ impl FireInput {
             degraded,
             key: None,
             names,
-            values,
+            values: values.into(),
         }
     }
 

@@ -16,15 +16,15 @@ use tracing::{info, warn};
 use super::store::{KeyedChanges, KeyedStore};
 use super::KeyedTopics;
 use crate::accumulator::Boundary;
-use crate::graph::{FireInput, GraphDeclaration, Keying};
+use crate::graph::{FireInput, FireValues, GraphDeclaration, Keying};
 use crate::lease::Held;
 use crate::ownership::{PartitionError, PartitionWork};
 use crate::reactor::cache::{InputCache, Inserted};
 use crate::reactor::CacheSnapshot;
 use crate::store_error::StoreError;
 use crate::transport::{
-    now_ms, publish_persistently, Broker, Message, Outbound, PendingAck, Position, Sink, Source,
-    TransportError,
+    now_ms, publish_persistently, Broker, HeaderValue, Message, Outbound, PendingAck, Position,
+    Sink, Source, TransportError,
 };
 use crate::wire;
 
@@ -39,6 +39,8 @@ const BURST: usize = 64;
 pub(crate) struct KeyedPartitions {
     decl: GraphDeclaration,
     graph: Arc<str>,
+    /// The graph's name as every output's header carries it.
+    graph_header: HeaderValue,
     keying: Keying,
     topics: KeyedTopics,
     names: Arc<[Arc<str>]>,
@@ -82,6 +84,7 @@ impl KeyedPartitions {
             .collect();
         Self {
             graph: Arc::from(decl.key()),
+            graph_header: HeaderValue::new(decl.key()),
             groups: (0..decl.accumulators.len())
                 .map(|index| decl.source_group(index))
                 .collect(),
@@ -142,7 +145,7 @@ struct Serving<'a> {
     stopping: CancellationToken,
     /// The source read first next time: each in turn, so none starves the others.
     first_source: usize,
-    fencing: String,
+    fencing: HeaderValue,
     sources: Vec<Box<dyn Source>>,
     /// Per source: the last position applied.
     positions: Vec<Option<i64>>,
@@ -215,7 +218,7 @@ impl<'a> Serving<'a> {
             held,
             stopping: stopping.clone(),
             first_source: 0,
-            fencing: held.lease.token.to_string(),
+            fencing: HeaderValue::new(held.lease.token.to_string()),
             sources,
             positions,
             keys: HashMap::default(),
@@ -402,7 +405,7 @@ impl<'a> Serving<'a> {
         &mut self,
         key: &Arc<str>,
         fire: u64,
-        values: Vec<Option<Arc<Boundary>>>,
+        values: FireValues,
     ) -> Result<(), PartitionError> {
         let input = Arc::new(
             FireInput::new(
@@ -461,9 +464,10 @@ impl<'a> Serving<'a> {
         let mut message = Outbound::new(self.graph.outputs[sent.output].clone(), payload)
             .key(bytes::Bytes::copy_from_slice(sent.key.as_bytes()));
         message.headers.reserve_exact(3);
+        let mut fire = itoa::Buffer::new();
         message
-            .header(wire::GRAPH_HEADER, self.graph.graph.to_string())
-            .header(wire::FIRE_HEADER, sent.fire.to_string())
+            .header(wire::GRAPH_HEADER, self.graph.graph_header.clone())
+            .header(wire::FIRE_HEADER, fire.format(sent.fire))
             .header(wire::FENCING_HEADER, self.fencing.clone())
     }
 

@@ -11,6 +11,7 @@ use smallvec::SmallVec;
 
 use super::{Criteria, Strategy};
 use crate::accumulator::Boundary;
+use crate::graph::FireValues;
 use crate::lease::Fence;
 use crate::store_error::StoreError;
 use crate::transport::Position;
@@ -133,7 +134,7 @@ impl<'de> Deserialize<'de> for SourceSnapshots {
 }
 
 /// Boundaries taken from the cache by one fire.
-pub type Consumed = Vec<(usize, Arc<Boundary>)>;
+pub type Consumed = SmallVec<[(usize, Arc<Boundary>); 4]>;
 
 /// A source's boundaries waiting for fires (sequential strategy). Mostly it holds one at
 /// most, queued and taken by the fire it makes, and a keyed graph keeps one per key: the
@@ -308,15 +309,15 @@ impl InputCache {
 
     /// Takes a fire's inputs: the newest value per source (latest), or the head of each
     /// non-empty queue (sequential). Clears the dirty flags of what was taken.
-    pub fn take(&mut self) -> (Vec<Option<Arc<Boundary>>>, Consumed) {
-        let mut consumed = Vec::new();
+    pub fn take(&mut self) -> (FireValues, Consumed) {
+        let mut consumed = Consumed::new();
         self.take_recording(Some(&mut consumed));
         (self.values(), consumed)
     }
 
     /// As [`take`](Self::take), for a caller that keeps no record of what each fire
     /// consumed (a keyed graph stores its keys only once their outputs are acknowledged).
-    pub fn take_values(&mut self) -> Vec<Option<Arc<Boundary>>> {
+    pub fn take_values(&mut self) -> FireValues {
         self.take_recording(None);
         self.values()
     }
@@ -346,7 +347,7 @@ impl InputCache {
     }
 
     /// The value each source would show a fire now.
-    pub fn values(&self) -> Vec<Option<Arc<Boundary>>> {
+    pub fn values(&self) -> FireValues {
         self.slots.iter().map(|s| s.current.clone()).collect()
     }
 

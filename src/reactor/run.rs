@@ -22,10 +22,10 @@ use super::{
 };
 use crate::accumulator::task::{SourceCounters, HANDOFF};
 use crate::accumulator::{Boundary, Health, Positions, PUSH_PARTITION};
-use crate::graph::{CompiledGraph, FireInput, GraphDeclaration};
+use crate::graph::{CompiledGraph, FireInput, FireValues, GraphDeclaration};
 use crate::stats::GraphStats;
 use crate::store_error::StoreError;
-use crate::transport::{now_ms, Outbound, Sink, TransportError};
+use crate::transport::{now_ms, HeaderValue, Outbound, Sink, TransportError};
 use crate::write_behind::WriteBehind;
 
 /// Boundaries drained per wakeup before criteria are evaluated, so a burst becomes one
@@ -181,10 +181,10 @@ impl Reactor {
             graph: Arc::from(decl.name.as_str()),
             stamp: Stamp {
                 key: bytes::Bytes::from(decl.key().into_bytes()),
-                graph: Arc::from(decl.name.as_str()),
+                graph: HeaderValue::new(&decl.name),
                 fencing: lease
                     .as_ref()
-                    .map(|held| Arc::from(held.lease.token.to_string())),
+                    .map(|held| HeaderValue::new(held.lease.token.to_string())),
             },
             lease,
             config: decl.reactor.clone(),
@@ -366,7 +366,7 @@ impl Reactor {
 
     async fn fire(
         &mut self,
-        values: Vec<Option<Arc<Boundary>>>,
+        values: FireValues,
         consumed: Consumed,
         reason: FireReason,
     ) -> Result<FireReport, ReactorError> {
@@ -599,7 +599,9 @@ impl Reactor {
                     self.cache.inject(i, boundary);
                 }
                 let values = self.cache.values();
-                let report = self.fire(values, Vec::new(), FireReason::FireWith).await?;
+                let report = self
+                    .fire(values, Consumed::new(), FireReason::FireWith)
+                    .await?;
                 let _ = reply.send(Ok(report));
             }
             Command::GetState(reply) => {
@@ -656,19 +658,32 @@ impl Reactor {
 #[derive(Debug, Clone)]
 struct Stamp {
     key: bytes::Bytes,
-    graph: Arc<str>,
-    fencing: Option<Arc<str>>,
+    graph: HeaderValue,
+    fencing: Option<HeaderValue>,
 }
 
 impl Stamp {
-    fn apply(&self, message: Outbound, fire: u64, degraded: bool) -> Outbound {
-        let mut message = message
-            .key(self.key.clone())
-            .header(crate::wire::GRAPH_HEADER, &*self.graph)
-            .header(crate::wire::FIRE_HEADER, fire.to_string())
-            .header(crate::wire::DEGRADED_HEADER, degraded.to_string());
+    fn apply(&self, mut message: Outbound, fire: u64, degraded: bool) -> Outbound {
+        message.key = Some(self.key.clone());
+        message
+            .headers
+            .reserve_exact(3 + usize::from(self.fencing.is_some()));
+        let mut number = itoa::Buffer::new();
+        message.headers.extend([
+            (crate::wire::GRAPH_HEADER.into(), self.graph.clone()),
+            (
+                crate::wire::FIRE_HEADER.into(),
+                HeaderValue::new(number.format(fire)),
+            ),
+            (
+                crate::wire::DEGRADED_HEADER.into(),
+                HeaderValue::new_static(if degraded { "true" } else { "false" }),
+            ),
+        ]);
         if let Some(token) = &self.fencing {
-            message = message.header(crate::wire::FENCING_HEADER, &**token);
+            message
+                .headers
+                .push((crate::wire::FENCING_HEADER.into(), token.clone()));
         }
         message
     }

@@ -23,8 +23,8 @@ use rdkafka::util::Timeout;
 use rdkafka::{Offset, TopicPartitionList};
 
 use super::{
-    Acks, Assignment, BoxError, Broker, FinishedPrefix, Message, Outbound, PartitionedTopic,
-    PendingAck, Position, Sink, Source, StartFrom, Subscription, TransportError,
+    Acks, Assignment, BoxError, Broker, FinishedPrefix, HeaderValue, Message, Outbound,
+    PartitionedTopic, PendingAck, Position, Sink, Source, StartFrom, Subscription, TransportError,
 };
 
 /// How long publishes wait, at most, for those made through a producer that failed
@@ -747,7 +747,9 @@ async fn receive(
         .map(|hs| {
             hs.iter()
                 .map(|h| {
-                    let value = h.value.map(|v| String::from_utf8_lossy(v).into_owned());
+                    let value = h
+                        .value
+                        .map(|v| HeaderValue::new(String::from_utf8_lossy(v)));
                     (h.key.to_string().into(), value.unwrap_or_default())
                 })
                 .collect()

@@ -27,7 +27,12 @@ pub struct Position {
 }
 
 /// Message headers: names are mostly weir's own constants, so they borrow when they can.
-pub type Headers = Vec<(Cow<'static, str>, String)>;
+pub type Headers = Vec<(Cow<'static, str>, HeaderValue)>;
+
+/// A header's value. Most are short (a fire number, `true`, a graph's name): those are
+/// kept inline, a constant is borrowed, and a longer one is shared on clone, so stamping
+/// every output with the same few headers allocates nothing per message.
+pub type HeaderValue = smol_str::SmolStr;
 
 /// A consumed message.
 #[derive(Debug, Clone)]
@@ -74,7 +79,11 @@ impl Outbound {
         self
     }
 
-    pub fn header(mut self, name: impl Into<Cow<'static, str>>, value: impl Into<String>) -> Self {
+    pub fn header(
+        mut self,
+        name: impl Into<Cow<'static, str>>,
+        value: impl Into<HeaderValue>,
+    ) -> Self {
         self.headers.push((name.into(), value.into()));
         self
     }

@@ -536,7 +536,7 @@ fn key_of(headers: &super::Headers) -> Option<Bytes> {
     headers
         .iter()
         .find(|(name, _)| name == KEY_HEADER)
-        .map(|(_, value)| Bytes::from(value.clone()))
+        .map(|(_, value)| Bytes::copy_from_slice(value.as_bytes()))
 }
 
 fn headers_of(message: &async_nats::Message) -> super::Headers {
@@ -549,7 +549,7 @@ fn headers_of(message: &async_nats::Message) -> super::Headers {
             let name = name.to_string();
             values
                 .iter()
-                .map(move |v| (name.clone().into(), v.as_str().to_string()))
+                .map(move |v| (name.clone().into(), super::HeaderValue::new(v.as_str())))
         })
         .collect()
 }
