@@ -1084,7 +1084,7 @@ async fn a_leased_graph_working_off_a_backlog_longer_than_its_lease_keeps_it() {
     // lease keeper shares the thread with the graph's accumulator and reactor. Should it
     // miss its renewals, the graph stops and starts again from its checkpoint, and part
     // of the backlog fires twice under a newer fencing token.
-    const EVENTS: usize = 60_000;
+    const EVENTS: usize = 100_000;
     let ttl = Duration::from_millis(600);
     let policy = weir::SupervisionPolicy {
         graph_lease_ttl: Some(ttl),

@@ -23,7 +23,47 @@ use crate::stats::GraphStats;
 use crate::transport::{now_ms, Message, Outbound, Position, Sink, Source, SourceFactory};
 use crate::write_behind::{changes, WriteBehind};
 
-pub(crate) type SocketReceiver = Arc<tokio::sync::Mutex<mpsc::Receiver<Value>>>;
+/// An accumulator's socket path, shared by its incarnations one at a time.
+pub(crate) type SocketReceiver = Arc<tokio::sync::Mutex<Socket>>;
+
+/// The receiving end of a socket path. Pushes are taken from the channel in bursts,
+/// which frees their queue slots in one go rather than one lock per push; those of a
+/// burst not yet handled when an incarnation ends stay here for the next one, as they
+/// would have stayed in the channel.
+pub(crate) struct Socket {
+    receiver: mpsc::Receiver<Value>,
+    taken: Vec<Value>,
+    /// The first push of `taken` not yet handed out.
+    next: usize,
+}
+
+impl Socket {
+    pub(crate) fn new(receiver: mpsc::Receiver<Value>) -> Self {
+        Self {
+            receiver,
+            taken: Vec::new(),
+            next: 0,
+        }
+    }
+
+    /// Waits until a push is at hand; false once every sender is gone and nothing is
+    /// left. Cancel-safe: nothing is taken from the channel unless it returns.
+    async fn ready(&mut self) -> bool {
+        if self.next < self.taken.len() {
+            return true;
+        }
+        self.taken.clear();
+        self.next = 0;
+        self.receiver.recv_many(&mut self.taken, PUSH_BATCH).await > 0
+    }
+
+    /// The next push of the burst at hand.
+    fn next_push(&mut self) -> Option<Value> {
+        let value = self.taken.get_mut(self.next).map(std::mem::take)?;
+        self.next += 1;
+        Some(value)
+    }
+}
 
 /// Pushes taken in one go before a stateful push path writes its checkpoint.
 const PUSH_BATCH: usize = 256;
@@ -223,9 +263,9 @@ impl AccumulatorTask {
                 Some(version) = stored.next() => {
                     self.checkpoint_stored(&mut run, source.as_deref_mut(), version).await;
                 }
-                pushed = socket.recv() => match pushed {
-                    Some(value) => {
-                        let taken = self.take_pushes(&mut run, &mut socket, value).await;
+                pushed = socket.ready() => match pushed {
+                    true => {
+                        let taken = self.take_pushes(&mut run, &mut socket).await;
                         // Handed over even when a push failed: pushes are never replayed,
                         // and each boundary held has taken a slot in its queue.
                         let handed = self.hand_over(&mut run).await;
@@ -242,7 +282,7 @@ impl AccumulatorTask {
                         }
                     }
                     // The supervisor keeps a sender for the graph's lifetime.
-                    None => return Ok(()),
+                    false => return Ok(()),
                 },
                 message = next_message(&mut source) => match message {
                     Ok(message) => {
@@ -273,23 +313,15 @@ impl AccumulatorTask {
         }
     }
 
-    /// Takes a burst of pushes: `first`, and what else waits in the socket. Returns
-    /// false when the reactor is gone.
+    /// Takes the burst of pushes at hand. Returns false when the reactor is gone.
     async fn take_pushes(
         &self,
         run: &mut Running,
-        socket: &mut mpsc::Receiver<Value>,
-        first: Value,
+        socket: &mut Socket,
     ) -> Result<bool, AccumulatorError> {
         // One clock reading for the burst: its pushes are a moment apart.
         let now_us = chrono::Utc::now().timestamp_micros();
-        if !self.handle_push(run, first, now_us).await? {
-            return Ok(false);
-        }
-        for _ in 1..PUSH_BATCH {
-            let Ok(value) = socket.try_recv() else {
-                break;
-            };
+        while let Some(value) = socket.next_push() {
             if !self.handle_push(run, value, now_us).await? {
                 return Ok(false);
             }

@@ -28,7 +28,7 @@ use graph::{GraphWiring, SupervisedGraph};
 pub use handle::GraphHandle;
 pub use runtime::{default_node_id, Runtime};
 
-use crate::accumulator::task::{AccumulatorTask, SocketReceiver};
+use crate::accumulator::task::{AccumulatorTask, Socket, SocketReceiver};
 use crate::accumulator::{Health, SourceSpec};
 use crate::graph::GraphDeclaration;
 use crate::metrics::LeaseRole;
@@ -154,7 +154,7 @@ impl Supervisor {
         for spec in &decl.accumulators {
             let (tx, rx) = mpsc::channel(SOCKET_QUEUE);
             sockets.insert(spec.name.clone(), tx);
-            socket_rx.push(Arc::new(tokio::sync::Mutex::new(rx)));
+            socket_rx.push(Arc::new(tokio::sync::Mutex::new(Socket::new(rx))));
             let (htx, hrx) = watch::channel(Health::Starting);
             health.insert(spec.name.clone(), hrx);
             health_tx.push(Arc::new(htx));
