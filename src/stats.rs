@@ -220,14 +220,15 @@ impl GraphStats {
         }
     }
 
-    pub(crate) fn event_received(&self) {
-        self.events.fetch_add(1, Ordering::Relaxed);
-        self.events_metric.increment(1);
+    /// Counted per burst of events rather than per event: each count is an atomic add.
+    pub(crate) fn events_received(&self, events: u64) {
+        self.events.fetch_add(events, Ordering::Relaxed);
+        self.events_metric.increment(events);
     }
 
-    pub(crate) fn boundary_cached(&self) {
-        self.boundaries.fetch_add(1, Ordering::Relaxed);
-        self.boundaries_metric.increment(1);
+    pub(crate) fn boundaries_cached(&self, boundaries: u64) {
+        self.boundaries.fetch_add(boundaries, Ordering::Relaxed);
+        self.boundaries_metric.increment(boundaries);
     }
 
     pub(crate) fn duplicate_dropped(&self) {

@@ -74,7 +74,10 @@ pub(crate) const HANDOFF: usize = 256;
 const MESSAGE_BATCH: usize = 256;
 
 /// Numbers one source's accumulator incarnations share for the life of a reactor, so
-/// a restarted accumulator carries on where its predecessor stopped.
+/// a restarted accumulator carries on where its predecessor stopped. Only the incarnation
+/// holding the socket path's lock hands numbers out, so there is one writer at a time
+/// (the lock orders one incarnation's numbers before the next's): each number costs a
+/// load and a store, not a locked read-modify-write.
 #[derive(Debug, Default)]
 pub(crate) struct SourceCounters {
     /// Last boundary sequence emitted.
@@ -102,18 +105,15 @@ impl SourceCounters {
     /// clock where that is higher, so ids lost in a crash are not handed out again.
     /// `now_us` is the wall clock, read once per burst of pushes.
     fn next_push(&self, now_us: i64) -> i64 {
-        let mut id = now_us;
-        let _ = self
-            .push
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
-                id = (last + 1).max(now_us);
-                Some(id)
-            });
+        let id = (self.push.load(Ordering::Relaxed) + 1).max(now_us);
+        self.push.store(id, Ordering::Relaxed);
         id
     }
 
     fn next_sequence(&self) -> u64 {
-        self.sequence.fetch_add(1, Ordering::Relaxed) + 1
+        let sequence = self.sequence.load(Ordering::Relaxed) + 1;
+        self.sequence.store(sequence, Ordering::Relaxed);
+        sequence
     }
 }
 
@@ -167,6 +167,8 @@ struct Running {
     received_ms: i64,
     /// A push changed the state since the last checkpoint handed over.
     pushes_unstored: bool,
+    /// Events taken in and not yet added to the graph's count: added at each hand-over.
+    events_uncounted: u64,
 }
 
 impl AccumulatorTask {
@@ -185,9 +187,6 @@ impl AccumulatorTask {
             .positions
             .iter()
             .partition(|p| p.partition == PUSH_PARTITION);
-        if let Some(push) = pushes.first() {
-            self.counters.push_at_least(push.offset);
-        }
         let checkpoints = {
             let (store, graph, name) =
                 (self.store.clone(), self.key.clone(), self.spec.name.clone());
@@ -216,10 +215,15 @@ impl AccumulatorTask {
             unsent: Vec::new(),
             received_ms: 0,
             pushes_unstored: false,
+            events_uncounted: 0,
         };
         // The previous incarnation's guard was dropped when it ended.
         let socket = self.socket.clone();
         let mut socket = socket.lock_owned().await;
+        // Under the socket's lock, as every change to the push ids is.
+        if let Some(push) = pushes.first() {
+            self.counters.push_at_least(push.offset);
+        }
 
         let mut source: Option<Box<dyn Source>> = None;
         if let Some(factory) = self.source.clone() {
@@ -436,7 +440,7 @@ impl AccumulatorTask {
         position: Position,
         message: Option<&Message>,
     ) -> Result<bool, AccumulatorError> {
-        self.stats.event_received();
+        run.events_uncounted += 1;
         let time_ms = event.time_ms;
         // Caught, so what this run emitted before still reaches the reactor: pushes
         // are never replayed. The supervisor then starts a new instance.
@@ -515,6 +519,10 @@ impl AccumulatorTask {
     /// Hands the emitted boundaries to the reactor, in one go. Returns false when the
     /// reactor is gone.
     async fn hand_over(&self, run: &mut Running) -> bool {
+        if run.events_uncounted > 0 {
+            self.stats
+                .events_received(std::mem::take(&mut run.events_uncounted));
+        }
         let input = match run.unsent.len() {
             0 => return true,
             1 => match run.unsent.pop() {

@@ -67,13 +67,10 @@ pub(crate) struct Wiring {
 
 pub(crate) struct Reactor {
     graph: Arc<str>,
-    /// Key and headers every message of a fire carries.
-    stamp: Stamp,
-    /// The graph's lease: nothing is published or stored once its deadline passed.
-    lease: Option<crate::lease::Held>,
+    /// What publishing a fire's outputs takes, handed to each fire whole.
+    publishing: Arc<Publishing>,
     config: ReactorConfig,
     compiled: Arc<CompiledGraph>,
-    outputs: Arc<[(String, Arc<dyn Sink>)]>,
     /// Cache snapshots go to the store behind the firing path: an unreachable store
     /// holds back commits, never fires.
     snapshots: WriteBehind<super::CacheSnapshot>,
@@ -179,17 +176,20 @@ impl Reactor {
         };
         let reactor = Self {
             graph: Arc::from(decl.name.as_str()),
-            stamp: Stamp {
-                key: bytes::Bytes::from(decl.key().into_bytes()),
-                graph: HeaderValue::new(&decl.name),
-                fencing: lease
-                    .as_ref()
-                    .map(|held| HeaderValue::new(held.lease.token.to_string())),
-            },
-            lease,
+            publishing: Arc::new(Publishing {
+                stamp: Stamp {
+                    key: bytes::Bytes::from(decl.key().into_bytes()),
+                    graph: HeaderValue::new(&decl.name),
+                    fencing: lease
+                        .as_ref()
+                        .map(|held| HeaderValue::new(held.lease.token.to_string())),
+                },
+                lease,
+                outputs,
+                stats: stats.clone(),
+            }),
             config: decl.reactor.clone(),
             compiled: decl.graph.clone(),
-            outputs,
             snapshots,
             unstored: VecDeque::new(),
             cache,
@@ -332,14 +332,17 @@ impl Reactor {
     fn apply(&mut self, input: ReactorInput) -> usize {
         match input {
             ReactorInput::Boundary { source, boundary } => {
-                self.cache_boundary(source, boundary);
+                let cached = self.cache_boundary(source, boundary);
+                self.stats.boundaries_cached(u64::from(cached));
                 1
             }
             ReactorInput::Boundaries { source, boundaries } => {
                 let count = boundaries.len();
+                let mut cached = 0;
                 for boundary in boundaries {
-                    self.cache_boundary(source, boundary);
+                    cached += u64::from(self.cache_boundary(source, boundary));
                 }
+                self.stats.boundaries_cached(cached);
                 count
             }
             ReactorInput::Health { source, health } => {
@@ -350,16 +353,19 @@ impl Reactor {
         }
     }
 
-    fn cache_boundary(&mut self, source: usize, boundary: Boundary) {
+    /// Caches a boundary; false if it was a repeat, dropped. The caller counts what was
+    /// cached, once per input.
+    fn cache_boundary(&mut self, source: usize, boundary: Boundary) -> bool {
         match self.cache.insert(source, boundary) {
             Inserted::Accepted => {
-                self.stats.boundary_cached();
                 self.snapshot_pending = true;
+                true
             }
             Inserted::Duplicate => {
                 self.stats.duplicate_dropped();
                 // The slot this boundary took is free again.
                 self.permits_pending[source] += 1;
+                false
             }
         }
     }
@@ -408,15 +414,17 @@ impl Reactor {
             }
             result = self.compiled.run(input.clone()).await;
         }
-        // Inline: most graphs publish one output per fire.
-        let messages: SmallVec<[(Outbound, Arc<dyn Sink>); 1]> = match result {
-            Ok(outputs) => self
+        let publishing = &self.publishing;
+        // Inline: most graphs publish one output per fire. Each message with the index
+        // of its output binding, whose sink takes it.
+        let messages: SmallVec<[(usize, Outbound); 1]> = match result {
+            Ok(outputs) => publishing
                 .outputs
                 .iter()
                 .enumerate()
-                .filter_map(|(i, (topic, sink))| {
+                .filter_map(|(i, (topic, _))| {
                     let message = Outbound::new(topic.clone(), outputs.encoded(i)?);
-                    Some((self.stamp.apply(message, fire, degraded), sink.clone()))
+                    Some((i, publishing.stamp.apply(message, fire, degraded)))
                 })
                 .collect(),
             Err(e) => {
@@ -425,35 +433,36 @@ impl Reactor {
                 // value cannot wedge the graph.
                 warn!(graph = %self.graph, fire, error = %e, "fire failed after its retries; dead-lettering its inputs");
                 self.stats.fire_failed();
-                let (topic, sink) = &self.outputs[0];
                 let mut body = fire_identity(&input);
                 body.insert("error".into(), Value::String(e.to_string()));
                 body.insert("inputs".into(), input.inputs_json());
                 let letter = Outbound::new(
-                    crate::wire::dead_letter_topic(topic),
+                    crate::wire::dead_letter_topic(&publishing.outputs[0].0),
                     crate::codec::json::encode(&Value::Object(body)),
                 )
                 .header(crate::wire::ERROR_HEADER, e.to_string());
                 self.stats.dead_lettered();
-                smallvec::smallvec![(self.stamp.apply(letter, fire, degraded), sink.clone())]
+                smallvec::smallvec![(0, publishing.stamp.apply(letter, fire, degraded))]
             }
         };
         let report = FireReport {
             fire,
             outputs: messages.len(),
         };
-        let stats = self.stats.clone();
-        let lease = self.lease.clone();
-        let stamp = self.stamp.clone();
+        let publishing = publishing.clone();
         let mut publish: BoxFuture<'static, Result<(), TransportError>> = Box::pin(async move {
             let count = messages.len();
-            for (message, sink) in messages {
-                let topic = message.topic.clone();
+            for (output, message) in messages {
+                let (topic, sink) = &publishing.outputs[output];
                 // Past the lease's deadline another node may run the graph: this one
                 // publishes nothing more, in-flight fires included.
-                if lease.as_ref().is_some_and(|held| held.deadline.passed()) {
+                if publishing
+                    .lease
+                    .as_ref()
+                    .is_some_and(|held| held.deadline.passed())
+                {
                     return Err(TransportError::Publish {
-                        topic,
+                        topic: topic.clone(),
                         source: "the graph's lease deadline passed".into(),
                         retryable: true,
                     });
@@ -468,18 +477,18 @@ impl Reactor {
                         body.insert("topic".into(), Value::String(topic.clone()));
                         body.insert("error".into(), Value::String(e.to_string()));
                         let letter = Outbound::new(
-                            crate::wire::dead_letter_topic(&topic),
+                            crate::wire::dead_letter_topic(topic),
                             crate::codec::json::encode(&Value::Object(body)),
                         )
                         .header(crate::wire::ERROR_HEADER, e.to_string());
-                        let letter = stamp.apply(letter, fire, degraded);
+                        let letter = publishing.stamp.apply(letter, fire, degraded);
                         sink.publish(letter).await?;
-                        stats.dead_lettered();
+                        publishing.stats.dead_lettered();
                     }
                     Err(e) => return Err(e),
                 }
             }
-            stats.published(count);
+            publishing.stats.published(count);
             Ok(())
         });
         if self.in_flight.is_empty() {
@@ -649,6 +658,17 @@ impl Reactor {
             sources,
         }
     }
+}
+
+/// What publishing a fire's outputs takes besides the fire: one shared bundle, so an
+/// in-flight fire holds one reference rather than a copy of the lease and the stamp.
+struct Publishing {
+    stamp: Stamp,
+    /// The graph's lease: nothing is published once its deadline passed.
+    lease: Option<crate::lease::Held>,
+    /// Per output binding: its topic and the sink taking it.
+    outputs: Arc<[(String, Arc<dyn Sink>)]>,
+    stats: Arc<GraphStats>,
 }
 
 /// The key and headers every message of a graph's fire carries: the graph's name as key
