@@ -169,6 +169,22 @@ struct Running {
     pushes_unstored: bool,
     /// Events taken in and not yet added to the graph's count: added at each hand-over.
     events_uncounted: u64,
+    slots: QueueSlots,
+}
+
+/// Queue slots this accumulator has taken and not yet given a boundary: given back when
+/// it ends, so a restarted accumulator finds its queue's full capacity.
+struct QueueSlots {
+    permits: Option<Arc<Semaphore>>,
+    held: usize,
+}
+
+impl Drop for QueueSlots {
+    fn drop(&mut self) {
+        if let (Some(permits), true) = (&self.permits, self.held > 0) {
+            permits.add_permits(self.held);
+        }
+    }
 }
 
 impl AccumulatorTask {
@@ -216,6 +232,10 @@ impl AccumulatorTask {
             received_ms: 0,
             pushes_unstored: false,
             events_uncounted: 0,
+            slots: QueueSlots {
+                permits: self.permits.clone(),
+                held: 0,
+            },
         };
         // The previous incarnation's guard was dropped when it ended.
         let socket = self.socket.clone();
@@ -476,24 +496,34 @@ impl AccumulatorTask {
         event_time_ms: i64,
     ) -> bool {
         if let Some(permits) = &self.permits {
-            // Backpressure: wait for a free slot in this source's queue. What this
-            // accumulator holds goes to the reactor first, so the slots it took can be
-            // freed.
-            match permits.try_acquire() {
-                Ok(permit) => permit.forget(),
-                Err(_) => {
-                    if !self.hand_over(run).await {
-                        return false;
+            // Backpressure: a slot in this source's queue per boundary. Slots are taken
+            // several at a time when the queue has them, so most boundaries cost no
+            // atomic operation here.
+            if run.slots.held == 0 {
+                let free = permits.available_permits().clamp(1, HANDOFF);
+                match permits.try_acquire_many(free as u32) {
+                    Ok(taken) => {
+                        taken.forget();
+                        run.slots.held = free;
                     }
-                    tokio::select! {
-                        _ = self.cancel.cancelled() => return false,
-                        permit = permits.acquire() => match permit {
-                            Ok(p) => p.forget(),
-                            Err(_) => return false,
-                        },
+                    Err(_) => {
+                        // Full: what this accumulator holds goes to the reactor first, so
+                        // the slots it took can be freed.
+                        if !self.hand_over(run).await {
+                            return false;
+                        }
+                        tokio::select! {
+                            _ = self.cancel.cancelled() => return false,
+                            permit = permits.acquire() => match permit {
+                                Ok(p) => p.forget(),
+                                Err(_) => return false,
+                            },
+                        }
+                        run.slots.held = 1;
                     }
                 }
             }
+            run.slots.held -= 1;
         }
         let sequence = self.counters.next_sequence();
         let positions = run.tracker.emitted(sequence, position);
