@@ -181,6 +181,54 @@ async fn an_output_too_large_to_publish_is_dead_lettered_and_the_graph_goes_on()
     );
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_failed_fire_whose_dead_letter_is_too_large_is_recorded_under_that_letter() {
+    // A fire that keeps failing is dead-lettered with its inputs; when those make the
+    // letter larger than the broker takes, a record of the letter goes to the letter's
+    // own dead-letter topic, naming that topic, and the graph goes on.
+    let h = Harness::new();
+    let sink = Arc::new(SizeLimited {
+        inner: Arc::new(h.broker.clone()),
+        limit: 1024,
+    });
+    let decl = GraphBuilder::new("bulky")
+        .reactor(reactor())
+        .accumulator(AccumulatorSpec::passthrough("a").topic("bulky.in"))
+        .node("n", ["a"], |ctx: NodeContext| async move {
+            match ctx.source("a") {
+                Some(Value::String(text)) if text.len() > 100 => {
+                    Err(NodeError::new("cannot price a bulky quote"))
+                }
+                other => Ok(other.cloned()),
+            }
+        })
+        .output_to("n", "bulky.out", sink)
+        .build()
+        .unwrap();
+    let g = h.spawn(decl);
+    g.wait_for_state(ReactorState::Live).await;
+    for value in [json!("small"), json!("x".repeat(2000)), json!("later")] {
+        h.pipe_bytes("bulky.in", value.to_string().as_bytes()).await;
+    }
+    eventually("the others fire", || async {
+        h.outputs("bulky.out") == vec![json!("small"), json!("later")]
+    })
+    .await;
+    assert!(h.broker.messages("bulky.out.dlq").is_empty());
+    let records = h.broker.messages("bulky.out.dlq.dlq");
+    assert_eq!(records.len(), 1);
+    let body: Value = serde_json::from_slice(&records[0].payload).unwrap();
+    assert_eq!(body["topic"], json!("bulky.out.dlq"));
+    assert_eq!(body["fire"], json!(2));
+    assert!(body["error"]
+        .as_str()
+        .is_some_and(|e| e.contains("message too large")));
+    eventually("every input committed", || async {
+        h.broker.committed("bulky.in", "weir.bulky") == vec![3]
+    })
+    .await;
+}
+
 trait Recoveries {
     async fn store_recoveries(&self) -> Vec<weir::store::RecoveryEvent>;
 }

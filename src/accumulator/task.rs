@@ -65,10 +65,12 @@ impl Socket {
     }
 }
 
-/// Pushes taken in one go before a stateful push path writes its checkpoint.
-const PUSH_BATCH: usize = 256;
-/// Boundaries handed to the reactor in one go at most. A burst of events then costs the
-/// reactor's channel one operation, not one per boundary.
+/// Pushes taken from the socket's channel in one go, and handled before a stateful push
+/// path writes its checkpoint.
+pub(crate) const PUSH_BATCH: usize = 256;
+/// Boundaries handed to the reactor in one go at most, and sequential queue slots taken
+/// in one go at most. A burst of events then costs the reactor's channel one operation,
+/// not one per boundary.
 pub(crate) const HANDOFF: usize = 256;
 /// Messages a source has ready taken in one go, before other work gets a turn.
 const MESSAGE_BATCH: usize = 256;

@@ -1,5 +1,6 @@
 //! The reactor task.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::task::Poll;
@@ -332,8 +333,9 @@ impl Reactor {
     fn apply(&mut self, input: ReactorInput) -> usize {
         match input {
             ReactorInput::Boundary { source, boundary } => {
-                let cached = self.cache_boundary(source, boundary);
-                self.stats.boundaries_cached(u64::from(cached));
+                if self.cache_boundary(source, boundary) {
+                    self.stats.boundaries_cached(1);
+                }
                 1
             }
             ReactorInput::Boundaries { source, boundaries } => {
@@ -342,7 +344,9 @@ impl Reactor {
                 for boundary in boundaries {
                     cached += u64::from(self.cache_boundary(source, boundary));
                 }
-                self.stats.boundaries_cached(cached);
+                if cached > 0 {
+                    self.stats.boundaries_cached(cached);
+                }
                 count
             }
             ReactorInput::Health { source, health } => {
@@ -415,16 +419,18 @@ impl Reactor {
             result = self.compiled.run(input.clone()).await;
         }
         let publishing = &self.publishing;
-        // Inline: most graphs publish one output per fire. Each message with the index
-        // of its output binding, whose sink takes it.
-        let messages: SmallVec<[(usize, Outbound); 1]> = match result {
+        // Inline: most graphs publish one output per fire.
+        let messages: SmallVec<[(Target, Outbound); 1]> = match result {
             Ok(outputs) => publishing
                 .outputs
                 .iter()
                 .enumerate()
                 .filter_map(|(i, (topic, _))| {
                     let message = Outbound::new(topic.clone(), outputs.encoded(i)?);
-                    Some((i, publishing.stamp.apply(message, fire, degraded)))
+                    Some((
+                        Target::Output(i),
+                        publishing.stamp.apply(message, fire, degraded),
+                    ))
                 })
                 .collect(),
             Err(e) => {
@@ -442,7 +448,10 @@ impl Reactor {
                 )
                 .header(crate::wire::ERROR_HEADER, e.to_string());
                 self.stats.dead_lettered();
-                smallvec::smallvec![(0, publishing.stamp.apply(letter, fire, degraded))]
+                smallvec::smallvec![(
+                    Target::FireDeadLetter,
+                    publishing.stamp.apply(letter, fire, degraded)
+                )]
             }
         };
         let report = FireReport {
@@ -452,8 +461,8 @@ impl Reactor {
         let publishing = publishing.clone();
         let mut publish: BoxFuture<'static, Result<(), TransportError>> = Box::pin(async move {
             let count = messages.len();
-            for (output, message) in messages {
-                let (topic, sink) = &publishing.outputs[output];
+            for (target, message) in messages {
+                let (topic, sink) = target.resolve(&publishing.outputs);
                 // Past the lease's deadline another node may run the graph: this one
                 // publishes nothing more, in-flight fires included.
                 if publishing
@@ -462,7 +471,7 @@ impl Reactor {
                     .is_some_and(|held| held.deadline.passed())
                 {
                     return Err(TransportError::Publish {
-                        topic: topic.clone(),
+                        topic: topic.into_owned(),
                         source: "the graph's lease deadline passed".into(),
                         retryable: true,
                     });
@@ -474,10 +483,10 @@ impl Reactor {
                     Err(e) if !e.is_retryable() => {
                         warn!(%topic, fire, error = %e, "output cannot be published; dead-lettering it");
                         let mut body = fire_identity(&input);
-                        body.insert("topic".into(), Value::String(topic.clone()));
+                        body.insert("topic".into(), Value::String(topic.to_string()));
                         body.insert("error".into(), Value::String(e.to_string()));
                         let letter = Outbound::new(
-                            crate::wire::dead_letter_topic(topic),
+                            crate::wire::dead_letter_topic(&topic),
                             crate::codec::json::encode(&Value::Object(body)),
                         )
                         .header(crate::wire::ERROR_HEADER, e.to_string());
@@ -660,6 +669,28 @@ impl Reactor {
     }
 }
 
+/// Where one of a fire's messages goes.
+#[derive(Debug, Clone, Copy)]
+enum Target {
+    /// An output binding, by index.
+    Output(usize),
+    /// The first output's dead-letter topic, for a fire that failed after its retries.
+    FireDeadLetter,
+}
+
+impl Target {
+    /// The message's topic and the sink taking it.
+    fn resolve(self, outputs: &[(String, Arc<dyn Sink>)]) -> (Cow<'_, str>, &Arc<dyn Sink>) {
+        match self {
+            Self::Output(i) => (Cow::Borrowed(outputs[i].0.as_str()), &outputs[i].1),
+            Self::FireDeadLetter => (
+                Cow::Owned(crate::wire::dead_letter_topic(&outputs[0].0)),
+                &outputs[0].1,
+            ),
+        }
+    }
+}
+
 /// What publishing a fire's outputs takes besides the fire: one shared bundle, so an
 /// in-flight fire holds one reference rather than a copy of the lease and the stamp.
 struct Publishing {
@@ -675,7 +706,7 @@ struct Publishing {
 /// (one graph's outputs stay in one partition, in fire order), the graph, the fire
 /// number, whether the reactor was degraded, and the lease's fencing token, so consumers
 /// can drop what a deposed instance published.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Stamp {
     key: bytes::Bytes,
     graph: HeaderValue,

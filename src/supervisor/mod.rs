@@ -28,7 +28,7 @@ use graph::{GraphWiring, SupervisedGraph};
 pub use handle::GraphHandle;
 pub use runtime::{default_node_id, Runtime};
 
-use crate::accumulator::task::{AccumulatorTask, Socket, SocketReceiver};
+use crate::accumulator::task::{AccumulatorTask, Socket, SocketReceiver, PUSH_BATCH};
 use crate::accumulator::{Health, SourceSpec};
 use crate::graph::GraphDeclaration;
 use crate::metrics::LeaseRole;
@@ -40,9 +40,12 @@ use crate::transport::{
     now_ms, Assignment, Broker, BrokerSource, Sink, SourceFactory, Subscription,
 };
 
-/// Socket and command queue depth per graph.
+/// Command queue depth per graph.
 const COMMAND_QUEUE: usize = 64;
-const SOCKET_QUEUE: usize = 1024;
+/// Socket channel depth per accumulator. Its accumulator takes pushes out of it a burst
+/// at a time, so pushes accepted and not yet handled number at most 1,024: this plus
+/// the burst. Pushes are never replayed, so that is what a crash can lose of them.
+const SOCKET_QUEUE: usize = 1024 - PUSH_BATCH;
 
 /// Lifecycle of one supervised graph.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
