@@ -32,6 +32,35 @@ pub const JOB_EVENT_HEADER: &str = "weir-job-event";
 pub const JOB_TYPE_HEADER: &str = "weir-job-type";
 pub const JOB_ID_HEADER: &str = "weir-job-id";
 
+/// Every header name above.
+const HEADERS: [&str; 16] = [
+    GRAPH_HEADER,
+    FIRE_HEADER,
+    DEGRADED_HEADER,
+    FENCING_HEADER,
+    ERROR_HEADER,
+    ACCUMULATOR_HEADER,
+    SOURCE_TOPIC_HEADER,
+    PARTITION_HEADER,
+    OFFSET_HEADER,
+    TICK_ID_HEADER,
+    DELIVERIES_HEADER,
+    NAMESPACE_HEADER,
+    KEY_HEADER,
+    JOB_EVENT_HEADER,
+    JOB_TYPE_HEADER,
+    JOB_ID_HEADER,
+];
+
+/// A header name read off the wire: one of weir's borrowed, so reading weir's own
+/// messages allocates nothing per header name; any other copied.
+pub fn header_name(name: &str) -> std::borrow::Cow<'static, str> {
+    match HEADERS.iter().find(|known| **known == name) {
+        Some(known) => std::borrow::Cow::Borrowed(known),
+        None => std::borrow::Cow::Owned(name.to_string()),
+    }
+}
+
 /// Where what cannot be processed or published from `topic` goes: `<topic>.dlq`. A
 /// wildcard subject (`orders.>`) is no subject to publish to, and one under it would be
 /// read again, so its dead letters go to `weir.dlq.<subject>` with `*` as `any` and `>`
@@ -103,6 +132,23 @@ pub fn results_group(results_topic: &str, workflow: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn weir_header_names_read_off_the_wire_are_borrowed_and_others_copied() {
+        // Every `*_HEADER` constant of this file is in the list.
+        let source = include_str!("wire.rs");
+        let declared = source
+            .lines()
+            .filter(|l| l.starts_with("pub const ") && l.contains("_HEADER: &str"))
+            .count();
+        assert_eq!(declared, HEADERS.len());
+        for name in HEADERS {
+            assert!(matches!(header_name(name), std::borrow::Cow::Borrowed(n) if n == name));
+        }
+        let other = header_name("x-trace");
+        assert!(matches!(other, std::borrow::Cow::Owned(_)));
+        assert_eq!(other, "x-trace");
+    }
 
     #[test]
     fn dead_letters_of_a_wildcard_source_go_to_a_publishable_subject_outside_it() {

@@ -750,7 +750,7 @@ async fn receive(
                     let value = h
                         .value
                         .map(|v| HeaderValue::new(String::from_utf8_lossy(v)));
-                    (h.key.to_string().into(), value.unwrap_or_default())
+                    (crate::wire::header_name(h.key), value.unwrap_or_default())
                 })
                 .collect()
         })

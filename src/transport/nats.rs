@@ -546,10 +546,10 @@ fn headers_of(message: &async_nats::Message) -> super::Headers {
     headers
         .iter()
         .flat_map(|(name, values)| {
-            let name = name.to_string();
+            let name = crate::wire::header_name(name.as_ref());
             values
                 .iter()
-                .map(move |v| (name.clone().into(), super::HeaderValue::new(v.as_str())))
+                .map(move |v| (name.clone(), super::HeaderValue::new(v.as_str())))
         })
         .collect()
 }
