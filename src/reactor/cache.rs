@@ -11,7 +11,7 @@ use smallvec::SmallVec;
 
 use super::{Criteria, Strategy};
 use crate::accumulator::Boundary;
-use crate::graph::FireValues;
+use crate::graph::{FireInput, FireValues};
 use crate::lease::Fence;
 use crate::store_error::StoreError;
 use crate::transport::Position;
@@ -133,8 +133,34 @@ impl<'de> Deserialize<'de> for SourceSnapshots {
     }
 }
 
-/// Boundaries taken from the cache by one fire.
-pub type Consumed = SmallVec<[(usize, Arc<Boundary>); 4]>;
+/// The sources whose boundary one fire takes from the cache, in source order.
+pub type Taken = SmallVec<[usize; 4]>;
+
+/// The boundaries one fire took from the cache. What a fire takes of a source is the
+/// boundary its input shows for it, so these are read from the fire's input rather than
+/// held again, one reference per boundary.
+#[derive(Debug, Clone, Default)]
+pub struct Consumed {
+    input: Option<Arc<FireInput>>,
+    sources: Taken,
+}
+
+impl Consumed {
+    pub fn new(input: Arc<FireInput>, sources: Taken) -> Self {
+        Self {
+            input: Some(input),
+            sources,
+        }
+    }
+
+    /// Each source taken from, with its boundary.
+    pub fn boundaries(&self) -> impl Iterator<Item = (usize, &Arc<Boundary>)> {
+        self.sources.iter().filter_map(|&i| {
+            let boundary = self.input.as_ref()?.values.get(i)?.as_ref()?;
+            Some((i, boundary))
+        })
+    }
+}
 
 /// A source's boundaries waiting for fires (sequential strategy). Mostly it holds one at
 /// most, queued and taken by the fire it makes, and a keyed graph keeps one per key: the
@@ -309,10 +335,10 @@ impl InputCache {
 
     /// Takes a fire's inputs: the newest value per source (latest), or the head of each
     /// non-empty queue (sequential). Clears the dirty flags of what was taken.
-    pub fn take(&mut self) -> (FireValues, Consumed) {
-        let mut consumed = Consumed::new();
-        self.take_recording(Some(&mut consumed));
-        (self.values(), consumed)
+    pub fn take(&mut self) -> (FireValues, Taken) {
+        let mut taken = Taken::new();
+        self.take_recording(Some(&mut taken));
+        (self.values(), taken)
     }
 
     /// As [`take`](Self::take), for a caller that keeps no record of what each fire
@@ -322,21 +348,21 @@ impl InputCache {
         self.values()
     }
 
-    fn take_recording(&mut self, mut consumed: Option<&mut Consumed>) {
+    fn take_recording(&mut self, mut taken: Option<&mut Taken>) {
         for (i, slot) in self.slots.iter_mut().enumerate() {
             match self.strategy {
                 Strategy::Latest => {
                     if slot.dirty {
                         slot.dirty = false;
-                        if let (Some(b), Some(consumed)) = (&slot.current, consumed.as_mut()) {
-                            consumed.push((i, b.clone()));
+                        if let (Some(_), Some(taken)) = (&slot.current, taken.as_mut()) {
+                            taken.push(i);
                         }
                     }
                 }
                 Strategy::Sequential => {
                     if let Some(head) = slot.queue.pop_front() {
-                        if let Some(consumed) = consumed.as_mut() {
-                            consumed.push((i, head.clone()));
+                        if let Some(taken) = taken.as_mut() {
+                            taken.push(i);
                         }
                         slot.current = Some(head);
                     }
@@ -391,11 +417,11 @@ impl InputCache {
         // changed key and has none.
         let mut requeue: Vec<Vec<Arc<Boundary>>> = Vec::new();
         for consumed in unacknowledged {
-            for (i, b) in consumed {
+            for (i, b) in consumed.boundaries() {
                 if requeue.is_empty() {
                     requeue.resize(self.slots.len(), Vec::new());
                 }
-                requeue[*i].push(b.clone());
+                requeue[i].push(b.clone());
             }
         }
         let mut requeue = requeue.into_iter();
@@ -492,10 +518,10 @@ mod tests {
         let mut cache = InputCache::new(names(), Strategy::Latest);
         cache.insert(0, b("a", 1, 10));
         cache.insert(0, b("a", 2, 20));
-        let (values, consumed) = cache.take();
+        let (values, taken) = cache.take();
         assert_eq!(value(&values[0]), Some(20));
         assert_eq!(values[1], None);
-        assert_eq!(consumed.len(), 1);
+        assert_eq!(taken.as_slice(), [0]);
         assert!(!cache.ready(Criteria::WhenAny));
     }
 
@@ -596,7 +622,9 @@ mod tests {
         let mut cache = InputCache::new(names(), Strategy::Sequential);
         cache.insert(0, b("a", 1, 10));
         cache.insert(0, b("a", 2, 20));
-        let (_, consumed) = cache.take();
+        let (values, taken) = cache.take();
+        let input = FireInput::new(Arc::from("g"), 1, false, names(), values);
+        let consumed = Consumed::new(Arc::new(input), taken);
         let snapshot = cache.snapshot(1, [&consumed].into_iter());
         let a = &snapshot.sources["a"];
         assert_eq!(

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::cache::{Consumed, InputCache, Inserted};
+use super::cache::{Consumed, InputCache, Inserted, Taken};
 use super::CacheStore;
 use super::{
     Command, CommandError, FireReason, FireReport, ReactorConfig, ReactorInput, ReactorState,
@@ -239,8 +239,8 @@ impl Reactor {
         let mut timer_armed = false;
         loop {
             while self.should_fire() {
-                let (values, consumed) = self.cache.take();
-                self.fire(values, consumed, FireReason::Criteria).await?;
+                let (values, taken) = self.cache.take();
+                self.fire(values, taken, FireReason::Criteria).await?;
             }
             self.publish_progress();
             self.report_queues();
@@ -377,12 +377,12 @@ impl Reactor {
     async fn fire(
         &mut self,
         values: FireValues,
-        consumed: Consumed,
+        taken: Taken,
         reason: FireReason,
     ) -> Result<FireReport, ReactorError> {
         if self.config.strategy == Strategy::Sequential {
-            for (i, _) in &consumed {
-                self.permits_pending[*i] += 1;
+            for &i in &taken {
+                self.permits_pending[i] += 1;
             }
         }
         self.fires += 1;
@@ -396,6 +396,7 @@ impl Reactor {
             self.cache.names().clone(),
             values,
         ));
+        let consumed = Consumed::new(input.clone(), taken);
         let started = StdInstant::now();
         let mut result = self.compiled.run(input.clone()).await;
         self.stats.fired(started.elapsed(), reason);
@@ -520,8 +521,8 @@ impl Reactor {
     }
 
     fn mark_durable(&mut self, consumed: &Consumed) {
-        for (i, boundary) in consumed {
-            let d = &mut self.durable_pending[*i];
+        for (i, boundary) in consumed.boundaries() {
+            let d = &mut self.durable_pending[i];
             *d = (*d).max(boundary.sequence);
         }
     }
@@ -585,8 +586,8 @@ impl Reactor {
     async fn command(&mut self, command: Command) -> Result<(), ReactorError> {
         match command {
             Command::ForceFire(reply) => {
-                let (values, consumed) = self.cache.take();
-                let report = self.fire(values, consumed, FireReason::Force).await?;
+                let (values, taken) = self.cache.take();
+                let report = self.fire(values, taken, FireReason::Force).await?;
                 let _ = reply.send(Ok(report));
             }
             Command::FireWith(values, reply) => {
@@ -618,7 +619,7 @@ impl Reactor {
                 }
                 let values = self.cache.values();
                 let report = self
-                    .fire(values, Consumed::new(), FireReason::FireWith)
+                    .fire(values, Taken::new(), FireReason::FireWith)
                     .await?;
                 let _ = reply.send(Ok(report));
             }
