@@ -33,7 +33,7 @@ pub const JOB_TYPE_HEADER: &str = "weir-job-type";
 pub const JOB_ID_HEADER: &str = "weir-job-id";
 
 /// Every header name above.
-const HEADERS: [&str; 16] = [
+pub const HEADERS: [&str; 16] = [
     GRAPH_HEADER,
     FIRE_HEADER,
     DEGRADED_HEADER,

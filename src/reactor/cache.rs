@@ -139,25 +139,23 @@ pub type Taken = SmallVec<[usize; 4]>;
 /// The boundaries one fire took from the cache. What a fire takes of a source is the
 /// boundary its input shows for it, so these are read from the fire's input rather than
 /// held again, one reference per boundary.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug)]
 pub struct Consumed {
-    input: Option<Arc<FireInput>>,
+    input: Arc<FireInput>,
     sources: Taken,
 }
 
 impl Consumed {
     pub fn new(input: Arc<FireInput>, sources: Taken) -> Self {
-        Self {
-            input: Some(input),
-            sources,
-        }
+        Self { input, sources }
     }
 
     /// Each source taken from, with its boundary.
     pub fn boundaries(&self) -> impl Iterator<Item = (usize, &Arc<Boundary>)> {
         self.sources.iter().filter_map(|&i| {
-            let boundary = self.input.as_ref()?.values.get(i)?.as_ref()?;
-            Some((i, boundary))
+            let boundary = self.input.values.get(i).and_then(Option::as_ref);
+            debug_assert!(boundary.is_some(), "a fire took source {i} and shows none");
+            Some((i, boundary?))
         })
     }
 }

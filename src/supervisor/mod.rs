@@ -44,7 +44,8 @@ use crate::transport::{
 const COMMAND_QUEUE: usize = 64;
 /// Socket channel depth per accumulator. Its accumulator takes pushes out of it a burst
 /// at a time, so pushes accepted and not yet handled number at most 1,024: this plus
-/// the burst. Pushes are never replayed, so that is what a crash can lose of them.
+/// the burst. Pushes are never replayed: a crash loses those, besides what was handled
+/// and not yet stored.
 const SOCKET_QUEUE: usize = 1024 - PUSH_BATCH;
 
 /// Lifecycle of one supervised graph.

@@ -478,28 +478,10 @@ fn validate_subject(subject: &str) -> Result<(), TransportError> {
 /// noticeable share of every publish.
 static WELL_KNOWN_HEADERS: std::sync::LazyLock<Vec<(&'static str, async_nats::HeaderName)>> =
     std::sync::LazyLock::new(|| {
-        use crate::wire::*;
-        [
-            GRAPH_HEADER,
-            FIRE_HEADER,
-            DEGRADED_HEADER,
-            FENCING_HEADER,
-            ERROR_HEADER,
-            ACCUMULATOR_HEADER,
-            SOURCE_TOPIC_HEADER,
-            PARTITION_HEADER,
-            OFFSET_HEADER,
-            TICK_ID_HEADER,
-            DELIVERIES_HEADER,
-            NAMESPACE_HEADER,
-            KEY_HEADER,
-            JOB_EVENT_HEADER,
-            JOB_TYPE_HEADER,
-            JOB_ID_HEADER,
-        ]
-        .into_iter()
-        .map(|name| (name, async_nats::HeaderName::from_static(name)))
-        .collect()
+        crate::wire::HEADERS
+            .into_iter()
+            .map(|name| (name, async_nats::HeaderName::from_static(name)))
+            .collect()
     });
 
 fn well_known(name: &str) -> Option<async_nats::HeaderName> {
