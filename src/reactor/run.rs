@@ -116,8 +116,8 @@ impl Reactor {
         state_tx: watch::Sender<ReactorState>,
         lease: Option<crate::lease::Held>,
     ) -> Result<(Self, Wiring), ReactorError> {
-        state_tx.send_replace(ReactorState::Starting);
         stats.state_changed(ReactorState::Starting);
+        state_tx.send_replace(ReactorState::Starting);
         let key = decl.key();
         let names: Arc<[Arc<str>]> = decl
             .accumulators
@@ -307,8 +307,9 @@ impl Reactor {
         if self.state != state {
             debug!(graph = %self.graph, from = ?self.state, to = ?state, "reactor state");
             self.state = state;
-            self.state_tx.send_replace(state);
+            // The metric first: whoever sees the new state sees it reported.
             self.stats.state_changed(state);
+            self.state_tx.send_replace(state);
         }
     }
 

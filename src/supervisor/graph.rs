@@ -158,8 +158,9 @@ impl SupervisedGraph {
             match outcome {
                 Outcome::Stop => break,
                 Outcome::Failed => {
-                    self.state.send_replace(ReactorState::Failed);
+                    // The metric first: whoever sees the new state sees it reported.
                     self.stats.state_changed(ReactorState::Failed);
+                    self.state.send_replace(ReactorState::Failed);
                     tokio::select! {
                         _ = self.cancel.cancelled() => break,
                         _ = tokio::time::sleep(self.policy.failed_retry) => {
@@ -243,8 +244,8 @@ impl SupervisedGraph {
                         failures: failures.count,
                     });
                     if retryable {
-                        self.state.send_replace(ReactorState::Degraded);
                         self.stats.state_changed(ReactorState::Degraded);
+                        self.state.send_replace(ReactorState::Degraded);
                     }
                     tokio::select! {
                         _ = self.cancel.cancelled() => return Outcome::Stop,
