@@ -43,16 +43,13 @@ enum NodeValue {
 impl NodeValue {
     /// The value for a later node to read, shared from now on.
     fn share(&mut self, fire: &FireInput) -> Arc<Value> {
-        match std::mem::replace(self, Self::Snapshot) {
+        match self {
             Self::Owned(value) => {
-                let value = Arc::new(value);
+                let value = Arc::new(std::mem::take(value));
                 *self = Self::Shared(value.clone());
                 value
             }
-            Self::Shared(value) => {
-                *self = Self::Shared(value.clone());
-                value
-            }
+            Self::Shared(value) => value.clone(),
             Self::Snapshot => Arc::new(snapshot_value(fire)),
         }
     }

@@ -444,8 +444,9 @@ impl Reactor {
                 let mut body = fire_identity(&input);
                 body.insert("error".into(), Value::String(e.to_string()));
                 body.insert("inputs".into(), input.inputs_json());
+                let (topic, _) = Target::FireDeadLetter.resolve(&publishing.outputs);
                 let letter = Outbound::new(
-                    crate::wire::dead_letter_topic(&publishing.outputs[0].0),
+                    topic.into_owned(),
                     crate::codec::json::encode(&Value::Object(body)),
                 )
                 .header(crate::wire::ERROR_HEADER, e.to_string());
