@@ -1,7 +1,7 @@
 //! Keyed graphs on the memory backends, with several nodes in one process: one reactor
 //! state per key, every input reaching an output in its key's order across joins and
-//! kills, per-key `when_all`, an output too large for the broker, and the
-//! co-partitioning check.
+//! kills, per-key `when_all`, an output too large for the broker, events that cannot be
+//! read or keyed, and the co-partitioning check.
 
 mod common;
 
@@ -335,5 +335,42 @@ async fn an_output_too_large_to_publish_is_dead_lettered_and_the_key_goes_on() {
         .is_some_and(|e| e.contains("larger than the broker takes")));
     let record: Value = serde_json::from_slice(&dead[0].payload).unwrap();
     assert_eq!(record["topic"], "large.out");
+    node.stop().await;
+}
+
+#[tokio::test]
+async fn events_that_cannot_be_read_or_keyed_are_dead_lettered_and_the_key_goes_on() {
+    let cluster = Cluster::new(graph("unreadable", &["a"], Criteria::WhenAny)).await;
+    let topic = "unreadable.a";
+    let sink = cluster.broker.sink();
+    // Sent before the node starts, so they are read and applied as one burst.
+    let events = [
+        json!({"user": "u1", "seq": 1}).to_string(),
+        "{not json".to_string(),
+        json!({"user": "u1", "seq": 2}).to_string(),
+        json!({"seq": 99}).to_string(),
+        json!({"user": "u1", "seq": 3}).to_string(),
+    ];
+    for event in events {
+        sink.publish(Outbound::new(topic, event).key("u1"))
+            .await
+            .unwrap();
+    }
+    let node = cluster.node("n");
+    let sent: HashSet<(String, u64)> = (1..=3).map(|seq| ("u1".to_string(), seq)).collect();
+    let outputs = cluster.await_outputs(&sent).await;
+    let seqs: Vec<u64> = outputs
+        .iter()
+        .map(|o| o["inputs"]["a"]["seq"].as_u64().unwrap())
+        .collect();
+    assert_eq!(seqs, [1, 2, 3]);
+    let dead = cluster.memory.messages("unreadable.a.dlq");
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert_eq!(&dead[0].payload[..], b"{not json");
+    assert_eq!(dead[0].header(weir::wire::OFFSET_HEADER), Some("1"));
+    assert!(dead[1]
+        .header(weir::wire::ERROR_HEADER)
+        .is_some_and(|e| e.contains("no key at /user")));
+    assert_eq!(dead[1].header(weir::wire::OFFSET_HEADER), Some("3"));
     node.stop().await;
 }

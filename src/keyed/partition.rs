@@ -9,6 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::FutureExt;
 use hashbrown::hash_map::{EntryRef, HashMap};
+use serde_json::Value;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -16,6 +17,7 @@ use tracing::{info, warn};
 use super::store::{KeyedChanges, KeyedStore};
 use super::KeyedTopics;
 use crate::accumulator::Boundary;
+use crate::codec::CodecError;
 use crate::graph::{FireInput, FireValues, GraphDeclaration, Keying};
 use crate::lease::Held;
 use crate::ownership::{PartitionError, PartitionWork};
@@ -162,6 +164,8 @@ struct Serving<'a> {
     /// When the burst being applied was read: its events' emit time. One clock reading
     /// per burst, since its events are read a moment apart.
     burst_ms: i64,
+    /// The events of the burst being applied, decoded; kept for its room.
+    burst: Vec<(Message, Result<Value, CodecError>)>,
 }
 
 /// An output handed to the broker, awaiting its acknowledgement: enough to make it
@@ -227,6 +231,7 @@ impl<'a> Serving<'a> {
             batch: Batch::default(),
             batch_number: 1,
             burst_ms: 0,
+            burst: Vec::with_capacity(BURST),
         })
     }
 
@@ -262,29 +267,74 @@ impl<'a> Serving<'a> {
                 (source, message) = next_message(&mut self.sources, self.first_source) => {
                     self.first_source = (source + 1) % self.sources.len();
                     self.burst_ms = now_ms();
-                    self.apply(source, message?).await?;
-                    // What the source already holds is applied without another turn of
-                    // the select, which costs about as much as an event; in bursts, so
-                    // loss, release and the timer are still looked at between them.
-                    // With several sources each is read in turn, event by event, so none
-                    // runs ahead of the others while they all have a backlog.
-                    let burst = if self.sources.len() == 1 { BURST } else { 1 };
-                    for _ in 1..burst {
+                    let read = self.read_burst(source, message?);
+                    let mut burst = std::mem::take(&mut self.burst);
+                    self.warm_keys(&burst);
+                    for (message, value) in burst.drain(..) {
                         // A lease found taken over ends the burst: nothing more is
-                        // published under its token.
-                        if self.batch_full() || lost_token.is_cancelled() {
+                        // published under its token, and what is left of the burst is
+                        // read again by the next owner.
+                        if lost_token.is_cancelled() {
                             break;
                         }
-                        match self.sources[source].ready() {
-                            Some(message) => self.apply(source, message?).await?,
-                            // Nothing at hand, or the read would yield the thread.
-                            None => break,
-                        }
+                        self.apply(source, message, value).await?;
                     }
+                    self.burst = burst;
+                    read?;
                     if self.batch_full() {
                         timer_armed = false;
                         self.flush(false).await?;
                     }
+                }
+            }
+        }
+    }
+
+    /// Takes what the source already holds after `first`, decoded, into the burst: the
+    /// events are then applied without another turn of the select, which costs about as
+    /// much as an event; in bursts, so loss, release and the timer are still looked at
+    /// between them. With several sources each is read in turn, event by event, so none
+    /// runs ahead of the others while they all have a backlog. An error reading the
+    /// source is returned once the events read before it are applied.
+    fn read_burst(&mut self, source: usize, first: Message) -> Result<(), TransportError> {
+        let format = &self.graph.decl.accumulators[source].format;
+        let room = MAX_BATCH.saturating_sub(self.batch.applied.max(self.batch.acks.len()));
+        let limit = if self.sources.len() == 1 {
+            room.clamp(1, BURST)
+        } else {
+            1
+        };
+        let value = format.decode(&first.payload);
+        self.burst.push((first, value));
+        while self.burst.len() < limit {
+            match self.sources[source].ready() {
+                Some(Ok(message)) => {
+                    let value = format.decode(&message.payload);
+                    self.burst.push((message, value));
+                }
+                Some(Err(e)) => return Err(e),
+                // Nothing at hand, or the read would yield the thread.
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// Looks up the burst's keys before any of them is applied. A partition's keys
+    /// spread over far more memory than the cache holds, so each look-up mostly waits on
+    /// memory: made in a row, independent of each other, their waits overlap, and the
+    /// applies after them find their keys cached.
+    fn warm_keys(&self, burst: &[(Message, Result<Value, CodecError>)]) {
+        if burst.len() < 2 {
+            return;
+        }
+        for (message, value) in burst {
+            let Ok(value) = value else { continue };
+            if let Some(key) = super::key_of(&self.graph.keying.key, message.key.as_deref(), value)
+            {
+                if let Some(state) = self.keys.get(&*key) {
+                    std::hint::black_box((state.used, state.listed_in));
+                    state.cache.warm();
                 }
             }
         }
@@ -335,7 +385,12 @@ impl<'a> Serving<'a> {
         Ok(state)
     }
 
-    async fn apply(&mut self, source: usize, message: Message) -> Result<(), PartitionError> {
+    async fn apply(
+        &mut self,
+        source: usize,
+        message: Message,
+        value: Result<Value, CodecError>,
+    ) -> Result<(), PartitionError> {
         let offset = message.position.offset;
         self.batch.commit.insert(source, message.position);
         self.batch.since.get_or_insert_with(Instant::now);
@@ -344,8 +399,7 @@ impl<'a> Serving<'a> {
         }
         self.positions[source] = Some(offset);
         self.batch.applied += 1;
-        let spec = &self.graph.decl.accumulators[source];
-        let value = match spec.format.decode(&message.payload) {
+        let value = match value {
             Ok(value) => value,
             Err(e) => return self.dead_letter(source, &message, &e.to_string()).await,
         };

@@ -56,6 +56,17 @@ impl KeyedStore for MemoryStore {
             .keyed
             .entry((graph.to_string(), partition))
             .or_default();
+        // A partition's keys spread over far more memory than the cache holds: each is
+        // looked up first, with the events its stored state holds (dropped when it is
+        // replaced), in a loop of independent look-ups whose cache misses overlap, so the
+        // inserts after it find what they touch cached instead of waiting on each.
+        for (key, _) in &changes.keys {
+            if let Some(replaced) = stored.keys.get(key) {
+                for (_, source) in replaced.sources.iter() {
+                    std::hint::black_box(source.current.as_ref().map(Arc::strong_count));
+                }
+            }
+        }
         stored.keys.extend(changes.keys);
         if let Some(released) = changes.released {
             stored.released = Some(released);
