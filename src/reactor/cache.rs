@@ -162,13 +162,16 @@ impl Consumed {
 
 /// A source's boundaries waiting for fires (sequential strategy). Mostly it holds one at
 /// most, queued and taken by the fire it makes, and a keyed graph keeps one per key: the
-/// first is held inline, so such a queue costs no allocation and no cache line of its
-/// own.
+/// first is held inline and the rest behind a pointer, so such a queue costs no
+/// allocation and a key's state stays small enough to take few cache lines.
 #[derive(Debug, Default)]
 struct Queue {
     /// Empty only when `rest` is.
     head: Option<Arc<Boundary>>,
-    rest: VecDeque<Arc<Boundary>>,
+    /// Made when a second boundary waits, and kept for the next time one does. Boxed,
+    /// so an empty one costs a pointer in every key's state, not a deque's 32 bytes.
+    #[allow(clippy::box_collection)]
+    rest: Option<Box<VecDeque<Arc<Boundary>>>>,
 }
 
 impl Queue {
@@ -176,18 +179,18 @@ impl Queue {
         if self.head.is_none() {
             self.head = Some(boundary);
         } else {
-            self.rest.push_back(boundary);
+            self.rest.get_or_insert_default().push_back(boundary);
         }
     }
 
     fn pop_front(&mut self) -> Option<Arc<Boundary>> {
         let head = self.head.take()?;
-        self.head = self.rest.pop_front();
+        self.head = self.rest.as_mut().and_then(|rest| rest.pop_front());
         Some(head)
     }
 
     fn len(&self) -> usize {
-        usize::from(self.head.is_some()) + self.rest.len()
+        usize::from(self.head.is_some()) + self.rest.as_ref().map_or(0, |rest| rest.len())
     }
 
     fn is_empty(&self) -> bool {
@@ -195,7 +198,9 @@ impl Queue {
     }
 
     fn iter(&self) -> impl Iterator<Item = &Arc<Boundary>> {
-        self.head.iter().chain(&self.rest)
+        self.head
+            .iter()
+            .chain(self.rest.iter().flat_map(|rest| rest.iter()))
     }
 }
 
@@ -542,6 +547,34 @@ mod tests {
         assert!(cache.dirty(0));
         let (values, _) = cache.take();
         assert_eq!(value(&values[0]), Some(20));
+        assert!(!cache.dirty(0));
+    }
+
+    #[test]
+    fn a_queue_drained_and_filled_again_keeps_its_order() {
+        let mut cache = InputCache::new(names(), Strategy::Sequential);
+        let mut sequence = 0;
+        let mut taken = Vec::new();
+        // Three queued, two taken, three more: the queue's inline head and the rest
+        // behind it hand boundaries over in the order they came.
+        for (push, take) in [(3, 2), (3, 4)] {
+            for _ in 0..push {
+                sequence += 1;
+                cache.insert(0, b("a", sequence, sequence as i64));
+            }
+            assert_eq!(
+                cache.snapshot(0, std::iter::empty()).sources["a"]
+                    .queue
+                    .len(),
+                cache.queued(0)
+            );
+            for _ in 0..take {
+                let (values, _) = cache.take();
+                taken.extend(value(&values[0]));
+            }
+        }
+        assert_eq!(taken, [1, 2, 3, 4, 5, 6]);
+        assert_eq!(cache.queued(0), 0);
         assert!(!cache.dirty(0));
     }
 
