@@ -4,7 +4,6 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::task::Poll;
-use std::time::Instant as StdInstant;
 
 use futures::future::BoxFuture;
 use futures::stream::{FuturesOrdered, StreamExt};
@@ -24,7 +23,7 @@ use super::{
 use crate::accumulator::task::{SourceCounters, HANDOFF};
 use crate::accumulator::{Boundary, Health, Positions, PUSH_PARTITION};
 use crate::graph::{CompiledGraph, FireInput, FireValues, GraphDeclaration};
-use crate::stats::GraphStats;
+use crate::stats::{FireClock, GraphStats};
 use crate::store_error::StoreError;
 use crate::transport::{now_ms, HeaderValue, Outbound, Sink, TransportError};
 use crate::write_behind::WriteBehind;
@@ -102,6 +101,7 @@ pub(crate) struct Reactor {
     abandoned: Vec<Consumed>,
     cancel: CancellationToken,
     stats: Arc<GraphStats>,
+    clock: FireClock,
     snapshot_pending: bool,
     last_snapshot: Instant,
 }
@@ -210,6 +210,7 @@ impl Reactor {
             abandoned: Vec::new(),
             cancel: CancellationToken::new(),
             stats,
+            clock: FireClock::new(),
             snapshot_pending: false,
             last_snapshot: Instant::now(),
         };
@@ -398,9 +399,9 @@ impl Reactor {
             values,
         ));
         let consumed = Consumed::new(input.clone(), taken);
-        let started = StdInstant::now();
+        let started = self.clock.start();
         let mut result = self.compiled.run(input.clone()).await;
-        self.stats.fired(started.elapsed(), reason);
+        self.stats.fired(self.clock.since(started), reason);
         let mut retries = 0;
         while let Err(e) = &result {
             if retries == self.config.node_retries {
