@@ -609,6 +609,52 @@ async fn a_core_nats_source_is_disconnected_while_its_server_is_down() {
     supervisor.shutdown().await;
 }
 
+/// A JetStream reader whose connection goes silent, neither closed nor reset (a path
+/// that drops everything): its pull hears no heartbeat, so its accumulator is marked
+/// disconnected and starts over within seconds, not after the client's pings give up
+/// on the connection; once the path heals, every input reaches an output, those
+/// published during the silence included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jetstream_reader_whose_connection_goes_silent_is_disconnected_and_loses_no_input() {
+    use common::servers::Proxy;
+    let server = Server::nats("");
+    let direct: Arc<dyn Broker> = jetstream(&server).await;
+    let proxy = Proxy::start(server.port).await;
+    let through_proxy: Arc<dyn Broker> = Arc::new(
+        NatsBroker::connect(NatsSettings {
+            url: format!("nats://127.0.0.1:{}", proxy.port),
+            jetstream: true,
+            ack_wait: Duration::from_secs(5),
+            retention: Some(services::TEST_RETENTION),
+            ..Default::default()
+        })
+        .await
+        .expect("nats-server reachable through the proxy"),
+    );
+    let prefix = services::unique("faults");
+    let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
+    let cancel = CancellationToken::new();
+    let supervisor = supervisor(through_proxy, &cancel);
+    let graph = supervisor.spawn(padding_graph(&prefix)).unwrap();
+    graph.wait_for_state(weir::ReactorState::Live).await;
+    publish_ids(&direct, &input, 0..20).await;
+    all_ids_read(&direct, &output, 20).await;
+    proxy.stall();
+    // Two of the reader's heartbeats are 5 s; the client's own pings would take minutes.
+    tokio::time::timeout(Duration::from_secs(15), async {
+        while graph.health("a") != Some(weir::Health::Disconnected) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .expect("the silent reader is disconnected within 15 s");
+    publish_ids(&direct, &input, 20..40).await;
+    proxy.heal();
+    all_ids_read(&direct, &output, 40).await;
+    cancel.cancel();
+    supervisor.shutdown().await;
+}
+
 /// The id of the next message on a core subscription, waiting at most 20 s.
 async fn next_id(outputs: &mut async_nats::Subscriber) -> Option<u64> {
     use futures::StreamExt;

@@ -627,6 +627,9 @@ impl Broker for NatsBroker {
         let reading = match prefetch {
             None => Reading::Continuous(Box::new(
                 consumer
+                    .stream()
+                    .expires(SOLE_READER_EXPIRES)
+                    .heartbeat(SOLE_READER_HEARTBEAT)
                     .messages()
                     .await
                     .map_err(|e| self.unreachable(format!("consumer {durable}: {e}")))?,
@@ -767,6 +770,17 @@ impl Sink for NatsBroker {
 
 /// How long a work-queue member's pull request waits on the server for messages.
 const PULL_EXPIRES: Duration = Duration::from_secs(5);
+
+/// A sole reader's pull requests: how long each waits on the server, and how often the
+/// server says it is still there while it has nothing to deliver. A reader that hears
+/// neither a message nor a heartbeat for two heartbeats fails, and its accumulator
+/// starts over from its checkpoint. The server can lose a pull request (a consumer
+/// made a moment before, on a server busy storing what was just published, took
+/// nothing for good in some runs of the pre-filled bench, the raw client's loop too):
+/// with the client's default heartbeat of 15 s, that was half a minute without a
+/// message.
+const SOLE_READER_EXPIRES: Duration = Duration::from_secs(10);
+const SOLE_READER_HEARTBEAT: Duration = Duration::from_millis(2500);
 
 struct JetStreamSource {
     topic: Arc<str>,

@@ -292,11 +292,13 @@ pub fn signal(child: &Child, name: &str) {
 
 /// A TCP proxy in front of a server, which a test can cut: a cut closes every
 /// connection through it, and while cut, new ones are held open and never answered, as
-/// behind a network partition.
+/// behind a network partition. A stall is quieter: the connections stay open and carry
+/// nothing either way, neither closed nor reset, as on a path that drops everything.
 pub struct Proxy {
     pub port: u16,
     cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
     connections: tokio::sync::watch::Sender<u64>,
+    stalled: tokio::sync::watch::Sender<bool>,
 }
 
 impl Proxy {
@@ -308,6 +310,7 @@ impl Proxy {
         let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         // Bumped on every cut: connections watching it close.
         let (connections, generation) = tokio::sync::watch::channel(0u64);
+        let (stalled, stall) = tokio::sync::watch::channel(false);
         let is_cut = cut.clone();
         tokio::spawn(async move {
             loop {
@@ -324,15 +327,18 @@ impl Proxy {
                     });
                     continue;
                 }
+                let stall = stall.clone();
                 tokio::spawn(async move {
                     let Ok(outbound) =
                         tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
                     else {
                         return;
                     };
-                    let (mut a, mut b) = (inbound, outbound);
+                    let (from_client, to_client) = inbound.into_split();
+                    let (from_server, to_server) = outbound.into_split();
                     tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut a, &mut b) => {}
+                        _ = pump(from_client, to_server, stall.clone()) => {}
+                        _ = pump(from_server, to_client, stall) => {}
                         _ = generation.changed() => {}
                     }
                 });
@@ -342,7 +348,13 @@ impl Proxy {
             port,
             cut,
             connections,
+            stalled,
         }
+    }
+
+    /// Stops carrying bytes on every connection, keeping them open, until [`heal`](Self::heal).
+    pub fn stall(&self) {
+        self.stalled.send_replace(true);
     }
 
     pub fn cut(&self) {
@@ -352,7 +364,41 @@ impl Proxy {
 
     pub fn heal(&self) {
         self.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.stalled.send_replace(false);
         // Releases the black-holed connections, so their clients reconnect.
         self.connections.send_modify(|g| *g += 1);
+    }
+}
+
+/// Copies one direction of a proxied connection, carrying nothing while stalled.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut stalled: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buffer = vec![0u8; 16 * 1024];
+    loop {
+        while *stalled.borrow_and_update() {
+            if stalled.changed().await.is_err() {
+                return;
+            }
+        }
+        // A read under way when the stall starts is dropped (reading is cancel-safe):
+        // what it would have read stays in the socket until the stall ends.
+        let read = tokio::select! {
+            read = from.read(&mut buffer) => read,
+            changed = stalled.changed() => match changed {
+                Ok(()) => continue,
+                Err(_) => return,
+            },
+        };
+        let n = match read {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if to.write_all(&buffer[..n]).await.is_err() {
+            return;
+        }
     }
 }
