@@ -118,24 +118,42 @@ impl FireReason {
 /// Times fires for their duration histogram. A fire takes about a microsecond, and
 /// two readings of the system clock cost a few percent of that; the processor's
 /// time-stamp counter, read where it runs at a steady rate (quanta checks, and falls
-/// back to the system clock where it does not), costs a fraction. Calibrated once per
-/// process, on first use: a reactor takes its clock when it is made, not at its first
-/// fire.
+/// back to the monotonic clock where it does not), costs a fraction. quanta calibrates
+/// the counter once per process, spinning for up to 200 ms: that runs on a thread of
+/// its own, and fires are timed by the standard clock until it is done.
 #[derive(Debug)]
-pub(crate) struct FireClock(quanta::Clock);
+pub(crate) struct FireClock;
+
+/// A reading of the [`FireClock`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum FireStart {
+    Counter(&'static quanta::Clock, u64),
+    Standard(std::time::Instant),
+}
+
+static COUNTER: std::sync::OnceLock<quanta::Clock> = std::sync::OnceLock::new();
+static CALIBRATION: std::sync::Once = std::sync::Once::new();
 
 impl FireClock {
     pub(crate) fn new() -> Self {
-        Self(quanta::Clock::new())
+        CALIBRATION.call_once(|| {
+            std::thread::spawn(|| COUNTER.get_or_init(quanta::Clock::new));
+        });
+        Self
     }
 
-    /// A reading, for [`since`](Self::since).
-    pub(crate) fn start(&self) -> u64 {
-        self.0.raw()
+    pub(crate) fn start(&self) -> FireStart {
+        match COUNTER.get() {
+            Some(counter) => FireStart::Counter(counter, counter.raw()),
+            None => FireStart::Standard(std::time::Instant::now()),
+        }
     }
 
-    pub(crate) fn since(&self, start: u64) -> Duration {
-        self.0.delta(start, self.0.raw())
+    pub(crate) fn since(&self, start: FireStart) -> Duration {
+        match start {
+            FireStart::Counter(counter, raw) => counter.delta(raw, counter.raw()),
+            FireStart::Standard(at) => at.elapsed(),
+        }
     }
 }
 

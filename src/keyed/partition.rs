@@ -164,7 +164,7 @@ struct Serving<'a> {
     /// When the burst being applied was read: its events' emit time. One clock reading
     /// per burst, since its events are read a moment apart.
     burst_ms: i64,
-    /// The events of the burst being applied, decoded; kept for its room.
+    /// The events of the burst being applied, decoded; kept for its capacity.
     burst: Vec<(Message, Result<Value, CodecError>)>,
 }
 
@@ -278,13 +278,15 @@ impl<'a> Serving<'a> {
                             break;
                         }
                         self.apply(source, message, value).await?;
+                        // Events of several outputs can fill the batch's outputs
+                        // before the burst ends: written then, not once it does.
+                        if self.batch_full() {
+                            timer_armed = false;
+                            self.flush(false).await?;
+                        }
                     }
                     self.burst = burst;
                     read?;
-                    if self.batch_full() {
-                        timer_armed = false;
-                        self.flush(false).await?;
-                    }
                 }
             }
         }
@@ -304,12 +306,19 @@ impl<'a> Serving<'a> {
         } else {
             1
         };
-        let value = format.decode(&first.payload);
+        let applied = self.positions[source];
+        // A repeat (read again after a restart) is skipped before its value is looked
+        // at: not decoded.
+        let decode = |message: &Message| match applied {
+            Some(at) if message.position.offset <= at => Ok(Value::Null),
+            _ => format.decode(&message.payload),
+        };
+        let value = decode(&first);
         self.burst.push((first, value));
         while self.burst.len() < limit {
             match self.sources[source].ready() {
                 Some(Ok(message)) => {
-                    let value = format.decode(&message.payload);
+                    let value = decode(&message);
                     self.burst.push((message, value));
                 }
                 Some(Err(e)) => return Err(e),

@@ -628,8 +628,12 @@ impl Broker for NatsBroker {
             None => Reading::Continuous(Box::new(
                 consumer
                     .stream()
-                    .expires(SOLE_READER_EXPIRES)
-                    .heartbeat(SOLE_READER_HEARTBEAT)
+                    .expires(continuous_expires(
+                        consumer.cached_info().config.max_expires,
+                    ))
+                    .heartbeat(continuous_heartbeat(
+                        consumer.cached_info().config.max_expires,
+                    ))
                     .messages()
                     .await
                     .map_err(|e| self.unreachable(format!("consumer {durable}: {e}")))?,
@@ -771,16 +775,34 @@ impl Sink for NatsBroker {
 /// How long a work-queue member's pull request waits on the server for messages.
 const PULL_EXPIRES: Duration = Duration::from_secs(5);
 
-/// A sole reader's pull requests: how long each waits on the server, and how often the
-/// server says it is still there while it has nothing to deliver. A reader that hears
-/// neither a message nor a heartbeat for two heartbeats fails, and its accumulator
-/// starts over from its checkpoint. The server can lose a pull request (a consumer
+/// The pull requests of a reader with cumulative acknowledgements (every reader but a
+/// work-queue member): how long each waits on the server, and how often the server
+/// says it is still there while it has nothing to deliver. A reader that hears neither
+/// a message nor a heartbeat for two heartbeats fails, and its owner (an accumulator, a
+/// partition) starts over from its checkpoint. The server can lose a pull request (a consumer
 /// made a moment before, on a server busy storing what was just published, took
 /// nothing for good in some runs of the pre-filled bench, the raw client's loop too):
 /// with the client's default heartbeat of 15 s, that was half a minute without a
 /// message.
-const SOLE_READER_EXPIRES: Duration = Duration::from_secs(10);
-const SOLE_READER_HEARTBEAT: Duration = Duration::from_millis(2500);
+const CONTINUOUS_EXPIRES: Duration = Duration::from_secs(10);
+const CONTINUOUS_HEARTBEAT: Duration = Duration::from_millis(2500);
+
+/// The expiry of a continuous reader's pull requests, within the consumer's limit (set
+/// by the server's `max_request_expires`; zero when there is none): a request over it
+/// is refused.
+fn continuous_expires(limit: Duration) -> Duration {
+    if limit.is_zero() {
+        CONTINUOUS_EXPIRES
+    } else {
+        CONTINUOUS_EXPIRES.min(limit)
+    }
+}
+
+/// The heartbeat of a continuous reader's pull requests: at most half their expiry, as
+/// the server requires.
+fn continuous_heartbeat(limit: Duration) -> Duration {
+    CONTINUOUS_HEARTBEAT.min(continuous_expires(limit) / 2)
+}
 
 struct JetStreamSource {
     topic: Arc<str>,
@@ -1083,6 +1105,16 @@ mod tests {
         assert!(header_name(crate::wire::ERROR_HEADER).is_ok());
         assert!(header_name("x-custom").is_ok());
         assert!(header_name("bad: name").is_err());
+    }
+
+    #[test]
+    fn a_continuous_pull_stays_within_the_servers_expiry_limit() {
+        let unlimited = Duration::ZERO;
+        assert_eq!(continuous_expires(unlimited), CONTINUOUS_EXPIRES);
+        assert_eq!(continuous_heartbeat(unlimited), CONTINUOUS_HEARTBEAT);
+        let limit = Duration::from_secs(3);
+        assert_eq!(continuous_expires(limit), limit);
+        assert_eq!(continuous_heartbeat(limit), Duration::from_millis(1500));
     }
 
     #[test]

@@ -352,7 +352,8 @@ impl Proxy {
         }
     }
 
-    /// Stops carrying bytes on every connection, keeping them open, until [`heal`](Self::heal).
+    /// Stops carrying bytes on every connection, keeping them open. [`heal`](Self::heal)
+    /// ends the stall by closing them, so their clients reconnect.
     pub fn stall(&self) {
         self.stalled.send_replace(true);
     }
@@ -370,7 +371,8 @@ impl Proxy {
     }
 }
 
-/// Copies one direction of a proxied connection, carrying nothing while stalled.
+/// Copies one direction of a proxied connection, carrying nothing while stalled. Its
+/// end ends the connection both ways: the clients here never half-close.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
