@@ -23,9 +23,13 @@ use weir::{
 };
 
 async fn jetstream(server: &Server) -> Arc<NatsBroker> {
+    jetstream_at(server.nats_url()).await
+}
+
+async fn jetstream_at(url: String) -> Arc<NatsBroker> {
     Arc::new(
         NatsBroker::connect(NatsSettings {
-            url: server.nats_url(),
+            url,
             jetstream: true,
             ack_wait: Duration::from_secs(5),
             retention: Some(services::TEST_RETENTION),
@@ -620,17 +624,8 @@ async fn a_jetstream_reader_whose_connection_goes_silent_is_disconnected_and_los
     let server = Server::nats("");
     let direct: Arc<dyn Broker> = jetstream(&server).await;
     let proxy = Proxy::start(server.port).await;
-    let through_proxy: Arc<dyn Broker> = Arc::new(
-        NatsBroker::connect(NatsSettings {
-            url: format!("nats://127.0.0.1:{}", proxy.port),
-            jetstream: true,
-            ack_wait: Duration::from_secs(5),
-            retention: Some(services::TEST_RETENTION),
-            ..Default::default()
-        })
-        .await
-        .expect("nats-server reachable through the proxy"),
-    );
+    let through_proxy: Arc<dyn Broker> =
+        jetstream_at(format!("nats://127.0.0.1:{}", proxy.port)).await;
     let prefix = services::unique("faults");
     let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
     let cancel = CancellationToken::new();
