@@ -461,7 +461,7 @@ async fn prefilled(
     let mut source = broker.subscribe(&subscription).await.expect("reader");
     let mut config = tempfile::NamedTempFile::new().expect("config file");
     let commands_before = redis_commands().await;
-    let child = process_under_test(
+    let mut child = process_under_test(
         kind,
         with_weir,
         &input,
@@ -474,11 +474,19 @@ async fn prefilled(
     let mut first = None;
     let deadline = Instant::now() + Duration::from_secs(600);
     while seen.len() < events {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let message = tokio::time::timeout(left, source.next())
-            .await
-            .expect("outputs in time")
-            .expect("read");
+        assert!(Instant::now() < deadline, "outputs in time");
+        // Looked at every second: a process under test that ended early (a raw-client
+        // loop panicking on a consume error, say) sends nothing more.
+        let Ok(message) = tokio::time::timeout(Duration::from_secs(1), source.next()).await else {
+            if let Ok(Some(status)) = child.0.try_wait() {
+                panic!(
+                    "the process under test ended ({status}) after {} of {events} outputs",
+                    seen.len()
+                );
+            }
+            continue;
+        };
+        let message = message.expect("read");
         // A redelivery to this reader counts once.
         if seen.insert((message.position.partition, message.position.offset)) {
             first.get_or_insert_with(Instant::now);
