@@ -778,11 +778,11 @@ const PULL_EXPIRES: Duration = Duration::from_secs(5);
 /// The pull requests of a reader with cumulative acknowledgements (every reader but a
 /// work-queue member): how long each waits on the server, and how often the server
 /// says it is still there while it has nothing to deliver. A reader that hears neither
-/// a message nor a heartbeat for two heartbeats fails, and its owner (an accumulator, a
-/// partition) starts over from its checkpoint. The server can lose a pull request (a consumer
-/// made a moment before, on a server busy storing what was just published, took
-/// nothing for good in some runs of the pre-filled bench, the raw client's loop too):
-/// with the client's default heartbeat of 15 s, that was half a minute without a
+/// a message nor a heartbeat for two heartbeats fails, and its owner (an accumulator,
+/// a partition) starts over from its checkpoint. The server can lose a pull request (a
+/// consumer made a moment before, on a server busy storing what was just published,
+/// took nothing for good in some runs of the pre-filled bench, the raw client's loop
+/// too): with the client's default heartbeat of 15 s, that was half a minute without a
 /// message.
 const CONTINUOUS_EXPIRES: Duration = Duration::from_secs(10);
 const CONTINUOUS_HEARTBEAT: Duration = Duration::from_millis(2500);
