@@ -365,9 +365,10 @@ impl Proxy {
 
     pub fn heal(&self) {
         self.cut.store(false, std::sync::atomic::Ordering::SeqCst);
-        self.stalled.send_replace(false);
-        // Releases the black-holed connections, so their clients reconnect.
+        // Releases the black-holed connections, so their clients reconnect; stalled ones
+        // are closed before the stall ends, so they carry nothing more.
         self.connections.send_modify(|g| *g += 1);
+        self.stalled.send_replace(false);
     }
 }
 
