@@ -1226,7 +1226,7 @@ async fn keyed_graphs_are_listed_with_the_owner_of_each_partition() {
     ));
     let runtime = Runtime {
         broker,
-        store,
+        store: store.clone(),
         node_id: "n1".into(),
     };
     let state = AdminState::new()
@@ -1246,7 +1246,7 @@ async fn keyed_graphs_are_listed_with_the_owner_of_each_partition() {
     assert_eq!(status, 200);
     assert_eq!(
         listed,
-        json!([{"name": "per_user", "status": "running", "keyed": {"partitions": 3}}])
+        json!([{"name": "per_user", "status": "running", "paused": false, "keyed": {"partitions": 3}}])
     );
     let url = format!("http://{admin}/graphs/per_user/partitions");
     eventually("every partition owned by n1", || async {
@@ -1281,14 +1281,31 @@ async fn keyed_graphs_are_listed_with_the_owner_of_each_partition() {
     )
     .await;
     assert_eq!(status, 404);
+    // A pause is stored for every node running the graph, and listed.
+    let url = format!("http://{admin}/graphs/per_user/pause");
+    let (status, paused) = json_of("POST", &url, None, Some("{}")).await;
+    assert_eq!(
+        (status, paused),
+        (200, json!({"graph": "per_user", "paused": true}))
+    );
+    assert!(store.load_paused("per_user").await.unwrap());
+    let (_, listed) = json_of("GET", &format!("http://{admin}/graphs"), None, None).await;
+    assert_eq!(listed[0]["paused"], json!(true), "{listed}");
+    // The command line resumes it the same way.
+    let resumed = tokio::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(["graph", "resume", "per_user", "--admin"])
+        .arg(format!("http://{admin}"))
+        .output()
+        .await
+        .unwrap();
+    assert!(resumed.status.success(), "{resumed:?}");
+    assert!(!store.load_paused("per_user").await.unwrap());
     // Commands to a graph's one reactor are refused, saying why, rather than "no graph".
-    for command in ["pause", "resume", "fire"] {
-        let url = format!("http://{admin}/graphs/per_user/{command}");
-        let (status, refused) = json_of("POST", &url, None, Some("{}")).await;
-        assert_eq!(status, 409, "{command}: {refused}");
-        let error = refused["error"].as_str().unwrap_or_default();
-        assert!(error.contains("is keyed"), "{command}: {error}");
-    }
+    let url = format!("http://{admin}/graphs/per_user/fire");
+    let (status, refused) = json_of("POST", &url, None, Some("{}")).await;
+    assert_eq!(status, 409, "{refused}");
+    let error = refused["error"].as_str().unwrap_or_default();
+    assert!(error.contains("is keyed"), "{error}");
     let (status, _) = json_of(
         "GET",
         &format!("http://{admin}/graphs/per_user"),

@@ -64,7 +64,8 @@ macro_rules! store_conformance {
                 a_member_that_leaves_is_gone_at_once);
             store_conformance!(@role $open; keyed:
                 keys_and_positions_round_trip,
-                a_deposed_owners_batch_is_refused_whole);
+                a_deposed_owners_batch_is_refused_whole,
+                a_graph_stays_paused_until_resumed);
             store_conformance!(@role $open; jobs:
                 a_partition_batch_round_trips,
                 removed_jobs_lose_their_timeouts,
@@ -392,6 +393,19 @@ mod cases {
                 store.load_released("g", 1).await.unwrap(),
                 Some((lease.token, 1_234))
             );
+        }
+
+        pub async fn a_graph_stays_paused_until_resumed(store: Arc<dyn Store>) {
+            assert!(!store.load_paused("g").await.unwrap());
+            store.save_paused("g", true).await.unwrap();
+            // Pausing twice changes nothing; another graph is not paused with it.
+            store.save_paused("g", true).await.unwrap();
+            assert!(store.load_paused("g").await.unwrap());
+            assert!(!store.load_paused("h").await.unwrap());
+            store.save_paused("g", false).await.unwrap();
+            assert!(!store.load_paused("g").await.unwrap());
+            store.save_paused("g", false).await.unwrap();
+            assert!(!store.load_paused("g").await.unwrap());
         }
 
         pub async fn a_deposed_owners_batch_is_refused_whole(store: Arc<dyn Store>) {

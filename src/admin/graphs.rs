@@ -7,7 +7,9 @@
 //! - `POST /graphs/{name}/fire`: fire now; answers [`FireReport`] `{"fire", "outputs"}`.
 //! - `POST /graphs/{name}/fire-with`, body `{"source": value, ...}`: replace those cached
 //!   values and fire; answers [`FireReport`].
-//! - `POST /graphs/{name}/pause`, `/resume`: `{"graph", "paused"}`.
+//! - `POST /graphs/{name}/pause`, `/resume`: `{"graph", "paused"}`. A keyed graph's
+//!   pause is stored: every node running it stops reading its partitions (or reads
+//!   again) within [`crate::keyed::PAUSE_POLL`], and a node started later follows it.
 //! - `POST /graphs/{name}/restart`: start the graph afresh now, a Failed one included;
 //!   `{"graph", "restarting": true}`.
 //!
@@ -131,18 +133,19 @@ pub async fn execute(
             };
             // Keyed graphs run on every node that declares them, a share of their
             // partitions each (`GET /graphs/{name}/partitions` says whose).
-            listed.extend(
-                state
-                    .keyed_graphs()
-                    .filter(|(name, _)| scope.sees(name))
-                    .map(|(name, partitions)| {
-                        serde_json::json!({
-                            "name": name,
-                            "status": "running",
-                            "keyed": {"partitions": partitions},
-                        })
-                    }),
-            );
+            for (name, partitions) in state.keyed_graphs().filter(|(name, _)| scope.sees(name)) {
+                // Unknown (null) while the store cannot say: the list is still answered.
+                let paused = match state.store() {
+                    Some(store) => store.load_paused(name).await.ok(),
+                    None => None,
+                };
+                listed.push(json!({
+                    "name": name,
+                    "status": "running",
+                    "paused": paused,
+                    "keyed": {"partitions": partitions},
+                }));
+            }
             Ok(Value::Array(listed))
         }
         GraphRequest::State { graph } => {
@@ -163,6 +166,12 @@ pub async fn execute(
             let report = answer(&graph, handle.reactor().fire_with(cache)).await?;
             Ok(to_json(&report))
         }
+        GraphRequest::Pause { graph } if state.keyed_graph(&graph).is_some() => {
+            pause_keyed(state, &graph, true).await
+        }
+        GraphRequest::Resume { graph } if state.keyed_graph(&graph).is_some() => {
+            pause_keyed(state, &graph, false).await
+        }
         GraphRequest::Pause { graph } => {
             let handle = running(state, &graph)?;
             answer(&graph, handle.reactor().pause()).await?;
@@ -178,6 +187,13 @@ pub async fn execute(
             Ok(json!({"graph": graph, "restarting": true}))
         }
     }
+}
+
+/// A keyed graph has no one reactor to tell: its pause goes to the store, which every
+/// node running the graph follows.
+async fn pause_keyed(state: &AdminState, graph: &str, paused: bool) -> Result<Value, ApiError> {
+    state.require_store()?.save_paused(graph, paused).await?;
+    Ok(json!({"graph": graph, "paused": paused}))
 }
 
 /// weir's response types have string keys and JSON values only, so this cannot fail.

@@ -15,12 +15,17 @@
 //! committed to the broker after. A new owner loads the positions and each key's state
 //! as it meets the key, so every input reaches an output (at least once: what was in
 //! flight when a node died is fired again) and each key's outputs keep its input order.
+//!
+//! A pause is stored per graph: every node looks every [`PAUSE_POLL`] and its
+//! partitions stop reading their sources until the graph is resumed; a partition that
+//! starts (on any node) reads the flag first.
 
 mod partition;
 pub mod store;
 
 use std::borrow::Cow;
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde::Serialize;
 use serde_json::Value;
@@ -122,9 +127,60 @@ pub async fn serve(
         OwnershipSettings::new(ownership_group(&decl.key()), topics.partitions, node_id);
     settings.ttl = keying.lease_ttl;
     let keyed_store: Arc<dyn KeyedStore> = store.clone();
-    let work = partition::KeyedPartitions::new(decl, keying, topics, broker, keyed_store);
+    let (paused_tx, paused) = tokio::sync::watch::channel(false);
+    let watching = tokio::spawn(watch_paused(
+        keyed_store.clone(),
+        decl.key(),
+        paused_tx,
+        cancel.clone(),
+    ));
+    let work = partition::KeyedPartitions::new(decl, keying, topics, broker, keyed_store, paused);
     let ownership_store: Arc<dyn OwnershipStore> = store;
     crate::ownership::own(ownership_store, settings, Arc::new(work), cancel).await;
+    // It stops on the same token, within one look at the store.
+    let _ = watching.await;
+}
+
+/// How often a node looks whether a keyed graph was paused or resumed: how long a node
+/// other than the one asked goes on reading after a pause, at most (plus one store
+/// round trip).
+pub const PAUSE_POLL: Duration = Duration::from_millis(500);
+
+/// Tells the node's partitions of `graph` whether the graph is paused, as the store
+/// says, until `cancel` fires. While the store cannot be read they keep what it said
+/// last; each partition reads the flag itself when it starts.
+async fn watch_paused(
+    store: Arc<dyn KeyedStore>,
+    graph: String,
+    paused: tokio::sync::watch::Sender<bool>,
+    cancel: CancellationToken,
+) {
+    let mut unreadable = false;
+    loop {
+        let read = tokio::select! {
+            _ = cancel.cancelled() => return,
+            read = tokio::time::timeout(PAUSE_POLL * 4, store.load_paused(&graph)) => read,
+        };
+        match read {
+            Ok(Ok(now)) => {
+                unreadable = false;
+                paused.send_if_modified(|was| std::mem::replace(was, now) != now);
+            }
+            Ok(Err(e)) if !unreadable => {
+                unreadable = true;
+                tracing::warn!(%graph, error = %e, "cannot read whether the keyed graph is paused; its partitions keep what the store said last");
+            }
+            Err(_) if !unreadable => {
+                unreadable = true;
+                tracing::warn!(%graph, "the store did not say in time whether the keyed graph is paused; its partitions keep what it said last");
+            }
+            _ => {}
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(PAUSE_POLL) => {}
+        }
+    }
 }
 
 /// The key of an event: from the message key or a JSON pointer into the event.

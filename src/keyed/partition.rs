@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures::FutureExt;
+use futures::{FutureExt, StreamExt};
 use hashbrown::hash_map::{EntryRef, HashMap};
 use serde_json::Value;
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -55,6 +56,8 @@ pub(crate) struct KeyedPartitions {
     broker: Arc<dyn Broker>,
     sink: Arc<dyn Sink>,
     store: Arc<dyn KeyedStore>,
+    /// Whether the graph is paused, as this node last read it from the store.
+    paused: watch::Receiver<bool>,
 }
 
 impl KeyedPartitions {
@@ -64,6 +67,7 @@ impl KeyedPartitions {
         topics: KeyedTopics,
         broker: Arc<dyn Broker>,
         store: Arc<dyn KeyedStore>,
+        paused: watch::Receiver<bool>,
     ) -> Self {
         let names: Arc<[Arc<str>]> = decl
             .accumulators
@@ -99,6 +103,7 @@ impl KeyedPartitions {
             decl,
             broker,
             store,
+            paused,
         }
     }
 }
@@ -166,6 +171,11 @@ struct Serving<'a> {
     burst_ms: i64,
     /// The events of the burst being applied, decoded; kept for its capacity.
     burst: Vec<(Message, Result<Value, CodecError>)>,
+    /// The graph is paused: the sources are not read.
+    paused: bool,
+    /// Pauses and resumes, as the node reads them from the store, after the flag read
+    /// at the start.
+    pause_changes: watch::Receiver<bool>,
 }
 
 /// An output handed to the broker, awaiting its acknowledgement: enough to make it
@@ -215,7 +225,12 @@ impl<'a> Serving<'a> {
                 crate::metrics::partition_resumed(&super::ownership_group(&graph.graph), waited);
             }
         }
-        info!(graph = %graph.graph, partition, ?positions, "keyed partition resumed");
+        // The flag as the store has it now, rather than as the node last read it: a
+        // partition taken over from a node that saw the pause is paused from its start.
+        let mut pause_changes = graph.paused.clone();
+        pause_changes.borrow_and_update();
+        let paused = graph.store.load_paused(&graph.graph).await?;
+        info!(graph = %graph.graph, partition, ?positions, paused, "keyed partition resumed");
         Ok(Serving {
             graph,
             partition,
@@ -232,6 +247,8 @@ impl<'a> Serving<'a> {
             batch_number: 1,
             burst_ms: 0,
             burst: Vec::with_capacity(BURST),
+            paused,
+            pause_changes,
         })
     }
 
@@ -248,6 +265,8 @@ impl<'a> Serving<'a> {
         let flush_timer = tokio::time::sleep(LINGER);
         tokio::pin!(lost, release, flush_timer);
         let mut timer_armed = false;
+        // One wait across turns: a turn that finds no change takes no lock.
+        let mut pause_changes = Box::pin(crate::write_behind::changes(self.pause_changes.clone()));
         loop {
             if let (Some(since), false) = (self.batch.since, timer_armed) {
                 flush_timer.as_mut().reset(since + LINGER);
@@ -264,7 +283,17 @@ impl<'a> Serving<'a> {
                     timer_armed = false;
                     self.flush(false).await?;
                 }
-                (source, message) = next_message(&mut self.sources, self.first_source) => {
+                Some(paused) = pause_changes.next() => {
+                    // What was applied is still written on the flush timer: a pause leaves
+                    // nothing half done.
+                    if paused && !self.paused {
+                        info!(graph = %self.graph.graph, partition = self.partition, "keyed partition paused: nothing is read until the graph is resumed");
+                    } else if !paused && self.paused {
+                        info!(graph = %self.graph.graph, partition = self.partition, "keyed partition reading again");
+                    }
+                    self.paused = paused;
+                }
+                (source, message) = next_message(&mut self.sources, self.first_source), if !self.paused => {
                     self.first_source = (source + 1) % self.sources.len();
                     self.burst_ms = now_ms();
                     let read = self.read_burst(source, message?);

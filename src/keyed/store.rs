@@ -46,6 +46,13 @@ pub trait KeyedStore: Send + Sync {
         partition: i32,
     ) -> Result<Option<(u64, i64)>, StoreError>;
 
+    /// Whether the graph is paused (`weir graph pause`): its partitions read nothing
+    /// until it is resumed, on whichever node owns them.
+    async fn load_paused(&self, graph: &str) -> Result<bool, StoreError>;
+
+    /// Pauses or resumes the graph on every node running it.
+    async fn save_paused(&self, graph: &str, paused: bool) -> Result<(), StoreError>;
+
     /// Writes a batch, all or nothing, refused whole once the fence's lease has a newer
     /// token. Only the partition's owner writes, in order, so its positions only move
     /// forward. Taken whole: a store in memory keeps it as it is.

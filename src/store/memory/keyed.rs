@@ -43,6 +43,20 @@ impl KeyedStore for MemoryStore {
             .and_then(|s| s.released))
     }
 
+    async fn load_paused(&self, graph: &str) -> Result<bool, StoreError> {
+        Ok(self.state().keyed_paused.contains(graph))
+    }
+
+    async fn save_paused(&self, graph: &str, paused: bool) -> Result<(), StoreError> {
+        let mut state = self.state();
+        if paused {
+            state.keyed_paused.insert(graph.to_string());
+        } else {
+            state.keyed_paused.remove(graph);
+        }
+        Ok(())
+    }
+
     async fn save_keys(
         &self,
         graph: &str,

@@ -10,7 +10,7 @@ mod recovery;
 mod schedule;
 mod workflow;
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -65,6 +65,8 @@ struct State {
     members: HashMap<String, HashMap<String, Instant>>,
     /// Keyed graphs' state by (graph, partition).
     keyed: HashMap<(String, i32), KeyedPartition>,
+    /// Keyed graphs paused.
+    keyed_paused: HashSet<String>,
 }
 
 #[derive(Default)]

@@ -1,7 +1,8 @@
 //! Keyed graphs' per-key state on the Redis store: per graph and partition a hash
 //! `keyed:<graph>:<p>` (key → JSON cache snapshot) and a hash
 //! `keyed:<graph>:<p>:positions` (source → last position applied), and
-//! `keyed:<graph>:<p>:released` (`token:ms` of the last clean hand-over).
+//! `keyed:<graph>:<p>:released` (`token:ms` of the last clean hand-over); per graph,
+//! `keyed:<graph>:paused` (`1`) while the graph is paused.
 
 use super::*;
 
@@ -12,6 +13,10 @@ impl RedisStore {
 
     fn keyed_positions_key(&self, graph: &str, partition: i32) -> String {
         self.key(&["keyed", graph, &partition.to_string(), "positions"])
+    }
+
+    fn keyed_paused_key(&self, graph: &str) -> String {
+        self.key(&["keyed", graph, "paused"])
     }
 
     fn keyed_released_key(&self, graph: &str, partition: i32) -> String {
@@ -91,6 +96,29 @@ impl KeyedStore for RedisStore {
                 })
         })
         .transpose()
+    }
+
+    async fn load_paused(&self, graph: &str) -> Result<bool, StoreError> {
+        let mut c = self.connection.clone();
+        let paused: bool = c
+            .exists(self.keyed_paused_key(graph))
+            .await
+            .map_err(|e| store_error("EXISTS", e))?;
+        Ok(paused)
+    }
+
+    async fn save_paused(&self, graph: &str, paused: bool) -> Result<(), StoreError> {
+        let key = self.keyed_paused_key(graph);
+        let mut c = self.connection.clone();
+        if paused {
+            c.set::<_, _, ()>(&key, 1)
+                .await
+                .map_err(|e| store_error("SET", e))
+        } else {
+            c.del::<_, ()>(&key)
+                .await
+                .map_err(|e| store_error("DEL", e))
+        }
     }
 
     async fn save_keys(
