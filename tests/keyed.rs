@@ -444,3 +444,56 @@ async fn a_paused_keyed_graph_reads_nothing_on_any_node_until_resumed() {
     b.stop().await;
     c.stop().await;
 }
+
+#[tokio::test]
+async fn a_keys_full_queue_dead_letters_what_it_cannot_hold_and_the_partition_goes_on() {
+    let mut decl = graph("bounded", &["a", "b"], Criteria::WhenAll);
+    decl.reactor.queue_capacity = 2;
+    let cluster = Cluster::new(decl).await;
+    let node = cluster.node("n");
+    // ann's other source has not come: two of her events wait, the others cannot.
+    for seq in 1..=4 {
+        cluster.send("a", "ann", seq).await;
+    }
+    cluster.send("a", "bob", 10).await;
+    cluster.send("b", "bob", 11).await;
+    let bob = HashSet::from([("bob".to_string(), 10)]);
+    cluster.await_outputs(&bob).await;
+    cluster.send("b", "ann", 20).await;
+    cluster.send("b", "ann", 21).await;
+    let ann = HashSet::from([("ann".to_string(), 1), ("ann".to_string(), 2)]);
+    let outputs = cluster.await_outputs(&ann).await;
+    let fired: Vec<(String, u64, u64)> = outputs
+        .iter()
+        .map(|o| {
+            (
+                o["key"].as_str().unwrap().to_string(),
+                o["inputs"]["a"]["seq"].as_u64().unwrap(),
+                o["inputs"]["b"]["seq"].as_u64().unwrap(),
+            )
+        })
+        .filter(|(key, ..)| key == "ann")
+        .collect();
+    assert_eq!(
+        fired,
+        [("ann".to_string(), 1, 20), ("ann".to_string(), 2, 21)]
+    );
+    let dead = cluster.memory.messages("bounded.a.dlq");
+    let seqs: Vec<u64> = dead
+        .iter()
+        .map(|m| {
+            serde_json::from_slice::<Value>(&m.payload).unwrap()["seq"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(seqs, [3, 4], "{dead:?}");
+    for letter in &dead {
+        let error = letter.header(weir::wire::ERROR_HEADER).unwrap_or_default();
+        assert!(
+            error.contains("queue of key ann") && error.contains("queue_capacity"),
+            "{error}"
+        );
+    }
+    node.stop().await;
+}

@@ -459,6 +459,7 @@ impl<'a> Serving<'a> {
         let criteria = self.graph.decl.reactor.criteria;
         let (batch_number, next_listed) = (self.batch_number, self.batch.keys.len());
         let emit_time_ms = self.burst_ms;
+        let capacity = self.graph.decl.reactor.queue_capacity;
         let (key, state) = self.key_state(&key).await?;
         let boundary = Boundary {
             source: source_name,
@@ -468,6 +469,16 @@ impl<'a> Serving<'a> {
             emit_time_ms,
             value,
         };
+        // A key whose queue is full (its other sources have not sent it) cannot hold the
+        // partition up, nor grow without bound: the event goes to the dead-letter topic.
+        if state.cache.queued(source) >= capacity && !state.cache.is_repeat(source, &boundary) {
+            let reason = format!(
+                "the queue of key {key} for source {} is full: {capacity} events wait for the \
+                 graph's other sources (queue_capacity)",
+                boundary.source
+            );
+            return self.dead_letter(source, &message, &reason).await;
+        }
         if state.cache.insert(source, boundary) == Inserted::Duplicate {
             return Ok(());
         }

@@ -403,6 +403,11 @@ impl InputCache {
         self.slots[source].dirty
     }
 
+    /// Whether `insert` would drop `boundary` as a repeat.
+    pub fn is_repeat(&self, source: usize, boundary: &Boundary) -> bool {
+        self.slots[source].is_repeat(boundary)
+    }
+
     pub fn queued(&self, source: usize) -> usize {
         self.slots[source].queue.len()
     }
