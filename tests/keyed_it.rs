@@ -1,7 +1,8 @@
 //! A keyed graph across `weir run` processes on real services (Kafka and NATS
 //! JetStream, Redis): 1,000 keys under load, one node SIGKILLed and started again later
 //! and another paused past its lease, Redis stopped past the lease TTL and started
-//! again, or the Kafka broker restarted. Every input reaches an output, each key's outputs keep its input order, and
+//! again, or the Kafka broker restarted; or the graph paused and resumed. Every input
+//! reaches an output, each key's outputs keep its input order, and
 //! per key the fencing token never goes back.
 #![cfg(feature = "it")]
 
@@ -501,6 +502,51 @@ async fn nats_keyed_graph_survives_a_kill_a_rejoin_and_a_pause() {
 /// Redis stopped under load for longer than the lease TTL, then started again: the nodes
 /// lose their partitions, take them back from what was stored, and every input still
 /// comes out, in order per key, with the fencing token never going back.
+/// Paused through one node's admin API, the graph stops on every node: its input waits
+/// in the broker. Resumed, every input comes out once, in its key's order.
+async fn keyed_graph_paused_and_resumed_loses_nothing(kind: Kind) {
+    let mut cluster = Cluster::on(kind, &services::redis_url(), 2);
+    let mut run = cluster.start_nodes(2).await;
+    run.feed.round().await;
+    let within = Duration::from_secs(60);
+    let (broker, output, input) = (run.broker.clone(), &cluster.output, run.feed.input.clone());
+    let answered = read_outputs(&broker, output, &input, &run.feed.sent, within)
+        .await
+        .len();
+    let admin = format!("http://127.0.0.1:{}", cluster.admin_port);
+    let command = |verb: &str| {
+        let done = Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(["graph", verb, &cluster.graph, "--admin", &admin])
+            .output()
+            .unwrap();
+        assert!(done.status.success(), "{verb}: {done:?}");
+    };
+    command("pause");
+    tokio::time::sleep(weir::keyed::PAUSE_POLL * 3).await;
+    run.feed.round().await;
+    run.feed.round().await;
+    tokio::time::sleep(weir::keyed::PAUSE_POLL * 4).await;
+    let (read, _) = read_from_start(&broker, output, &run.feed.sent, Duration::from_secs(3)).await;
+    assert_eq!(read.len(), answered, "a paused graph fired");
+    command("resume");
+    let outputs = read_outputs(&broker, output, &input, &run.feed.sent, within).await;
+    checked_per_key(&outputs).assert_within(0, 0);
+    for node in 0..2 {
+        cluster.nodes.kill(node);
+    }
+    services::remove_redis_keys(&cluster.prefix).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_keyed_graph_paused_and_resumed_loses_nothing() {
+    keyed_graph_paused_and_resumed_loses_nothing(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_keyed_graph_paused_and_resumed_loses_nothing() {
+    keyed_graph_paused_and_resumed_loses_nothing(Kind::Nats).await;
+}
+
 async fn keyed_graph_survives_a_redis_restart(kind: Kind) {
     let mut redis_server = Server::redis();
     let mut cluster = Cluster::on(kind, &redis_server.redis_url(), 2);

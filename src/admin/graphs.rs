@@ -34,6 +34,8 @@ use crate::supervisor::{GraphHandle, GraphStatus};
 
 /// Longest a command waits for the reactor's answer.
 pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest `GET /graphs` waits for the store to say whether a keyed graph is paused.
+const PAUSED_LOOKUP: Duration = Duration::from_secs(1);
 
 /// A graph command, as the routes and the WebSocket (tagged by `command`) express it.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -134,9 +136,13 @@ pub async fn execute(
             // Keyed graphs run on every node that declares them, a share of their
             // partitions each (`GET /graphs/{name}/partitions` says whose).
             for (name, partitions) in state.keyed_graphs().filter(|(name, _)| scope.sees(name)) {
-                // Unknown (null) while the store cannot say: the list is still answered.
+                // Unknown (null) while the store cannot say, soon: the list is still
+                // answered.
                 let paused = match state.store() {
-                    Some(store) => store.load_paused(name).await.ok(),
+                    Some(store) => tokio::time::timeout(PAUSED_LOOKUP, store.load_paused(name))
+                        .await
+                        .ok()
+                        .and_then(Result::ok),
                     None => None,
                 };
                 listed.push(json!({

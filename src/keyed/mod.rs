@@ -147,8 +147,9 @@ pub async fn serve(
 pub const PAUSE_POLL: Duration = Duration::from_millis(500);
 
 /// Tells the node's partitions of `graph` whether the graph is paused, as the store
-/// says, until `cancel` fires. While the store cannot be read they keep what it said
-/// last; each partition reads the flag itself when it starts.
+/// says, until `cancel` fires: at every look, changed or not, since a partition that
+/// started in between read the flag itself and may hold another value than the node's
+/// last. While the store cannot be read they keep what it said last.
 async fn watch_paused(
     store: Arc<dyn KeyedStore>,
     graph: String,
@@ -163,8 +164,11 @@ async fn watch_paused(
         };
         match read {
             Ok(Ok(now)) => {
-                unreadable = false;
-                paused.send_if_modified(|was| std::mem::replace(was, now) != now);
+                if unreadable {
+                    unreadable = false;
+                    tracing::info!(%graph, paused = now, "the store says again whether the keyed graph is paused");
+                }
+                paused.send_replace(now);
             }
             Ok(Err(e)) if !unreadable => {
                 unreadable = true;

@@ -293,7 +293,9 @@ impl<'a> Serving<'a> {
                     }
                     self.paused = paused;
                 }
-                (source, message) = next_message(&mut self.sources, self.first_source), if !self.paused => {
+                read = next_unless_paused(&mut self.sources, self.first_source, self.paused) => {
+                    // Paused: a source held (fetching stopped) or told of an error.
+                    let Some((source, message)) = read else { continue };
                     self.first_source = (source + 1) % self.sources.len();
                     self.burst_ms = now_ms();
                     let read = self.read_burst(source, message?);
@@ -690,6 +692,25 @@ impl<'a> Serving<'a> {
 /// The next message of any source, with the source's index, looking at `first` first
 /// when several are ready. The other sources' reads are dropped before it is handled; a
 /// source's read loses nothing when dropped.
+/// The next message of any source, as [`next_message`]; while `paused`, no message: the
+/// sources stop fetching instead (a Kafka consumer would go on filling its queue with
+/// what the partition does not read), and `None` is answered once one of them has
+/// something to look at again. A source failing while held answers its error.
+async fn next_unless_paused(
+    sources: &mut [Box<dyn Source>],
+    first: usize,
+    paused: bool,
+) -> Option<(usize, Result<Message, TransportError>)> {
+    if !paused {
+        return Some(next_message(sources, first).await);
+    }
+    let (held, source, _) = futures::future::select_all(sources.iter_mut().map(|s| s.hold())).await;
+    match held {
+        Ok(()) => None,
+        Err(e) => Some((source, Err(e))),
+    }
+}
+
 async fn next_message(
     sources: &mut [Box<dyn Source>],
     first: usize,
