@@ -135,16 +135,23 @@ pub async fn execute(
             };
             // Keyed graphs run on every node that declares them, a share of their
             // partitions each (`GET /graphs/{name}/partitions` says whose).
-            for (name, partitions) in state.keyed_graphs().filter(|(name, _)| scope.sees(name)) {
-                // Unknown (null) while the store cannot say, soon: the list is still
-                // answered.
-                let paused = match state.store() {
+            let keyed: Vec<_> = state
+                .keyed_graphs()
+                .filter(|(name, _)| scope.sees(name))
+                .collect();
+            // Unknown (null) while the store cannot say, soon: the list is still
+            // answered, within one limit for all the keyed graphs together.
+            let paused = futures::future::join_all(keyed.iter().map(|(name, _)| async move {
+                match state.store() {
                     Some(store) => tokio::time::timeout(PAUSED_LOOKUP, store.load_paused(name))
                         .await
                         .ok()
                         .and_then(Result::ok),
                     None => None,
-                };
+                }
+            }))
+            .await;
+            for ((name, partitions), paused) in keyed.into_iter().zip(paused) {
                 listed.push(json!({
                     "name": name,
                     "status": "running",

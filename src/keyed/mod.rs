@@ -30,6 +30,7 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 pub use store::{KeyedChanges, KeyedStore};
 
@@ -128,12 +129,14 @@ pub async fn serve(
     settings.ttl = keying.lease_ttl;
     let keyed_store: Arc<dyn KeyedStore> = store.clone();
     let (paused_tx, paused) = tokio::sync::watch::channel(false);
-    let watching = tokio::spawn(watch_paused(
+    // Aborted with `serve` if that is dropped rather than cancelled: nothing of a
+    // graph's node outlives it.
+    let watching = AbortOnDropHandle::new(tokio::spawn(watch_paused(
         keyed_store.clone(),
         decl.key(),
         paused_tx,
         cancel.clone(),
-    ));
+    )));
     let work = partition::KeyedPartitions::new(decl, keying, topics, broker, keyed_store, paused);
     let ownership_store: Arc<dyn OwnershipStore> = store;
     crate::ownership::own(ownership_store, settings, Arc::new(work), cancel).await;

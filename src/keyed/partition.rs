@@ -689,9 +689,6 @@ impl<'a> Serving<'a> {
     }
 }
 
-/// The next message of any source, with the source's index, looking at `first` first
-/// when several are ready. The other sources' reads are dropped before it is handled; a
-/// source's read loses nothing when dropped.
 /// The next message of any source, as [`next_message`]; while `paused`, no message: the
 /// sources stop fetching instead (a Kafka consumer would go on filling its queue with
 /// what the partition does not read), and `None` is answered once one of them has
@@ -711,6 +708,9 @@ async fn next_unless_paused(
     }
 }
 
+/// The next message of any source, with the source's index, looking at `first` first
+/// when several are ready. The other sources' reads are dropped before it is handled; a
+/// source's read loses nothing when dropped.
 async fn next_message(
     sources: &mut [Box<dyn Source>],
     first: usize,
