@@ -1,7 +1,8 @@
 //! Distributed jobs on the memory backends, with several nodes in one process: messages
 //! applied exactly once across hand-overs, timeouts that fell due while a partition had
-//! no owner fired once, and malformed messages and outputs too large for the broker
-//! dead-lettered without stopping anything.
+//! no owner fired once, a stopped job's output kept through its owner's death, and
+//! malformed messages and outputs too large for the broker dead-lettered without stopping
+//! anything.
 
 mod common;
 
@@ -323,5 +324,56 @@ async fn an_output_too_large_to_publish_is_dead_lettered_and_the_partition_goes_
         .header(weir::wire::ERROR_HEADER)
         .is_some_and(|e| e.contains("larger than the broker takes")));
     assert!(cluster.memory.messages("counter.out").is_empty());
+    node.stop().await;
+}
+
+#[tokio::test]
+async fn a_stopped_jobs_output_survives_its_owner_dying_at_any_moment() {
+    // Outputs go to the broker before the batch holding the stop is written: an owner
+    // killed in between leaves the stop to be applied again by the next owner, so the
+    // output comes out at least once, whenever the kill falls.
+    let cluster = Cluster::new().await;
+    let client = cluster.client().await;
+    let mut node = cluster.node("n0");
+    let mut ids = Vec::new();
+    for (round, kill_after_ms) in [0u64, 1, 3, 10, 40].into_iter().enumerate() {
+        let batch: Vec<String> = (0..8).map(|i| format!("r{round}-{i}")).collect();
+        for id in &batch {
+            client.put(id, &json!({})).await.unwrap();
+            for n in 0..3 {
+                client.send(id, &json!(n)).await.unwrap();
+            }
+            client.stop(id).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(kill_after_ms)).await;
+        node.kill();
+        node = cluster.node(&format!("n{}", round + 1));
+        ids.extend(batch);
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let outputs = cluster.memory.messages("counter.out");
+        let missing: Vec<&String> = ids
+            .iter()
+            .filter(|id| {
+                !outputs.iter().any(|m| {
+                    m.key.as_deref() == Some(id.as_bytes())
+                        && serde_json::from_slice::<Value>(&m.payload).unwrap()["output"]
+                            == json!({"count": 3})
+                })
+            })
+            .collect();
+        if missing.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no final output for {missing:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for id in &ids {
+        assert_eq!(cluster.state(id).await, None, "{id} was stopped");
+    }
     node.stop().await;
 }

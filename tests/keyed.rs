@@ -1,7 +1,8 @@
 //! Keyed graphs on the memory backends, with several nodes in one process: one reactor
 //! state per key, every input reaching an output in its key's order across joins and
-//! kills, per-key `when_all`, an output too large for the broker, events that cannot be
-//! read or keyed, and the co-partitioning check.
+//! kills, per-key `when_all`, keys leaving memory with events queued, an output too large
+//! for the broker, a failed fire, events that cannot be read or keyed, and the
+//! co-partitioning check.
 
 mod common;
 
@@ -13,7 +14,8 @@ use common::TaskNode;
 use serde_json::{json, Value};
 use weir::accumulator::AccumulatorSpec;
 use weir::graph::{
-    Criteria, FunctionRegistry, GraphBuilder, GraphDeclaration, KeySource, Keying, Strategy,
+    Criteria, FunctionRegistry, GraphBuilder, GraphDeclaration, KeySource, Keying, NodeContext,
+    NodeError, Strategy,
 };
 use weir::keyed::{KeyedGraphStore, KeyedTopics};
 use weir::store::memory::MemoryStore;
@@ -100,6 +102,19 @@ impl Cluster {
                 value
             })
             .collect()
+    }
+
+    /// Waits until `topic` holds `count` messages at least.
+    async fn await_count(&self, topic: &str, count: usize, within: Duration) {
+        let deadline = tokio::time::Instant::now() + within;
+        while self.memory.messages(topic).len() < count {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{topic}: {} of {count} messages",
+                self.memory.messages(topic).len()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Waits until every (user, seq) in `sent` has an output; returns the outputs.
@@ -496,4 +511,138 @@ async fn a_keys_full_queue_dead_letters_what_it_cannot_hold_and_the_partition_go
         );
     }
     node.stop().await;
+}
+
+#[tokio::test]
+async fn a_failed_fire_is_dead_lettered_with_its_key_and_the_key_goes_on() {
+    let mut keying = Keying::new(KeySource::Pointer("/user".into()));
+    keying.partitions = 2;
+    keying.lease_ttl = Duration::from_millis(600);
+    let decl = GraphBuilder::new("faulty")
+        .criteria(Criteria::WhenAny)
+        .strategy(Strategy::Sequential)
+        .keyed(keying)
+        .accumulator(AccumulatorSpec::passthrough("a").topic("faulty.a"))
+        .node("n", ["a"], |ctx: NodeContext| async move {
+            let event = ctx.source("a").cloned().unwrap_or_default();
+            match event["seq"].as_u64() {
+                Some(2) => Err(NodeError::new("cannot take the second event")),
+                _ => Ok(Some(event)),
+            }
+        })
+        .output("n", "faulty.out")
+        .build()
+        .unwrap();
+    let cluster = Cluster::new(decl).await;
+    let node = cluster.node("n");
+    for seq in 1..=3 {
+        cluster.send("a", "ann", seq).await;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let fired = loop {
+        let fired: Vec<(Option<String>, Value)> = cluster
+            .memory
+            .messages("faulty.out")
+            .iter()
+            .map(|m| {
+                let key = m.key.as_deref().map(|k| String::from_utf8_lossy(k).into());
+                (
+                    key,
+                    serde_json::from_slice::<Value>(&m.payload).unwrap()["seq"].clone(),
+                )
+            })
+            .collect();
+        if fired.len() >= 2 && !cluster.memory.messages("faulty.out.dlq").is_empty() {
+            break fired;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "fired {fired:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let ann = Some("ann".to_string());
+    assert_eq!(fired, [(ann.clone(), json!(1)), (ann.clone(), json!(3))]);
+    let dead = cluster.memory.messages("faulty.out.dlq");
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].key.as_deref(), Some(&b"ann"[..]));
+    assert!(dead[0]
+        .header(weir::wire::ERROR_HEADER)
+        .is_some_and(|e| e.contains("cannot take the second event")));
+    let record: Value = serde_json::from_slice(&dead[0].payload).unwrap();
+    assert_eq!(record["key"], "ann");
+    assert_eq!(record["fire"], 2);
+    assert_eq!(record["inputs"]["a"]["seq"], 2);
+    // Restarted from what was stored, the node fires nothing again.
+    node.stop().await;
+    let again = cluster.node("again");
+    cluster.send("a", "ann", 4).await;
+    cluster
+        .await_count("faulty.out", 3, Duration::from_secs(10))
+        .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(cluster.memory.messages("faulty.out").len(), 3);
+    assert_eq!(cluster.memory.messages("faulty.out.dlq").len(), 1);
+    again.stop().await;
+}
+
+/// Ten keys whose `a` events wait for `b`, on one partition keeping two keys in memory:
+/// the others leave memory with their queued events, which must come back from the
+/// store when `b` arrives, whether the same node or a new one meets them again.
+async fn keys_leaving_memory_keep_their_queued_events(kill_between: bool) {
+    let mut decl = graph("cold", &["a", "b"], Criteria::WhenAll);
+    let keying = decl.keyed.as_mut().unwrap();
+    keying.partitions = 1;
+    keying.max_keys_in_memory = 2;
+    let cluster = Cluster::new(decl).await;
+    let mut node = cluster.node("n");
+    let users: Vec<String> = (0..10).map(|i| format!("u{i}")).collect();
+    for (i, user) in users.iter().enumerate() {
+        cluster.send("a", user, i as u64).await;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    for user in &users {
+        loop {
+            let queued = weir::keyed::view(cluster.store.as_ref(), "cold", 1, user)
+                .await
+                .unwrap()
+                .and_then(|view| view.state)
+                .map(|state| state.sources["a"].queue.len());
+            if queued == Some(1) {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{user} stored with {queued:?} events queued"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    if kill_between {
+        node.kill();
+        node = cluster.node("m");
+    }
+    for (i, user) in users.iter().enumerate() {
+        cluster.send("b", user, 100 + i as u64).await;
+    }
+    let sent: HashSet<(String, u64)> = users
+        .iter()
+        .enumerate()
+        .map(|(i, u)| (u.clone(), i as u64))
+        .collect();
+    let outputs = cluster.await_outputs(&sent).await;
+    for o in &outputs {
+        let a = o["inputs"]["a"]["seq"].as_u64().unwrap();
+        assert_eq!(o["inputs"]["b"]["seq"].as_u64(), Some(100 + a), "{o}");
+        assert_eq!(o["key"].as_str(), Some(format!("u{a}").as_str()), "{o}");
+    }
+    assert_eq!(outputs.len(), users.len(), "{outputs:?}");
+    node.stop().await;
+}
+
+#[tokio::test]
+async fn keys_leaving_memory_keep_their_queued_events_for_the_same_node() {
+    keys_leaving_memory_keep_their_queued_events(false).await;
+}
+
+#[tokio::test]
+async fn keys_leaving_memory_keep_their_queued_events_for_the_next_owner() {
+    keys_leaving_memory_keep_their_queued_events(true).await;
 }

@@ -1,7 +1,8 @@
 //! A keyed graph across `weir run` processes on real services (Kafka and NATS
 //! JetStream, Redis): 1,000 keys under load, one node SIGKILLed and started again later
-//! and another paused past its lease, Redis stopped past the lease TTL and started
-//! again, or the Kafka broker restarted; or the graph paused and resumed. Every input
+//! and another paused past its lease, every node restarted in turn with SIGTERM, Redis
+//! stopped past the lease TTL and started again, or the Kafka broker restarted; or the
+//! graph paused and resumed. Every input
 //! reaches an output, each key's outputs keep its input order, and
 //! per key the fencing token never goes back.
 #![cfg(feature = "it")]
@@ -499,9 +500,50 @@ async fn nats_keyed_graph_survives_a_kill_a_rejoin_and_a_pause() {
     keyed_graph_survives_a_kill_a_rejoin_and_a_pause(Kind::Nats).await;
 }
 
-/// Redis stopped under load for longer than the lease TTL, then started again: the nodes
-/// lose their partitions, take them back from what was stored, and every input still
-/// comes out, in order per key, with the fencing token never going back.
+/// Each node in turn stopped with SIGTERM under load and started again: its partitions
+/// are handed over in order (in-flight fires finished, state stored, positions committed,
+/// then the lease released), and taken back the same way when it returns, so nothing is
+/// repeated and nothing is fenced off.
+async fn keyed_graph_rolling_restart_repeats_nothing(kind: Kind) {
+    let mut cluster = Cluster::new(kind);
+    let mut run = cluster.start_nodes(3).await;
+    let (store, group) = (run.store.clone(), run.group.clone());
+    let all = ["n0", "n1", "n2"];
+    for round in 0..ROUNDS {
+        run.feed.round().await;
+        if let 4 | 8 | 12 = round {
+            let node = (round / 4 - 1) as usize;
+            cluster.nodes.terminate(node);
+            cluster.start(node);
+            services::await_owners(&store, &group, PARTITIONS, &all).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let outputs = read_outputs(
+        &run.broker,
+        &cluster.output,
+        &run.feed.input,
+        &run.feed.sent,
+        Duration::from_secs(120),
+    )
+    .await;
+    checked_per_key(&outputs).assert_within(0, 0);
+    for node in 0..3 {
+        cluster.nodes.terminate(node);
+    }
+    services::remove_redis_keys(&cluster.prefix).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_keyed_graph_rolling_restart_repeats_nothing() {
+    keyed_graph_rolling_restart_repeats_nothing(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_keyed_graph_rolling_restart_repeats_nothing() {
+    keyed_graph_rolling_restart_repeats_nothing(Kind::Nats).await;
+}
+
 /// Paused through one node's admin API, the graph stops on every node: its input waits
 /// in the broker. Resumed, every input comes out once, in its key's order.
 async fn keyed_graph_paused_and_resumed_loses_nothing(kind: Kind) {
@@ -526,7 +568,15 @@ async fn keyed_graph_paused_and_resumed_loses_nothing(kind: Kind) {
     run.feed.round().await;
     run.feed.round().await;
     tokio::time::sleep(weir::keyed::PAUSE_POLL * 4).await;
-    let (read, _) = read_from_start(&broker, output, &run.feed.sent, Duration::from_secs(3)).await;
+    // Read until the window closes (the inputs sent while paused are never covered), long
+    // enough for a fresh reader to get every output there is.
+    let window = Duration::from_secs(10);
+    let (read, _) = read_from_start(&broker, output, &run.feed.sent, window).await;
+    assert!(
+        read.len() >= answered,
+        "the reader got {} of the {answered} outputs in {window:?}",
+        read.len()
+    );
     assert_eq!(read.len(), answered, "a paused graph fired");
     command("resume");
     let outputs = read_outputs(&broker, output, &input, &run.feed.sent, within).await;
@@ -547,6 +597,9 @@ async fn nats_keyed_graph_paused_and_resumed_loses_nothing() {
     keyed_graph_paused_and_resumed_loses_nothing(Kind::Nats).await;
 }
 
+/// Redis stopped under load for longer than the lease TTL, then started again: the nodes
+/// lose their partitions, take them back from what was stored, and every input still
+/// comes out, in order per key, with the fencing token never going back.
 async fn keyed_graph_survives_a_redis_restart(kind: Kind) {
     let mut redis_server = Server::redis();
     let mut cluster = Cluster::on(kind, &redis_server.redis_url(), 2);
