@@ -1,10 +1,9 @@
 //! A keyed graph across `weir run` processes on real services (Kafka and NATS
 //! JetStream, Redis): 1,000 keys under load, one node SIGKILLed and started again later
 //! and another paused past its lease, every node restarted in turn with SIGTERM, Redis
-//! stopped past the lease TTL and started again, or the Kafka broker restarted; or the
-//! graph paused and resumed. Every input
-//! reaches an output, each key's outputs keep its input order, and
-//! per key the fencing token never goes back.
+//! stopped past the lease TTL and started again, or the broker restarted; or the graph
+//! paused and resumed. Every input reaches an output, each key's outputs keep its input
+//! order, and per key the fencing token never goes back.
 #![cfg(feature = "it")]
 
 mod common;
@@ -39,7 +38,8 @@ struct Cluster {
     /// The Redis and Kafka's bootstrap servers the nodes use: the shared ones, or a
     /// test's own.
     redis_url: String,
-    kafka_brokers: String,
+    /// Kafka's bootstrap servers, or the NATS server's URL.
+    broker_address: String,
     prefix: String,
     graph: String,
     input: String,
@@ -57,20 +57,24 @@ impl Cluster {
     }
 
     fn on(kind: Kind, redis_url: &str, nodes: usize) -> Self {
-        Self::with(kind, redis_url, &services::kafka_brokers(), nodes)
+        let broker_address = match kind {
+            Kind::Kafka => services::kafka_brokers(),
+            Kind::Nats => services::nats_url(),
+        };
+        Self::with(kind, redis_url, &broker_address, nodes)
     }
 
-    fn with(kind: Kind, redis_url: &str, kafka_brokers: &str, nodes: usize) -> Self {
+    fn with(kind: Kind, redis_url: &str, broker_address: &str, nodes: usize) -> Self {
         let prefix = services::unique("keyed");
         let graph = format!("g{prefix}");
         let input = format!("{prefix}.in");
         let output = format!("{prefix}.out");
         let broker = match kind {
             Kind::Kafka => format!(
-                "kind = \"kafka\"\nbrokers = \"{kafka_brokers}\"\nretention_ms = {}",
+                "kind = \"kafka\"\nbrokers = \"{broker_address}\"\nretention_ms = {}",
                 services::TEST_RETENTION.as_millis()
             ),
-            Kind::Nats => services::nats_table(),
+            Kind::Nats => services::nats_table_at(broker_address),
         };
         let text = format!(
             r#"
@@ -104,7 +108,7 @@ format = "json"
             nodes: common::nodes::Nodes::new(&prefix, config.path(), nodes),
             kind,
             redis_url: redis_url.to_string(),
-            kafka_brokers: kafka_brokers.to_string(),
+            broker_address: broker_address.to_string(),
             prefix,
             graph,
             input,
@@ -163,7 +167,7 @@ format = "json"
             Kind::Kafka => Arc::new(
                 weir::transport::kafka::KafkaBroker::connect(
                     weir::transport::kafka::KafkaSettings {
-                        brokers: self.kafka_brokers.clone(),
+                        brokers: self.broker_address.clone(),
                         options: services::fast_group_options(),
                         retention: Some(services::TEST_RETENTION),
                         ..Default::default()
@@ -171,7 +175,7 @@ format = "json"
                 )
                 .expect("kafka client"),
             ),
-            Kind::Nats => services::nats(true).await,
+            Kind::Nats => services::nats_at(&self.broker_address, true).await,
         }
     }
 }
@@ -655,21 +659,30 @@ async fn nats_keyed_graph_survives_a_redis_restart() {
     keyed_graph_survives_a_redis_restart(Kind::Nats).await;
 }
 
-/// The Kafka broker restarted under load (Tansu keeping its log in S3, as a broker keeps
-/// it on disk): every input still comes out, in order per key, with the fencing token
-/// never going back.
-#[tokio::test(flavor = "multi_thread")]
-async fn kafka_keyed_graph_survives_a_broker_restart() {
-    let s3 = Server::s3();
-    let mut kafka = Server::tansu_on_s3(&s3);
-    let brokers = format!("127.0.0.1:{}", kafka.port);
-    let mut cluster = Cluster::with(Kind::Kafka, &services::redis_url(), &brokers, 2);
+/// The broker restarted under load (Tansu keeping its log in S3, nats-server its streams
+/// on disk, as a broker keeps them): every input still comes out, in order per key, with
+/// the fencing token never going back.
+async fn keyed_graph_survives_a_broker_restart(kind: Kind) {
+    // The S3 server outlives the broker keeping its log there: dropped after it.
+    let (_s3, mut server) = match kind {
+        Kind::Kafka => {
+            let s3 = Server::s3();
+            let kafka = Server::tansu_on_s3(&s3);
+            (Some(s3), kafka)
+        }
+        Kind::Nats => (None, Server::nats("")),
+    };
+    let address = match kind {
+        Kind::Kafka => format!("127.0.0.1:{}", server.port),
+        Kind::Nats => server.nats_url(),
+    };
+    let mut cluster = Cluster::with(kind, &services::redis_url(), &address, 2);
     let mut run = cluster.start_nodes(2).await;
     for round in 0..ROUNDS {
         run.feed.round().await;
         // Between rounds, every input sent so far acknowledged.
         if round == 8 {
-            kafka.restart();
+            server.restart();
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -687,4 +700,14 @@ async fn kafka_keyed_graph_survives_a_broker_restart() {
         cluster.nodes.kill(node);
     }
     services::remove_redis_keys(&cluster.prefix).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_keyed_graph_survives_a_broker_restart() {
+    keyed_graph_survives_a_broker_restart(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_keyed_graph_survives_a_broker_restart() {
+    keyed_graph_survives_a_broker_restart(Kind::Nats).await;
 }

@@ -41,9 +41,13 @@ pub fn kafka_table() -> String {
 /// The body of a config file's `[broker]` table for NATS JetStream, with the tests'
 /// retention.
 pub fn nats_table() -> String {
+    nats_table_at(&nats_url())
+}
+
+/// A `[broker]` table for the NATS server at `url`.
+pub fn nats_table_at(url: &str) -> String {
     format!(
-        "kind = \"nats\"\nurl = \"{}\"\nretention_ms = {}",
-        nats_url(),
+        "kind = \"nats\"\nurl = \"{url}\"\nretention_ms = {}",
         TEST_RETENTION.as_millis()
     )
 }
@@ -85,9 +89,14 @@ pub fn kafka_partitioned(partitions: i32) -> Arc<KafkaBroker> {
 }
 
 pub async fn nats(jetstream: bool) -> Arc<NatsBroker> {
+    nats_at(&nats_url(), jetstream).await
+}
+
+/// A client of the NATS server at `url`.
+pub async fn nats_at(url: &str, jetstream: bool) -> Arc<NatsBroker> {
     Arc::new(
         NatsBroker::connect(NatsSettings {
-            url: nats_url(),
+            url: url.to_string(),
             jetstream,
             ack_wait: std::time::Duration::from_secs(5),
             retention: Some(TEST_RETENTION),
