@@ -337,6 +337,21 @@ struct Running {
     feed: Feed,
 }
 
+impl Running {
+    /// Every output for what the feed sent, read from the start of `output`.
+    async fn outputs(&self, output: &str) -> Vec<Message> {
+        let within = Duration::from_secs(120);
+        read_outputs(
+            &self.broker,
+            output,
+            &self.feed.input,
+            &self.feed.sent,
+            within,
+        )
+        .await
+    }
+}
+
 /// Events to every user, in rounds, numbered on; each (user, seq) sent is kept.
 struct Feed {
     sink: Arc<dyn weir::transport::Sink>,
@@ -460,14 +475,7 @@ async fn keyed_graph_survives_a_kill_a_rejoin_and_a_pause(kind: Kind) {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let outputs = read_outputs(
-        &run.broker,
-        &cluster.output,
-        &run.feed.input,
-        &run.feed.sent,
-        Duration::from_secs(120),
-    )
-    .await;
+    let outputs = run.outputs(&cluster.output).await;
     // What can repeat is what the killed and the paused node had applied and not yet
     // written: at most one batch per partition each owned. What can be stale is what
     // the paused node's client held when it stopped.
@@ -523,14 +531,7 @@ async fn keyed_graph_rolling_restart_repeats_nothing(kind: Kind) {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let outputs = read_outputs(
-        &run.broker,
-        &cluster.output,
-        &run.feed.input,
-        &run.feed.sent,
-        Duration::from_secs(120),
-    )
-    .await;
+    let outputs = run.outputs(&cluster.output).await;
     checked_per_key(&outputs).assert_within(0, 0);
     for node in 0..3 {
         cluster.nodes.terminate(node);
@@ -627,14 +628,7 @@ async fn keyed_graph_survives_a_redis_restart(kind: Kind) {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let outputs = read_outputs(
-        &run.broker,
-        &cluster.output,
-        &run.feed.input,
-        &run.feed.sent,
-        Duration::from_secs(120),
-    )
-    .await;
+    let outputs = run.outputs(&cluster.output).await;
     // What can repeat is what was applied and not yet written when the writes stopped
     // succeeding: at most one batch per partition. A holder cut off from Redis stops
     // publishing at its lease's deadline; what its client still held then can only be
@@ -686,14 +680,7 @@ async fn keyed_graph_survives_a_broker_restart(kind: Kind) {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let outputs = read_outputs(
-        &run.broker,
-        &cluster.output,
-        &run.feed.input,
-        &run.feed.sent,
-        Duration::from_secs(120),
-    )
-    .await;
+    let outputs = run.outputs(&cluster.output).await;
     // No lease changes hands: nothing can be stale.
     checked_per_key(&outputs).assert_within(BATCHES, 0);
     for node in 0..2 {
