@@ -104,6 +104,27 @@ impl Cluster {
             .collect()
     }
 
+    /// Waits until `key` is stored with `queued` events of `source` in its queue.
+    async fn await_stored_queue(&self, key: &str, source: &str, queued: usize) {
+        let partitions = self.topics.partitions;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let stored = weir::keyed::view(self.store.as_ref(), &self.decl.name, partitions, key)
+                .await
+                .unwrap()
+                .and_then(|view| view.state)
+                .map(|state| state.sources[source].queue.len());
+            if stored == Some(queued) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{key} stored with {stored:?} events of {source} queued, not {queued}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Waits until `topic` holds `count` messages at least.
     async fn await_count(&self, topic: &str, count: usize, within: Duration) {
         let deadline = tokio::time::Instant::now() + within;
@@ -280,22 +301,7 @@ async fn a_key_changed_several_times_in_one_batch_is_stored_as_it_ends() {
     for seq in 1..=3 {
         cluster.send("a", "ann", seq).await;
     }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let queued = weir::keyed::view(cluster.store.as_ref(), "queued", 4, "ann")
-            .await
-            .unwrap()
-            .and_then(|view| view.state)
-            .map(|state| state.sources["a"].queue.len());
-        if queued == Some(3) {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "ann stored with {queued:?} events queued, not 3"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    cluster.await_stored_queue("ann", "a", 3).await;
     node.stop().await;
 }
 
@@ -597,23 +603,8 @@ async fn keys_leaving_memory_keep_their_queued_events(kill_between: bool) {
     for (i, user) in users.iter().enumerate() {
         cluster.send("a", user, i as u64).await;
     }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     for user in &users {
-        loop {
-            let queued = weir::keyed::view(cluster.store.as_ref(), "cold", 1, user)
-                .await
-                .unwrap()
-                .and_then(|view| view.state)
-                .map(|state| state.sources["a"].queue.len());
-            if queued == Some(1) {
-                break;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{user} stored with {queued:?} events queued"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        cluster.await_stored_queue(user, "a", 1).await;
     }
     if kill_between {
         node.kill();

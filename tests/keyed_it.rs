@@ -35,10 +35,9 @@ enum Kind {
 
 struct Cluster {
     kind: Kind,
-    /// The Redis and Kafka's bootstrap servers the nodes use: the shared ones, or a
-    /// test's own.
+    /// The Redis and the broker the nodes use (Kafka's bootstrap servers, or the NATS
+    /// server's URL): the shared ones, or a test's own.
     redis_url: String,
-    /// Kafka's bootstrap servers, or the NATS server's URL.
     broker_address: String,
     prefix: String,
     graph: String,
