@@ -121,8 +121,13 @@ impl<T: Send + Sync + 'static> WriteBehind<T> {
     }
 
     /// Waits at most `limit` for everything handed over to be stored; true if it was.
+    /// The newest value is written without waiting out the spacing: an owner flushing is
+    /// about to stop, and would otherwise give up on it.
     pub(crate) async fn flush(&mut self, limit: Duration) -> bool {
         let wanted = self.version;
+        if wanted > self.taken.load(Ordering::Acquire) {
+            self.latest.send_modify(|handed| handed.at_once = true);
+        }
         let stored = tokio::time::timeout(limit, self.written.wait_for(|&v| v >= wanted)).await;
         matches!(stored, Ok(Ok(_)))
     }
@@ -316,7 +321,7 @@ mod tests {
             1,
             "the second write waits out the spacing"
         );
-        assert!(behind.flush(Duration::from_secs(1)).await);
+        tokio::time::sleep(spacing * 2).await;
         let stored = stored.lock().unwrap().clone();
         assert_eq!(
             stored.iter().map(|(v, _)| *v).collect::<Vec<_>>(),
@@ -324,6 +329,21 @@ mod tests {
         );
         assert!(stored[1].1 - start >= spacing, "{:?}", stored[1].1 - start);
         assert_eq!(behind.written(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_flush_does_not_wait_out_the_spacing() {
+        let (mut behind, stored) = recording(Duration::from_secs(3600));
+        behind.submit(1);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        behind.submit(2);
+        assert!(behind.flush(Duration::from_secs(1)).await);
+        let values: Vec<u32> = stored.lock().unwrap().iter().map(|(v, _)| *v).collect();
+        assert_eq!(values, vec![1, 2]);
+        // Nothing left to hurry: a flush with everything stored writes nothing again.
+        assert!(behind.flush(Duration::from_secs(1)).await);
+        tokio::time::sleep(Duration::from_secs(7200)).await;
+        assert_eq!(stored.lock().unwrap().len(), 2);
     }
 
     #[tokio::test(start_paused = true)]

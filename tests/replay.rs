@@ -346,6 +346,50 @@ async fn state_left_by_pushes_is_stored_without_waiting_out_the_checkpoint_inter
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_stop_stores_the_last_topic_checkpoint_however_far_apart_checkpoints_are() {
+    let h = Harness::new();
+    // Checkpoints an hour apart: only the first is written while the graph runs.
+    let declare = || {
+        graph_spacing_checkpoints(
+            "stopped",
+            AccumulatorSpec::passthrough("a").topic("stopped.in"),
+            Duration::from_secs(3600),
+        )
+    };
+    let group = declare().source_group(0);
+    let g = h.spawn(declare());
+    g.wait_for_state(ReactorState::Live).await;
+    let values: Vec<Value> = (0..5).map(|i| json!(i)).collect();
+    for v in &values {
+        publish_all(&h, "stopped.in", std::slice::from_ref(v)).await;
+        settle().await;
+    }
+    eventually("five fires", || async {
+        h.outputs("stopped.out").len() == 5
+    })
+    .await;
+    assert_eq!(
+        h.broker.committed("stopped.in", &group),
+        vec![1],
+        "while running, only the first checkpoint was written"
+    );
+    let h = h.restart().await;
+    assert_eq!(
+        h.broker.committed("stopped.in", &group),
+        vec![5],
+        "the stop committed every fired event"
+    );
+    let g = h.spawn(declare());
+    g.wait_for_state(ReactorState::Live).await;
+    publish_all(&h, "stopped.in", &[json!(5)]).await;
+    eventually("the new event fired", || async {
+        h.outputs("stopped.out").len() == 6
+    })
+    .await;
+    assert_eq!(g.stats().duplicates, 0, "nothing was read again");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_polling_source_resumes_from_its_position() {
     let h = Harness::new();
     let calls = Arc::new(AtomicUsize::new(0));

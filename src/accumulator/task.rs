@@ -75,6 +75,10 @@ pub(crate) const HANDOFF: usize = 256;
 /// Messages a source has ready taken in one go, before other work gets a turn.
 const MESSAGE_BATCH: usize = 256;
 
+/// How long a stopping accumulator waits for what its reactor makes durable as it stops,
+/// and then for that checkpoint to be stored: within the supervisor's default stop limit.
+const LAST_CHECKPOINT_WAIT: std::time::Duration = std::time::Duration::from_secs(4);
+
 /// Numbers one source's accumulator incarnations share for the life of a reactor, so
 /// a restarted accumulator carries on where its predecessor stopped. Only the incarnation
 /// holding the socket path's lock hands numbers out, so there is one writer at a time
@@ -281,7 +285,11 @@ impl AccumulatorTask {
         loop {
             tokio::select! {
                 biased;
-                _ = &mut stopping => return Ok(()),
+                _ = &mut stopping => {
+                    self.store_last_checkpoint(&mut run, source.as_deref_mut(), &mut durable_changes)
+                        .await;
+                    return Ok(());
+                }
                 durable = durable_changes.next() => match durable {
                     Some(durable) => self.commit(&mut run, source.is_some(), durable),
                     None => return Ok(()),
@@ -632,6 +640,39 @@ impl AccumulatorTask {
             run.checkpoints.submit(checkpoint)
         };
         run.unstored.push_back((version, broker_positions));
+    }
+
+    /// Stopping: the positions the reactor makes durable as it stops (its last fires, its
+    /// last snapshot) are checkpointed and committed before the accumulator ends. Topic
+    /// checkpoints are spaced out while running; without this, a restart would re-read up
+    /// to one interval of events only to drop them as repeats.
+    async fn store_last_checkpoint(
+        &self,
+        run: &mut Running,
+        source: Option<&mut (dyn Source + '_)>,
+        durable_changes: &mut (impl futures::Stream<Item = u64> + Unpin),
+    ) {
+        let has_source = source.is_some();
+        let deadline = tokio::time::Instant::now() + LAST_CHECKPOINT_WAIT;
+        // The reactor's durable positions end with its run.
+        let followed = tokio::time::timeout_at(deadline, async {
+            while let Some(durable) = durable_changes.next().await {
+                self.commit(run, has_source, durable);
+            }
+        })
+        .await;
+        if followed.is_err() {
+            // Whatever it reported so far still counts.
+            let durable = *self.durable.borrow();
+            self.commit(run, has_source, durable);
+        }
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if run.checkpoints.flush(left).await {
+            let written = run.checkpoints.written();
+            self.checkpoint_stored(run, source, written).await;
+        } else {
+            warn!(graph = %self.graph, accumulator = %self.spec.name, "the last checkpoint was not stored; a restart re-reads from the one before");
+        }
     }
 
     /// Checkpoints up to `version` are stored: their positions go to the broker. The
