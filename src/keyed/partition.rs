@@ -475,8 +475,9 @@ impl<'a> Serving<'a> {
         // partition up, nor grow without bound: the event goes to the dead-letter topic.
         if state.cache.queued(source) >= capacity && !state.cache.is_repeat(source, &boundary) {
             let reason = format!(
-                "the queue of key {key} for source {} is full: {capacity} events wait for the \
+                "the queue of key {} for source {} is full: {capacity} events wait for the \
                  graph's other sources (queue_capacity)",
+                crate::transport::quoted_key(&key),
                 boundary.source
             );
             return self.dead_letter(source, &message, &reason).await;

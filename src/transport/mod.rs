@@ -223,7 +223,8 @@ impl PartitionedTopic {
         let home = self.partition_of(key.as_bytes());
         (home != partition).then(|| {
             format!(
-                "{key} belongs to partition {home} of {}, not {partition}: producers and nodes disagree on the partition count",
+                "{} belongs to partition {home} of {}, not {partition}: producers and nodes disagree on the partition count",
+                quoted_key(key),
                 self.partitions
             )
         })
@@ -567,6 +568,24 @@ pub async fn publish_persistently(
     }
 }
 
+/// The most of a key an error message quotes. A key is the user's data, as long as the
+/// event it came in may be, and a dead letter carries its reason in a header: quoting it
+/// whole could make the dead letter larger than the broker takes.
+pub const QUOTED_KEY_LIMIT: usize = 128;
+
+/// `key` as an error message quotes it: whole when short, else its first bytes up to
+/// [`QUOTED_KEY_LIMIT`] (cut between characters) and its length.
+pub fn quoted_key(key: &str) -> Cow<'_, str> {
+    if key.len() <= QUOTED_KEY_LIMIT {
+        return Cow::Borrowed(key);
+    }
+    let mut end = QUOTED_KEY_LIMIT;
+    while !key.is_char_boundary(end) {
+        end -= 1;
+    }
+    Cow::Owned(format!("{}… ({} bytes)", &key[..end], key.len()))
+}
+
 /// The longest output key a dead letter carries; a longer one may be why the output was
 /// refused, and would have its dead letter refused too.
 pub const DEAD_LETTER_KEY_LIMIT: usize = 1024;
@@ -611,6 +630,26 @@ mod tests {
 
     fn at(partition: i32, offset: i64) -> Position {
         Position { partition, offset }
+    }
+
+    #[test]
+    fn a_long_key_is_quoted_by_its_start_and_length() {
+        assert_eq!(quoted_key("user-7"), "user-7");
+        let exact = "k".repeat(QUOTED_KEY_LIMIT);
+        assert_eq!(quoted_key(&exact), exact.as_str());
+        // Two-byte characters: the cut falls between two of them, not inside one.
+        let long = "é".repeat(QUOTED_KEY_LIMIT);
+        let quoted = quoted_key(&long);
+        let expected = format!(
+            "{}… ({} bytes)",
+            "é".repeat(QUOTED_KEY_LIMIT / 2),
+            QUOTED_KEY_LIMIT * 2
+        );
+        assert_eq!(quoted, expected.as_str());
+        let odd = format!("a{}", "é".repeat(QUOTED_KEY_LIMIT));
+        assert!(
+            quoted_key(&odd).starts_with(&format!("a{}…", "é".repeat(QUOTED_KEY_LIMIT / 2 - 1)))
+        );
     }
 
     #[test]
