@@ -2,7 +2,7 @@
 //! applied exactly once across hand-overs, timeouts that fell due while a partition had
 //! no owner fired once, a stopped job's output kept through its owner's death, and
 //! malformed messages and outputs too large for the broker dead-lettered without stopping
-//! anything.
+//! anything, and each due time's timeout fired once while partitions move.
 
 mod common;
 
@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use common::TaskNode;
 use serde_json::{json, Value};
-use weir::jobs::{JobClient, JobHandlers, JobType, JobsStore};
+use weir::jobs::{
+    HandlerError, JobClient, JobEvent, JobHandler, JobHandlers, JobType, JobsStore, Step, Timer,
+};
 use weir::store::memory::MemoryStore;
 use weir::store::Store;
 use weir::transport::memory::MemoryBroker;
@@ -47,8 +49,11 @@ impl Cluster {
     }
 
     fn node(&self, id: &str) -> TaskNode {
-        let mut job_type =
-            JobType::new(TYPE, JobHandlers::default().get("builtin::count").unwrap());
+        self.node_handling(id, JobHandlers::default().get("builtin::count").unwrap())
+    }
+
+    fn node_handling(&self, id: &str, handler: Arc<dyn JobHandler>) -> TaskNode {
+        let mut job_type = JobType::new(TYPE, handler);
         job_type.partitions = PARTITIONS;
         job_type.lease_ttl = Duration::from_millis(600);
         job_type.output = Some("counter.out".into());
@@ -231,6 +236,73 @@ async fn a_timeout_due_while_its_partition_had_no_owner_fires_once_on_the_next()
         .unwrap();
     assert_eq!(timeouts, 2);
     b.stop().await;
+}
+
+/// Numbers its due times: each timeout publishes the number of the due time it fired
+/// for and arms the next, a period from the firing.
+struct NumberedTicks;
+
+const TICK: Duration = Duration::from_millis(100);
+
+impl JobHandler for NumberedTicks {
+    fn handle(&self, mut state: Value, event: &JobEvent) -> Result<Step, HandlerError> {
+        match event {
+            JobEvent::Start => {
+                state["due"] = json!(1);
+                Ok(Step::new(state).timer(Timer::After(TICK)))
+            }
+            JobEvent::Timeout => {
+                let due = state["due"].as_u64().unwrap_or(0);
+                state["due"] = json!(due + 1);
+                Ok(Step::new(state)
+                    .timer(Timer::After(TICK))
+                    .output(json!({ "due": due })))
+            }
+            JobEvent::Message(_) | JobEvent::Stop => Ok(Step::new(state)),
+        }
+    }
+}
+
+#[tokio::test]
+async fn each_due_time_fires_once_while_nodes_join_and_leave() {
+    let cluster = Cluster::new().await;
+    let client = cluster.client().await;
+    let ticks: Arc<dyn JobHandler> = Arc::new(NumberedTicks);
+    let ids: Vec<String> = (0..12).map(|i| format!("ticker-{i}")).collect();
+    let a = cluster.node_handling("a", ticks.clone());
+    for id in &ids {
+        client.put(id, &json!({})).await.unwrap();
+    }
+    // Partitions move on every step while the tickers fire every 100 ms: b and c join,
+    // then a and b leave, each handing its partitions over.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let b = cluster.node_handling("b", ticks.clone());
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let c = cluster.node_handling("c", ticks.clone());
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    a.stop().await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    b.stop().await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    c.stop().await;
+
+    let mut fired: std::collections::BTreeMap<String, Vec<u64>> = Default::default();
+    for message in cluster.memory.messages("counter.out") {
+        let record: Value = serde_json::from_slice(&message.payload).unwrap();
+        let id = record["id"].as_str().unwrap().to_string();
+        fired
+            .entry(id)
+            .or_default()
+            .push(record["output"]["due"].as_u64().unwrap());
+    }
+    for id in &ids {
+        let next = cluster.state(id).await.unwrap()["due"].as_u64().unwrap();
+        let mut dues = fired.remove(id).unwrap_or_default();
+        dues.sort_unstable();
+        // Every stop was clean: each due time before the stored next one fired once.
+        assert_eq!(dues, (1..next).collect::<Vec<_>>(), "{id}: due times fired");
+        assert!(next > 10, "{id} fired only {} times", next - 1);
+    }
 }
 
 #[tokio::test]

@@ -485,3 +485,44 @@ async fn kafka_jobs_survive_a_broker_restart() {
     }
     services::remove_redis_keys(&cluster.prefix).await;
 }
+
+/// Jobs keep positions and one owner per partition, which core NATS cannot give: `weir
+/// run` refuses them at start as bad input (exit 2), naming the fix.
+#[test]
+fn jobs_on_core_nats_are_refused_at_start() {
+    let text = format!(
+        r#"
+[broker]
+kind = "nats"
+url = "{url}"
+jetstream = false
+[store]
+kind = "memory"
+[[job]]
+type = "{job_type}"
+handler = "builtin::count"
+"#,
+        url = services::nats_url(),
+        job_type = services::unique("core"),
+    );
+    let mut config = tempfile::NamedTempFile::new().unwrap();
+    config.write_all(text.as_bytes()).unwrap();
+    let mut weir = Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(["run", "--config"])
+        .arg(config.path())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("weir runs");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while weir.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            weir.kill().unwrap();
+            panic!("weir run did not refuse the jobs");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = weir.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("broker.jetstream = true"), "{err}");
+}

@@ -64,6 +64,17 @@ impl Cluster {
     }
 
     fn with(kind: Kind, redis_url: &str, broker_address: &str, nodes: usize) -> Self {
+        Self::keyed_by(kind, redis_url, broker_address, nodes, "/user")
+    }
+
+    /// `key` is the graph's `key`: a JSON pointer or `message_key`.
+    fn keyed_by(
+        kind: Kind,
+        redis_url: &str,
+        broker_address: &str,
+        nodes: usize,
+        key: &str,
+    ) -> Self {
         let prefix = services::unique("keyed");
         let graph = format!("g{prefix}");
         let input = format!("{prefix}.in");
@@ -87,7 +98,7 @@ prefix = "{prefix}"
 graph_lease_ttl_ms = 3000
 [[graph]]
 name = "{graph}"
-key = "/user"
+key = "{key}"
 criteria = "when_any"
 strategy = "sequential"
 function = "snapshot"
@@ -696,4 +707,73 @@ async fn kafka_keyed_graph_survives_a_broker_restart() {
 #[tokio::test(flavor = "multi_thread")]
 async fn nats_keyed_graph_survives_a_broker_restart() {
     keyed_graph_survives_a_broker_restart(Kind::Nats).await;
+}
+
+/// CRC-32 as zlib computes it, written out here so that the test below produces by the
+/// hash the README documents, not by weir's code.
+fn zlib_crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &byte in bytes {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+/// A plain NATS client, without weir's code, produces to a graph keyed by the message
+/// key as the README says: subject `<topic>.<crc32(key) mod partitions>`, the key in the
+/// `weir-key` header. Every event comes out once, under its key, in its key's order.
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_graph_keyed_by_message_key_takes_a_plain_clients_events() {
+    assert_eq!(zlib_crc32(b"c1"), 1_591_159_457, "zlib.crc32(b'c1')");
+    let mut cluster = Cluster::keyed_by(
+        Kind::Nats,
+        &services::redis_url(),
+        &services::nats_url(),
+        2,
+        "message_key",
+    );
+    let run = cluster.start_nodes(2).await;
+    let jetstream =
+        async_nats::jetstream::new(async_nats::connect(services::nats_url()).await.unwrap());
+    let mut sent = HashSet::new();
+    for seq in 1..=5u64 {
+        for k in 0..40 {
+            let key = format!("k{k}");
+            let partition = zlib_crc32(key.as_bytes()) % PARTITIONS;
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("weir-key", key.as_str());
+            let payload = json!({ "seq": seq }).to_string();
+            jetstream
+                .publish_with_headers(
+                    format!("{}.{partition}", cluster.input),
+                    headers,
+                    payload.into(),
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            sent.insert((key, seq));
+        }
+    }
+    let outputs = read_outputs(
+        &run.broker,
+        &cluster.output,
+        &run.feed.input,
+        &sent,
+        Duration::from_secs(60),
+    )
+    .await;
+    checked_per_key(&outputs).assert_within(0, 0);
+    for node in 0..2 {
+        cluster.nodes.terminate(node);
+    }
+    services::remove_redis_keys(&cluster.prefix).await;
 }
