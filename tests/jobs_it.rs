@@ -2,7 +2,7 @@
 //! JetStream, Redis): 100 jobs × 50 messages through a SIGKILL, a node joining again, a
 //! rolling restart, a node paused past its lease, and Redis, NATS and Kafka restarted
 //! under load; every job ends with `count` exactly 50, and timeouts fire at most once
-//! per due time.
+//! per due time. Jobs on core NATS are refused at start.
 #![cfg(feature = "it")]
 
 mod common;

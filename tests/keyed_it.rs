@@ -2,8 +2,9 @@
 //! JetStream, Redis): 1,000 keys under load, one node SIGKILLed and started again later
 //! and another paused past its lease, every node restarted in turn with SIGTERM, Redis
 //! stopped past the lease TTL and started again, or the broker restarted; or the graph
-//! paused and resumed. Every input reaches an output, each key's outputs keep its input
-//! order, and per key the fencing token never goes back.
+//! paused and resumed; and a plain NATS client producing to a graph keyed by message
+//! key. Every input reaches an output, each key's outputs keep its input order, and per
+//! key the fencing token never goes back.
 #![cfg(feature = "it")]
 
 mod common;
