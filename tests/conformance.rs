@@ -201,6 +201,40 @@ mod services {
         stream.delete_consumer(&lookalike).await.unwrap();
     }
 
+    /// A holder deposed while paused subscribes again under its old fencing token before
+    /// it notices: it leaves its successor's durable alone, and the successor reads on.
+    /// The successor subscribing again removes both earlier durables.
+    #[tokio::test]
+    async fn nats_deposed_sole_reader_subscribing_again_leaves_its_successors_durable() {
+        use weir::transport::nats::stream_name;
+        let broker = services::nats(true).await;
+        let subject = services::unique("conf.fenced.");
+        let group = services::unique("fenced");
+        let mut subscription = Subscription::new(&subject, &group);
+        subscription.assignment = Assignment::All;
+        let _deposed = broker.subscribe(&subscription.clone().fenced(5)).await.unwrap();
+        let mut successor = broker.subscribe(&subscription.clone().fenced(6)).await.unwrap();
+        let _deposed_again = broker.subscribe(&subscription.clone().fenced(5)).await.unwrap();
+        let client = async_nats::connect(services::nats_url()).await.unwrap();
+        let stream = async_nats::jetstream::new(client)
+            .get_stream(stream_name(&subject))
+            .await
+            .unwrap();
+        assert_eq!(
+            durables_of(&stream, &group).await.len(),
+            2,
+            "the successor's and the deposed reader's latest"
+        );
+        broker
+            .sink()
+            .publish(Outbound::new(&subject, "after"))
+            .await
+            .unwrap();
+        assert_eq!(&next(&mut successor).await.payload[..], b"after");
+        let _successor_again = broker.subscribe(&subscription.fenced(6)).await.unwrap();
+        assert_eq!(durables_of(&stream, &group).await.len(), 1);
+    }
+
     /// The durable consumers of `group` on a stream.
     async fn durables_of(
         stream: &async_nats::jetstream::stream::Stream,

@@ -254,7 +254,15 @@ impl AccumulatorTask {
         let mut source: Option<Box<dyn Source>> = None;
         if let Some(factory) = self.source.clone() {
             self.set_health(Health::Connecting).await;
-            match factory.open(&source_positions).await {
+            let opened = match &self.lease {
+                Some(held) => {
+                    factory
+                        .open_fenced(&source_positions, held.lease.token)
+                        .await
+                }
+                None => factory.open(&source_positions).await,
+            };
+            match opened {
                 Ok(s) => source = Some(s),
                 Err(e) => {
                     self.set_health(Health::Disconnected).await;

@@ -171,7 +171,8 @@ impl<'a> Serving<'a> {
         let snapshot = jobs.store.load_partition(name, partition).await?;
         let subscription = jobs
             .topic
-            .subscription(partition, &jobs.group, snapshot.position);
+            .subscription(partition, &jobs.group, snapshot.position)
+            .fenced(held.lease.token);
         let source = jobs.broker.subscribe(&subscription).await?;
         if first {
             // A clean hand-over by the previous owner: the one token before ours.

@@ -213,7 +213,9 @@ impl<'a> Serving<'a> {
         let sources_of = graph.names.iter().zip(&graph.topics.sources);
         for ((name, topic), group) in sources_of.zip(&graph.groups) {
             let position = stored.get(&**name).copied();
-            let subscription = topic.subscription(partition, group, position);
+            let subscription = topic
+                .subscription(partition, group, position)
+                .fenced(held.lease.token);
             sources.push(graph.broker.subscribe(&subscription).await?);
             positions.push(position);
         }

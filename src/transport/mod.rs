@@ -126,6 +126,11 @@ pub struct Subscription {
     /// the checkpoint is written before the broker commit, so it is never behind.
     pub resume_after: Vec<Position>,
     pub acks: Acks,
+    /// The fencing token of the lease a sole reader ([`Assignment::All`]) reads under,
+    /// if any. On JetStream, where a sole reader removes its predecessors' consumers, one
+    /// under an older token (a deposed holder reading again before it notices) leaves
+    /// its successor's alone.
+    pub fencing: Option<u64>,
 }
 
 /// What a commit acknowledges.
@@ -151,7 +156,14 @@ impl Subscription {
             assignment: Assignment::Group,
             resume_after: Vec::new(),
             acks: Acks::Cumulative,
+            fencing: None,
         }
+    }
+
+    /// Read under a lease with fencing token `token`.
+    pub fn fenced(mut self, token: u64) -> Self {
+        self.fencing = Some(token);
+        self
     }
 
     /// A member of a shared work queue: acknowledges single messages and prefetches at
@@ -454,6 +466,17 @@ pub trait SourceFactory: Send + Sync {
 
     /// `resume_after`: positions the caller's checkpoint says are already processed.
     async fn open(&self, resume_after: &[Position]) -> Result<Box<dyn Source>, TransportError>;
+
+    /// Opens it for a reader under a lease with fencing token `fencing` (see
+    /// [`Subscription::fencing`]). A source that does not care opens as [`Self::open`].
+    async fn open_fenced(
+        &self,
+        resume_after: &[Position],
+        fencing: u64,
+    ) -> Result<Box<dyn Source>, TransportError> {
+        let _ = fencing;
+        self.open(resume_after).await
+    }
 }
 
 /// A [`SourceFactory`] subscribing on a broker.
@@ -470,6 +493,16 @@ impl SourceFactory for BrokerSource {
 
     async fn open(&self, resume_after: &[Position]) -> Result<Box<dyn Source>, TransportError> {
         let mut subscription = self.subscription.clone();
+        subscription.resume_after = resume_after.to_vec();
+        self.broker.subscribe(&subscription).await
+    }
+
+    async fn open_fenced(
+        &self,
+        resume_after: &[Position],
+        fencing: u64,
+    ) -> Result<Box<dyn Source>, TransportError> {
+        let mut subscription = self.subscription.clone().fenced(fencing);
         subscription.resume_after = resume_after.to_vec();
         self.broker.subscribe(&subscription).await
     }

@@ -359,8 +359,14 @@ impl NatsBroker {
     /// description), so a deposed reader's consumer does not linger until the server's
     /// idle limit. Tidying only: each reader has a durable of its own, so one left behind
     /// takes nothing from its successor, and a failure here is logged rather than
-    /// failing the subscribe.
-    async fn delete_sole_readers(&self, stream: &jetstream::stream::Stream, group_durable: &str) {
+    /// failing the subscribe. A reader under a lease (`fencing`) leaves those of readers
+    /// under newer tokens: its successors'.
+    async fn delete_sole_readers(
+        &self,
+        stream: &jetstream::stream::Stream,
+        group_durable: &str,
+        fencing: Option<u64>,
+    ) {
         let consumers: Vec<consumer::Info> = match stream.consumers().try_collect().await {
             Ok(consumers) => consumers,
             Err(e) => {
@@ -368,10 +374,11 @@ impl NatsBroker {
                 return;
             }
         };
-        let description = sole_reader_description(group_durable);
         for name in consumers
             .iter()
-            .filter(|c| c.config.description.as_deref() == Some(description.as_str()))
+            .filter(|c| {
+                made_by_predecessor(c.config.description.as_deref(), group_durable, fencing)
+            })
             .map(|c| &c.name)
         {
             match stream.delete_consumer(name).await {
@@ -448,9 +455,42 @@ fn sole_reader_durable(group_durable: &str) -> String {
 }
 
 /// The description a sole reader's durable carries: how a successor knows its
-/// predecessors' durables from any other consumer of the stream, whatever the names.
-fn sole_reader_description(group_durable: &str) -> String {
-    format!("weir sole reader of {group_durable}")
+/// predecessors' durables from any other consumer of the stream, whatever the names, and
+/// the fencing token it reads under, if any.
+fn sole_reader_description(group_durable: &str, fencing: Option<u64>) -> String {
+    match fencing {
+        Some(token) => format!("weir sole reader of {group_durable}{FENCING_MARK}{token}"),
+        None => format!("weir sole reader of {group_durable}"),
+    }
+}
+
+const FENCING_MARK: &str = " under fencing token ";
+
+/// Whether the consumer `description` describes was made by a predecessor of a sole
+/// reader of `group_durable` under `fencing`: a sole reader of that durable under no
+/// token, or under one no newer than `fencing`. One under a newer token is the
+/// successor of a reader deposed while it was paused, and stays.
+fn made_by_predecessor(
+    description: Option<&str>,
+    group_durable: &str,
+    fencing: Option<u64>,
+) -> bool {
+    let Some(rest) =
+        description.and_then(|d| d.strip_prefix(&sole_reader_description(group_durable, None)))
+    else {
+        return false;
+    };
+    if rest.is_empty() {
+        return true;
+    }
+    // Anything else after the durable's name is another durable's name, not a token.
+    let Some(theirs) = rest
+        .strip_prefix(FENCING_MARK)
+        .and_then(|t| t.parse::<u64>().ok())
+    else {
+        return false;
+    };
+    fencing.is_none_or(|ours| theirs <= ours)
 }
 
 /// FNV-1a: a stable hash (the same on every node and version) for stream names.
@@ -585,12 +625,14 @@ impl Broker for NatsBroker {
             },
         };
         let sole_reader = subscription.assignment == Assignment::All;
-        let description = sole_reader.then(|| sole_reader_description(&group_durable));
+        let description =
+            sole_reader.then(|| sole_reader_description(&group_durable, subscription.fencing));
         let durable = if sole_reader {
             // The only reader of its durable: start one afresh at the checkpoint, so what
             // a crashed predecessor held unacknowledged comes again now, in order,
             // rather than after the ack wait.
-            self.delete_sole_readers(&stream, &group_durable).await;
+            self.delete_sole_readers(&stream, &group_durable, subscription.fencing)
+                .await;
             sole_reader_durable(&group_durable)
         } else {
             group_durable
@@ -1164,9 +1206,30 @@ mod tests {
         assert_ne!(a, b);
         assert!(a.starts_with("weir_g-r"), "{a}");
         assert_ne!(
-            sole_reader_description("weir_g"),
-            sole_reader_description("weir_g2")
+            sole_reader_description("weir_g", None),
+            sole_reader_description("weir_g2", None)
         );
+    }
+
+    #[test]
+    fn a_sole_reader_removes_durables_under_its_token_or_older_and_none_of_others() {
+        let made = |fencing| sole_reader_description("weir_g", fencing);
+        let predecessor = |theirs: &str, ours| made_by_predecessor(Some(theirs), "weir_g", ours);
+        assert!(predecessor(&made(None), Some(5)));
+        assert!(predecessor(&made(Some(4)), Some(5)));
+        assert!(
+            predecessor(&made(Some(5)), Some(5)),
+            "its own earlier subscribe"
+        );
+        assert!(!predecessor(&made(Some(6)), Some(5)), "a successor's");
+        assert!(predecessor(&made(Some(6)), None));
+        let other = sole_reader_description("weir_g2", Some(1));
+        assert!(!predecessor(&other, Some(5)));
+        assert!(!predecessor(
+            &sole_reader_description("weir_g2", None),
+            None
+        ));
+        assert!(!made_by_predecessor(None, "weir_g", None));
     }
 
     #[test]
