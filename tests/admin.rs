@@ -1012,6 +1012,53 @@ mod services {
         assert!(recovered, "ready again once Redis is back");
     }
 
+    /// A keyed graph's pause flag lives in the store: while the store cannot say (Redis
+    /// stopped, its connection open and silent), `GET /graphs` still answers, soon, with
+    /// `"paused": null`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_keyed_graphs_pause_flag_is_null_while_the_store_cannot_say() {
+        let port = free_port();
+        let mut server = redis(port);
+        wait_for_port(port).await;
+        let store = RedisStore::connect(&format!("redis://127.0.0.1:{port}"), &unique("flag"))
+            .await
+            .unwrap();
+        let cancel = CancellationToken::new();
+        let state = AdminState::new()
+            .with_store(Arc::new(store))
+            .with_keyed_graphs(BTreeMap::from([("per_user".to_string(), 3)]));
+        let listen = Listen {
+            admin: Some("127.0.0.1:0".parse().unwrap()),
+            ..Default::default()
+        };
+        let servers = weir::admin::serve(state, &listen, cancel.clone())
+            .await
+            .unwrap();
+        let url = format!("http://{}/graphs", servers.admin.unwrap());
+        let paused = || async {
+            let (status, listed) = json_of("GET", &url, None, None).await;
+            assert_eq!(status, 200, "{listed}");
+            listed[0]["paused"].clone()
+        };
+        assert_eq!(paused().await, json!(false));
+        common::servers::signal(&server, "STOP");
+        let asked = std::time::Instant::now();
+        assert_eq!(paused().await, Value::Null);
+        assert!(
+            asked.elapsed() < Duration::from_secs(5),
+            "answered after {:?}",
+            asked.elapsed()
+        );
+        common::servers::signal(&server, "CONT");
+        eventually("the flag known again", || async {
+            paused().await == json!(false)
+        })
+        .await;
+        server.kill().unwrap();
+        server.wait().unwrap();
+        cancel.cancel();
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn produce_then_tail_prints_each_message_on_a_line() {
         let subject = unique("tail");

@@ -212,9 +212,18 @@ mod services {
         let group = services::unique("fenced");
         let mut subscription = Subscription::new(&subject, &group);
         subscription.assignment = Assignment::All;
-        let _deposed = broker.subscribe(&subscription.clone().fenced(5)).await.unwrap();
-        let mut successor = broker.subscribe(&subscription.clone().fenced(6)).await.unwrap();
-        let _deposed_again = broker.subscribe(&subscription.clone().fenced(5)).await.unwrap();
+        let _deposed = broker
+            .subscribe(&subscription.clone().fenced(5))
+            .await
+            .unwrap();
+        let mut successor = broker
+            .subscribe(&subscription.clone().fenced(6))
+            .await
+            .unwrap();
+        let _deposed_again = broker
+            .subscribe(&subscription.clone().fenced(5))
+            .await
+            .unwrap();
         let client = async_nats::connect(services::nats_url()).await.unwrap();
         let stream = async_nats::jetstream::new(client)
             .get_stream(stream_name(&subject))
