@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -103,6 +103,94 @@ async fn a_fire_that_keeps_failing_is_dead_lettered_then_committed() {
         h.broker.committed("fails.in", "weir.fails") == vec![3]
     })
     .await;
+}
+
+/// Refuses what goes to a dead-letter topic while `down` is set, as a broker that is
+/// away does (retryable), and counts what it refused.
+struct DeadLettersDown {
+    inner: Arc<dyn Sink>,
+    down: Arc<AtomicBool>,
+    refused: Arc<AtomicUsize>,
+}
+
+#[async_trait]
+impl Sink for DeadLettersDown {
+    async fn publish(&self, message: Outbound) -> Result<Position, TransportError> {
+        if message.topic.ends_with(".dlq") && self.down.load(Ordering::SeqCst) {
+            self.refused.fetch_add(1, Ordering::SeqCst);
+            return Err(TransportError::Publish {
+                topic: message.topic,
+                source: "broker unreachable".into(),
+                retryable: true,
+            });
+        }
+        self.inner.publish(message).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_fires_inputs_wait_for_its_dead_letter_to_be_acknowledged() {
+    let h = Harness::new();
+    let down = Arc::new(AtomicBool::new(true));
+    let refused = Arc::new(AtomicUsize::new(0));
+    let sink = Arc::new(DeadLettersDown {
+        inner: Arc::new(h.broker.clone()),
+        down: down.clone(),
+        refused: refused.clone(),
+    });
+    let decl = GraphBuilder::new("waits")
+        .reactor(reactor())
+        .accumulator(AccumulatorSpec::passthrough("a").topic("waits.in"))
+        .node("n", ["a"], |ctx: NodeContext| async move {
+            match ctx.source("a").cloned().unwrap_or(Value::Null) {
+                bad if bad == json!("bad") => Err(NodeError::new("cannot price a bad quote")),
+                value => Ok(Some(value)),
+            }
+        })
+        .output_to("n", "waits.out", sink)
+        .build()
+        .unwrap();
+    let group = decl.source_group(0);
+    let g = h.spawn(decl);
+    g.wait_for_state(ReactorState::Live).await;
+    for v in ["good", "bad", "later"] {
+        h.pipe_bytes("waits.in", json!(v).to_string().as_bytes())
+            .await;
+    }
+    eventually("the dead letter tried", || async {
+        refused.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    eventually("the good input committed", || async {
+        h.broker.committed("waits.in", &group) == vec![1]
+    })
+    .await;
+    // The graph restarts with backoff while its dead letter cannot go out.
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert!(
+        refused.load(Ordering::SeqCst) > 1,
+        "the dead letter retried"
+    );
+    assert_eq!(
+        h.broker.committed("waits.in", &group),
+        vec![1],
+        "the failed input is not committed before its dead letter is acknowledged"
+    );
+    assert_eq!(
+        h.outputs("waits.out"),
+        vec![json!("good")],
+        "what was fired and committed before a restart is not fired again"
+    );
+    down.store(false, Ordering::SeqCst);
+    eventually("every input committed", || async {
+        h.broker.committed("waits.in", &group) == vec![3]
+    })
+    .await;
+    let dead = h.broker.messages("waits.out.dlq");
+    assert_eq!(dead.len(), 1);
+    let body: Value = serde_json::from_slice(&dead[0].payload).unwrap();
+    assert_eq!(body["inputs"]["a"], json!("bad"));
+    assert_eq!(h.outputs("waits.out"), vec![json!("good"), json!("later")]);
 }
 
 /// Takes what the memory broker takes, except messages larger than `limit` bytes, which

@@ -293,14 +293,10 @@ impl AccumulatorTask {
         loop {
             tokio::select! {
                 biased;
-                _ = &mut stopping => {
-                    self.store_last_checkpoint(&mut run, source.as_deref_mut(), &mut durable_changes)
-                        .await;
-                    return Ok(());
-                }
+                _ = &mut stopping => break,
                 durable = durable_changes.next() => match durable {
                     Some(durable) => self.commit(&mut run, source.is_some(), durable),
-                    None => return Ok(()),
+                    None => break,
                 },
                 Some(version) = stored.next() => {
                     self.checkpoint_stored(&mut run, source.as_deref_mut(), version).await;
@@ -312,7 +308,7 @@ impl AccumulatorTask {
                         // and each boundary held has taken a slot in its queue.
                         let handed = self.hand_over(&mut run).await;
                         if !taken? || !handed {
-                            return Ok(());
+                            break;
                         }
                         if run.stateful {
                             // Pushes are never replayed: what they left in the state is
@@ -324,7 +320,7 @@ impl AccumulatorTask {
                         }
                     }
                     // The supervisor keeps a sender for the graph's lifetime.
-                    false => return Ok(()),
+                    false => break,
                 },
                 message = next_message(&mut source) => match message {
                     Ok(message) => {
@@ -336,7 +332,7 @@ impl AccumulatorTask {
                         let handed = self.hand_over(&mut run).await;
                         match taken? {
                             Taken::All if handed => {}
-                            Taken::All | Taken::ReactorGone => return Ok(()),
+                            Taken::All | Taken::ReactorGone => break,
                             Taken::SourceFailed(e) => return Err(self.source_failed(e).await),
                         }
                     }
@@ -347,12 +343,16 @@ impl AccumulatorTask {
                         if !self.emit(&mut run, value, None, now_ms()).await
                             || !self.hand_over(&mut run).await
                         {
-                            return Ok(());
+                            break;
                         }
                     }
                 }
             }
         }
+        // Stopping, or the reactor is gone: what it made durable is checkpointed first.
+        self.store_last_checkpoint(&mut run, source.as_deref_mut(), &mut durable_changes)
+            .await;
+        Ok(())
     }
 
     /// Takes the burst of pushes at hand. Returns false when the reactor is gone.

@@ -238,58 +238,71 @@ impl Reactor {
         tokio::pin!(stopping);
         let mut stored = Box::pin(self.snapshots.stored_versions());
         let mut timer_armed = false;
-        loop {
-            while self.should_fire() {
-                let (values, taken) = self.cache.take();
-                self.fire(values, taken, FireReason::Criteria).await?;
-            }
-            self.publish_progress();
-            self.report_queues();
-            if self.snapshot_pending && !timer_armed {
-                let due = self.last_snapshot + self.config.snapshot_interval;
-                if due <= Instant::now() {
-                    self.snapshot();
-                } else {
-                    snapshot_timer.as_mut().reset(due);
-                    timer_armed = true;
+        let turns: Result<(), ReactorError> = async {
+            loop {
+                while self.should_fire() {
+                    let (values, taken) = self.cache.take();
+                    self.fire(values, taken, FireReason::Criteria).await?;
                 }
-            }
-            tokio::select! {
-                biased;
-                _ = &mut stopping => break,
-                Some(done) = self.in_flight.next(), if !self.in_flight.is_empty() => {
-                    done?;
-                    self.acknowledged();
+                self.publish_progress();
+                self.report_queues();
+                if self.snapshot_pending && !timer_armed {
+                    let due = self.last_snapshot + self.config.snapshot_interval;
+                    if due <= Instant::now() {
+                        self.snapshot();
+                    } else {
+                        snapshot_timer.as_mut().reset(due);
+                        timer_armed = true;
+                    }
                 }
-                Some(command) = commands.recv() => self.command(command).await?,
-                Some(version) = stored.next() => {
-                    self.snapshot_stored(version);
-                    self.publish_progress();
-                }
-                input = self.inputs.recv() => match input {
-                    Some(input) => {
-                        let mut taken = self.apply(input);
-                        while taken < DRAIN_BATCH {
-                            match self.inputs.try_recv() {
-                                Ok(input) => taken += self.apply(input),
-                                Err(_) => break,
+                tokio::select! {
+                    biased;
+                    _ = &mut stopping => break,
+                    Some(done) = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                        done?;
+                        self.acknowledged();
+                    }
+                    Some(command) = commands.recv() => self.command(command).await?,
+                    Some(version) = stored.next() => {
+                        self.snapshot_stored(version);
+                        self.publish_progress();
+                    }
+                    input = self.inputs.recv() => match input {
+                        Some(input) => {
+                            let mut taken = self.apply(input);
+                            while taken < DRAIN_BATCH {
+                                match self.inputs.try_recv() {
+                                    Ok(input) => taken += self.apply(input),
+                                    Err(_) => break,
+                                }
                             }
                         }
-                    }
-                    None => break,
-                },
-                _ = &mut snapshot_timer, if timer_armed => {
-                    timer_armed = false;
-                    if self.snapshot_pending {
-                        self.snapshot();
+                        None => break,
+                    },
+                    _ = &mut snapshot_timer, if timer_armed => {
+                        timer_armed = false;
+                        if self.snapshot_pending {
+                            self.snapshot();
+                        }
                     }
                 }
             }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = turns {
+            // Fires acknowledged before the failure are done: the accumulators hear so
+            // and checkpoint them as they stop, and a restart does not fire them again.
+            self.publish_progress();
+            return Err(e);
         }
         // Let acknowledged output count before the final snapshot; the supervisor bounds
         // how long this may take.
         while let Some(done) = self.in_flight.next().await {
-            done?;
+            if let Err(e) = done {
+                self.publish_progress();
+                return Err(e.into());
+            }
             self.acknowledged();
         }
         if self.snapshot_pending {
