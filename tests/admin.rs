@@ -214,6 +214,27 @@ async fn scrape(addr: SocketAddr) -> Vec<Sample> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_listener_serves_metrics_only() {
+    let admin = Admin::start(None).await;
+    let _graph = admin.graph("scraped").await;
+    let base = format!("http://{}", admin.metrics);
+    let (status, _) = http("GET", &format!("{base}/metrics"), None, None).await;
+    assert_eq!(status, 200);
+    for (method, path) in [
+        ("GET", "/graphs"),
+        ("GET", "/graphs/scraped"),
+        ("POST", "/graphs/scraped/pause"),
+        ("GET", "/readyz"),
+    ] {
+        let (status, body) = http(method, &format!("{base}{path}"), None, None).await;
+        assert_eq!(status, 404, "{method} {path}: {body}");
+    }
+    let (_, state) = http("GET", &admin.url("/graphs/scraped"), None, None).await;
+    let state: Value = serde_json::from_str(&state).unwrap();
+    assert_eq!(state["paused"], false, "{state}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_what_the_pipeline_did() {
     const N: u64 = 500;
     let admin = Admin::start(None).await;
@@ -929,6 +950,10 @@ mod services {
 
     /// A Redis of this test's own, so stopping it disturbs no other test.
     fn redis(port: u16) -> Child {
+        redis_with(port, &[])
+    }
+
+    fn redis_with(port: u16, flags: &[&str]) -> Child {
         Command::new("redis-server")
             .args([
                 "--port",
@@ -938,9 +963,51 @@ mod services {
                 "--appendonly",
                 "no",
             ])
+            .args(flags)
             .stdout(Stdio::null())
             .spawn()
             .expect("redis-server on PATH")
+    }
+
+    /// `/readyz` needs no token: what it says of an unreachable store must not carry the
+    /// store's password.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn readyz_names_an_unreachable_store_without_its_password() {
+        let port = free_port();
+        let password = "s3cret-redis-pass";
+        let mut server = redis_with(port, &["--requirepass", password]);
+        wait_for_port(port).await;
+        let url = format!("redis://:{password}@127.0.0.1:{port}");
+        let store = RedisStore::connect(&url, &unique("secret")).await.unwrap();
+        let cancel = CancellationToken::new();
+        let state = AdminState::new().with_store(Arc::new(store));
+        let listen = Listen {
+            admin: Some("127.0.0.1:0".parse().unwrap()),
+            ..Default::default()
+        };
+        let servers = weir::admin::serve(state, &listen, cancel.clone())
+            .await
+            .unwrap();
+        let readyz = format!("http://{}/readyz", servers.admin.unwrap());
+        assert_eq!(ready(&readyz).await.0, 200);
+        server.kill().unwrap();
+        server.wait().unwrap();
+        let mut last = (0, Value::Null);
+        for _ in 0..100 {
+            last = ready(&readyz).await;
+            if last.0 == 503 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(last.0, 503, "{last:?}");
+        let answer = last.1.to_string();
+        assert!(
+            answer.contains(&port.to_string()),
+            "names the store: {answer}"
+        );
+        assert!(!answer.contains(password), "{answer}");
+        cancel.cancel();
     }
 
     async fn wait_for_port(port: u16) {

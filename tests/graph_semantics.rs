@@ -128,6 +128,39 @@ async fn sequential_skips_none() {
 }
 
 #[tokio::test]
+async fn outputs_carry_the_graph_as_key_and_its_fire_in_headers() {
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "stamped",
+        vec![AccumulatorSpec::passthrough("a")],
+        config(Criteria::WhenAny, Strategy::Sequential),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    for i in 1..=3 {
+        g.push("a", json!(i)).await.unwrap();
+    }
+    eventually("three fires", || async {
+        h.broker.messages("stamped.out").len() == 3
+    })
+    .await;
+    for message in h.broker.messages("stamped.out") {
+        let output: Value = serde_json::from_slice(&message.payload).unwrap();
+        let fire = output["fire"].to_string();
+        assert_eq!(message.key.as_deref(), Some(&b"stamped"[..]));
+        assert_eq!(message.header(weir::wire::GRAPH_HEADER), Some("stamped"));
+        assert_eq!(message.header(weir::wire::FIRE_HEADER), Some(fire.as_str()));
+        assert_eq!(message.header(weir::wire::DEGRADED_HEADER), Some("false"));
+    }
+    let fires: Vec<String> = h
+        .broker
+        .messages("stamped.out")
+        .iter()
+        .filter_map(|m| m.header(weir::wire::FIRE_HEADER).map(str::to_string))
+        .collect();
+    assert_eq!(fires, ["1", "2", "3"]);
+}
+
+#[tokio::test]
 async fn sequential_when_all_takes_the_head_of_each_queue() {
     let h = Harness::new();
     let g = h.spawn(snapshot_graph(

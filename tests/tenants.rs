@@ -1,7 +1,7 @@
 //! Two tenants on one NATS JetStream and one Redis, each with a graph `orders`, a
 //! workflow `report` and a schedule `tick` starting it every second, run by one `weir run`
-//! and a worker per tenant. Neither sees the other's messages, state or admin data, and
-//! each tenant's cron ticks reach its own workflow.
+//! and a worker per tenant. Neither sees nor changes the other's messages, state or admin
+//! data, and each tenant's cron ticks reach its own workflow.
 #![cfg(feature = "it")]
 
 mod common;
@@ -87,6 +87,17 @@ async fn get(admin: &str, path: &str, token: &str) -> (u16, Value) {
         // Not listening yet.
         Err(weir::admin::AdminError::Connect { .. }) => (0, Value::Null),
         Err(e) => panic!("GET {path}: {e}"),
+    }
+}
+
+/// A POST as `token`: the status, and the answer when it is 200.
+async fn post(admin: &str, path: &str, token: &str) -> (u16, Value) {
+    let client =
+        weir::admin::client::AdminClient::new(admin, Some(token.to_string()), None).unwrap();
+    match client.post(path, None).await {
+        Ok(value) => (200, value),
+        Err(weir::admin::AdminError::Status { status, .. }) => (status, Value::Null),
+        Err(e) => panic!("POST {path}: {e}"),
     }
 }
 
@@ -241,6 +252,22 @@ tenant = "{globex}"
             .map(|s| s["id"].as_str().unwrap())
             .collect();
         assert_eq!(ids, [format!("{me}/tick")], "{me} lists only its schedule");
+        // Nor can it change the other's: pausing either is answered as if absent.
+        for path in [
+            format!("/graphs/{other}%2Forders/pause"),
+            format!("/schedules/{other}%2Ftick/pause"),
+        ] {
+            let (status, _) = post(&admin, &path, &mine).await;
+            assert_eq!(status, 404, "{me} POSTs {path}");
+        }
+    }
+    for tenant in [&acme, &globex] {
+        let path = format!("/graphs/{tenant}%2Forders");
+        let (_, graph) = get(&admin, &path, OPERATOR_TOKEN).await;
+        assert_eq!(graph["paused"], false, "{tenant}'s graph paused: {graph}");
+        let path = format!("/schedules/{tenant}%2Ftick");
+        let (_, schedule) = get(&admin, &path, OPERATOR_TOKEN).await;
+        assert_eq!(schedule["enabled"], true, "{tenant}'s schedule: {schedule}");
     }
 
     // Cron ticks start each tenant's own workflow, run by its own worker.

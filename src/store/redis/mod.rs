@@ -376,6 +376,13 @@ impl Backend for RedisStore {
             .query_async::<String>(&mut c)
             .await
             .map(|_| ())
-            .map_err(|e| store_error("PING", e))
+            .map_err(|e| match store_error("PING", e) {
+                // Readiness shows this: it names the server (without credentials).
+                StoreError::Unreachable { source, .. } => StoreError::Unreachable {
+                    what: format!("redis {} PING", self.url),
+                    source,
+                },
+                other => other,
+            })
     }
 }
