@@ -822,6 +822,103 @@ async fn a_cron_master_cut_off_from_redis_stops_at_most_once_ticks_within_its_tt
     let _ = tokio::join!(master, standby);
 }
 
+/// A graph's lease holder whose Redis goes away (the connection cut, the server fine)
+/// stops firing once its lease's deadline passes, since another node may hold the graph
+/// by then, and takes the graph up again under a newer fencing token once Redis is
+/// back. No input is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graph_holder_cut_off_from_redis_stops_within_its_ttl_and_takes_the_graph_back() {
+    use common::servers::Proxy;
+    const TTL: Duration = Duration::from_millis(1500);
+    let redis_server = Server::redis();
+    let proxy = Proxy::start(redis_server.port).await;
+    let prefix = services::unique("faults");
+    let store = Arc::new(
+        weir::store::redis::RedisStore::connect(
+            &format!("redis://127.0.0.1:{}", proxy.port),
+            &prefix,
+        )
+        .await
+        .unwrap(),
+    );
+    let memory = weir::transport::memory::MemoryBroker::default();
+    let broker: Arc<dyn Broker> = Arc::new(memory.clone());
+    let runtime = Runtime {
+        broker: broker.clone(),
+        store,
+        node_id: "holder".into(),
+    };
+    let cancel = CancellationToken::new();
+    let policy = SupervisionPolicy {
+        backoff_base: Duration::from_millis(200),
+        graph_lease_ttl: Some(TTL),
+        ..SupervisionPolicy::default()
+    };
+    let supervisor = Supervisor::new(runtime, policy, cancel.clone());
+    let graph = supervisor.spawn(padding_graph(&prefix)).unwrap();
+    graph.wait_for_state(weir::ReactorState::Live).await;
+    let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
+    let send = |id: u64| {
+        let (broker, input) = (broker.clone(), input.clone());
+        async move {
+            let event = json!({"id": id, "size": 0}).to_string();
+            broker
+                .sink()
+                .publish(Outbound::new(input, event))
+                .await
+                .unwrap();
+        }
+    };
+    let fencing = |m: &Message| -> u64 {
+        m.header(weir::wire::FENCING_HEADER)
+            .and_then(|t| t.parse().ok())
+            .expect("a leased graph's output carries its fencing token")
+    };
+    for id in 0..10 {
+        send(id).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while ids(&memory.messages(&output)).len() < 10 {
+        assert!(Instant::now() < deadline, "the first outputs never came");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let first_token = fencing(&memory.messages(&output)[0]);
+
+    proxy.cut();
+    // Past the deadline (at most the TTL after the cut) and the fires in flight then.
+    tokio::time::sleep(TTL + Duration::from_millis(500)).await;
+    let stopped_at = memory.messages(&output).len();
+    for id in 10..40 {
+        send(id).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        memory.messages(&output).len(),
+        stopped_at,
+        "a holder cut off from Redis fired past its lease's deadline"
+    );
+
+    proxy.heal();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ids(&memory.messages(&output)).len() < 40 {
+        assert!(
+            Instant::now() < deadline,
+            "inputs missing after Redis came back: {:?}",
+            (0..40)
+                .filter(|id| !ids(&memory.messages(&output)).contains(id))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let last = memory.messages(&output).last().map(fencing).unwrap();
+    assert!(
+        last > first_token,
+        "taken up again under a newer token: {first_token} then {last}"
+    );
+    cancel.cancel();
+    supervisor.shutdown().await;
+}
+
 /// librdkafka gives up on a producer after a fatal error (an idempotent producer whose
 /// sequence the broker lost, say) and refuses every later message: the broker publishes
 /// through a new producer from then on, but only once every publish handed to the old
