@@ -311,6 +311,14 @@ async fn redis_with_requirepass_and_an_acl_user() {
     redis_works(&with(in_url, None, None))
         .await
         .expect("ACL user in the URL");
+    // The settings' credentials take precedence over the URL's, wrong ones included.
+    let stale = format!("redis://weir:stale-pw-0b1@127.0.0.1:{}", server.port);
+    redis_works(&with(stale.clone(), Some("weir"), Some(acl_password)))
+        .await
+        .expect("the settings' credentials over the URL's");
+    redis_works(&with(stale, None, Some(acl_password)))
+        .await
+        .expect("the settings' password, with the URL's user");
 
     let error = redis_works(&with(url.clone(), Some("weir"), Some("nope-pw-1")))
         .await
