@@ -649,6 +649,12 @@ async fn websocket_commands_answer_in_order() {
     assert_eq!(state["result"]["sources"]["a"]["value"], 7);
     let resumed = ask(json!({"command": "resume", "graph": "socketed"})).await;
     assert_eq!(resumed["result"]["paused"], false);
+    let restarted = ask(json!({"id": 4, "command": "restart", "graph": "socketed"})).await;
+    assert_eq!(
+        restarted["result"],
+        json!({"graph": "socketed", "restarting": true})
+    );
+    graph.wait_for_state(ReactorState::Live).await;
 
     let unknown = ask(json!({"id": 9, "command": "fire", "graph": "nope"})).await;
     assert_eq!(unknown["ok"], false);
@@ -689,7 +695,7 @@ async fn weir_graph_talks_to_the_admin_api() {
         }
         command.output().unwrap()
     };
-    let (list, fire, pause, state, resume, missing, refused) =
+    let (list, fire, pause, state, resume, restart, missing, refused) =
         tokio::task::spawn_blocking(move || {
             (
                 weir(&["list"], Some(TOKEN)),
@@ -697,6 +703,7 @@ async fn weir_graph_talks_to_the_admin_api() {
                 weir(&["pause", "commanded"], Some(TOKEN)),
                 weir(&["state", "commanded"], Some(TOKEN)),
                 weir(&["resume", "commanded"], Some(TOKEN)),
+                weir(&["restart", "commanded"], Some(TOKEN)),
                 weir(&["fire", "nope"], Some(TOKEN)),
                 weir(&["list"], None),
             )
@@ -712,6 +719,10 @@ async fn weir_graph_talks_to_the_admin_api() {
     assert_eq!(stdout(&pause)["paused"], true);
     assert_eq!(stdout(&state)["paused"], true);
     assert_eq!(stdout(&resume)["paused"], false);
+    assert_eq!(
+        stdout(&restart),
+        json!({"graph": "commanded", "restarting": true})
+    );
     assert_eq!(missing.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&missing.stderr);
     assert!(
@@ -849,6 +860,54 @@ async fn a_failed_graph_is_unready_and_flagged_until_restarted() {
         ),
         Some(0.0)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graph_another_node_runs_answers_503_and_leaves_this_node_ready() {
+    let admin = Admin::start(Some(TOKEN)).await;
+    let decl = || {
+        GraphBuilder::new("elsewhere")
+            .accumulator(AccumulatorSpec::passthrough("a"))
+            .function("snapshot", &FunctionRegistry::default(), "snapshot")
+            .output("snapshot", "elsewhere.out")
+            .build()
+            .unwrap()
+    };
+    // Another node, sharing the store, holds the graph's lease first.
+    let other = Supervisor::new(
+        Runtime {
+            broker: Arc::new(MemoryBroker::default()),
+            store: admin.store.clone(),
+            node_id: "other".into(),
+        },
+        SupervisionPolicy {
+            graph_lease_ttl: Some(Duration::from_secs(10)),
+            ..SupervisionPolicy::default()
+        },
+        admin.cancel.clone(),
+    );
+    other
+        .spawn(decl())
+        .unwrap()
+        .wait_for_state(ReactorState::Live)
+        .await;
+    let _standby = admin.supervisor.spawn(decl()).unwrap();
+    let fire = admin.url("/graphs/elsewhere/fire");
+    let mut answer = (0, Value::Null);
+    for _ in 0..100 {
+        answer = json_of("POST", &fire, Some(TOKEN), None).await;
+        if answer.0 == 503 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(answer.0, 503, "{answer:?}");
+    assert_eq!(
+        answer.1,
+        json!({"error": "graph elsewhere is standby, not running on this node", "retryable": true})
+    );
+    let (status, ready) = json_of("GET", &admin.url("/readyz"), None, None).await;
+    assert_eq!(status, 200, "standing by is ready: {ready}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
