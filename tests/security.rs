@@ -570,6 +570,29 @@ async fn the_admin_api_over_tls() {
         !String::from_utf8_lossy(&reply).contains("200"),
         "answered in the clear"
     );
+
+    // `weir graph` trusts the private CA it is given, and nothing else.
+    let url = format!("https://127.0.0.1:{}", addr.port());
+    let ca = certs.ca();
+    let (with_ca, without) = tokio::task::spawn_blocking(move || {
+        let graph_list = |ca: Option<&std::path::Path>| {
+            let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_weir"));
+            command
+                .args(["graph", "list", "--admin", &url])
+                .env_remove("WEIR_ADMIN_CA")
+                .env_remove("WEIR_ADMIN_TOKEN");
+            if let Some(ca) = ca {
+                command.arg("--admin-ca").arg(ca);
+            }
+            command.output().unwrap()
+        };
+        (graph_list(Some(&ca)), graph_list(None))
+    })
+    .await
+    .unwrap();
+    assert!(with_ca.status.success(), "{with_ca:?}");
+    assert_eq!(String::from_utf8_lossy(&with_ca.stdout).trim(), "[]");
+    assert_eq!(without.status.code(), Some(1), "{without:?}");
     cancel.cancel();
 }
 
