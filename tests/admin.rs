@@ -750,6 +750,40 @@ impl weir::transport::SourceFactory for NeverOpens {
     }
 }
 
+/// `weir_lease_held{role="cron"}` feeds the "no cron master" alert: 1 while this node's
+/// scheduler holds its shard, back to 0 once it stopped and let the shard go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cron_masters_lease_is_in_the_metrics_while_held() {
+    use weir::cron::scheduler::{Scheduler, SchedulerConfig};
+    let admin = Admin::start(None).await;
+    let stop = CancellationToken::new();
+    let scheduler = tokio::spawn(
+        Scheduler::new(
+            admin.store.clone(),
+            Arc::new(MemoryBroker::default()),
+            SchedulerConfig::new("cron-node"),
+        )
+        .run(stop.clone()),
+    );
+    let role = ("role", "cron");
+    let held = || async {
+        metric(
+            &scrape(admin.metrics).await,
+            weir::metrics::LEASE_HELD,
+            &[role],
+        )
+    };
+    eventually("the shard's lease held", || async {
+        held().await == Some(1.0)
+    })
+    .await;
+    let samples = scrape(admin.metrics).await;
+    assert!(metric(&samples, weir::metrics::LEASE_ACQUISITIONS_TOTAL, &[role]).unwrap() >= 1.0);
+    stop.cancel();
+    scheduler.await.unwrap();
+    assert_eq!(held().await, Some(0.0));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_warming_graph_makes_the_node_unready() {
     let admin = Admin::start(None).await;
