@@ -1156,6 +1156,56 @@ mod nats {
         a_task_read_ahead_behind_a_long_one_runs_once(&env().await, 6).await;
     }
 
+    /// A worker reads only a little ahead of what it runs: tasks waiting in the stream
+    /// when a second worker joins are left for it, not hoarded by the first.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_busy_worker_leaves_the_tasks_it_has_no_room_for_to_another() {
+        const TASKS: usize = 12;
+        let env = env().await;
+        let executor = env.name("shared");
+        let w = flow(&env.name("shared"), vec![task("slow", "slow")]);
+        let workflows = [w.clone()];
+        let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+        let recorder = |mark: &str| {
+            Arc::new(Recorder {
+                mark: mark.into(),
+                sleep: Duration::from_millis(250),
+                ..Recorder::default()
+            })
+        };
+        env.worker(
+            &executor,
+            1,
+            with(env.builtins(), "slow", recorder("first")),
+            &workflows,
+        );
+        let mut ids = Vec::new();
+        for _ in 0..TASKS {
+            ids.push(manager.start(&w.name, json!({})).await.unwrap());
+        }
+        // Long enough for the first worker to have taken every task, were it unbounded.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        env.worker(
+            &executor,
+            1,
+            with(env.builtins(), "slow", recorder("second")),
+            &workflows,
+        );
+        let mut by_second = 0;
+        for id in ids {
+            let done = env.finished(&id, WAIT).await;
+            assert_eq!(done.status, RunStatus::Completed, "{}", done.summary());
+            by_second += usize::from(done.context["ran_slow"] == "second");
+        }
+        // The first reads at most two messages ahead of its one slot: the second runs
+        // about half of what is left when it joins. Unbounded, the first would have
+        // read every task by then, and the second would run none.
+        assert!(
+            by_second >= TASKS / 4,
+            "the second worker ran {by_second} of {TASKS}"
+        );
+    }
+
     /// Two workers share an executor; only one has the task's handler. Every task
     /// ends up on it: the other hands back what it cannot run.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
