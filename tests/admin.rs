@@ -1085,15 +1085,7 @@ mod services {
         assert_eq!(ready(&readyz).await.0, 200);
         server.kill().unwrap();
         server.wait().unwrap();
-        let mut last = (0, Value::Null);
-        for _ in 0..100 {
-            last = ready(&readyz).await;
-            if last.0 == 503 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        assert_eq!(last.0, 503, "{last:?}");
+        let last = await_unready(&readyz).await;
         let answer = last.1.to_string();
         assert!(
             answer.contains(&port.to_string()),
@@ -1120,6 +1112,20 @@ mod services {
         json_of("GET", url, None, None).await
     }
 
+    /// `/readyz` once it answers 503, within 10 s.
+    async fn await_unready(url: &str) -> (u16, Value) {
+        let mut last = (0, Value::Null);
+        for _ in 0..100 {
+            last = ready(url).await;
+            if last.0 == 503 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(last.0, 503, "{last:?}");
+        last
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn readyz_follows_the_store() {
         let port = free_port();
@@ -1143,15 +1149,7 @@ mod services {
 
         server.kill().unwrap();
         server.wait().unwrap();
-        let mut last = (0, Value::Null);
-        for _ in 0..100 {
-            last = ready(&url).await;
-            if last.0 == 503 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        assert_eq!(last.0, 503, "{last:?}");
+        let last = await_unready(&url).await;
         assert_eq!(last.1["ready"], false);
         let reason = last.1["reasons"][0].as_str().unwrap();
         assert!(reason.starts_with("store: "), "{reason}");

@@ -175,11 +175,7 @@ mod services {
         subscription.assignment = Assignment::All;
         let _first = broker.subscribe(&subscription).await.unwrap();
         let _second = broker.subscribe(&subscription).await.unwrap();
-        let client = async_nats::connect(services::nats_url()).await.unwrap();
-        let stream = async_nats::jetstream::new(client)
-            .get_stream(stream_name(&subject))
-            .await
-            .unwrap();
+        let stream = stream_of(&subject).await;
         assert_eq!(
             durables_of(&stream, &group).await.len(),
             1,
@@ -206,7 +202,6 @@ mod services {
     /// The successor subscribing again removes both earlier durables.
     #[tokio::test]
     async fn nats_deposed_sole_reader_subscribing_again_leaves_its_successors_durable() {
-        use weir::transport::nats::stream_name;
         let broker = services::nats(true).await;
         let subject = services::unique("conf.fenced.");
         let group = services::unique("fenced");
@@ -224,11 +219,7 @@ mod services {
             .subscribe(&subscription.clone().fenced(5))
             .await
             .unwrap();
-        let client = async_nats::connect(services::nats_url()).await.unwrap();
-        let stream = async_nats::jetstream::new(client)
-            .get_stream(stream_name(&subject))
-            .await
-            .unwrap();
+        let stream = stream_of(&subject).await;
         assert_eq!(
             durables_of(&stream, &group).await.len(),
             2,
@@ -242,6 +233,15 @@ mod services {
         assert_eq!(&next(&mut successor).await.payload[..], b"after");
         let _successor_again = broker.subscribe(&subscription.fenced(6)).await.unwrap();
         assert_eq!(durables_of(&stream, &group).await.len(), 1);
+    }
+
+    /// The stream weir made for `subject`, as a plain client sees it.
+    async fn stream_of(subject: &str) -> async_nats::jetstream::stream::Stream {
+        let client = async_nats::connect(services::nats_url()).await.unwrap();
+        async_nats::jetstream::new(client)
+            .get_stream(weir::transport::nats::stream_name(subject))
+            .await
+            .unwrap()
     }
 
     /// The durable consumers of `group` on a stream.
@@ -264,7 +264,6 @@ mod services {
     /// reaches the successor, and the predecessor's durable is gone.
     #[tokio::test]
     async fn nats_deposed_sole_reader_takes_none_of_its_successors_messages() {
-        use weir::transport::nats::stream_name;
         let broker = services::nats(true).await;
         let subject = services::unique("conf.deposed.");
         let group = services::unique("deposed");
@@ -323,11 +322,7 @@ mod services {
             .filter(|offset| *offset != first.position.offset)
             .collect();
         assert!(stolen.is_empty(), "the deposed reader took {stolen:?}");
-        let client = async_nats::connect(services::nats_url()).await.unwrap();
-        let stream = async_nats::jetstream::new(client)
-            .get_stream(stream_name(&subject))
-            .await
-            .unwrap();
+        let stream = stream_of(&subject).await;
         assert_eq!(durables_of(&stream, &group).await.len(), 1);
     }
 
