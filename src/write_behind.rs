@@ -49,6 +49,9 @@ pub(crate) struct WriteBehind<T> {
     /// The newest version the writer has taken up to write.
     taken: Arc<AtomicU64>,
     written: watch::Receiver<u64>,
+    /// The newest version whose write has ended, stored or refused for good: a flush
+    /// waits for this, not for a refused value to be stored.
+    settled: watch::Receiver<u64>,
     version: u64,
     task: JoinHandle<()>,
 }
@@ -69,12 +72,15 @@ impl<T: Send + Sync + 'static> WriteBehind<T> {
             at_once: false,
         });
         let (done, written) = watch::channel(0);
+        let (ended, settled) = watch::channel(0);
         let taken = Arc::new(AtomicU64::new(0));
-        let task = tokio::spawn(run(what, spacing, write, values, taken.clone(), done));
+        let outcomes = Outcomes { done, ended };
+        let task = tokio::spawn(run(what, spacing, write, values, taken.clone(), outcomes));
         Self {
             latest,
             taken,
             written,
+            settled,
             version: 0,
             task,
         }
@@ -122,14 +128,16 @@ impl<T: Send + Sync + 'static> WriteBehind<T> {
 
     /// Waits at most `limit` for everything handed over to be stored; true if it was.
     /// The newest value is written without waiting out the spacing: an owner flushing is
-    /// about to stop, and would otherwise give up on it.
+    /// about to stop, and would otherwise give up on it. A value the store refuses for
+    /// good ends the wait at once: no retry would store it.
     pub(crate) async fn flush(&mut self, limit: Duration) -> bool {
         let wanted = self.version;
         if wanted > self.taken.load(Ordering::Acquire) {
             self.latest.send_modify(|handed| handed.at_once = true);
         }
-        let stored = tokio::time::timeout(limit, self.written.wait_for(|&v| v >= wanted)).await;
-        matches!(stored, Ok(Ok(_)))
+        let settled = self.settled.wait_for(|&v| v >= wanted);
+        let _ = tokio::time::timeout(limit, settled).await;
+        *self.written.borrow() >= wanted
     }
 }
 
@@ -139,13 +147,20 @@ impl<T> Drop for WriteBehind<T> {
     }
 }
 
+/// What the writer reports: the newest version stored, and the newest whose write
+/// ended either way.
+struct Outcomes {
+    done: watch::Sender<u64>,
+    ended: watch::Sender<u64>,
+}
+
 async fn run<T>(
     what: &'static str,
     spacing: Duration,
     write: Write<T>,
     mut values: watch::Receiver<Handed<T>>,
     taken: Arc<AtomicU64>,
-    done: watch::Sender<u64>,
+    outcomes: Outcomes,
 ) {
     // A value seen while waiting out the spacing, not yet written.
     let mut pending = false;
@@ -164,13 +179,15 @@ async fn run<T>(
             taken.store(handed.version, Ordering::Release);
             match write(value).await {
                 Ok(()) => {
-                    done.send_replace(handed.version);
+                    outcomes.done.send_replace(handed.version);
+                    outcomes.ended.send_replace(handed.version);
                     break true;
                 }
                 Err(e) if !e.is_retryable() => {
                     // Refused for good (its writer's lease has a newer holder): a retry
                     // would be refused too, and a newer value will be tried in its turn.
                     warn!(%what, error = %e, "store refused the write; given up");
+                    outcomes.ended.send_replace(handed.version);
                     break false;
                 }
                 Err(e) => {
@@ -267,7 +284,12 @@ mod tests {
             })
         });
         behind.submit(1);
-        assert!(!behind.flush(Duration::from_secs(1)).await);
+        let asked = tokio::time::Instant::now();
+        assert!(!behind.flush(Duration::from_secs(60)).await);
+        assert!(
+            asked.elapsed() < Duration::from_secs(1),
+            "a flush waits out no refused write"
+        );
         assert_eq!(behind.written(), 0);
     }
 
