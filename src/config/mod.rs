@@ -45,6 +45,25 @@ pub mod defaults {
     pub const JOB_LEASE_TTL_MS: u64 = 6_000;
 }
 
+/// The `WEIR__…` variables of an environment. Others are not weir's to judge, whatever
+/// they hold; one of weir's whose value is not UTF-8 is an error naming it.
+fn weir_variables(
+    env: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+) -> Result<Vec<(String, String)>, ConfigError> {
+    env.into_iter()
+        .filter_map(|(var, value)| {
+            let var = var.into_string().ok().filter(|v| v.starts_with("WEIR__"))?;
+            Some(match value.into_string() {
+                Ok(value) => Ok((var, value)),
+                Err(_) => Err(ConfigError::Env {
+                    var,
+                    message: "the value is not UTF-8".into(),
+                }),
+            })
+        })
+        .collect()
+}
+
 /// Milliseconds of a default duration, for keys written in milliseconds.
 fn ms(duration: Duration) -> u64 {
     duration.as_millis() as u64
@@ -791,7 +810,7 @@ impl Config {
             path: path.to_path_buf(),
             source,
         })?;
-        Self::parse(&text, path, std::env::vars())
+        Self::parse(&text, path, weir_variables(std::env::vars_os())?)
     }
 
     /// Parses TOML text with the given `WEIR__…` overrides.
@@ -1706,6 +1725,26 @@ backoff_ms = 10
     fn syntax_errors_name_the_file() {
         let err = parse("[node\nid = 1", &[]).unwrap_err();
         assert!(err.to_string().contains("weir.toml"), "{err}");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn only_weir_variables_are_read_and_theirs_must_be_utf8() {
+        use std::ffi::OsString;
+        use std::os::unix::ffi::OsStringExt;
+        let not_utf8 = || OsString::from_vec(vec![0x66, 0xff, 0x6f]);
+        let env = vec![
+            (not_utf8(), OsString::from("x")),
+            (OsString::from("LANG"), not_utf8()),
+            (OsString::from("WEIR__NODE__ID"), OsString::from("n1")),
+        ];
+        assert_eq!(
+            weir_variables(env).unwrap(),
+            vec![("WEIR__NODE__ID".to_string(), "n1".to_string())]
+        );
+        let env = vec![(OsString::from("WEIR__NODE__ID"), not_utf8())];
+        let err = weir_variables(env).unwrap_err().to_string();
+        assert!(err.contains("WEIR__NODE__ID") && err.contains("UTF-8"), "{err}");
     }
 
     #[test]

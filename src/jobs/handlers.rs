@@ -20,7 +20,7 @@ impl Count {
 
     fn bump(state: &mut Map<String, Value>, field: &str) {
         let n = state.get(field).and_then(Value::as_u64).unwrap_or(0);
-        state.insert(field.to_string(), json!(n + 1));
+        state.insert(field.to_string(), json!(n.saturating_add(1)));
     }
 }
 
@@ -79,6 +79,14 @@ mod tests {
         let step = Count.handle(step.state, &JobEvent::Stop).unwrap();
         assert_eq!(step.timer, Timer::Clear);
         assert_eq!(step.outputs, vec![step.state.clone()]);
+    }
+
+    #[test]
+    fn counts_stop_at_the_largest_number_rather_than_overflow() {
+        let step = Count
+            .handle(json!({"count": u64::MAX}), &JobEvent::Message(json!(1)))
+            .unwrap();
+        assert_eq!(step.state["count"], json!(u64::MAX));
     }
 
     #[test]

@@ -641,10 +641,29 @@ impl Serving<'_> {
 }
 
 /// When the job's timeout falls due after a handler's `timer`, given the pending one.
+/// A timeout later than the clock can say (`every_ms` from a message, say) never falls
+/// due, rather than wrapping round into the past and firing at once, again and again.
 fn deadline(timer: Timer, pending: Option<i64>) -> Option<i64> {
     match timer {
         Timer::Keep => pending,
         Timer::Clear => None,
-        Timer::After(after) => Some(now_ms() + after.as_millis() as i64),
+        Timer::After(after) => i64::try_from(after.as_millis())
+            .ok()
+            .and_then(|after| now_ms().checked_add(after)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_timeout_past_the_clocks_reach_never_falls_due() {
+        let soon = deadline(Timer::After(Duration::from_millis(10)), None).unwrap();
+        assert!(soon >= now_ms());
+        assert_eq!(deadline(Timer::After(Duration::MAX), Some(5)), None);
+        let most = Duration::from_millis(u64::MAX);
+        assert_eq!(deadline(Timer::After(most), None), None);
+        assert_eq!(deadline(Timer::Keep, Some(5)), Some(5));
     }
 }
