@@ -778,3 +778,56 @@ async fn nats_graph_keyed_by_message_key_takes_a_plain_clients_events() {
     }
     services::remove_redis_keys(&cluster.prefix).await;
 }
+
+/// A key NATS cannot carry (a line break: the key travels in a header) makes an output
+/// no retry can publish: it is dead-lettered with the key in its record, and the
+/// partition goes on with every other key.
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_keyed_graph_dead_letters_an_output_whose_key_has_a_line_break() {
+    let mut cluster = Cluster::keyed_by(
+        Kind::Nats,
+        &services::redis_url(),
+        &services::nats_url(),
+        1,
+        "/user",
+    );
+    let run = cluster.start_nodes(1).await;
+    let jetstream =
+        async_nats::jetstream::new(async_nats::connect(services::nats_url()).await.unwrap());
+    let broken = "a\nb";
+    let partition = zlib_crc32(broken.as_bytes()) % PARTITIONS;
+    let event = json!({ "user": broken, "seq": 1 }).to_string();
+    jetstream
+        .publish(format!("{}.{partition}", cluster.input), event.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    // Then every other key, the broken one's partition among them.
+    let mut feed = run.feed;
+    feed.round().await;
+    let outputs = read_outputs(
+        &run.broker,
+        &cluster.output,
+        &feed.input,
+        &feed.sent,
+        Duration::from_secs(60),
+    )
+    .await;
+    checked_per_key(&outputs).assert_within(0, 0);
+    let mut subscription = Subscription::new(
+        format!("{}.dlq", cluster.output),
+        services::unique("letters"),
+    );
+    subscription.assignment = Assignment::All;
+    let mut letters = run.broker.subscribe(&subscription).await.unwrap();
+    let letter = tokio::time::timeout(Duration::from_secs(30), letters.next())
+        .await
+        .expect("a dead letter within 30 s")
+        .unwrap();
+    let record: Value = serde_json::from_slice(&letter.payload).unwrap();
+    assert_eq!(record["key"], broken, "{record}");
+    assert_eq!(record["topic"], json!(cluster.output), "{record}");
+    cluster.nodes.terminate(0);
+    services::remove_redis_keys(&cluster.prefix).await;
+}

@@ -1744,7 +1744,10 @@ backoff_ms = 10
         );
         let env = vec![(OsString::from("WEIR__NODE__ID"), not_utf8())];
         let err = weir_variables(env).unwrap_err().to_string();
-        assert!(err.contains("WEIR__NODE__ID") && err.contains("UTF-8"), "{err}");
+        assert!(
+            err.contains("WEIR__NODE__ID") && err.contains("UTF-8"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -541,10 +541,14 @@ impl<'a> Serving<'a> {
                     "inputs": input.inputs_json(),
                 });
                 let topic = wire::dead_letter_topic(&self.graph.outputs[0]);
-                let message = Outbound::new(topic, record.to_string())
-                    .key(key.to_string())
+                let mut message = Outbound::new(topic, record.to_string())
                     .header(wire::ERROR_HEADER, reason)
                     .header(wire::GRAPH_HEADER, self.graph.graph.to_string());
+                // In the record either way; as the message key only where every broker
+                // can carry it, or no broker might take the letter.
+                if crate::transport::key_travels_everywhere(key.as_bytes()) {
+                    message = message.key(key.to_string());
+                }
                 publish_persistently(self.graph.sink.as_ref(), message, &self.stopping).await?;
                 return Ok(());
             }

@@ -623,12 +623,19 @@ pub fn quoted_key(key: &str) -> Cow<'_, str> {
 /// refused, and would have its dead letter refused too.
 pub const DEAD_LETTER_KEY_LIMIT: usize = 1024;
 
+/// Whether every broker weir speaks can carry `key` as a message key. NATS carries it
+/// in a header, and a header value cannot hold a line break.
+pub fn key_travels_everywhere(key: &[u8]) -> bool {
+    !key.iter().any(|&b| b == b'\r' || b == b'\n')
+}
+
 /// What goes out in place of an output no retry can publish (larger than the broker
 /// takes, say): a record of it on the output's dead-letter topic, `{"topic", "error"}`,
 /// with the output's key and headers and the cause in `weir-error`. Publishing that
 /// instead lets the partition or graph that made the output go on. A key longer than
 /// [`DEAD_LETTER_KEY_LIMIT`] bytes is left out, and the record gives its length as
-/// `key_bytes`.
+/// `key_bytes`; a key with a line break (which NATS cannot carry) goes in the record as
+/// `key` instead.
 pub fn undeliverable(output: &Outbound, error: &TransportError) -> Outbound {
     let mut record = serde_json::Map::new();
     record.insert("topic".into(), output.topic.clone().into());
@@ -636,6 +643,11 @@ pub fn undeliverable(output: &Outbound, error: &TransportError) -> Outbound {
     let key = match &output.key {
         Some(key) if key.len() > DEAD_LETTER_KEY_LIMIT => {
             record.insert("key_bytes".into(), key.len().into());
+            None
+        }
+        Some(key) if !key_travels_everywhere(key) => {
+            let shown = String::from_utf8_lossy(key).into_owned();
+            record.insert("key".into(), shown.into());
             None
         }
         key => key.clone(),
@@ -701,6 +713,11 @@ mod tests {
         let record: serde_json::Value = serde_json::from_slice(&letter.payload).unwrap();
         assert_eq!(record["key_bytes"], DEAD_LETTER_KEY_LIMIT + 1);
         assert_eq!(record["topic"], "out");
+        // Refused by NATS for its line break: the key goes in the record instead.
+        let letter = undeliverable(&Outbound::new("out", "x").key("a\nb"), &refused);
+        assert_eq!(letter.key, None);
+        let record: serde_json::Value = serde_json::from_slice(&letter.payload).unwrap();
+        assert_eq!(record["key"], "a\nb");
     }
 
     #[test]
