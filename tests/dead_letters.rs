@@ -105,6 +105,34 @@ async fn a_fire_that_keeps_failing_is_dead_lettered_then_committed() {
     .await;
 }
 
+#[tokio::test(start_paused = true)]
+async fn an_event_nested_deeper_than_weir_keeps_goes_to_the_dead_letter_topic() {
+    let h = Harness::new();
+    let (decl, _) = failing_graph("deep", Some(0));
+    let g = h.spawn(decl);
+    g.wait_for_state(ReactorState::Live).await;
+    // serde_json reads up to 128 levels; weir's stores wrap an event in a few of their
+    // own and read it back the same way, so it takes no more than 100.
+    let deep = format!("{}1{}", "[".repeat(120), "]".repeat(120));
+    h.pipe_bytes("deep.in", deep.as_bytes()).await;
+    h.pipe_bytes("deep.in", json!("after").to_string().as_bytes())
+        .await;
+    eventually("the next event fires", || async {
+        h.outputs("deep.out") == vec![json!("after")]
+    })
+    .await;
+    let dead = h.broker.messages("deep.in.dlq");
+    assert_eq!(dead.len(), 1);
+    assert_eq!(&dead[0].payload[..], deep.as_bytes());
+    assert!(
+        dead[0]
+            .header("weir-error")
+            .is_some_and(|e| e.contains("nested deeper than 100 levels")),
+        "{:?}",
+        dead[0].header("weir-error")
+    );
+}
+
 /// Refuses what goes to a dead-letter topic while `down` is set, as a broker that is
 /// away does (retryable), and counts what it refused.
 struct DeadLettersDown {

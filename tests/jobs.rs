@@ -340,7 +340,7 @@ async fn malformed_messages_are_dead_lettered_and_the_partition_goes_on() {
         .collect();
     assert!(reasons.iter().any(|r| r.contains("job id")), "{reasons:?}");
     assert!(
-        reasons.iter().any(|r| r.contains("not JSON")),
+        reasons.iter().any(|r| r.contains("payload: invalid JSON")),
         "{reasons:?}"
     );
     assert!(reasons.iter().any(|r| r.contains("explode")), "{reasons:?}");

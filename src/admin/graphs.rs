@@ -175,6 +175,11 @@ pub async fn execute(
             Ok(to_json(&report))
         }
         GraphRequest::FireWith { graph, cache } => {
+            // Kept in the cache and its snapshots as any event is: no deeper.
+            for (source, value) in &cache {
+                crate::codec::json::check_depth(value)
+                    .map_err(|e| ApiError::BadRequest(format!("source {source}: {e}")))?;
+            }
             let handle = running(state, &graph)?;
             let report = answer(&graph, handle.reactor().fire_with(cache)).await?;
             Ok(to_json(&report))

@@ -116,10 +116,12 @@ impl AvroCodec {
     /// Decodes a single-object encoded record of this schema into JSON, for user events.
     pub fn decode_json(&self, bytes: &[u8]) -> Result<serde_json::Value, CodecError> {
         let value: apache_avro::types::Value = self.decode_value(bytes)?;
-        serde_json::Value::try_from(value).map_err(|e| CodecError::Avro {
+        let value = serde_json::Value::try_from(value).map_err(|e| CodecError::Avro {
             record: self.name,
             reason: e.to_string(),
-        })
+        })?;
+        super::json::check_depth(&value)?;
+        Ok(value)
     }
 
     fn decode_value(&self, bytes: &[u8]) -> Result<apache_avro::types::Value, CodecError> {

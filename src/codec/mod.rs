@@ -44,6 +44,8 @@ pub enum CodecError {
     },
     #[error("invalid JSON: {0}")]
     Json(#[from] serde_json::Error),
+    #[error("arrays and objects nested deeper than {limit} levels, more than weir keeps")]
+    TooDeep { limit: usize },
 }
 
 impl CodecError {

@@ -326,13 +326,9 @@ impl<'a> Serving<'a> {
                 .await;
         };
         let event = match message.header(wire::JOB_EVENT_HEADER) {
-            None | Some("message") => match serde_json::from_slice::<Value>(&message.payload) {
+            None | Some("message") => match crate::codec::json::decode(&message.payload) {
                 Ok(value) => JobEvent::Message(value),
-                Err(e) => {
-                    return self
-                        .dead_letter(&message, &format!("payload is not JSON: {e}"))
-                        .await
-                }
+                Err(e) => return self.dead_letter(&message, &format!("payload: {e}")).await,
             },
             Some("start") => JobEvent::Start,
             Some("stop") => JobEvent::Stop,
@@ -357,11 +353,11 @@ impl<'a> Serving<'a> {
                 let state = if message.payload.is_empty() {
                     Value::Object(Default::default())
                 } else {
-                    match serde_json::from_slice::<Value>(&message.payload) {
+                    match crate::codec::json::decode(&message.payload) {
                         Ok(state) => state,
                         Err(e) => {
                             return self
-                                .dead_letter(&message, &format!("start state is not JSON: {e}"))
+                                .dead_letter(&message, &format!("start state: {e}"))
                                 .await
                         }
                     }
