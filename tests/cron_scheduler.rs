@@ -245,6 +245,44 @@ mod failover {
         out
     }
 
+    /// A stored schedule this version cannot read (another version wrote it, say) is
+    /// left unfired; the other schedules of its shard fire on.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn an_unreadable_stored_schedule_leaves_the_rest_of_its_shard_firing() {
+        let prefix = services::unique("cronbad");
+        let store = Arc::new(
+            weir::store::redis::RedisStore::connect(&services::redis_url(), &prefix)
+                .await
+                .unwrap(),
+        );
+        register(store.as_ref(), &every_second("good", "good.ticks"), 1)
+            .await
+            .unwrap();
+        register(store.as_ref(), &every_second("bad", "bad.ticks"), 1)
+            .await
+            .unwrap();
+        let client = redis::Client::open(services::redis_url()).unwrap();
+        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+        redis::cmd("SET")
+            .arg(format!("{prefix}:sched:bad"))
+            .arg(r#"{"id": "bad", "cron": 7}"#)
+            .query_async::<()>(&mut connection)
+            .await
+            .unwrap();
+        let broker = MemoryBroker::default();
+        let cancel = CancellationToken::new();
+        let scheduler = tokio::spawn(
+            Scheduler::new(store.clone(), Arc::new(broker.clone()), config("a", 0))
+                .run(cancel.clone()),
+        );
+        tokio::time::sleep(Duration::from_millis(3500)).await;
+        cancel.cancel();
+        let _ = scheduler.await;
+        assert!(ticks(&broker, "good.ticks").len() >= 2);
+        assert!(ticks(&broker, "bad.ticks").is_empty());
+        services::remove_redis_keys(&prefix).await;
+    }
+
     #[tokio::test(flavor = "multi_thread")]
     async fn killing_the_master_neither_duplicates_at_most_once_nor_misses_at_least_once() {
         let prefix = services::unique("cronit");

@@ -71,7 +71,16 @@ impl Scheduler {
             .collect::<Vec<(String, Result<Option<Schedule>, StoreError>)>>();
         let loaded = self.bounded(async { Ok(loading.await) }).await?;
         for (id, found) in loaded {
-            if let Some(schedule) = found? {
+            let found = match found {
+                // Written by another version, say: one unreadable schedule must not stop
+                // the rest of its shard. It stays out of the cache, so it is not fired.
+                Err(e) if !e.is_retryable() => {
+                    warn!(schedule = %id, error = %e, "stored schedule cannot be read; not firing it");
+                    None
+                }
+                found => found?,
+            };
+            if let Some(schedule) = found {
                 match schedule.validate() {
                     Ok((expr, tz)) => {
                         self.cache.insert(id, (Cached { schedule, expr, tz }, None));
@@ -101,8 +110,16 @@ impl Scheduler {
                 .single()
                 .unwrap_or(now);
             let running = if plan::overlap_matters(schedule) {
-                let recent = self.bounded(self.store.executions(&id, 10)).await?;
-                plan::Running::from_recent(&recent)
+                match self.bounded(self.store.executions(&id, 10)).await {
+                    Ok(recent) => plan::Running::from_recent(&recent),
+                    // Its history unreadable (another version's records): fired as if
+                    // nothing ran, rather than never again.
+                    Err(e) if !e.is_retryable() => {
+                        warn!(schedule = %id, error = %e, "recent executions cannot be read; overlap not checked");
+                        plan::Running::Nothing
+                    }
+                    Err(e) => return Err(e),
+                }
             } else {
                 plan::Running::Nothing
             };
