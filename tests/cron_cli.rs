@@ -59,6 +59,22 @@ fn bad_expression_or_zone_exits_2_naming_it() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("Nowhere/Land"));
 }
 
+#[test]
+fn a_count_past_what_can_be_printed_exits_2_naming_it() {
+    let out = weir(&[
+        "cron",
+        "preview",
+        "--expr",
+        "* * * * *",
+        "--tz",
+        "UTC",
+        "--count",
+        "1000000000000",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--count"));
+}
+
 #[cfg(feature = "it")]
 mod with_redis {
     use super::weir;

@@ -106,10 +106,28 @@ pub enum Command {
     Produce(ProduceArgs),
 }
 
+/// More tasks at once than any machine runs; the limit keeps the worker's semaphore
+/// within what it can count.
+const MOST_CONCURRENCY: usize = 1_000_000;
+
 fn parse_concurrency(text: &str) -> Result<usize, String> {
     match text.parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err(format!("{text:?} is not a whole number of at least 1")),
+        Ok(n) if (1..=MOST_CONCURRENCY).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "{text:?} is not a whole number from 1 to {MOST_CONCURRENCY}"
+        )),
+    }
+}
+
+/// The most fire times `weir cron preview` lists: each is a line of output.
+const MOST_PREVIEWED: usize = 100_000;
+
+fn parse_preview_count(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(n) if n <= MOST_PREVIEWED => Ok(n),
+        _ => Err(format!(
+            "{text:?} is not a whole number up to {MOST_PREVIEWED}"
+        )),
     }
 }
 
@@ -254,7 +272,7 @@ pub enum CronCommand {
         /// Start after this instant (RFC 3339; default: now).
         #[arg(long)]
         from: Option<String>,
-        #[arg(long, default_value_t = 10)]
+        #[arg(long, default_value_t = 10, value_parser = parse_preview_count)]
         count: usize,
     },
     /// Register (or replace) a schedule in the configured store.

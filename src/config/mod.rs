@@ -64,6 +64,14 @@ fn weir_variables(
         .collect()
 }
 
+/// The longest duration a key takes, in milliseconds: 100 years. Longer ones, added to
+/// the clock, would overflow it.
+const MOST_MS: u64 = 100 * 365 * 24 * 60 * 60 * 1000;
+
+/// The most events a source's queue holds per key or graph: far beyond memory, and within
+/// what the queue's semaphore can count.
+const MOST_QUEUED: usize = 1 << 30;
+
 /// Milliseconds of a default duration, for keys written in milliseconds.
 fn ms(duration: Duration) -> u64 {
     duration.as_millis() as u64
@@ -903,8 +911,11 @@ impl Config {
                     "a graph needs at least one accumulator",
                 ));
             }
-            if g.queue_capacity == 0 {
-                errors.push(invalid(key("queue_capacity"), "must be at least 1"));
+            if !(1..=MOST_QUEUED).contains(&g.queue_capacity) {
+                errors.push(invalid(
+                    key("queue_capacity"),
+                    format!("must be from 1 to {MOST_QUEUED}"),
+                ));
             }
             if g.max_in_flight == 0 {
                 errors.push(invalid(key("max_in_flight"), "must be at least 1"));
@@ -1071,6 +1082,40 @@ impl Config {
         ] {
             if ms == 0 {
                 errors.push(invalid(key, "must be more than 0"));
+            }
+        }
+        // Durations beyond any use: added to the clock they would overflow it.
+        let workflow_timeouts = self.workflows.iter().enumerate().flat_map(|(i, w)| {
+            let tasks = w.tasks.iter().enumerate().flat_map(move |(j, t)| {
+                [
+                    (format!("workflow[{i}].task[{j}].timeout_ms"), t.timeout_ms),
+                    (format!("workflow[{i}].task[{j}].backoff_ms"), t.backoff_ms),
+                ]
+            });
+            let own = w
+                .timeout_ms
+                .map(|ms| (format!("workflow[{i}].timeout_ms"), ms));
+            own.into_iter().chain(tasks)
+        });
+        let durations = [
+            ("supervision.backoff_base_ms", s.backoff_base_ms),
+            ("supervision.backoff_max_ms", s.backoff_max_ms),
+            ("supervision.healthy_reset_ms", s.healthy_reset_ms),
+            ("supervision.shutdown_timeout_ms", s.shutdown_timeout_ms),
+            ("supervision.failed_retry_ms", s.failed_retry_ms),
+            ("supervision.graph_lease_ttl_ms", s.graph_lease_ttl_ms),
+            ("cron.lease_ttl_ms", self.cron.lease_ttl_ms),
+            ("cron.orphan_after_ms", self.cron.orphan_after_ms),
+            ("broker.ack_wait_ms", self.broker.ack_wait_ms),
+            ("broker.retention_ms", self.broker.retention_ms),
+        ]
+        .map(|(key, ms)| (key.to_string(), ms));
+        for (key, ms) in durations.into_iter().chain(workflow_timeouts) {
+            if ms > MOST_MS {
+                errors.push(invalid(
+                    key,
+                    format!("must be at most {MOST_MS} (100 years)"),
+                ));
             }
         }
         if s.backoff_max_ms < s.backoff_base_ms {
@@ -1629,6 +1674,31 @@ format = "json"
         assert!(err.to_string().contains("broker.partitions"), "{err}");
         let err = parse(&SAMPLE.replace("\"snapshot\"", "\"nope\""), &[]).unwrap_err();
         assert!(err.to_string().contains("graph[0].function"), "{err}");
+    }
+
+    #[test]
+    fn numbers_past_what_can_work_are_errors_naming_the_key() {
+        let text = SAMPLE.replace(
+            "output = \"prices.out\"",
+            "output = \"prices.out\"\nqueue_capacity = 4611686018427387904",
+        );
+        let text = format!(
+            "{text}\n[[workflow]]\nname = \"w\"\ntimeout_ms = 9223372036854775807\n\
+             [[workflow.task]]\nid = \"t\"\nhandler = \"builtin::echo\"\n"
+        );
+        let err = parse(
+            &text,
+            &[("WEIR__BROKER__ACK_WAIT_MS", "9223372036854775807")],
+        )
+        .unwrap_err()
+        .to_string();
+        for key in [
+            "graph[0].queue_capacity",
+            "workflow[0].timeout_ms",
+            "broker.ack_wait_ms",
+        ] {
+            assert!(err.contains(key), "{key} missing from {err}");
+        }
     }
 
     #[test]
