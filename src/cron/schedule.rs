@@ -236,22 +236,16 @@ impl Schedule {
             CatchUp::Latest => 1,
             CatchUp::All { cap } => cap as usize,
         };
-        // The older times the policy keeps (at most `cap`, the newest), then every
-        // recent one.
-        let mut older = std::collections::VecDeque::new();
+        // Times at or before `boundary` are older, missed; after it, late.
+        let boundary = now.checked_sub_signed(recent).unwrap_or(last).max(last);
+        let older = self.newest_before(expr, tz, last, boundary, cap);
+        // Every recent one, and the next after `now`.
         let mut late = Vec::new();
-        let mut at = last;
+        let mut at = boundary;
         let next = loop {
             match self.next_after(expr, tz, at) {
                 Some(t) if t <= now => {
-                    if now - t < recent {
-                        late.push(t);
-                    } else if cap > 0 {
-                        if older.len() == cap {
-                            older.pop_front();
-                        }
-                        older.push_back(t);
-                    }
+                    late.push(t);
                     at = t;
                 }
                 other => break other,
@@ -265,6 +259,49 @@ impl Schedule {
         };
         times.extend(late);
         (times, next)
+    }
+}
+
+impl Schedule {
+    /// The newest `cap` fire times after `last` and at or before `boundary`, oldest
+    /// first. Rather than walking every time from `last` (a per-second schedule down for
+    /// a year missed 31 million; a stored position near the epoch, 1.7 billion), it
+    /// looks back from `boundary` over a window that doubles until the window holds
+    /// `cap` times or reaches `last`.
+    fn newest_before(
+        &self,
+        expr: &CronExpr,
+        tz: Tz,
+        last: DateTime<Utc>,
+        boundary: DateTime<Utc>,
+        cap: usize,
+    ) -> std::collections::VecDeque<DateTime<Utc>> {
+        let mut kept = std::collections::VecDeque::new();
+        if cap == 0 {
+            return kept;
+        }
+        let mut window = chrono::Duration::seconds(1);
+        loop {
+            let from = boundary
+                .checked_sub_signed(window)
+                .unwrap_or(last)
+                .max(last);
+            kept.clear();
+            let mut found = 0;
+            let mut at = from;
+            while let Some(t) = self.next_after(expr, tz, at).filter(|&t| t <= boundary) {
+                if kept.len() == cap {
+                    kept.pop_front();
+                }
+                kept.push_back(t);
+                found += 1;
+                at = t;
+            }
+            if found >= cap || from == last {
+                return kept;
+            }
+            window = window.checked_mul(2).unwrap_or(chrono::Duration::MAX);
+        }
     }
 }
 
@@ -312,6 +349,72 @@ mod tests {
         schedule.catchup = CatchUp::All { cap: 2 };
         let (times, _) = schedule.due_and_next(&expr, tz, last, now, four);
         assert_eq!(times.len(), 6, "two older, four recent: {times:?}");
+    }
+
+    /// Every fire time after `last` up to `now`, one at a time: what catching up keeps
+    /// is taken from these.
+    fn walked(
+        s: &Schedule,
+        expr: &CronExpr,
+        tz: Tz,
+        last: DateTime<Utc>,
+        now: DateTime<Utc>,
+    ) -> Vec<DateTime<Utc>> {
+        let mut times = Vec::new();
+        let mut at = last;
+        while let Some(t) = s.next_after(expr, tz, at).filter(|&t| t <= now) {
+            times.push(t);
+            at = t;
+        }
+        times
+    }
+
+    #[test]
+    fn catching_up_keeps_the_newest_missed_times_however_many_were_missed() {
+        let four = std::time::Duration::from_secs(4);
+        for (cron, zone, missed) in [
+            ("* * * * * *", "UTC", chrono::Duration::hours(3)),
+            ("*/7 * * * *", "America/New_York", chrono::Duration::days(9)),
+            ("30 2 * * *", "Europe/London", chrono::Duration::days(400)),
+            ("0 0 1 1 *", "UTC", chrono::Duration::days(365 * 7)),
+        ] {
+            let mut schedule = Schedule::new("s", cron, zone);
+            let (expr, tz) = schedule.validate().unwrap();
+            let now = utc("2026-03-29T01:30:00Z");
+            let last = now - missed;
+            let every = walked(&schedule, &expr, tz, last, now);
+            let boundary = now - chrono::Duration::seconds(4);
+            let late: Vec<_> = every.iter().copied().filter(|&t| t > boundary).collect();
+            let older: Vec<_> = every.iter().copied().filter(|&t| t <= boundary).collect();
+            for (policy, kept) in [
+                (CatchUp::Skip, 0),
+                (CatchUp::Latest, 1),
+                (CatchUp::All { cap: 3 }, 3),
+                (CatchUp::All { cap: 100 }, 100),
+            ] {
+                schedule.catchup = policy;
+                let (times, next) = schedule.due_and_next(&expr, tz, last, now, four);
+                let mut expected: Vec<_> = older[older.len().saturating_sub(kept)..].to_vec();
+                if policy == CatchUp::Latest && !late.is_empty() {
+                    expected.clear();
+                }
+                expected.extend(&late);
+                assert_eq!(times, expected, "{cron} in {zone}, {policy:?}");
+                assert_eq!(next, schedule.next_after(&expr, tz, now), "{cron}");
+            }
+        }
+    }
+
+    #[test]
+    fn catching_up_from_a_position_near_the_epoch_keeps_only_the_newest() {
+        let mut schedule = Schedule::new("s", "* * * * * *", "UTC");
+        schedule.catchup = CatchUp::All { cap: 2 };
+        let (expr, tz) = schedule.validate().unwrap();
+        let now = utc("2026-03-29T01:30:00Z");
+        let last = DateTime::from_timestamp(0, 0).unwrap();
+        let (times, _) = schedule.due_and_next(&expr, tz, last, now, JUST_DUE);
+        let second = chrono::Duration::seconds(1);
+        assert_eq!(times, vec![now - second * 2, now - second, now]);
     }
 
     fn utc(s: &str) -> DateTime<Utc> {
