@@ -280,6 +280,18 @@ mod failover {
         let _ = scheduler.await;
         assert!(ticks(&broker, "good.ticks").len() >= 2);
         assert!(ticks(&broker, "bad.ticks").is_empty());
+        // Still due, a while later: once readable again (every node upgraded) it fires.
+        let score: Option<f64> = redis::cmd("ZSCORE")
+            .arg(format!("{prefix}:sched:due:0"))
+            .arg("bad")
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        let now_ms = chrono::Utc::now().timestamp_millis() as f64;
+        assert!(
+            score.is_some_and(|due| due > now_ms + 30_000.0),
+            "the unreadable schedule is kept, due again later: {score:?}"
+        );
         services::remove_redis_keys(&prefix).await;
     }
 

@@ -78,6 +78,8 @@ const MESSAGE_BATCH: usize = 256;
 /// How long a stopping accumulator waits for what its reactor makes durable as it stops,
 /// and then for that checkpoint to be stored: within the supervisor's default stop limit.
 const LAST_CHECKPOINT_WAIT: std::time::Duration = std::time::Duration::from_secs(4);
+/// Of that, what is kept for storing the checkpoint, however long the reactor takes.
+const LAST_CHECKPOINT_STORE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Numbers one source's accumulator incarnations share for the life of a reactor, so
 /// a restarted accumulator carries on where its predecessor stopped. Only the incarnation
@@ -663,7 +665,7 @@ impl AccumulatorTask {
         let has_source = source.is_some();
         let deadline = tokio::time::Instant::now() + LAST_CHECKPOINT_WAIT;
         // The reactor's durable positions end with its run.
-        let followed = tokio::time::timeout_at(deadline, async {
+        let followed = tokio::time::timeout_at(deadline - LAST_CHECKPOINT_STORE, async {
             while let Some(durable) = durable_changes.next().await {
                 self.commit(run, has_source, durable);
             }
@@ -675,12 +677,12 @@ impl AccumulatorTask {
             self.commit(run, has_source, durable);
         }
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        if run.checkpoints.flush(left).await {
-            let written = run.checkpoints.written();
-            self.checkpoint_stored(run, source, written).await;
-        } else {
+        if !run.checkpoints.flush(left).await {
             warn!(graph = %self.graph, accumulator = %self.spec.name, "the last checkpoint was not stored; a restart re-reads from the one before");
         }
+        // What was stored, the last or an earlier one, is committed either way.
+        let written = run.checkpoints.written();
+        self.checkpoint_stored(run, source, written).await;
     }
 
     /// Checkpoints up to `version` are stored: their positions go to the broker. The

@@ -1110,7 +1110,35 @@ impl Config {
             ("broker.retention_ms", self.broker.retention_ms),
         ]
         .map(|(key, ms)| (key.to_string(), ms));
-        for (key, ms) in durations.into_iter().chain(workflow_timeouts) {
+        let graph_intervals = self.graphs.iter().enumerate().flat_map(|(i, g)| {
+            let accumulators = g.accumulators.iter().enumerate().map(move |(j, a)| {
+                let key = format!("graph[{i}].accumulator[{j}].batch_interval_ms");
+                (key, a.batch_interval_ms)
+            });
+            [
+                (
+                    format!("graph[{i}].snapshot_interval_ms"),
+                    g.snapshot_interval_ms,
+                ),
+                (
+                    format!("graph[{i}].checkpoint_interval_ms"),
+                    g.checkpoint_interval_ms,
+                ),
+            ]
+            .into_iter()
+            .chain(accumulators)
+        });
+        let job_leases = self
+            .jobs
+            .iter()
+            .enumerate()
+            .map(|(i, j)| (format!("job[{i}].lease_ttl_ms"), j.lease_ttl_ms));
+        let every = durations
+            .into_iter()
+            .chain(workflow_timeouts)
+            .chain(graph_intervals)
+            .chain(job_leases);
+        for (key, ms) in every {
             if ms > MOST_MS {
                 errors.push(invalid(
                     key,

@@ -291,8 +291,9 @@ impl Reactor {
         }
         .await;
         if let Err(e) = turns {
-            // Fires acknowledged before the failure are done: the accumulators hear so
-            // and checkpoint them as they stop, and a restart does not fire them again.
+            // Fires acknowledged before the failure are done: the accumulators hear so and
+            // checkpoint their positions as they stop, so the broker does not replay them
+            // (what the last stored snapshot still held may fire again).
             self.publish_progress();
             return Err(e);
         }

@@ -70,13 +70,16 @@ impl Scheduler {
             .buffer_unordered(CONCURRENCY)
             .collect::<Vec<(String, Result<Option<Schedule>, StoreError>)>>();
         let loaded = self.bounded(async { Ok(loading.await) }).await?;
+        // Unreadable (written by another version, say): one such schedule must not stop
+        // the rest of its shard, nor be dropped from it. It stays out of the cache, so it
+        // is not fired, and is looked at again a while later.
+        let mut unreadable = std::collections::HashSet::new();
         for (id, found) in loaded {
             let found = match found {
-                // Written by another version, say: one unreadable schedule must not stop
-                // the rest of its shard. It stays out of the cache, so it is not fired.
                 Err(e) if !e.is_retryable() => {
-                    warn!(schedule = %id, error = %e, "stored schedule cannot be read; not firing it");
-                    None
+                    warn!(schedule = %id, error = %e, retry_in = ?UNREADABLE_RETRY, "stored schedule cannot be read; not firing it");
+                    unreadable.insert(id);
+                    continue;
                 }
                 found => found?,
             };
@@ -97,7 +100,11 @@ impl Scheduler {
         let mut planned: Vec<(String, Execution)> = Vec::new();
         for (id, next_ms) in due {
             let Some((cached, _)) = self.cache.get(&id) else {
-                next_fires.push((id, None));
+                let retry = unreadable.contains(&id).then(|| {
+                    let retry = chrono::Duration::from_std(UNREADABLE_RETRY).unwrap_or_default();
+                    (now + retry).timestamp_millis()
+                });
+                next_fires.push((id, retry));
                 continue;
             };
             let schedule = &cached.schedule;

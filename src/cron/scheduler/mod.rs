@@ -40,6 +40,8 @@ use crate::transport::{Outbound, Sink};
 
 /// Due schedules taken from the store per pass.
 const DUE_BATCH: usize = 10_000;
+/// How long a stored schedule that cannot be read waits before it is read again.
+const UNREADABLE_RETRY: Duration = Duration::from_secs(60);
 /// How far ahead of their time due ticks are planned and claimed.
 const LOOKAHEAD: Duration = Duration::from_millis(250);
 /// Schedule loads in flight at once.
