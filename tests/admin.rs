@@ -1066,22 +1066,14 @@ mod services {
     /// store's password.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn readyz_names_an_unreachable_store_without_its_password() {
-        let port = free_port();
         let password = "s3cret-redis-pass";
-        let mut server = redis_with(port, &["--requirepass", password]);
-        wait_for_port(port).await;
-        let url = format!("redis://:{password}@127.0.0.1:{port}");
-        let store = RedisStore::connect(&url, &unique("secret")).await.unwrap();
-        let cancel = CancellationToken::new();
-        let state = AdminState::new().with_store(Arc::new(store));
-        let listen = Listen {
-            admin: Some("127.0.0.1:0".parse().unwrap()),
-            ..Default::default()
-        };
-        let servers = weir::admin::serve(state, &listen, cancel.clone())
-            .await
-            .unwrap();
-        let readyz = format!("http://{}/readyz", servers.admin.unwrap());
+        let (mut server, port, admin, cancel) = admin_on_redis(
+            &["--requirepass", password],
+            |port| format!("redis://:{password}@127.0.0.1:{port}"),
+            |state| state,
+        )
+        .await;
+        let readyz = format!("http://{admin}/readyz");
         assert_eq!(ready(&readyz).await.0, 200);
         server.kill().unwrap();
         server.wait().unwrap();
@@ -1093,6 +1085,32 @@ mod services {
         );
         assert!(!answer.contains(password), "{answer}");
         cancel.cancel();
+    }
+
+    /// A Redis of the test's own, started with `flags` and reached through `url` (given
+    /// its port), and the admin API over it, as `state` makes it from the store: the
+    /// server, its port, the admin address and the token that stops the API.
+    async fn admin_on_redis(
+        flags: &[&str],
+        url: impl FnOnce(u16) -> String,
+        state: impl FnOnce(AdminState) -> AdminState,
+    ) -> (Child, u16, SocketAddr, CancellationToken) {
+        let port = free_port();
+        let server = redis_with(port, flags);
+        wait_for_port(port).await;
+        let store = RedisStore::connect(&url(port), &unique("admin"))
+            .await
+            .unwrap();
+        let cancel = CancellationToken::new();
+        let listen = Listen {
+            admin: Some("127.0.0.1:0".parse().unwrap()),
+            ..Default::default()
+        };
+        let state = state(AdminState::new().with_store(Arc::new(store)));
+        let servers = weir::admin::serve(state, &listen, cancel.clone())
+            .await
+            .unwrap();
+        (server, port, servers.admin.unwrap(), cancel)
     }
 
     async fn wait_for_port(port: u16) {
@@ -1128,23 +1146,13 @@ mod services {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn readyz_follows_the_store() {
-        let port = free_port();
-        let mut server = redis(port);
-        wait_for_port(port).await;
-        let store = RedisStore::connect(&format!("redis://127.0.0.1:{port}"), &unique("ready"))
-            .await
-            .unwrap();
-        let cancel = CancellationToken::new();
-        let state = AdminState::new().with_store(Arc::new(store));
-        let listen = Listen {
-            admin: Some("127.0.0.1:0".parse().unwrap()),
-            metrics: None,
-            ..Default::default()
-        };
-        let servers = weir::admin::serve(state, &listen, cancel.clone())
-            .await
-            .unwrap();
-        let url = format!("http://{}/readyz", servers.admin.unwrap());
+        let (mut server, port, admin, cancel) = admin_on_redis(
+            &[],
+            |port| format!("redis://127.0.0.1:{port}"),
+            |state| state,
+        )
+        .await;
+        let url = format!("http://{admin}/readyz");
         assert_eq!(ready(&url).await, (200, json!({"ready": true})));
 
         server.kill().unwrap();
@@ -1175,24 +1183,13 @@ mod services {
     /// `"paused": null`.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_keyed_graphs_pause_flag_is_null_while_the_store_cannot_say() {
-        let port = free_port();
-        let mut server = redis(port);
-        wait_for_port(port).await;
-        let store = RedisStore::connect(&format!("redis://127.0.0.1:{port}"), &unique("flag"))
-            .await
-            .unwrap();
-        let cancel = CancellationToken::new();
-        let state = AdminState::new()
-            .with_store(Arc::new(store))
-            .with_keyed_graphs(BTreeMap::from([("per_user".to_string(), 3)]));
-        let listen = Listen {
-            admin: Some("127.0.0.1:0".parse().unwrap()),
-            ..Default::default()
-        };
-        let servers = weir::admin::serve(state, &listen, cancel.clone())
-            .await
-            .unwrap();
-        let url = format!("http://{}/graphs", servers.admin.unwrap());
+        let (mut server, _, admin, cancel) = admin_on_redis(
+            &[],
+            |port| format!("redis://127.0.0.1:{port}"),
+            |state| state.with_keyed_graphs(BTreeMap::from([("per_user".to_string(), 3)])),
+        )
+        .await;
+        let url = format!("http://{admin}/graphs");
         let paused = || async {
             let (status, listed) = json_of("GET", &url, None, None).await;
             assert_eq!(status, 200, "{listed}");
