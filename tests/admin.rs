@@ -1214,6 +1214,66 @@ mod services {
         cancel.cancel();
     }
 
+    /// A stored schedule this version cannot read is listed by id with why, among the
+    /// schedules that read; a tenant's token sees only its own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn schedules_list_an_unreadable_record_by_id_among_the_rest() {
+        let prefix = unique("adminsched");
+        let store = common::services::redis(&prefix).await;
+        for id in ["a", "b", "acme/c"] {
+            let mut schedule = weir::cron::Schedule::new(id, "0 3 * * *", "UTC");
+            schedule.tenant = weir::tenant::of_key(id).map(str::to_string);
+            weir::cron::scheduler::register(store.as_ref(), &schedule, 1)
+                .await
+                .unwrap();
+        }
+        let client = redis::Client::open(common::services::redis_url()).unwrap();
+        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+        for id in ["b", "acme/c"] {
+            redis::cmd("SET")
+                .arg(format!("{prefix}:sched:{id}"))
+                .arg(r#"{"id": "x", "cron": 7}"#)
+                .query_async::<()>(&mut connection)
+                .await
+                .unwrap();
+        }
+        let cancel = CancellationToken::new();
+        let listen = Listen {
+            admin: Some("127.0.0.1:0".parse().unwrap()),
+            ..Default::default()
+        };
+        let state = AdminState::new()
+            .with_store(store.clone())
+            .with_token(Some("all-token".into()))
+            .with_tenant_tokens(vec![("acme-token".into(), "acme".into())]);
+        let servers = weir::admin::serve(state, &listen, cancel.clone())
+            .await
+            .unwrap();
+        let url = format!("http://{}/schedules", servers.admin.unwrap());
+        let (status, listed) = json_of("GET", &url, Some("all-token"), None).await;
+        assert_eq!(status, 200, "{listed}");
+        let ids: Vec<&str> = listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].as_str().unwrap())
+            .collect();
+        assert_eq!(ids, ["a", "acme/c", "b"], "{listed}");
+        assert!(listed[0]["next_fire"].is_string(), "{listed}");
+        let unreadable = listed[2]["unreadable"].as_str().unwrap();
+        assert!(
+            unreadable.contains(&format!("{prefix}:sched:b")),
+            "{unreadable}"
+        );
+        let (status, mine) = json_of("GET", &url, Some("acme-token"), None).await;
+        assert_eq!(status, 200, "{mine}");
+        assert_eq!(mine.as_array().unwrap().len(), 1, "{mine}");
+        assert_eq!(mine[0]["id"], "acme/c");
+        assert!(mine[0]["unreadable"].is_string(), "{mine}");
+        cancel.cancel();
+        common::services::remove_redis_keys(&prefix).await;
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn produce_then_tail_prints_each_message_on_a_line() {
         let subject = unique("tail");

@@ -82,9 +82,8 @@ mod with_redis {
 
     use crate::common::services;
 
-    #[test]
-    fn add_list_pause_resume_history_and_rm() {
-        let prefix = services::unique("weircli");
+    /// A config file naming a Redis store under `prefix`.
+    fn config_file(prefix: &str) -> tempfile::NamedTempFile {
         let mut file = tempfile::NamedTempFile::new().unwrap();
         write!(
             file,
@@ -92,14 +91,24 @@ mod with_redis {
             services::redis_url()
         )
         .unwrap();
-        let config = file.path().to_str().unwrap().to_string();
-        let run = |args: &[&str]| {
-            let mut all = vec!["cron"];
-            all.extend_from_slice(&args[..1]);
-            all.extend_from_slice(&["--config", &config]);
-            all.extend_from_slice(&args[1..]);
-            weir(&all)
-        };
+        file
+    }
+
+    /// `weir cron <args[0]> --config <file> <args[1..]>`.
+    fn cron(file: &tempfile::NamedTempFile, args: &[&str]) -> std::process::Output {
+        let config = file.path().to_str().unwrap();
+        let mut all = vec!["cron"];
+        all.extend_from_slice(&args[..1]);
+        all.extend_from_slice(&["--config", config]);
+        all.extend_from_slice(&args[1..]);
+        weir(&all)
+    }
+
+    #[test]
+    fn add_list_pause_resume_history_and_rm() {
+        let prefix = services::unique("weircli");
+        let file = config_file(&prefix);
+        let run = |args: &[&str]| cron(&file, args);
         let out = run(&[
             "add",
             "--id",
@@ -132,5 +141,42 @@ mod with_redis {
         assert_eq!(bad.status.code(), Some(2));
         assert!(run(&["rm", "nightly"]).status.success());
         assert_eq!(run(&["rm", "nightly"]).status.code(), Some(2));
+    }
+
+    /// A stored schedule this version cannot read (another version wrote it, say) is
+    /// named on stderr and the command exits 2, after listing every other schedule.
+    #[test]
+    fn list_names_an_unreadable_schedule_and_lists_the_rest() {
+        let prefix = services::unique("weircli");
+        let file = config_file(&prefix);
+        for id in ["a", "b", "c"] {
+            let out = cron(&file, &["add", "--id", id, "--cron", "0 * * * *"]);
+            assert!(out.status.success(), "{out:?}");
+        }
+        let client = redis::Client::open(services::redis_url()).unwrap();
+        let mut connection = client.get_connection().unwrap();
+        redis::cmd("SET")
+            .arg(format!("{prefix}:sched:b"))
+            .arg(r#"{"id": "b", "cron": 7}"#)
+            .query::<()>(&mut connection)
+            .unwrap();
+        let out = cron(&file, &["list"]);
+        let listed: Vec<String> = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|line| line.split('\t').next().unwrap().to_string())
+            .collect();
+        assert_eq!(listed, ["a", "c"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("schedule \"b\" not listed"), "{stderr}");
+        assert!(stderr.contains(&format!("{prefix}:sched:b")), "{stderr}");
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        // Removing it is how an operator clears it.
+        assert!(cron(&file, &["rm", "b"]).status.success());
+        let out = cron(&file, &["list"]);
+        assert!(out.status.success(), "{out:?}");
+        for id in ["a", "c"] {
+            assert!(cron(&file, &["rm", id]).status.success());
+        }
     }
 }

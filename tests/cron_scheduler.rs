@@ -198,7 +198,7 @@ async fn invalid_schedules_are_rejected_at_registration() {
     .await
     .unwrap_err();
     assert!(err.to_string().contains("Atlantis/Nowhere"), "{err}");
-    assert!(store.list_schedules().await.unwrap().is_empty());
+    assert!(store.list_schedules().await.unwrap().schedules.is_empty());
 }
 
 #[cfg(feature = "it")]

@@ -566,7 +566,10 @@ mod cases {
                 store.get_schedule("s").await.unwrap(),
                 Some(schedule.clone())
             );
-            assert_eq!(store.list_schedules().await.unwrap(), vec![schedule]);
+            assert_eq!(
+                store.list_schedules().await.unwrap().schedules,
+                vec![schedule]
+            );
             store.set_next_fire(0, "s", Some(5_000)).await.unwrap();
             assert!(store.due_schedules(0, 4_999, 10).await.unwrap().is_empty());
             assert!(store.due_schedules(1, 9_999, 10).await.unwrap().is_empty());

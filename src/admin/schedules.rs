@@ -59,12 +59,18 @@ async fn list(
     Extension(scope): Extension<Scope>,
 ) -> Result<Json<Value>, ApiError> {
     let store = state.require_store()?;
-    let mut schedules = store.list_schedules().await?;
-    schedules.retain(|s| scope.owns(s.tenant.as_deref()));
+    let mut list = store.list_schedules().await?;
+    list.schedules.retain(|s| scope.owns(s.tenant.as_deref()));
     let next = next_fires(store.as_ref(), 0..state.cron_shards().max(1)).await?;
-    Ok(Json(Value::Array(
-        schedules.iter().map(|s| entry(s, &next)).collect(),
-    )))
+    let mut entries: Vec<Value> = list.schedules.iter().map(|s| entry(s, &next)).collect();
+    // A record that does not read back has no tenant to go by but its id's.
+    entries.extend(
+        list.unreadable
+            .iter()
+            .filter(|u| scope.sees(&u.id))
+            .map(|u| serde_json::json!({"id": u.id, "unreadable": u.error.to_string()})),
+    );
+    Ok(Json(Value::Array(entries)))
 }
 
 fn not_found(id: &str) -> ApiError {

@@ -69,7 +69,8 @@ pub async fn run(command: CronCommand, out: &mut impl Write) -> Result<(), Error
         }
         CronCommand::List { config } => {
             let (config, store) = open(&config).await?;
-            for s in store.list_schedules().await.map_err(store_error)? {
+            let list = store.list_schedules().await.map_err(store_error)?;
+            for s in list.schedules {
                 let next = next_fire(store.as_ref(), &s.id, config.cron.shards).await?;
                 writeln!(
                     out,
@@ -80,6 +81,16 @@ pub async fn run(command: CronCommand, out: &mut impl Write) -> Result<(), Error
                     if s.enabled { "enabled" } else { "paused" },
                     next.map(format_instant).unwrap_or_else(|| "-".into())
                 )?;
+            }
+            // The rest is listed first: one bad record hides none of the others.
+            for u in &list.unreadable {
+                eprintln!("weir: schedule {:?} not listed: {}", u.id, u.error);
+            }
+            if !list.unreadable.is_empty() {
+                return Err(Error::Unreadable {
+                    what: "stored schedules",
+                    count: list.unreadable.len(),
+                });
             }
         }
         CronCommand::Show { config, id } => {

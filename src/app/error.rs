@@ -35,6 +35,10 @@ pub enum Error {
         #[source]
         source: serde_json::Error,
     },
+    /// Stored records that do not read back (written by another version, say); each
+    /// was named as the command went on.
+    #[error("{count} {what} could not be read")]
+    Unreadable { what: &'static str, count: usize },
     /// Ctrl-C or SIGTERM came before the command was done.
     #[error("interrupted: {0}")]
     Interrupted(String),
@@ -57,6 +61,7 @@ impl Error {
             Self::Usage(_)
             | Self::NotFound { .. }
             | Self::Json { .. }
+            | Self::Unreadable { .. }
             | Self::Graph(_)
             | Self::Schedule(_)
             | Self::Cron(_) => 2,

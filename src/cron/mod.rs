@@ -13,4 +13,6 @@ pub mod store;
 pub use expr::{CronError, CronExpr};
 pub use next::{format_instant, next_fire, preview};
 pub use schedule::{CatchUp, Delivery, Overlap, Schedule, ScheduleError, Target};
-pub use store::{CronStore, Execution, ExecutionStatus, ScheduleStore};
+pub use store::{
+    CronStore, Execution, ExecutionStatus, ScheduleList, ScheduleStore, UnreadableSchedule,
+};

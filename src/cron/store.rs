@@ -75,6 +75,24 @@ impl ScheduleChanges {
     }
 }
 
+/// Every stored schedule, as [`ScheduleStore::list_schedules`] read them.
+#[derive(Debug, Default)]
+pub struct ScheduleList {
+    /// Those that read back, in id order.
+    pub schedules: Vec<Schedule>,
+    /// Those whose stored record does not read back (another version wrote it, say),
+    /// in id order: listed by id, so one bad record hides none of the others.
+    pub unreadable: Vec<UnreadableSchedule>,
+}
+
+/// A stored schedule whose record does not read back.
+#[derive(Debug)]
+pub struct UnreadableSchedule {
+    pub id: String,
+    /// Names the record's key and why it does not read.
+    pub error: StoreError,
+}
+
 /// Where schedules, their next fire times, their executions and the live nodes are kept.
 #[async_trait]
 pub trait ScheduleStore: Send + Sync {
@@ -83,7 +101,9 @@ pub trait ScheduleStore: Send + Sync {
 
     async fn get_schedule(&self, id: &str) -> Result<Option<Schedule>, StoreError>;
 
-    async fn list_schedules(&self) -> Result<Vec<Schedule>, StoreError>;
+    /// Every stored schedule; one whose record does not read back is listed apart
+    /// rather than failing the whole list.
+    async fn list_schedules(&self) -> Result<ScheduleList, StoreError>;
 
     /// Removes a schedule and its pending fire time; false if there was none.
     async fn delete_schedule(&self, id: &str, shard: u32) -> Result<bool, StoreError>;

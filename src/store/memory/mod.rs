@@ -23,7 +23,7 @@ use super::{
     PartitionSnapshot, RecoveryEvent, RecoveryLog, ScheduleChanges, ScheduleStore, StoreError,
     WorkflowStore,
 };
-use crate::cron::Schedule;
+use crate::cron::{Schedule, ScheduleList};
 use crate::dispatch::WorkflowExecution;
 use crate::reactor::CacheSnapshot;
 

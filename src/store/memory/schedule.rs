@@ -16,8 +16,11 @@ impl ScheduleStore for MemoryStore {
         Ok(self.state().schedules.get(id).cloned())
     }
 
-    async fn list_schedules(&self) -> Result<Vec<Schedule>, StoreError> {
-        Ok(self.state().schedules.values().cloned().collect())
+    async fn list_schedules(&self) -> Result<ScheduleList, StoreError> {
+        Ok(ScheduleList {
+            schedules: self.state().schedules.values().cloned().collect(),
+            unreadable: Vec::new(),
+        })
     }
 
     async fn delete_schedule(&self, id: &str, shard: u32) -> Result<bool, StoreError> {

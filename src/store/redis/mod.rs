@@ -30,7 +30,7 @@ use super::{
     PartitionSnapshot, RecoveryEvent, RecoveryLog, ScheduleChanges, ScheduleStore, StoreError,
     WorkflowStore,
 };
-use crate::cron::Schedule;
+use crate::cron::{Schedule, ScheduleList, UnreadableSchedule};
 use crate::dispatch::{RunStatus, WorkflowExecution};
 use crate::reactor::CacheSnapshot;
 use crate::secret::{redact_url, scrub, Secret};

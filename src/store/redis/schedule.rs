@@ -96,13 +96,14 @@ impl ScheduleStore for RedisStore {
         self.get_json(self.key(&["sched", id])).await
     }
 
-    async fn list_schedules(&self) -> Result<Vec<Schedule>, StoreError> {
+    async fn list_schedules(&self) -> Result<ScheduleList, StoreError> {
         let mut c = self.connection.clone();
-        let ids: Vec<String> = c
+        let mut ids: Vec<String> = c
             .smembers(self.key(&["sched", "ids"]))
             .await
             .map_err(|e| store_error("SMEMBERS", e))?;
-        let mut schedules = Vec::with_capacity(ids.len());
+        ids.sort();
+        let mut list = ScheduleList::default();
         for chunk in ids.chunks(500) {
             let keys: Vec<String> = chunk.iter().map(|id| self.key(&["sched", id])).collect();
             let raw: Vec<Option<String>> = redis::cmd("MGET")
@@ -110,19 +111,21 @@ impl ScheduleStore for RedisStore {
                 .query_async(&mut c)
                 .await
                 .map_err(|e| store_error("MGET", e))?;
-            for (key, text) in keys.into_iter().zip(raw) {
-                if let Some(text) = text {
-                    schedules.push(serde_json::from_str(&text).map_err(|e| {
-                        StoreError::Corrupt {
+            for ((id, key), text) in chunk.iter().zip(keys).zip(raw) {
+                let Some(text) = text else { continue };
+                match serde_json::from_str::<Schedule>(&text) {
+                    Ok(schedule) => list.schedules.push(schedule),
+                    Err(e) => list.unreadable.push(UnreadableSchedule {
+                        id: id.clone(),
+                        error: StoreError::Corrupt {
                             key,
                             source: e.into(),
-                        }
-                    })?);
+                        },
+                    }),
                 }
             }
         }
-        schedules.sort_by(|a: &Schedule, b| a.id.cmp(&b.id));
-        Ok(schedules)
+        Ok(list)
     }
 
     async fn delete_schedule(&self, id: &str, shard: u32) -> Result<bool, StoreError> {
