@@ -283,6 +283,31 @@ fn reader(
     })
 }
 
+/// Waits until the side readers have read what their topics held: nothing new seen for
+/// half a second (nothing is being started meanwhile).
+async fn caught_up(seen: &Seen) {
+    let counts = || {
+        (
+            seen.ready.lock().unwrap().len(),
+            seen.started.lock().unwrap().len(),
+        )
+    };
+    let deadline = Instant::now() + STUCK;
+    let mut last = counts();
+    let mut quiet = 0;
+    while quiet < 5 {
+        assert!(Instant::now() < deadline, "side readers still reading");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = counts();
+        quiet = if now == last && now.0 > 0 {
+            quiet + 1
+        } else {
+            0
+        };
+        last = now;
+    }
+}
+
 /// Polls until `done` holds, checking on the workers; panics when stuck.
 async fn wait_until(what: &str, workers: &mut Workers, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + STUCK;
@@ -446,6 +471,10 @@ async fn scenario(
             cancel.clone(),
         ),
     ];
+    // The readers start from the topics' beginnings, which hold every earlier phase's
+    // messages: read up to now before the pace starts, or their catching up (in this
+    // process, beside the state manager) would be measured as the tasks' latency.
+    caught_up(&seen).await;
     let before = finished.load(Ordering::Relaxed);
     let period = Duration::from_secs_f64(1.0 / f64::from(rate));
     let start = tokio::time::Instant::now();
