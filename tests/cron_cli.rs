@@ -171,6 +171,14 @@ mod with_redis {
         assert!(stderr.contains("schedule \"b\" not listed"), "{stderr}");
         assert!(stderr.contains(&format!("{prefix}:sched:b")), "{stderr}");
         assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains("stored schedules that could not be read: 1"),
+            "{stderr}"
+        );
+        // Looked at alone, it is bad data too, named by its key.
+        let out = cron(&file, &["show", "b"]);
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("{prefix}:sched:b")));
         // Removing it is how an operator clears it.
         assert!(cron(&file, &["rm", "b"]).status.success());
         let out = cron(&file, &["list"]);

@@ -295,6 +295,54 @@ mod failover {
         services::remove_redis_keys(&prefix).await;
     }
 
+    /// An unreadable schedule with unfinished executions of its own leaves them waiting;
+    /// the orphan sweep goes on to the other schedules' executions.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn an_unreadable_schedule_leaves_the_rest_of_the_orphan_sweep_going() {
+        let prefix = services::unique("cronorph");
+        let store = Arc::new(
+            weir::store::redis::RedisStore::connect(&services::redis_url(), &prefix)
+                .await
+                .unwrap(),
+        );
+        // Ids in the order the sweep takes them: the unreadable one first.
+        for id in ["bad", "orph"] {
+            let mut schedule = every_second(id, "oticks");
+            schedule.cron = "0 0 1 1 *".into();
+            schedule.delivery = Delivery::AtLeastOnce;
+            register(store.as_ref(), &schedule, 1).await.unwrap();
+            store.claim_execution(&unemitted(id, 1_000)).await.unwrap();
+        }
+        let client = redis::Client::open(services::redis_url()).unwrap();
+        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+        redis::cmd("SET")
+            .arg(format!("{prefix}:sched:bad"))
+            .arg(r#"{"id": "bad", "cron": 7}"#)
+            .query_async::<()>(&mut connection)
+            .await
+            .unwrap();
+        let broker = MemoryBroker::default();
+        let cancel = CancellationToken::new();
+        let cfg = SchedulerConfig {
+            orphan_after: Duration::from_millis(200),
+            ..config("a", 0)
+        };
+        let scheduler = tokio::spawn(
+            Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+        );
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        cancel.cancel();
+        let _ = scheduler.await;
+        let emitted: Vec<String> = ticks(&broker, "oticks")
+            .into_iter()
+            .map(|t| t.tick_id)
+            .collect();
+        assert_eq!(emitted, ["orph@1000"]);
+        let waiting = store.get_execution("bad", 1_000).await.unwrap().unwrap();
+        assert_eq!(waiting.status, ExecutionStatus::Scheduled, "left as it was");
+        services::remove_redis_keys(&prefix).await;
+    }
+
     #[tokio::test(flavor = "multi_thread")]
     async fn killing_the_master_neither_duplicates_at_most_once_nor_misses_at_least_once() {
         let prefix = services::unique("cronit");

@@ -1,6 +1,7 @@
 //! Schedule routes, over the store.
 //!
-//! - `GET /schedules`: every schedule as stored, plus `next_fire` (RFC 3339 or null).
+//! - `GET /schedules`: every schedule as stored, plus `next_fire` (RFC 3339 or null);
+//!   then each whose stored record does not read back, as `{"id", "unreadable": why}`.
 //! - `GET /schedules/{id}`: the same for one, plus its newest `executions`.
 //! - `POST /schedules/{id}/pause`, `/resume`: `{"id", "enabled"}`; resuming fires from the
 //!   next time after now.
@@ -63,12 +64,19 @@ async fn list(
     list.schedules.retain(|s| scope.owns(s.tenant.as_deref()));
     let next = next_fires(store.as_ref(), 0..state.cron_shards().max(1)).await?;
     let mut entries: Vec<Value> = list.schedules.iter().map(|s| entry(s, &next)).collect();
-    // A record that does not read back has no tenant to go by but its id's.
+    // A record that does not read back has no tenant to go by but its id's. Why it
+    // does not read names the store's key, which is for operators, not tenants.
     entries.extend(
         list.unreadable
             .iter()
             .filter(|u| scope.sees(&u.id))
-            .map(|u| serde_json::json!({"id": u.id, "unreadable": u.error.to_string()})),
+            .map(|u| {
+                let why = match scope {
+                    Scope::All => u.error.to_string(),
+                    Scope::Tenant(_) => "its stored record does not read back".to_string(),
+                };
+                serde_json::json!({"id": u.id, "unreadable": why})
+            }),
     );
     Ok(Json(Value::Array(entries)))
 }

@@ -37,7 +37,7 @@ pub enum Error {
     },
     /// Stored records that do not read back (written by another version, say); each
     /// was named as the command went on.
-    #[error("{count} {what} could not be read")]
+    #[error("{what} that could not be read: {count}")]
     Unreadable { what: &'static str, count: usize },
     /// Ctrl-C or SIGTERM came before the command was done.
     #[error("interrupted: {0}")]
@@ -69,6 +69,8 @@ impl Error {
                 DispatchError::UnknownWorkflow(_) | DispatchError::UnknownExecution(_),
             ) => 2,
             Self::Config(e) if !e.is_retryable() => 2,
+            // A stored record that does not read back: no retry can help.
+            Self::Store(e) if e.kind() == weir::store_error::StoreErrorKind::Corrupt => 2,
             // A name the broker cannot take, or a setup that cannot serve it.
             Self::Transport(e) if e.kind() == weir::transport::TransportErrorKind::InvalidTopic => {
                 2

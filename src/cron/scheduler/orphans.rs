@@ -49,7 +49,15 @@ impl Scheduler {
             };
             // A master deposed meanwhile has its writes refused.
             let fence = Fence::from(&lease);
-            let schedule = self.bounded(self.store.get_schedule(&id)).await?;
+            // Unreadable (written by another version, say): its executions wait, and the
+            // rest of the sweep goes on, as the shard's firing does.
+            let schedule = match self.bounded(self.store.get_schedule(&id)).await {
+                Err(e) if !e.is_retryable() => {
+                    warn!(schedule = %id, error = %e, "stored schedule cannot be read; its unfinished executions are left for a later sweep");
+                    continue;
+                }
+                found => found?,
+            };
             let recent = self.bounded(self.store.executions(&id, 10)).await?;
             let mut running = recent.iter().any(|e| e.status == ExecutionStatus::Running);
             for scheduled_ms in times {
