@@ -283,28 +283,24 @@ fn reader(
     })
 }
 
-/// Waits until the side readers have read what their topics held: nothing new seen for
-/// half a second (nothing is being started meanwhile).
-async fn caught_up(seen: &Seen) {
-    let counts = || {
-        (
+/// Waits until the side readers have read what their topics held: a ready event and a
+/// result for each of the `done` executions finished so far (nothing is being started
+/// meanwhile).
+async fn caught_up(seen: &Seen, done: usize) {
+    let deadline = Instant::now() + STUCK;
+    loop {
+        let read = (
             seen.ready.lock().unwrap().len(),
             seen.started.lock().unwrap().len(),
-        )
-    };
-    let deadline = Instant::now() + STUCK;
-    let mut last = counts();
-    let mut quiet = 0;
-    while quiet < 5 {
-        assert!(Instant::now() < deadline, "side readers still reading");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let now = counts();
-        quiet = if now == last && now.0 > 0 {
-            quiet + 1
-        } else {
-            0
-        };
-        last = now;
+        );
+        if read.0 >= done && read.1 >= done {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "side readers at {read:?} of {done}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -399,6 +395,8 @@ async fn scenario(
     finished: &Arc<AtomicU64>,
 ) -> Run {
     let setup = Setup::new(kind, dir);
+    // Executions finished before this scenario's, on topics of their own.
+    let finished_before = finished.load(Ordering::Relaxed);
     let running = RunningManager::start(&setup).await;
     let (runtime, manager, cancel) = (&running.runtime, &running.manager, &running.cancel);
     let mut workers = Workers::spawn(bin, &setup.path, &setup.executor, count, dir);
@@ -474,7 +472,8 @@ async fn scenario(
     // The readers start from the topics' beginnings, which hold every earlier phase's
     // messages: read up to now before the pace starts, or their catching up (in this
     // process, beside the state manager) would be measured as the tasks' latency.
-    caught_up(&seen).await;
+    let done = finished.load(Ordering::Relaxed) - finished_before;
+    caught_up(&seen, done as usize).await;
     let before = finished.load(Ordering::Relaxed);
     let period = Duration::from_secs_f64(1.0 / f64::from(rate));
     let start = tokio::time::Instant::now();

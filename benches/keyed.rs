@@ -7,12 +7,12 @@
 //! Both graphs read one topic (6 partitions), pre-filled with the same JSON events
 //! `{"user": "u<n mod keys>", "px": …}`, with `snapshot`, `sequential` and `when_any`:
 //! one fire and one output per event. The topic holds first one event per user, the
-//! keys' first pass, then `WEIR_BENCH_EVENTS` more. Two rates per graph: the first pass,
-//! from the graph's start until its consumer group has committed every partition past
-//! the first pass, over the events committed by then; and the rest, with every key
-//! resident (as on a node that has run a while), from then until the group has committed
-//! the last event of every partition, over the events committed in between (commits
-//! follow the outputs). The unkeyed graph runs under the supervisor, one instance; the
+//! keys' first pass, then `WEIR_BENCH_EVENTS` more. Two rates per graph, counted by its
+//! outputs (each graph commits on a rhythm of its own, so commits would blur where a
+//! phase ends): the first pass, from the graph's start until it has output as many
+//! events as there are keys, over the outputs by then; and the rest, with every key
+//! resident (as on a node that has run a while), from then until its last output. The
+//! unkeyed graph runs under the supervisor, one instance; the
 //! keyed one keeps a state per user, one node owning all partitions. Outputs are built
 //! and handed to a sink that acknowledges and drops them, as a broker in another process
 //! would take them: kept in the memory broker's log, they would grow both runs' memory by
@@ -56,6 +56,11 @@ impl OutputsDropped {
             memory,
             dropped: Arc::default(),
         }
+    }
+
+    /// The outputs taken so far.
+    fn outputs(&self) -> Arc<AtomicI64> {
+        self.dropped.clone()
     }
 }
 
@@ -168,24 +173,43 @@ struct Rates {
     resident: f64,
 }
 
-/// Waits for `group` to read the keys' first pass, then the rest, from `started`.
+/// Times the keys' first pass and the rest by the graph's `outputs` (one per event),
+/// from `started`; then waits for `group` to commit the last event, so the graph stops
+/// with nothing in flight.
 async fn rates(
     broker: &MemoryBroker,
-    topic: &str,
-    group: &str,
+    (topic, group): (&str, &str),
     filled: &Filled,
+    outputs: &AtomicI64,
     started: Instant,
 ) -> Rates {
-    drained(broker, topic, group, &filled.first_pass).await;
+    let events_in = |last: &[i64]| last.iter().map(|l| l + 1).sum::<i64>();
+    let total = events_in(&filled.last);
+    let out = || outputs.load(Ordering::Relaxed);
+    output_at_least(events_in(&filled.first_pass), out).await;
     let resident_from = Instant::now();
-    let committed: i64 = broker.committed(topic, group).iter().sum();
-    let first_pass = committed as f64 / started.elapsed().as_secs_f64();
+    let first = out();
+    let first_pass = first as f64 / started.elapsed().as_secs_f64();
+    output_at_least(total, out).await;
+    let resident = (total - first) as f64 / resident_from.elapsed().as_secs_f64();
     drained(broker, topic, group, &filled.last).await;
-    let total: i64 = filled.last.iter().map(|l| l + 1).sum();
-    let resident = (total - committed) as f64 / resident_from.elapsed().as_secs_f64();
     Rates {
         first_pass,
         resident,
+    }
+}
+
+/// Waits until `outputs()` reaches `count`, looking every 2 ms: the graphs share this
+/// thread, so a closer look would take from them.
+async fn output_at_least(count: i64, outputs: impl Fn() -> i64) {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while outputs() < count {
+        assert!(
+            Instant::now() < deadline,
+            "stuck at {} outputs of {count}",
+            outputs()
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
 
@@ -216,8 +240,10 @@ async fn unkeyed(run: usize, events: usize, keys: usize) -> Rates {
     let memory = MemoryBroker::new(1);
     let topic = format!("plain{run}.in");
     let filled = fill(&memory, &topic, events, keys).await;
+    let sink = OutputsDropped::new(memory.clone());
+    let outputs = sink.outputs();
     let runtime = Runtime {
-        broker: Arc::new(OutputsDropped::new(memory.clone())),
+        broker: Arc::new(sink),
         store: Arc::new(MemoryStore::new()),
         node_id: "bench".into(),
     };
@@ -227,7 +253,7 @@ async fn unkeyed(run: usize, events: usize, keys: usize) -> Rates {
     let group = format!("weir.{}", decl.key());
     let started = Instant::now();
     supervisor.spawn(decl).expect("spawn");
-    let rates = rates(&memory, &topic, &group, &filled, started).await;
+    let rates = rates(&memory, (&topic, &group), &filled, &outputs, started).await;
     cancel.cancel();
     supervisor.shutdown().await;
     rates
@@ -237,7 +263,9 @@ async fn keyed(run: usize, events: usize, keys: usize) -> (Rates, f64) {
     let memory = MemoryBroker::new(1);
     let topic = format!("keyed{run}.in");
     let filled = fill(&memory, &topic, events, keys).await;
-    let broker: Arc<dyn Broker> = Arc::new(OutputsDropped::new(memory.clone()));
+    let sink = OutputsDropped::new(memory.clone());
+    let outputs = sink.outputs();
+    let broker: Arc<dyn Broker> = Arc::new(sink);
     let decl = declaration(&format!("keyed{run}"), &topic, Some(keys));
     let group = format!("weir.{}", decl.key());
     let topics = weir::keyed::topics(&decl, broker.as_ref())
@@ -255,7 +283,7 @@ async fn keyed(run: usize, events: usize, keys: usize) -> (Rates, f64) {
         "bench".into(),
         cancel.clone(),
     ));
-    let rates = rates(&memory, &topic, &group, &filled, started).await;
+    let rates = rates(&memory, (&topic, &group), &filled, &outputs, started).await;
     let per_key = resident_bytes().saturating_sub(before) as f64 / keys as f64;
     cancel.cancel();
     let _ = node.await;
