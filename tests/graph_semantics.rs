@@ -892,6 +892,49 @@ async fn a_failed_graph_restarts_on_command() {
     .await;
 }
 
+/// A running graph told to restart is torn down and started again, each time it is
+/// told, however soon after its start: a command that comes while the graph is still
+/// starting (restoring its cache, opening its sources) is kept for when it can act on
+/// it, not dropped. None of it is a failure.
+#[tokio::test(start_paused = true)]
+async fn a_running_graph_restarts_on_command_even_while_starting() {
+    let h = Harness::new();
+    let opens = Arc::new(AtomicUsize::new(0));
+    let decl = GraphBuilder::new("respawned")
+        .accumulator(
+            AccumulatorSpec::passthrough("a").source(Arc::new(FlakyFactory {
+                opens: opens.clone(),
+                fail: Arc::new(Notify::new()),
+            })),
+        )
+        .node("n", ["a"], |ctx: NodeContext| async move {
+            Ok(ctx.source("a").cloned())
+        })
+        .output("n", "respawned.out")
+        .build()
+        .unwrap();
+    let g = h.spawn(decl);
+    // Before the graph's task has run at all.
+    g.restart();
+    eventually("started twice", || async {
+        opens.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    g.wait_for_state(ReactorState::Live).await;
+    for times in 3..=5 {
+        g.restart();
+        eventually("started again", || async {
+            opens.load(Ordering::SeqCst) == times
+        })
+        .await;
+        g.wait_for_state(ReactorState::Live).await;
+    }
+    settle().await;
+    assert_eq!(opens.load(Ordering::SeqCst), 5, "one start per command");
+    assert_eq!(g.status(), weir::supervisor::GraphStatus::Running);
+    assert!(h.store_recoveries().await.is_empty(), "no failure recorded");
+}
+
 #[tokio::test(start_paused = true)]
 async fn pause_survives_a_respawn_and_a_new_node() {
     let h = Harness::new();

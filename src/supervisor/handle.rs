@@ -18,9 +18,11 @@ pub struct GraphHandle {
 impl GraphHandle {
     /// Starts the graph afresh now: a Failed graph is tried again at once, a graph waiting
     /// out a backoff stops waiting, a running one is torn down and respawned with its
-    /// cache restored. None of it counts as a failure.
+    /// cache restored. None of it counts as a failure. A command that comes while the
+    /// graph is between those states (restoring its cache, say) is kept until the graph
+    /// can act on it: one stored permit, however many commands came meanwhile.
     pub fn restart(&self) {
-        self.restart.notify_waiters();
+        self.restart.notify_one();
     }
 
     pub fn name(&self) -> &str {
