@@ -1013,6 +1013,151 @@ async fn a_batch_of_results_advances_each_execution(env: &Env) {
     }
 }
 
+/// A worker's report that `task` of execution `execution` completed with `output`, under
+/// the namespace `workflow` gives the task.
+fn completed(workflow: &Workflow, execution: &str, task: &str, output: Value) -> ExecutionResult {
+    ExecutionResult {
+        execution_id: execution.into(),
+        task_execution_id: format!("{execution}/{task}"),
+        namespace: workflow.namespace(task),
+        attempt: 1,
+        status: "completed".into(),
+        error: None,
+        duration_ms: 1,
+        worker_id: "by-hand".into(),
+        finished_at_ms: weir::transport::now_ms(),
+        output: Some(output.to_string()),
+    }
+}
+
+/// Two state managers share one execution's results. One applies a result from the copy
+/// it remembers from before the other's change: that write is refused, and the result
+/// is applied again to the stored state. No output is lost, and each task, the join
+/// that needs both branches among them, is made ready exactly once.
+async fn two_state_managers_sharing_the_results_lose_no_update(env: &Env) {
+    let executor = env.name("unserved");
+    let w = flow(
+        &env.name("fanin"),
+        vec![
+            task("root", "builtin::echo"),
+            task("x", "builtin::echo").after(["root"]),
+            task("y", "builtin::echo").after(["root"]),
+            task("join", "builtin::echo").after(["x", "y"]),
+        ],
+    );
+    let router = || Router::new(Vec::new(), &executor).unwrap();
+    let a = env.new_state_manager(std::slice::from_ref(&w), router());
+    let b = env.new_state_manager(std::slice::from_ref(&w), router());
+    let id = a.start(&w.name, json!({})).await.unwrap();
+    a.apply_result(&completed(&w, &id, "root", json!({"root": "a"})))
+        .await
+        .unwrap();
+    b.apply_result(&completed(&w, &id, "x", json!({"x": "b"})))
+        .await
+        .unwrap();
+    // A remembers the execution as it stored it, with x not yet completed.
+    a.apply_result(&completed(&w, &id, "y", json!({"y": "a"})))
+        .await
+        .unwrap();
+    let stored = env
+        .store
+        .get_workflow_execution(&id)
+        .await
+        .unwrap()
+        .unwrap();
+    let summary = stored.summary();
+    assert_eq!(summary["tasks"]["x"]["status"], "completed", "{summary}");
+    assert_eq!(summary["tasks"]["y"]["status"], "completed", "{summary}");
+    assert_eq!(summary["tasks"]["join"]["status"], "ready", "{summary}");
+    // B remembers the execution from before y completed.
+    b.apply_result(&completed(&w, &id, "join", json!({"join": "b"})))
+        .await
+        .unwrap();
+    let done = env.finished(&id, WAIT).await;
+    assert_eq!(done.status, RunStatus::Completed, "{}", done.summary());
+    assert_eq!(
+        done.context,
+        json!({"root": "a", "x": "b", "y": "a", "join": "b"})
+    );
+    let mut source = env
+        .broker
+        .subscribe(&Subscription::new(
+            weir::dispatch::executor_topic(&executor),
+            env.name("reader"),
+        ))
+        .await
+        .unwrap();
+    let mut events = Vec::new();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while events.len() < 4 {
+        let message = tokio::time::timeout_at(deadline, source.next())
+            .await
+            .expect("every task event within the wait")
+            .unwrap();
+        events.extend(decode_one_or_batch::<TaskReadyEvent>(&message.payload).unwrap());
+    }
+    // Every event was published before its apply_result returned: nothing more comes.
+    if let Ok(more) = tokio::time::timeout(Duration::from_secs(1), source.next()).await {
+        events.extend(decode_one_or_batch::<TaskReadyEvent>(&more.unwrap().payload).unwrap());
+    }
+    let mut dispatched: Vec<String> = events.iter().map(|e| e.task_execution_id.clone()).collect();
+    dispatched.sort();
+    let expected: Vec<String> = ["join", "root", "x", "y"]
+        .iter()
+        .map(|task| format!("{id}/{task}"))
+        .collect();
+    assert_eq!(dispatched, expected, "{events:?}");
+}
+
+/// A tenant's results topic takes only that tenant's results: a completion of another
+/// tenant's task published there, under the first tenant's namespace or under the other
+/// tenant's own, leaves that task unfinished and its execution running.
+async fn a_result_on_another_tenants_results_topic_is_not_applied(env: &Env) {
+    let executor = env.name("unserved");
+    let (acme, globex) = (env.name("acme"), env.name("globex"));
+    // The same workflow name in both tenants, so acme's namespace names globex's task.
+    let report = |tenant: &str| {
+        flow(&env.name("report"), vec![task("t", "builtin::echo")]).with_tenant(tenant)
+    };
+    let (acme_flow, globex_flow) = (report(&acme), report(&globex));
+    let workflows = [acme_flow.clone(), globex_flow.clone()];
+    let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let victim = manager.start(&globex_flow.key(), json!({})).await.unwrap();
+    let own = manager.start(&acme_flow.key(), json!({})).await.unwrap();
+    let acme_results = acme_flow.topic(&env.results_topic());
+    for result in [
+        completed(&acme_flow, &victim, "t", json!({"forged": "as acme"})),
+        completed(&globex_flow, &victim, "t", json!({"forged": "as globex"})),
+        // Last: once it is applied, the state manager has read the two before it.
+        completed(&acme_flow, &own, "t", json!({"genuine": "acme"})),
+    ] {
+        env.broker
+            .sink()
+            .publish(Outbound::new(
+                acme_results.clone(),
+                encode(&result).unwrap(),
+            ))
+            .await
+            .unwrap();
+    }
+    let done = env.finished(&own, WAIT).await;
+    assert_eq!(done.status, RunStatus::Completed, "{}", done.summary());
+    assert_eq!(done.context["genuine"], "acme");
+    // Results on one topic are applied concurrently: give the forged ones time to land.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let execution = env
+        .store
+        .get_workflow_execution(&victim)
+        .await
+        .unwrap()
+        .unwrap();
+    let summary = execution.summary();
+    assert_eq!(execution.status, RunStatus::Running, "{summary}");
+    assert_eq!(summary["tasks"]["t"]["status"], "ready", "{summary}");
+    assert_eq!(summary["tasks"]["t"]["attempts"], 0, "{summary}");
+    assert_eq!(execution.context, json!({}), "{summary}");
+}
+
 /// Tasks longer than the broker's patience with a silent consumer (Kafka's
 /// `max.poll.interval.ms`, JetStream's ack wait), on two workers with one slot each: what
 /// a worker has read ahead, or is running, is never handed to the other worker
@@ -1118,6 +1263,14 @@ macro_rules! suite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn cron_ticks() {
             a_cron_triggered_workflow_runs_once_per_tick(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn results_applied_from_a_stale_copy() {
+            two_state_managers_sharing_the_results_lose_no_update(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn results_on_another_tenants_topic() {
+            a_result_on_another_tenants_results_topic_is_not_applied(&$env).await;
         }
     };
 }
