@@ -974,6 +974,209 @@ async fn a_dead_background_task_makes_the_node_unready() {
     cancel.cancel();
 }
 
+/// How [`PingedBroker`] answers a ping.
+#[derive(Debug, Clone, Copy)]
+enum Ping {
+    Refused,
+    Answered,
+    Unanswered,
+}
+
+/// A broker whose ping answers as told; it serves nothing else.
+struct PingedBroker(std::sync::Mutex<Ping>);
+
+impl PingedBroker {
+    fn new(ping: Ping) -> Arc<Self> {
+        Arc::new(Self(std::sync::Mutex::new(ping)))
+    }
+
+    fn set(&self, ping: Ping) {
+        *self.0.lock().unwrap() = ping;
+    }
+}
+
+#[async_trait::async_trait]
+impl weir::transport::Broker for PingedBroker {
+    fn kind(&self) -> &'static str {
+        "pinged"
+    }
+
+    async fn subscribe(
+        &self,
+        subscription: &weir::transport::Subscription,
+    ) -> Result<Box<dyn weir::transport::Source>, weir::transport::TransportError> {
+        Err(weir::transport::TransportError::Closed {
+            topic: subscription.topic.clone(),
+        })
+    }
+
+    fn sink(&self) -> Arc<dyn weir::transport::Sink> {
+        Arc::new(MemoryBroker::default())
+    }
+
+    async fn partitioned(
+        &self,
+        topic: &str,
+        partitions: u32,
+    ) -> Result<weir::transport::PartitionedTopic, weir::transport::TransportError> {
+        Ok(weir::transport::PartitionedTopic::native(topic, partitions))
+    }
+
+    async fn ping(&self) -> Result<(), weir::transport::TransportError> {
+        let ping = *self.0.lock().unwrap();
+        match ping {
+            Ping::Answered => Ok(()),
+            Ping::Refused => Err(weir::transport::TransportError::Unreachable {
+                broker: "pinged:4222".into(),
+                source: "connection refused".into(),
+            }),
+            Ping::Unanswered => std::future::pending().await,
+        }
+    }
+}
+
+/// An admin listener on a store that answers and on `broker`: its `/readyz` URL, and
+/// the token that stops it.
+async fn readyz_over(broker: Arc<PingedBroker>) -> (String, CancellationToken) {
+    let cancel = CancellationToken::new();
+    let state = AdminState::new()
+        .with_store(Arc::new(MemoryStore::new()))
+        .with_broker(broker);
+    let listen = Listen {
+        admin: Some("127.0.0.1:0".parse().unwrap()),
+        ..Default::default()
+    };
+    let servers = weir::admin::serve(state, &listen, cancel.clone())
+        .await
+        .unwrap();
+    (format!("http://{}/readyz", servers.admin.unwrap()), cancel)
+}
+
+/// `/readyz` follows the broker: 503 naming the broker while its ping fails, 200 once
+/// it answers again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_follows_the_broker() {
+    let broker = PingedBroker::new(Ping::Refused);
+    let (url, cancel) = readyz_over(broker.clone()).await;
+    let (status, body) = json_of("GET", &url, None, None).await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["ready"], false);
+    let reasons = body["reasons"].as_array().unwrap();
+    assert_eq!(reasons.len(), 1, "the store answers: {body}");
+    let reason = reasons[0].as_str().unwrap();
+    assert!(reason.starts_with("broker: "), "{reason}");
+    assert!(reason.contains("connection refused"), "{reason}");
+
+    broker.set(Ping::Answered);
+    assert_eq!(
+        json_of("GET", &url, None, None).await,
+        (200, json!({"ready": true}))
+    );
+    cancel.cancel();
+}
+
+/// A broker that never answers its ping makes the node unready once the ping's time is
+/// up: `/readyz` answers 503 saying so, rather than waiting on the broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_never_answers_makes_the_node_unready_within_the_ping_timeout() {
+    use weir::admin::health::PING_TIMEOUT;
+    let (url, cancel) = readyz_over(PingedBroker::new(Ping::Unanswered)).await;
+    let (status, body) = tokio::time::timeout(
+        PING_TIMEOUT + Duration::from_secs(3),
+        json_of("GET", &url, None, None),
+    )
+    .await
+    .expect("/readyz answers soon after the ping timeout");
+    assert_eq!(status, 503, "{body}");
+    let reasons = body["reasons"].as_array().unwrap();
+    assert_eq!(reasons.len(), 1, "the store answers: {body}");
+    let reason = reasons[0].as_str().unwrap();
+    assert!(reason.starts_with("broker: no answer"), "{reason}");
+    cancel.cancel();
+}
+
+/// The time of each recovery event in a `/recovery-events` answer, in its order.
+fn event_times(events: &Value) -> Vec<i64> {
+    events
+        .as_array()
+        .unwrap_or_else(|| panic!("not a list: {events}"))
+        .iter()
+        .map(|e| e["at_ms"].as_i64().unwrap())
+        .collect()
+}
+
+/// A tenant's token lists that tenant's recovery events only: `limit` counts its own
+/// events (another tenant's newer ones do not use it up), and `graph` names its graphs
+/// without the tenant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_token_lists_only_its_own_recovery_events() {
+    let store = Arc::new(MemoryStore::new());
+    // Recorded oldest first: another tenant's event is the newest of all.
+    for (at_ms, graph) in [
+        (1, "acme/orders"),
+        (2, "orders"),
+        (3, "acme/orders"),
+        (4, "globex/orders"),
+    ] {
+        store
+            .record_recovery(&RecoveryEvent {
+                graph: graph.into(),
+                component: "a".into(),
+                action: RecoveryAction::AccumulatorRestarted,
+                attempt: 1,
+                error: "boom".into(),
+                at_ms,
+                node_id: "admin-test".into(),
+            })
+            .await
+            .unwrap();
+    }
+    let cancel = CancellationToken::new();
+    let listen = Listen {
+        admin: Some("127.0.0.1:0".parse().unwrap()),
+        ..Default::default()
+    };
+    let state = AdminState::new()
+        .with_store(store)
+        .with_token(Some("all-token".into()))
+        .with_tenant_tokens(vec![("acme-token".into(), "acme".into())]);
+    let servers = weir::admin::serve(state, &listen, cancel.clone())
+        .await
+        .unwrap();
+    let base = format!("http://{}/recovery-events", servers.admin.unwrap());
+    let (acme, all) = (Some("acme-token"), Some("all-token"));
+
+    let (status, events) = json_of("GET", &base, acme, None).await;
+    assert_eq!(status, 200, "{events}");
+    assert_eq!(event_times(&events), [3, 1], "{events}");
+    assert!(
+        events
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e["graph"] == "acme/orders"),
+        "{events}"
+    );
+    let (_, events) = json_of("GET", &format!("{base}?limit=1"), acme, None).await;
+    assert_eq!(event_times(&events), [3], "the tenant's newest: {events}");
+    let (_, events) = json_of("GET", &format!("{base}?graph=orders"), acme, None).await;
+    assert_eq!(
+        event_times(&events),
+        [3, 1],
+        "orders is acme/orders: {events}"
+    );
+    let url = format!("{base}?graph=globex/orders");
+    let (status, answer) = json_of("GET", &url, acme, None).await;
+    assert_eq!(status, 404, "another tenant's graph is not found: {answer}");
+
+    // The operator's token sees every graph's, and `orders` is the tenant-less graph.
+    let (_, events) = json_of("GET", &base, all, None).await;
+    assert_eq!(event_times(&events), [4, 3, 2, 1], "{events}");
+    let (_, events) = json_of("GET", &format!("{base}?graph=orders"), all, None).await;
+    assert_eq!(event_times(&events), [2], "{events}");
+    cancel.cancel();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_serves_metrics_where_the_environment_says() {
     let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();

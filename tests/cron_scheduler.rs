@@ -860,6 +860,115 @@ async fn a_workflow_tick_whose_execution_never_started_is_emitted_again() {
     assert_eq!(record.status, ExecutionStatus::Failed);
 }
 
+/// A workflow started by a tick that ends failed sets the tick's cron execution
+/// `failed`, its error naming the workflow execution (the tick id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cron_triggered_workflow_that_fails_fails_its_cron_execution() {
+    use std::time::Instant;
+    use weir::cron::Overlap;
+    use weir::dispatch::{DispatchSettings, Router, RunStatus, StateManager, TaskSpec, Workflow};
+    use weir::worker::{HandlerRegistry, Worker, WorkerSettings};
+    const WAIT: Duration = Duration::from_secs(60);
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let cancel = CancellationToken::new();
+    let results_topic = "weir.results.doomed".to_string();
+    // Its only task always fails (`builtin::fail` without `fail_times`), with no retry.
+    let only = TaskSpec {
+        max_attempts: 1,
+        backoff: Duration::from_millis(50),
+        timeout: Duration::from_secs(10),
+        ..TaskSpec::new("only", "builtin::fail")
+    };
+    let w = Workflow::new("doomed", vec![only]).expect("valid workflow");
+    let workflows = vec![w.clone()];
+    let manager = StateManager::new(
+        store.clone(),
+        Arc::new(broker.clone()),
+        workflows.clone(),
+        Router::new(Vec::new(), "cron").unwrap(),
+        DispatchSettings {
+            results_topic: results_topic.clone(),
+        },
+    );
+    tokio::spawn(manager.run(Arc::new(broker.clone()), cancel.clone()));
+    let worker = Worker::new(
+        Arc::new(broker.clone()),
+        store.clone(),
+        HandlerRegistry::with_builtins(Arc::new(broker.clone())),
+        workflows.clone(),
+        WorkerSettings {
+            executor: "cron".into(),
+            concurrency: 4,
+            worker_id: "cron-worker".into(),
+            results_topic,
+            tenant: None,
+        },
+    );
+    tokio::spawn(worker.run(cancel.clone()));
+    let mut schedule = Schedule::new("every-second", "* * * * * *", "UTC");
+    schedule.target = Target::Workflow(w.name.clone());
+    schedule.overlap = Overlap::Allow;
+    schedule.payload = serde_json::json!({"from": "cron"});
+    register(store.as_ref(), &schedule, 1).await.unwrap();
+    let scheduler_stop = CancellationToken::new();
+    let scheduler = tokio::spawn(
+        Scheduler::new(
+            store.clone(),
+            Arc::new(broker.clone()),
+            SchedulerConfig {
+                lease_ttl: Duration::from_millis(900),
+                ..SchedulerConfig::new("node")
+            },
+        )
+        .run(scheduler_stop.clone()),
+    );
+    tokio::time::sleep(Duration::from_millis(2300)).await;
+    scheduler_stop.cancel();
+    scheduler.await.unwrap();
+    let fired = store.executions(&schedule.id, 100).await.unwrap();
+    assert!(!fired.is_empty(), "a schedule every second never fired");
+    // Each tick started its workflow execution, which failed.
+    let deadline = Instant::now() + WAIT;
+    for tick in &fired {
+        loop {
+            let run = store.get_workflow_execution(&tick.tick_id).await.unwrap();
+            if let Some(run) = run.filter(|r| r.status != RunStatus::Running) {
+                assert_eq!(run.status, RunStatus::Failed, "{run:?}");
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "execution {} did not finish",
+                tick.tick_id
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    // The cron executions take their workflow's outcome.
+    let executions = loop {
+        let executions = store.executions(&schedule.id, 100).await.unwrap();
+        if executions
+            .iter()
+            .all(|e| e.status != ExecutionStatus::Running)
+        {
+            break executions;
+        }
+        assert!(Instant::now() < deadline, "cron executions: {executions:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(executions.len(), fired.len());
+    for execution in &executions {
+        assert_eq!(execution.status, ExecutionStatus::Failed, "{executions:?}");
+        assert_eq!(
+            execution.error.as_deref(),
+            Some(format!("workflow execution {} failed", execution.tick_id).as_str()),
+            "{execution:?}"
+        );
+    }
+    cancel.cancel();
+}
+
 /// Eight shards over three nodes of one priority: each masters two or three; when one
 /// dies, its shards, and only those, move to the others.
 #[tokio::test]
