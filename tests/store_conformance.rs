@@ -74,6 +74,7 @@ macro_rules! store_conformance {
                 schedules_and_fire_times_round_trip,
                 executions_are_claimed_once_and_indexed_while_open,
                 a_deposed_masters_execution_writes_are_refused,
+                a_masters_write_leaves_a_finished_execution_as_it_ended,
                 live_nodes_expire);
             store_conformance!(@role $open; workflow:
                 executions_are_created_once_and_updated_by_version,
@@ -629,7 +630,11 @@ mod cases {
                 .unwrap();
             let mut running = execution(2000, ExecutionStatus::Running);
             running.updated_ms = 5000;
-            store.record_fires(0, &[running], &[], None).await.unwrap();
+            let (_, fence) = deposed_and_current(store.as_ref(), "shard-0").await;
+            store
+                .record_fires(0, &[running], &[], &fence)
+                .await
+                .unwrap();
             assert!(open(4999).await.is_empty());
             assert_eq!(open(5000).await, [(s(), 2000)]);
             // History beyond its cap is dropped, oldest first, with its index entries.
@@ -643,6 +648,71 @@ mod cases {
             assert_eq!(store.get_execution("s", 1000).await.unwrap(), None);
             assert_eq!(store.get_execution("s", 2000).await.unwrap(), None);
             assert!(open(i64::MAX).await.is_empty());
+        }
+
+        /// The state manager may record a tick's workflow's outcome before the tick's
+        /// master records having emitted it (or before an orphan sweep's write): the
+        /// master's writes leave the finished execution as it ended, out of the open
+        /// index, while the state manager's own write (no fence) always lands.
+        pub async fn a_masters_write_leaves_a_finished_execution_as_it_ended(
+            store: Arc<dyn Store>,
+        ) {
+            let (_, fence) = deposed_and_current(store.as_ref(), "shard-0").await;
+            let open = || async { store.open_executions(i64::MAX, 0, 10).await.unwrap() };
+            for (at, outcome) in [
+                (1000, ExecutionStatus::Completed),
+                (2000, ExecutionStatus::Failed),
+            ] {
+                assert_eq!(
+                    store
+                        .claim_executions(
+                            &[execution(at, ExecutionStatus::Scheduled)],
+                            Some(&fence)
+                        )
+                        .await
+                        .unwrap(),
+                    [true]
+                );
+                store
+                    .put_execution(&execution(at, outcome), None)
+                    .await
+                    .unwrap();
+            }
+            store
+                .record_fires(
+                    0,
+                    &[execution(1000, ExecutionStatus::Running)],
+                    &[("s".to_string(), Some(9_000))],
+                    &fence,
+                )
+                .await
+                .unwrap();
+            store
+                .put_execution(&execution(2000, ExecutionStatus::Running), Some(&fence))
+                .await
+                .unwrap();
+            let status = |at| {
+                let store = store.clone();
+                async move { store.get_execution("s", at).await.unwrap().unwrap().status }
+            };
+            assert_eq!(status(1000).await, ExecutionStatus::Completed);
+            assert_eq!(status(2000).await, ExecutionStatus::Failed);
+            assert!(open().await.is_empty(), "{:?}", open().await);
+            // The rest of the batch is written.
+            assert_eq!(store.earliest_fire(0).await.unwrap(), Some(9_000));
+            // An unfinished execution takes the master's write, and the state manager's
+            // write lands over anything.
+            store
+                .record_fires(0, &[execution(3000, ExecutionStatus::Running)], &[], &fence)
+                .await
+                .unwrap();
+            assert_eq!(status(3000).await, ExecutionStatus::Running);
+            assert_eq!(open().await, [("s".to_string(), 3000)]);
+            store
+                .put_execution(&execution(1000, ExecutionStatus::Failed), None)
+                .await
+                .unwrap();
+            assert_eq!(status(1000).await, ExecutionStatus::Failed);
         }
 
         pub async fn a_deposed_masters_execution_writes_are_refused(store: Arc<dyn Store>) {
@@ -660,7 +730,7 @@ mod cases {
                     0,
                     &[execution(50_000, ExecutionStatus::Running)],
                     &[("s".to_string(), Some(60_000))],
-                    Some(&stale),
+                    &stale,
                 )
                 .await;
             assert!(is_fenced(&refused), "{refused:?}");

@@ -62,6 +62,13 @@ pub enum ExecutionStatus {
     Missed,
 }
 
+impl ExecutionStatus {
+    /// Ended with its work's outcome: nothing the scheduler does changes it any more.
+    pub fn is_finished(self) -> bool {
+        matches!(self, Self::Completed | Self::Failed)
+    }
+}
+
 /// Wakes a scheduler when schedules change.
 pub struct ScheduleChanges {
     pub(crate) receiver: tokio::sync::mpsc::Receiver<()>,
@@ -140,17 +147,22 @@ pub trait ScheduleStore: Send + Sync {
     ) -> Result<Vec<bool>, StoreError>;
 
     /// [`ScheduleStore::put_execution`] and [`ScheduleStore::set_next_fire`] for many records in one
-    /// round trip, fenced as [`ScheduleStore::claim_executions`] is.
+    /// round trip, under the shard master's lease (refused whole once a newer master holds
+    /// the shard). An execution whose stored record has finished (completed or failed)
+    /// keeps it: the state manager may end a tick's workflow before its master records
+    /// having emitted the tick.
     async fn record_fires(
         &self,
         shard: u32,
         executions: &[Execution],
         next_fires: &[(String, Option<i64>)],
-        fence: Option<&Fence>,
+        fence: &Fence,
     ) -> Result<(), StoreError>;
 
-    /// Overwrites an execution record (status changes); with a `fence`, refused once a
-    /// newer master holds its shard.
+    /// Overwrites an execution record (status changes). With a `fence` (a shard master's
+    /// write), refused once a newer master holds its shard, and a finished execution
+    /// (completed or failed) keeps its outcome, as in [`ScheduleStore::record_fires`];
+    /// without one (the state manager recording a workflow's outcome), written as given.
     async fn put_execution(
         &self,
         execution: &Execution,

@@ -215,11 +215,8 @@ impl Scheduler {
             }
             fired.extend(self.emit(ready, shard).await);
         }
-        self.bounded(
-            self.store
-                .record_fires(shard, &fired, &next_fires, Some(&fence)),
-        )
-        .await?;
+        self.bounded(self.store.record_fires(shard, &fired, &next_fires, &fence))
+            .await?;
         for (id, next) in next_fires {
             if let Some(entry) = self.cache.get_mut(&id) {
                 entry.1 = next.and_then(|ms| Utc.timestamp_millis_opt(ms).single());

@@ -57,8 +57,10 @@ pub struct RedisStore {
 /// holder has the lease. The token counters must never be evicted (no `allkeys-*`
 /// eviction policy): a counter that started again would fence the new holder.
 /// KEYS: the lease's token counter. ARGV: the writer's token, then operations, each
-/// `SET key value`, `ZADD key score member`, `ZREM key member`, `DEL key` or
-/// `HSET key field value`.
+/// `SET key value`, `ZADD key score member`, `ZREM key member`, `DEL key`,
+/// `HSET key field value` or `EXECUTION key record index member since` (a cron
+/// execution's record and its place in the open index, `since` '' to leave it; nothing
+/// is written over a record whose status is `completed` or `failed`).
 static FENCED_WRITES: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
@@ -84,6 +86,20 @@ while i <= #ARGV do
   elseif op == 'ZREM' then
     redis.call('ZREM', ARGV[i + 1], ARGV[i + 2])
     i = i + 3
+  elseif op == 'EXECUTION' then
+    local stored = redis.call('GET', ARGV[i + 1])
+    local ok, record = pcall(cjson.decode, stored or 'null')
+    local finished = ok and type(record) == 'table'
+      and (record.status == 'completed' or record.status == 'failed')
+    if not finished then
+      redis.call('SET', ARGV[i + 1], ARGV[i + 2])
+      if ARGV[i + 5] == '' then
+        redis.call('ZREM', ARGV[i + 3], ARGV[i + 4])
+      else
+        redis.call('ZADD', ARGV[i + 3], ARGV[i + 5], ARGV[i + 4])
+      end
+    end
+    i = i + 6
   else
     return redis.error_reply('unknown write ' .. tostring(op))
   end
@@ -94,13 +110,23 @@ return 1
 });
 
 /// One write of a batch: `SET key value`, `ZADD key score member`, `ZREM key member`,
-/// `DEL key`, `HSET key field value`.
+/// `DEL key`, `HSET key field value`, or a cron execution's record with its place in
+/// the open index (`open_since`, or out of it): under a fence (a shard master's write)
+/// left alone once the stored record has finished, since the state manager may have
+/// recorded the tick's workflow's outcome first.
 enum Write {
     Set(String, String),
     Zadd(String, i64, String),
     Zrem(String, String),
     Del(String),
     Hset(String, String, String),
+    Execution {
+        key: String,
+        record: String,
+        index: String,
+        member: String,
+        open_since: Option<i64>,
+    },
 }
 
 fn store_error(operation: &'static str, e: redis::RedisError) -> StoreError {
@@ -274,6 +300,19 @@ impl RedisStore {
                     Write::Zrem(key, member) => pipe.zrem(key, member).ignore(),
                     Write::Del(key) => pipe.del(key).ignore(),
                     Write::Hset(key, field, value) => pipe.hset(key, field, value).ignore(),
+                    Write::Execution {
+                        key,
+                        record,
+                        index,
+                        member,
+                        open_since,
+                    } => {
+                        pipe.set(key, record).ignore();
+                        match open_since {
+                            Some(since) => pipe.zadd(index, member, since).ignore(),
+                            None => pipe.zrem(index, member).ignore(),
+                        }
+                    }
                 };
             }
             return pipe
@@ -292,6 +331,23 @@ impl RedisStore {
                 Write::Zrem(key, member) => script.arg("ZREM").arg(key).arg(member),
                 Write::Del(key) => script.arg("DEL").arg(key),
                 Write::Hset(key, field, value) => script.arg("HSET").arg(key).arg(field).arg(value),
+                Write::Execution {
+                    key,
+                    record,
+                    index,
+                    member,
+                    open_since,
+                } => script
+                    .arg("EXECUTION")
+                    .arg(key)
+                    .arg(record)
+                    .arg(index)
+                    .arg(member)
+                    .arg(
+                        open_since
+                            .map(|since| since.to_string())
+                            .unwrap_or_default(),
+                    ),
             };
         }
         let written: i64 = script

@@ -55,21 +55,19 @@ impl RedisStore {
     }
 
     /// Writing an execution record, with the open index kept in step with its status.
-    fn execution_writes(&self, execution: &Execution) -> Result<Vec<Write>, StoreError> {
+    fn execution_write(&self, execution: &Execution) -> Result<Write, StoreError> {
         let member = format!(
             "{}{}",
             open_member_prefix(&execution.schedule_id),
             execution.scheduled_ms
         );
-        let record = Write::Set(
-            self.execution_key(&execution.schedule_id, execution.scheduled_ms),
-            Self::encode(execution)?,
-        );
-        let index = match execution.open_since() {
-            Some(since) => Write::Zadd(self.open_index(), since, member),
-            None => Write::Zrem(self.open_index(), member),
-        };
-        Ok(vec![record, index])
+        Ok(Write::Execution {
+            key: self.execution_key(&execution.schedule_id, execution.scheduled_ms),
+            record: Self::encode(execution)?,
+            index: self.open_index(),
+            member,
+            open_since: execution.open_since(),
+        })
     }
 
     fn changes_channel(&self) -> String {
@@ -246,15 +244,15 @@ impl ScheduleStore for RedisStore {
         shard: u32,
         executions: &[Execution],
         next_fires: &[(String, Option<i64>)],
-        fence: Option<&Fence>,
+        fence: &Fence,
     ) -> Result<(), StoreError> {
         if executions.is_empty() && next_fires.is_empty() {
             return Ok(());
         }
         let due = self.key(&["sched", "due", &shard.to_string()]);
-        let mut writes = Vec::with_capacity(executions.len() * 2 + next_fires.len());
+        let mut writes = Vec::with_capacity(executions.len() + next_fires.len());
         for e in executions {
-            writes.extend(self.execution_writes(e)?);
+            writes.push(self.execution_write(e)?);
         }
         for (id, at) in next_fires {
             writes.push(match at {
@@ -262,7 +260,7 @@ impl ScheduleStore for RedisStore {
                 None => Write::Zrem(due.clone(), id.clone()),
             });
         }
-        self.apply_writes("record fires", writes, fence).await
+        self.apply_writes("record fires", writes, Some(fence)).await
     }
 
     async fn put_execution(
@@ -270,7 +268,7 @@ impl ScheduleStore for RedisStore {
         execution: &Execution,
         fence: Option<&Fence>,
     ) -> Result<(), StoreError> {
-        let writes = self.execution_writes(execution)?;
+        let writes = vec![self.execution_write(execution)?];
         self.apply_writes("put execution", writes, fence).await
     }
 
