@@ -1105,6 +1105,25 @@ fn event_times(events: &Value) -> Vec<i64> {
         .collect()
 }
 
+/// The admin API over `store` on a port of its own, with the token `all-token` for
+/// everything and `acme-token` for the tenant `acme`: its address, and the token that
+/// stops it.
+async fn serve_with_tenant_token(store: Arc<dyn Store>) -> (SocketAddr, CancellationToken) {
+    let cancel = CancellationToken::new();
+    let listen = Listen {
+        admin: Some("127.0.0.1:0".parse().unwrap()),
+        ..Default::default()
+    };
+    let state = AdminState::new()
+        .with_store(store)
+        .with_token(Some("all-token".into()))
+        .with_tenant_tokens(vec![("acme-token".into(), "acme".into())]);
+    let servers = weir::admin::serve(state, &listen, cancel.clone())
+        .await
+        .unwrap();
+    (servers.admin.unwrap(), cancel)
+}
+
 /// A tenant's token lists that tenant's recovery events only: `limit` counts its own
 /// events (another tenant's newer ones do not use it up), and `graph` names its graphs
 /// without the tenant.
@@ -1131,19 +1150,8 @@ async fn a_tenants_token_lists_only_its_own_recovery_events() {
             .await
             .unwrap();
     }
-    let cancel = CancellationToken::new();
-    let listen = Listen {
-        admin: Some("127.0.0.1:0".parse().unwrap()),
-        ..Default::default()
-    };
-    let state = AdminState::new()
-        .with_store(store)
-        .with_token(Some("all-token".into()))
-        .with_tenant_tokens(vec![("acme-token".into(), "acme".into())]);
-    let servers = weir::admin::serve(state, &listen, cancel.clone())
-        .await
-        .unwrap();
-    let base = format!("http://{}/recovery-events", servers.admin.unwrap());
+    let (admin, cancel) = serve_with_tenant_token(store).await;
+    let base = format!("http://{admin}/recovery-events");
     let (acme, all) = (Some("acme-token"), Some("all-token"));
 
     let (status, events) = json_of("GET", &base, acme, None).await;
@@ -1440,19 +1448,8 @@ mod services {
                 .await
                 .unwrap();
         }
-        let cancel = CancellationToken::new();
-        let listen = Listen {
-            admin: Some("127.0.0.1:0".parse().unwrap()),
-            ..Default::default()
-        };
-        let state = AdminState::new()
-            .with_store(store.clone())
-            .with_token(Some("all-token".into()))
-            .with_tenant_tokens(vec![("acme-token".into(), "acme".into())]);
-        let servers = weir::admin::serve(state, &listen, cancel.clone())
-            .await
-            .unwrap();
-        let url = format!("http://{}/schedules", servers.admin.unwrap());
+        let (admin, cancel) = serve_with_tenant_token(store.clone()).await;
+        let url = format!("http://{admin}/schedules");
         let (status, listed) = json_of("GET", &url, Some("all-token"), None).await;
         assert_eq!(status, 200, "{listed}");
         let ids: Vec<&str> = listed

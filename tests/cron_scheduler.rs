@@ -245,6 +245,20 @@ mod failover {
         out
     }
 
+    /// Overwrites the stored schedule `id` with a record this version cannot read (as
+    /// another version might write it); returns the connection it used.
+    async fn make_unreadable(prefix: &str, id: &str) -> redis::aio::MultiplexedConnection {
+        let client = redis::Client::open(services::redis_url()).unwrap();
+        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+        redis::cmd("SET")
+            .arg(format!("{prefix}:sched:{id}"))
+            .arg(r#"{"id": "bad", "cron": 7}"#)
+            .query_async::<()>(&mut connection)
+            .await
+            .unwrap();
+        connection
+    }
+
     /// A stored schedule this version cannot read (another version wrote it, say) is
     /// left unfired; the other schedules of its shard fire on.
     #[tokio::test(flavor = "multi_thread")]
@@ -261,14 +275,7 @@ mod failover {
         register(store.as_ref(), &every_second("bad", "bad.ticks"), 1)
             .await
             .unwrap();
-        let client = redis::Client::open(services::redis_url()).unwrap();
-        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
-        redis::cmd("SET")
-            .arg(format!("{prefix}:sched:bad"))
-            .arg(r#"{"id": "bad", "cron": 7}"#)
-            .query_async::<()>(&mut connection)
-            .await
-            .unwrap();
+        let mut connection = make_unreadable(&prefix, "bad").await;
         let broker = MemoryBroker::default();
         let cancel = CancellationToken::new();
         let scheduler = tokio::spawn(
@@ -313,14 +320,7 @@ mod failover {
             register(store.as_ref(), &schedule, 1).await.unwrap();
             store.claim_execution(&unemitted(id, 1_000)).await.unwrap();
         }
-        let client = redis::Client::open(services::redis_url()).unwrap();
-        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
-        redis::cmd("SET")
-            .arg(format!("{prefix}:sched:bad"))
-            .arg(r#"{"id": "bad", "cron": 7}"#)
-            .query_async::<()>(&mut connection)
-            .await
-            .unwrap();
+        make_unreadable(&prefix, "bad").await;
         let broker = MemoryBroker::default();
         let cancel = CancellationToken::new();
         let cfg = SchedulerConfig {

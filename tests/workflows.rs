@@ -987,17 +987,11 @@ async fn a_batch_of_results_advances_each_execution(env: &Env) {
         .await;
     let results = events
         .iter()
-        .map(|event| ExecutionResult {
-            execution_id: event.execution_id.clone(),
-            task_execution_id: event.task_execution_id.clone(),
-            namespace: event.namespace.clone(),
-            attempt: 1,
-            status: "completed".into(),
-            error: None,
-            duration_ms: 1,
-            worker_id: "by-hand".into(),
-            finished_at_ms: weir::transport::now_ms(),
-            output: Some(json!({ "reported": event.execution_id }).to_string()),
+        .map(|event| {
+            let output = json!({ "reported": event.execution_id });
+            let mut result = completed_as(&event.execution_id, &event.namespace, output);
+            result.task_execution_id = event.task_execution_id.clone();
+            result
         })
         .collect();
     let batch = encode(&ExecutionResultBatch { results }).unwrap();
@@ -1016,10 +1010,17 @@ async fn a_batch_of_results_advances_each_execution(env: &Env) {
 /// A worker's report that `task` of execution `execution` completed with `output`, under
 /// the namespace `workflow` gives the task.
 fn completed(workflow: &Workflow, execution: &str, task: &str, output: Value) -> ExecutionResult {
+    completed_as(execution, &workflow.namespace(task), output)
+}
+
+/// A worker's report that the task of `namespace` in `execution` completed with
+/// `output`, made by hand.
+fn completed_as(execution: &str, namespace: &str, output: Value) -> ExecutionResult {
+    let task = namespace.rsplit("::").next().unwrap_or_default();
     ExecutionResult {
         execution_id: execution.into(),
         task_execution_id: format!("{execution}/{task}"),
-        namespace: workflow.namespace(task),
+        namespace: namespace.into(),
         attempt: 1,
         status: "completed".into(),
         error: None,
