@@ -1193,6 +1193,53 @@ async fn a_leased_graph_working_off_a_backlog_longer_than_its_lease_keeps_it() {
     drop(graph);
 }
 
+/// A restart told to a node that stands by (another node runs the graph) finds nothing
+/// to restart there, and is not kept: when the node takes the graph over, it starts it
+/// once.
+#[tokio::test]
+async fn a_restart_told_to_a_standby_is_not_kept_for_its_takeover() {
+    use weir::supervisor::GraphStatus;
+    let policy = weir::SupervisionPolicy {
+        graph_lease_ttl: Some(Duration::from_millis(600)),
+        ..weir::SupervisionPolicy::default()
+    };
+    let h = Harness::with_policy(policy.clone());
+    let opens = Arc::new(AtomicUsize::new(0));
+    let make = |source: AccumulatorSpec| {
+        snapshot_graph("standing", vec![source], ReactorConfig::default())
+    };
+    let first = h.spawn(make(AccumulatorSpec::passthrough("a").topic("standing.in")));
+    first.wait_for_state(ReactorState::Live).await;
+    let runtime = weir::Runtime {
+        broker: Arc::new(h.broker.clone()),
+        store: h.store.clone(),
+        node_id: "other-node".into(),
+    };
+    let other = weir::Supervisor::new(runtime, policy, tokio_util::sync::CancellationToken::new());
+    let second = other
+        .spawn(make(AccumulatorSpec::passthrough("a").source(Arc::new(
+            FlakyFactory {
+                opens: opens.clone(),
+                fail: Arc::new(Notify::new()),
+            },
+        ))))
+        .unwrap();
+    settle().await;
+    assert_eq!(second.status(), GraphStatus::Standby);
+    second.restart();
+    settle().await;
+    assert!(h.supervisor.shutdown().await);
+    second.wait_for_status(|s| *s == GraphStatus::Running).await;
+    second.wait_for_state(ReactorState::Live).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        opens.load(Ordering::SeqCst),
+        1,
+        "started once on taking over"
+    );
+    assert!(other.shutdown().await);
+}
+
 #[tokio::test]
 async fn a_leased_graph_runs_once_and_fences_its_outputs() {
     use weir::supervisor::GraphStatus;

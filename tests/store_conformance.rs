@@ -653,7 +653,8 @@ mod cases {
         /// The state manager may record a tick's workflow's outcome before the tick's
         /// master records having emitted it (or before an orphan sweep's write): the
         /// master's writes leave the finished execution as it ended, out of the open
-        /// index, while the state manager's own write (no fence) always lands.
+        /// index, and create no record, while the state manager's own write (no fence)
+        /// always lands.
         pub async fn a_masters_write_leaves_a_finished_execution_as_it_ended(
             store: Arc<dyn Store>,
         ) {
@@ -700,8 +701,18 @@ mod cases {
             assert!(open().await.is_empty(), "{:?}", open().await);
             // The rest of the batch is written.
             assert_eq!(store.earliest_fire(0).await.unwrap(), Some(9_000));
+            // Nor does it make one that is not stored (dropped from history, say).
+            store
+                .put_execution(&execution(4000, ExecutionStatus::Running), Some(&fence))
+                .await
+                .unwrap();
+            assert_eq!(store.get_execution("s", 4000).await.unwrap(), None);
             // An unfinished execution takes the master's write, and the state manager's
             // write lands over anything.
+            store
+                .claim_executions(&[execution(3000, ExecutionStatus::Scheduled)], Some(&fence))
+                .await
+                .unwrap();
             store
                 .record_fires(0, &[execution(3000, ExecutionStatus::Running)], &[], &fence)
                 .await

@@ -148,9 +148,9 @@ pub trait ScheduleStore: Send + Sync {
 
     /// [`ScheduleStore::put_execution`] and [`ScheduleStore::set_next_fire`] for many records in one
     /// round trip, under the shard master's lease (refused whole once a newer master holds
-    /// the shard). An execution whose stored record has finished (completed or failed)
-    /// keeps it: the state manager may end a tick's workflow before its master records
-    /// having emitted the tick.
+    /// the shard). Only claimed executions are updated, and one whose stored record has
+    /// finished (completed or failed) keeps it: the state manager may end a tick's
+    /// workflow before its master records having emitted the tick.
     async fn record_fires(
         &self,
         shard: u32,
@@ -160,8 +160,8 @@ pub trait ScheduleStore: Send + Sync {
     ) -> Result<(), StoreError>;
 
     /// Overwrites an execution record (status changes). With a `fence` (a shard master's
-    /// write), refused once a newer master holds its shard, and a finished execution
-    /// (completed or failed) keeps its outcome, as in [`ScheduleStore::record_fires`];
+    /// write), refused once a newer master holds its shard, and, as in
+    /// [`ScheduleStore::record_fires`], only a stored, unfinished execution is updated;
     /// without one (the state manager recording a workflow's outcome), written as given.
     async fn put_execution(
         &self,

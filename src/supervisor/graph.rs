@@ -209,6 +209,11 @@ impl SupervisedGraph {
             tokio::select! {
                 _ = self.cancel.cancelled() => return None,
                 _ = tokio::time::sleep(retry) => {}
+                // Another node runs the graph: nothing here to restart, and a command kept
+                // for later would tear down the incarnation this node starts on failover.
+                _ = self.restart.notified() => {
+                    info!(graph = %self.decl.key(), "restart ignored: another node runs the graph");
+                }
             }
         }
     }

@@ -148,8 +148,10 @@ impl ScheduleStore for MemoryStore {
             .iter_mut()
             .find(|e| e.scheduled_ms == execution.scheduled_ms)
         {
-            // A master's write leaves a finished execution as it ended.
+            // A master's write leaves a finished execution as it ended, and creates none:
+            // it updates what it claimed, and what history has dropped since stays gone.
             Some(e) if fence.is_some() && e.status.is_finished() => return Ok(()),
+            None if fence.is_some() => return Ok(()),
             Some(e) => *e = execution.clone(),
             None => list.push_back(execution.clone()),
         }

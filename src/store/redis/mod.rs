@@ -59,8 +59,8 @@ pub struct RedisStore {
 /// KEYS: the lease's token counter. ARGV: the writer's token, then operations, each
 /// `SET key value`, `ZADD key score member`, `ZREM key member`, `DEL key`,
 /// `HSET key field value` or `EXECUTION key record index member since` (a cron
-/// execution's record and its place in the open index, `since` '' to leave it; nothing
-/// is written over a record whose status is `completed` or `failed`).
+/// execution's record and its place in the open index, `since` '' to leave it; written
+/// only over a stored record whose status is neither `completed` nor `failed`).
 static FENCED_WRITES: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
@@ -91,7 +91,7 @@ while i <= #ARGV do
     local ok, record = pcall(cjson.decode, stored or 'null')
     local finished = ok and type(record) == 'table'
       and (record.status == 'completed' or record.status == 'failed')
-    if not finished then
+    if stored and not finished then
       redis.call('SET', ARGV[i + 1], ARGV[i + 2])
       if ARGV[i + 5] == '' then
         redis.call('ZREM', ARGV[i + 3], ARGV[i + 4])
@@ -111,9 +111,10 @@ return 1
 
 /// One write of a batch: `SET key value`, `ZADD key score member`, `ZREM key member`,
 /// `DEL key`, `HSET key field value`, or a cron execution's record with its place in
-/// the open index (`open_since`, or out of it): under a fence (a shard master's write)
-/// left alone once the stored record has finished, since the state manager may have
-/// recorded the tick's workflow's outcome first.
+/// the open index (`open_since`, or out of it). Under a fence (a shard master's write)
+/// it only updates a stored record that has not finished: the state manager may have
+/// recorded the tick's workflow's outcome first, and a record gone from its schedule's
+/// history (trimmed as later ones were claimed) stays gone.
 enum Write {
     Set(String, String),
     Zadd(String, i64, String),
