@@ -20,7 +20,8 @@ impl GraphHandle {
     /// out a backoff stops waiting, a running one is torn down and respawned with its
     /// cache restored. None of it counts as a failure. A command that comes while the
     /// graph is between those states (restoring its cache, say) is kept until the graph
-    /// can act on it: one stored permit, however many commands came meanwhile.
+    /// can act on it: one stored permit, however many commands came meanwhile. A node
+    /// standing by while another holds the graph's lease ignores it.
     pub fn restart(&self) {
         self.restart.notify_one();
     }
