@@ -1240,6 +1240,101 @@ async fn a_restart_told_to_a_standby_is_not_kept_for_its_takeover() {
     assert!(other.shutdown().await);
 }
 
+/// Passes outputs on to the broker once open; until then holds them unacknowledged.
+struct Gate {
+    broker: weir::transport::memory::MemoryBroker,
+    open: tokio::sync::watch::Receiver<bool>,
+}
+
+#[async_trait]
+impl weir::transport::Sink for Gate {
+    async fn publish(
+        &self,
+        message: weir::transport::Outbound,
+    ) -> Result<Position, TransportError> {
+        let mut open = self.open.clone();
+        let _ = open.wait_for(|open| *open).await;
+        weir::transport::Sink::publish(&self.broker, message).await
+    }
+}
+
+/// Fires whose outputs were never acknowledged when the graph died are made again from
+/// their stored inputs under the numbers they had: `weir-fire` tells a consumer which
+/// outputs repeat ones it may have seen, and fires after them number on.
+#[tokio::test(start_paused = true)]
+async fn fires_made_again_after_a_crash_keep_their_numbers() {
+    let h = Harness::new();
+    let (open_tx, open) = tokio::sync::watch::channel(false);
+    let decl = |open: tokio::sync::watch::Receiver<bool>| {
+        GraphBuilder::new("again")
+            .accumulator(AccumulatorSpec::passthrough("a"))
+            .reactor(ReactorConfig {
+                strategy: Strategy::Sequential,
+                snapshot_interval: Duration::ZERO,
+                ..ReactorConfig::default()
+            })
+            .node("n", ["a"], |ctx: NodeContext| async move {
+                Ok(ctx.source("a").cloned())
+            })
+            .output_to(
+                "n",
+                "again.out",
+                Arc::new(Gate {
+                    broker: h.broker.clone(),
+                    open,
+                }),
+            )
+            .build()
+            .unwrap()
+    };
+    let g = h.spawn(decl(open.clone()));
+    g.wait_for_state(ReactorState::Live).await;
+    for n in 1..=3 {
+        g.push("a", json!(n)).await.unwrap();
+    }
+    eventually("three fires in flight", || async { g.stats().fires == 3 }).await;
+    settle().await;
+    // The graph dies with its outputs unacknowledged (its stop waits for them in vain).
+    h.supervisor.shutdown().await;
+    let runtime = weir::Runtime {
+        broker: Arc::new(h.broker.clone()),
+        store: h.store.clone(),
+        node_id: "test-node".into(),
+    };
+    let next = weir::Supervisor::new(
+        runtime,
+        weir::SupervisionPolicy::default(),
+        tokio_util::sync::CancellationToken::new(),
+    );
+    open_tx.send_replace(true);
+    let g = next.spawn(decl(open)).unwrap();
+    g.wait_for_state(ReactorState::Live).await;
+    g.push("a", json!(4)).await.unwrap();
+    eventually("four outputs", || async {
+        h.broker.messages("again.out").len() == 4
+    })
+    .await;
+    let fired: Vec<(String, Value)> = h
+        .broker
+        .messages("again.out")
+        .iter()
+        .map(|m| {
+            let record: Value = serde_json::from_slice(&m.payload).unwrap();
+            (m.header("weir-fire").unwrap().to_string(), record)
+        })
+        .collect();
+    assert_eq!(
+        fired,
+        [
+            ("1".to_string(), json!(1)),
+            ("2".to_string(), json!(2)),
+            ("3".to_string(), json!(3)),
+            ("4".to_string(), json!(4)),
+        ]
+    );
+    assert!(next.shutdown().await);
+}
+
 #[tokio::test]
 async fn a_leased_graph_runs_once_and_fences_its_outputs() {
     use weir::supervisor::GraphStatus;

@@ -30,6 +30,18 @@ pub struct CacheSnapshot {
     /// Paused by a command: a respawned or failed-over reactor stays paused.
     #[serde(default)]
     pub paused: bool,
+    /// The fires whose inputs the queues hold again (unacknowledged when the snapshot
+    /// was taken), oldest first: fired again from those inputs, each keeps its number,
+    /// so a consumer sees a repeated output under the `weir-fire` it first had.
+    #[serde(default, skip_serializing_if = "VecDeque::is_empty")]
+    pub refires: VecDeque<Refire>,
+}
+
+/// A fire to make again from requeued inputs: its number and the sources it took.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refire {
+    pub fire: u64,
+    pub sources: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -148,6 +160,18 @@ pub struct Consumed {
 impl Consumed {
     pub fn new(input: Arc<FireInput>, sources: Taken) -> Self {
         Self { input, sources }
+    }
+
+    /// The fire's number and the names of the sources it took, to make it again.
+    pub fn refire(&self) -> Refire {
+        Refire {
+            fire: self.input.fire,
+            sources: self
+                .sources
+                .iter()
+                .map(|&i| self.input.names[i].to_string())
+                .collect(),
+        }
     }
 
     /// Each source taken from, with its boundary.
@@ -469,6 +493,7 @@ impl InputCache {
             fires,
             sources,
             paused: false,
+            refires: VecDeque::new(),
         }
     }
 }

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::cache::{Consumed, InputCache, Inserted, Taken};
+use super::cache::{Consumed, InputCache, Inserted, Refire, Taken};
 use super::CacheStore;
 use super::{
     Command, CommandError, FireReason, FireReport, ReactorConfig, ReactorInput, ReactorState,
@@ -93,6 +93,9 @@ pub(crate) struct Reactor {
     state_tx: watch::Sender<ReactorState>,
     paused: bool,
     fires: u64,
+    /// Fires to make again under their own numbers, restored with the queues holding
+    /// their inputs (sequential strategy), oldest first.
+    refires: VecDeque<Refire>,
     in_flight: FuturesOrdered<BoxFuture<'static, Result<(), TransportError>>>,
     /// Boundaries taken by each in-flight fire, oldest first.
     unacknowledged: VecDeque<Consumed>,
@@ -126,11 +129,17 @@ impl Reactor {
             .collect();
         let mut cache = InputCache::new(names.clone(), decl.reactor.strategy);
         let mut fires = 0;
+        let mut refires = VecDeque::new();
         let mut paused = false;
         let mut queued = vec![0; names.len()];
         if let Some(snapshot) = store.load_cache(&key).await? {
             queued = cache.restore(&snapshot);
             fires = snapshot.fires;
+            // With `latest` a requeued fire is only a dirty flag, and fires again merged
+            // with whatever came after it: as a new fire.
+            if decl.reactor.strategy == Strategy::Sequential {
+                refires = snapshot.refires.clone();
+            }
             paused = snapshot.paused;
             debug!(graph = %decl.name, fires, "input cache restored");
         }
@@ -205,6 +214,7 @@ impl Reactor {
             state_tx,
             paused,
             fires,
+            refires,
             in_flight: FuturesOrdered::new(),
             unacknowledged: VecDeque::new(),
             abandoned: Vec::new(),
@@ -401,9 +411,8 @@ impl Reactor {
                 self.permits_pending[i] += 1;
             }
         }
-        self.fires += 1;
         self.snapshot_pending = true;
-        let fire = self.fires;
+        let fire = self.number(&taken, reason);
         let degraded = self.state == ReactorState::Degraded;
         let input = Arc::new(FireInput::new(
             self.graph.clone(),
@@ -531,6 +540,30 @@ impl Reactor {
         Ok(report)
     }
 
+    /// The number of a fire taking `taken`: a restored fire made again from its requeued
+    /// inputs keeps its own, the rest count on. Should the queues no longer give the
+    /// fires back as they were (a source that was empty then has an input now), the
+    /// numbers left are dropped rather than put on other inputs.
+    fn number(&mut self, taken: &Taken, reason: FireReason) -> u64 {
+        if reason != FireReason::FireWith {
+            let names = self.cache.names();
+            let again = self.refires.front().is_some_and(|refire| {
+                refire.sources.len() == taken.len()
+                    && taken
+                        .iter()
+                        .zip(&refire.sources)
+                        .all(|(&i, name)| *names[i] == **name)
+            });
+            match self.refires.pop_front() {
+                Some(refire) if again => return refire.fire,
+                Some(_) => self.refires.clear(),
+                None => {}
+            }
+        }
+        self.fires += 1;
+        self.fires
+    }
+
     fn acknowledged(&mut self) {
         if let Some(consumed) = self.unacknowledged.pop_front() {
             self.mark_durable(&consumed);
@@ -572,11 +605,17 @@ impl Reactor {
 
     /// Hands a snapshot of the cache to the store's writer.
     fn snapshot(&mut self) {
-        let mut snapshot = self.cache.snapshot(
-            self.fires,
-            self.unacknowledged.iter().chain(self.abandoned.iter()),
-        );
+        let requeued = || self.unacknowledged.iter().chain(self.abandoned.iter());
+        let mut snapshot = self.cache.snapshot(self.fires, requeued());
         snapshot.paused = self.paused;
+        if self.config.strategy == Strategy::Sequential {
+            // In the order the queues now hold their inputs: the requeued ones first,
+            // then those restored and not fired again yet.
+            snapshot.refires = requeued()
+                .map(Consumed::refire)
+                .chain(self.refires.iter().cloned())
+                .collect();
+        }
         self.last_snapshot = Instant::now();
         self.snapshot_pending = false;
         let received = (0..self.cache.names().len())
