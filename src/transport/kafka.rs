@@ -823,10 +823,17 @@ async fn looked_up(
     answer.map_err(|e| unreachable(brokers, e))?
 }
 
+/// Whether the same call may succeed later. What the broker refuses for what the
+/// message is (too large for the broker, or for its log segment as a record batch; a
+/// topic policy; a record the topic cannot take, a compacted topic's unkeyed one) it
+/// will refuse again: such an output is dead-lettered rather than retried forever.
 fn is_retryable(e: &KafkaError) -> bool {
     !matches!(
         e.rdkafka_error_code(),
         Some(RDKafkaErrorCode::MessageSizeTooLarge)
+            | Some(RDKafkaErrorCode::MessageBatchTooLarge)
+            | Some(RDKafkaErrorCode::PolicyViolation)
+            | Some(RDKafkaErrorCode::InvalidRecord)
             | Some(RDKafkaErrorCode::InvalidTopic)
             | Some(RDKafkaErrorCode::TopicAuthorizationFailed)
     )
@@ -1043,5 +1050,33 @@ impl Source for KafkaSource {
                 topic: self.topic.to_string(),
                 source: e.into(),
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_the_broker_refuses_for_the_message_itself_is_final() {
+        let produced = |code| KafkaError::MessageProduction(code);
+        for code in [
+            RDKafkaErrorCode::MessageSizeTooLarge,
+            RDKafkaErrorCode::MessageBatchTooLarge,
+            RDKafkaErrorCode::PolicyViolation,
+            RDKafkaErrorCode::InvalidRecord,
+            RDKafkaErrorCode::InvalidTopic,
+            RDKafkaErrorCode::TopicAuthorizationFailed,
+        ] {
+            assert!(!is_retryable(&produced(code)), "{code:?}");
+        }
+        for code in [
+            RDKafkaErrorCode::BrokerTransportFailure,
+            RDKafkaErrorCode::NotLeaderForPartition,
+            RDKafkaErrorCode::RequestTimedOut,
+            RDKafkaErrorCode::MessageTimedOut,
+        ] {
+            assert!(is_retryable(&produced(code)), "{code:?}");
+        }
     }
 }
