@@ -178,12 +178,18 @@ mod cases {
 
     pub mod cache {
         use super::*;
-        use weir::reactor::{CacheSnapshot, SourceSnapshot};
+        use weir::reactor::{CacheSnapshot, Refire, SourceSnapshot};
         use weir::transport::Position;
 
         fn sample() -> CacheSnapshot {
             let mut snapshot = CacheSnapshot {
                 fires: 9,
+                // A fire to make again under its number after a restart.
+                refires: [Refire {
+                    fire: 8,
+                    sources: vec!["a".into()],
+                }]
+                .into(),
                 ..Default::default()
             };
             let position = Position {

@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 pub(crate) use crate::accumulator::ReactorInput;
 pub use crate::graph::firing::{Criteria, ReactorConfig, Strategy};
 pub use crate::stats::{FireReason, Health, ReactorState};
-pub use cache::{CacheSnapshot, CacheStore, SourceSnapshot};
+pub use cache::{CacheSnapshot, CacheStore, Refire, SourceSnapshot};
 pub use run::ReactorError;
 
 /// The outcome of a fire, as reported to the command that asked for it.
