@@ -144,7 +144,32 @@ fn ids(messages: &[Message]) -> BTreeSet<u64> {
 async fn an_output_over_nats_max_payload_is_dead_lettered_and_later_events_fire() {
     let server = Server::nats("max_payload: 65536");
     let nats = jetstream(&server).await;
-    let broker: Arc<dyn Broker> = nats.clone();
+    an_output_too_large_is_dead_lettered_and_later_events_fire(nats, "payload").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_output_over_kafka_message_max_bytes_is_dead_lettered_and_later_events_fire() {
+    let mut options = services::fast_group_options();
+    options.insert("message.max.bytes".into(), "65536".into());
+    let kafka = Arc::new(
+        KafkaBroker::connect(KafkaSettings {
+            brokers: services::kafka_brokers(),
+            options,
+            retention: Some(services::TEST_RETENTION),
+            ..KafkaSettings::default()
+        })
+        .unwrap(),
+    );
+    an_output_too_large_is_dead_lettered_and_later_events_fire(kafka, "too large").await;
+}
+
+/// Of three outputs, the middle one (80,000 bytes) is larger than the broker takes
+/// (64 KiB): it is dead-lettered, with the broker's error naming `error_mentions`, and
+/// the graph goes on without a respawn.
+async fn an_output_too_large_is_dead_lettered_and_later_events_fire(
+    broker: Arc<dyn Broker>,
+    error_mentions: &str,
+) {
     let prefix = services::unique("faults");
     let cancel = CancellationToken::new();
     let supervisor = supervisor(broker.clone(), &cancel);
@@ -172,7 +197,7 @@ async fn an_output_over_nats_max_payload_is_dead_lettered_and_later_events_fire(
     )
     .await;
     let error = dead[0].header("weir-error").unwrap_or_default();
-    assert!(error.contains("payload"), "{error}");
+    assert!(error.contains(error_mentions), "{error}");
     let body: Value = serde_json::from_slice(&dead[0].payload).unwrap();
     assert_eq!(body["graph"], json!(format!("{prefix}g")));
     assert_eq!(body["fire"], json!(2));

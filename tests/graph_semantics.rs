@@ -1335,6 +1335,99 @@ async fn fires_made_again_after_a_crash_keep_their_numbers() {
     assert!(next.shutdown().await);
 }
 
+/// `max_in_flight` caps the fires whose outputs await acknowledgement: the rest wait in
+/// their queue, unfired, until acknowledgements make room.
+#[tokio::test(start_paused = true)]
+async fn fires_awaiting_acknowledgement_stop_at_max_in_flight() {
+    let h = Harness::new();
+    let (open_tx, open) = tokio::sync::watch::channel(false);
+    let g = h.spawn(
+        GraphBuilder::new("capped")
+            .accumulator(AccumulatorSpec::passthrough("a"))
+            .reactor(ReactorConfig {
+                max_in_flight: 3,
+                ..config(Criteria::WhenAny, Strategy::Sequential)
+            })
+            .node("n", ["a"], |ctx: NodeContext| async move {
+                Ok(ctx.source("a").cloned())
+            })
+            .output_to(
+                "n",
+                "capped.out",
+                Arc::new(Gate {
+                    broker: h.broker.clone(),
+                    open,
+                }),
+            )
+            .build()
+            .unwrap(),
+    );
+    g.wait_for_state(ReactorState::Live).await;
+    for n in 1..=10 {
+        g.push("a", json!(n)).await.unwrap();
+    }
+    eventually("three fires", || async { g.stats().fires == 3 }).await;
+    h.advance(Duration::from_secs(5)).await;
+    assert_eq!(g.stats().fires, 3, "no fire past the cap");
+    let state = g.reactor().get_state().await.unwrap();
+    assert_eq!(state.sources["a"].queued, 7, "the rest wait in the queue");
+    open_tx.send_replace(true);
+    eventually("every input out", || async {
+        h.broker.messages("capped.out").len() == 10
+    })
+    .await;
+    let out: Vec<Value> = h
+        .broker
+        .messages("capped.out")
+        .iter()
+        .map(|m| serde_json::from_slice(&m.payload).unwrap())
+        .collect();
+    assert_eq!(out, (1..=10).map(|n| json!(n)).collect::<Vec<_>>());
+}
+
+/// A failing fire is run again `node_retries` times, waiting 100 ms, then twice as long
+/// before each next try.
+#[tokio::test(start_paused = true)]
+async fn a_failing_fire_is_retried_with_doubling_backoff() {
+    let h = Harness::new();
+    let tries = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = tries.clone();
+    let g = h.spawn(
+        GraphBuilder::new("retried")
+            .accumulator(AccumulatorSpec::passthrough("a"))
+            .reactor(config(Criteria::WhenAny, Strategy::Sequential))
+            .node("n", ["a"], move |ctx: NodeContext| {
+                let seen = seen.clone();
+                async move {
+                    let mut tries = seen.lock().unwrap();
+                    tries.push(tokio::time::Instant::now());
+                    if tries.len() <= 3 {
+                        return Err(weir::graph::NodeError::new("not yet"));
+                    }
+                    Ok(ctx.source("a").cloned())
+                }
+            })
+            .output("n", "retried.out")
+            .build()
+            .unwrap(),
+    );
+    g.wait_for_state(ReactorState::Live).await;
+    g.push("a", json!("x")).await.unwrap();
+    eventually("output", || async { h.outputs("retried.out").len() == 1 }).await;
+    assert_eq!(h.outputs("retried.out"), [json!("x")]);
+    assert!(h.outputs("retried.out.dlq").is_empty());
+    let tries = tries.lock().unwrap().clone();
+    let waits: Vec<Duration> = tries.windows(2).map(|w| w[1] - w[0]).collect();
+    assert_eq!(
+        waits,
+        [
+            Duration::from_millis(100),
+            Duration::from_millis(200),
+            Duration::from_millis(400)
+        ]
+    );
+}
+
 #[tokio::test]
 async fn a_leased_graph_runs_once_and_fences_its_outputs() {
     use weir::supervisor::GraphStatus;

@@ -19,8 +19,8 @@ use weir::transport::{
 };
 use weir::{AccumulatorSpec, Criteria, GraphBuilder, ReactorConfig, ReactorState, Strategy};
 
-/// A graph whose every boundary fires once (sequential, when_any) into `<name>.out`;
-/// snapshots are rare, so only fires make anything durable.
+/// A graph whose every boundary fires once (sequential, when_any) into `<name>.out`,
+/// its cache snapshotted every turn: what it takes in is durable at once.
 fn graph(name: &str, accumulator: AccumulatorSpec) -> weir::GraphDeclaration {
     graph_spacing_checkpoints(
         name,
@@ -29,19 +29,43 @@ fn graph(name: &str, accumulator: AccumulatorSpec) -> weir::GraphDeclaration {
     )
 }
 
-/// The same graph, with checkpoint writes `spacing` apart where they may be.
+/// The same graph, with checkpoint writes `spacing` apart where they may be: the
+/// spacing alone decides when positions are committed.
 fn graph_spacing_checkpoints(
     name: &str,
     accumulator: AccumulatorSpec,
     spacing: Duration,
+) -> weir::GraphDeclaration {
+    graph_with(name, accumulator, Duration::ZERO, spacing)
+}
+
+/// The same graph, its cache snapshotted only on pause and resume: until one, nothing
+/// it took in is durable.
+fn graph_snapshotting_on_command(
+    name: &str,
+    accumulator: AccumulatorSpec,
+) -> weir::GraphDeclaration {
+    graph_with(
+        name,
+        accumulator,
+        Duration::from_secs(3600),
+        ReactorConfig::default().checkpoint_interval,
+    )
+}
+
+fn graph_with(
+    name: &str,
+    accumulator: AccumulatorSpec,
+    snapshot_interval: Duration,
+    checkpoint_interval: Duration,
 ) -> weir::GraphDeclaration {
     let registry = FunctionRegistry::default();
     GraphBuilder::new(name)
         .reactor(ReactorConfig {
             criteria: Criteria::WhenAny,
             strategy: Strategy::Sequential,
-            snapshot_interval: Duration::from_secs(3600),
-            checkpoint_interval: spacing,
+            snapshot_interval,
+            checkpoint_interval,
             ..ReactorConfig::default()
         })
         .accumulator(accumulator)
@@ -190,18 +214,19 @@ async fn a_replay_of_three_partitions_in_another_order_loses_nothing() {
     let h = Harness::partitioned(3);
     let (source, fail) = Breakable::new(&h, "multi.in", "weir.multi");
     let opens = source.opens.clone();
-    let g = h.spawn(graph(
+    let g = h.spawn(graph_snapshotting_on_command(
         "multi",
         AccumulatorSpec::passthrough("a").source(source),
     ));
     g.wait_for_state(ReactorState::Live).await;
     publish_all(&h, "multi.in", &[json!("m1")]).await; // partition 1, fired and committed
     eventually("m1 fired", || async { h.outputs("multi.out").len() == 1 }).await;
+    // The pause stores a snapshot counting m1's fire.
+    g.reactor().pause().await.unwrap();
     eventually("m1 committed", || async {
         h.broker.committed("multi.in", "weir.multi") == vec![0, 1, 0]
     })
     .await;
-    g.reactor().pause().await.unwrap();
     publish_all(&h, "multi.in", &[json!("m2")]).await; // partition 2, taken, not durable
     eventually("m2 cached", || async { g.stats().boundaries == 2 }).await;
     fail.notify_one();

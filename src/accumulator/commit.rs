@@ -1,7 +1,8 @@
 //! Which source positions are safe to commit, and which positions a boundary covers.
 //!
 //! A position may be committed once every boundary built from events at or before it is
-//! durable (fired and acknowledged, or held in a stored cache snapshot). For a stateless
+//! durable (held in a stored cache snapshot: queued, requeued, or counted as fired and
+//! acknowledged). For a stateless
 //! accumulator that is "everything before the oldest non-durable boundary", per
 //! partition. A stateful accumulator's state mixes all events it has seen, so its
 //! positions are committed only when nothing it emitted is pending.

@@ -530,7 +530,8 @@ pub struct BrokerConfig {
     /// Kafka: librdkafka properties passed through, e.g. `"session.timeout.ms" = "6000"`.
     pub options: BTreeMap<String, String>,
     /// JetStream: a delivered message unacknowledged this long (a crashed worker's) is
-    /// delivered again.
+    /// delivered again. Graphs acknowledge their inputs through cache snapshots, so each
+    /// graph's `snapshot_interval_ms` must be below it.
     pub ack_wait_ms: u64,
     /// How long topics and streams weir creates keep a message (Kafka `retention.ms`,
     /// JetStream `max_age`); 0 leaves it to the broker (Kafka: its default; JetStream:
@@ -1146,6 +1147,22 @@ impl Config {
                 ));
             }
         }
+        // A graph's inputs are acknowledged through its stored cache snapshots: spaced
+        // past the ack wait, JetStream would deliver every input a second time.
+        if self.broker.kind == BrokerKind::Nats && self.broker.jetstream {
+            for (i, g) in self.graphs.iter().enumerate() {
+                if g.snapshot_interval_ms >= self.broker.ack_wait_ms {
+                    errors.push(invalid(
+                        format!("graph[{i}].snapshot_interval_ms"),
+                        format!(
+                            "must be below broker.ack_wait_ms ({}): inputs are acknowledged \
+                             only once a stored cache snapshot holds them",
+                            self.broker.ack_wait_ms
+                        ),
+                    ));
+                }
+            }
+        }
         if s.backoff_max_ms < s.backoff_base_ms {
             errors.push(invalid(
                 "supervision.backoff_max_ms",
@@ -1727,6 +1744,30 @@ format = "json"
         ] {
             assert!(err.contains(key), "{key} missing from {err}");
         }
+    }
+
+    #[test]
+    fn snapshots_spaced_past_the_jetstream_ack_wait_are_refused() {
+        let text = SAMPLE
+            .replace(
+                "kind = \"kafka\"\nbrokers = \"127.0.0.1:9092\"",
+                "kind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\nack_wait_ms = 5000",
+            )
+            .replace(
+                "output = \"prices.out\"",
+                "output = \"prices.out\"\nsnapshot_interval_ms = 5000",
+            );
+        let err = parse(&text, &[]).unwrap_err().to_string();
+        assert!(err.contains("graph[0].snapshot_interval_ms"), "{err}");
+        assert!(err.contains("broker.ack_wait_ms (5000)"), "{err}");
+        let shorter = text.replace("snapshot_interval_ms = 5000", "snapshot_interval_ms = 4999");
+        parse(&shorter, &[]).unwrap();
+        // Core NATS acknowledges nothing.
+        let core = text.replace(
+            "ack_wait_ms = 5000",
+            "ack_wait_ms = 5000\njetstream = false",
+        );
+        parse(&core, &[]).unwrap();
     }
 
     #[test]

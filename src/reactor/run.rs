@@ -37,6 +37,11 @@ const MIN_INPUT_SLOTS: usize = 256;
 
 /// Longest a stopping reactor waits for its last cache snapshot to be stored.
 const FINAL_SNAPSHOT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// Inputs taken in after which a snapshot is due whatever `snapshot_interval` says.
+/// Positions are committed only through stored snapshots, and a broker stops delivering
+/// to a reader holding too much unacknowledged (JetStream: 100,000 messages): a long
+/// interval must not stall the graph.
+const SNAPSHOT_AFTER_INPUTS: usize = 50_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReactorError {
@@ -106,6 +111,8 @@ pub(crate) struct Reactor {
     stats: Arc<GraphStats>,
     clock: FireClock,
     snapshot_pending: bool,
+    /// Inputs cached since the last snapshot was taken.
+    unsnapshotted: usize,
     last_snapshot: Instant,
 }
 
@@ -222,6 +229,7 @@ impl Reactor {
             stats,
             clock: FireClock::new(),
             snapshot_pending: false,
+            unsnapshotted: 0,
             last_snapshot: Instant::now(),
         };
         let wiring = Wiring {
@@ -256,11 +264,11 @@ impl Reactor {
                 }
                 self.publish_progress();
                 self.report_queues();
-                if self.snapshot_pending && !timer_armed {
+                if self.snapshot_pending {
                     let due = self.last_snapshot + self.config.snapshot_interval;
-                    if due <= Instant::now() {
+                    if due <= Instant::now() || self.unsnapshotted >= SNAPSHOT_AFTER_INPUTS {
                         self.snapshot();
-                    } else {
+                    } else if !timer_armed {
                         snapshot_timer.as_mut().reset(due);
                         timer_armed = true;
                     }
@@ -301,22 +309,28 @@ impl Reactor {
         }
         .await;
         if let Err(e) = turns {
-            // Fires acknowledged before the failure are done: the accumulators hear so and
-            // checkpoint their positions as they stop, so the broker does not replay them
-            // (what the last stored snapshot still held may fire again).
-            self.publish_progress();
+            self.store_last_snapshot().await;
             return Err(e);
         }
         // Let acknowledged output count before the final snapshot; the supervisor bounds
         // how long this may take.
         while let Some(done) = self.in_flight.next().await {
             if let Err(e) = done {
-                self.publish_progress();
+                self.store_last_snapshot().await;
                 return Err(e.into());
             }
             self.acknowledged();
         }
-        if self.snapshot_pending {
+        self.store_last_snapshot().await;
+        Ok(())
+    }
+
+    /// Ending, stopped or failed: fires acknowledged since the last snapshot are done, and
+    /// a snapshot counting them (the fires still unacknowledged requeued in it) lets the
+    /// accumulators checkpoint their inputs as they stop, so the broker does not replay
+    /// them and the next run numbers its fires after theirs.
+    async fn store_last_snapshot(&mut self) {
+        if self.snapshot_pending || !self.unacknowledged.is_empty() {
             self.snapshot();
         }
         if self.snapshots.flush(FINAL_SNAPSHOT_WAIT).await {
@@ -325,7 +339,6 @@ impl Reactor {
             warn!(graph = %self.graph, "the last cache snapshot was not stored; the next run replays from the last one stored");
         }
         self.publish_progress();
-        Ok(())
     }
 
     fn set_state(&mut self, state: ReactorState) {
@@ -389,6 +402,7 @@ impl Reactor {
         match self.cache.insert(source, boundary) {
             Inserted::Accepted => {
                 self.snapshot_pending = true;
+                self.unsnapshotted += 1;
                 true
             }
             Inserted::Duplicate => {
@@ -530,8 +544,11 @@ impl Reactor {
         if self.in_flight.is_empty() {
             // Most sinks acknowledge quickly; skip the queue when this one already has.
             if let Poll::Ready(done) = futures::poll!(&mut publish) {
-                done?;
-                self.mark_durable(&consumed);
+                if let Err(e) = done {
+                    // Requeued in the snapshot the failing reactor stores.
+                    self.unacknowledged.push_back(consumed);
+                    return Err(e.into());
+                }
                 return Ok(report);
             }
         }
@@ -564,17 +581,12 @@ impl Reactor {
         self.fires
     }
 
+    /// The oldest in-flight fire's outputs are acknowledged. Its inputs become durable
+    /// only with the next stored snapshot, which counts the fire: were they committed
+    /// before, a crash would restore an older count, and later fires would take numbers
+    /// consumers already saw on other outputs.
     fn acknowledged(&mut self) {
-        if let Some(consumed) = self.unacknowledged.pop_front() {
-            self.mark_durable(&consumed);
-        }
-    }
-
-    fn mark_durable(&mut self, consumed: &Consumed) {
-        for (i, boundary) in consumed.boundaries() {
-            let d = &mut self.durable_pending[i];
-            *d = (*d).max(boundary.sequence);
-        }
+        self.unacknowledged.pop_front();
     }
 
     /// Tells accumulators what became durable and which queue slots are free.
@@ -618,6 +630,7 @@ impl Reactor {
         }
         self.last_snapshot = Instant::now();
         self.snapshot_pending = false;
+        self.unsnapshotted = 0;
         let received = (0..self.cache.names().len())
             .map(|i| self.cache.received(i))
             .collect();
