@@ -1335,6 +1335,71 @@ async fn fires_made_again_after_a_crash_keep_their_numbers() {
     assert!(next.shutdown().await);
 }
 
+/// A fire stored as awaiting acknowledgement, acknowledged afterwards while nothing else
+/// happens: a stop stores a snapshot counting it done, so the next run does not make it
+/// again, and numbers on after it.
+#[tokio::test(start_paused = true)]
+async fn a_fire_acknowledged_after_its_snapshot_is_not_made_again_after_a_stop() {
+    let h = Harness::new();
+    let broker = h.broker.clone();
+    let (open_tx, open) = tokio::sync::watch::channel(false);
+    let decl = |open: tokio::sync::watch::Receiver<bool>| {
+        GraphBuilder::new("acked")
+            .accumulator(AccumulatorSpec::passthrough("a"))
+            .reactor(ReactorConfig {
+                strategy: Strategy::Sequential,
+                snapshot_interval: Duration::ZERO,
+                ..ReactorConfig::default()
+            })
+            .node("n", ["a"], |ctx: NodeContext| async move {
+                Ok(ctx.source("a").cloned())
+            })
+            .output_to(
+                "n",
+                "acked.out",
+                Arc::new(Gate {
+                    broker: broker.clone(),
+                    open,
+                }),
+            )
+            .build()
+            .unwrap()
+    };
+    let g = h.spawn(decl(open.clone()));
+    g.wait_for_state(ReactorState::Live).await;
+    g.push("a", json!(1)).await.unwrap();
+    eventually("the fire in flight", || async { g.stats().fires == 1 }).await;
+    h.advance(Duration::from_secs(1)).await;
+    open_tx.send_replace(true);
+    eventually("its output", || async {
+        h.broker.messages("acked.out").len() == 1
+    })
+    .await;
+    h.advance(Duration::from_secs(1)).await;
+    let h = h.restart().await;
+    let g = h.spawn(decl(open));
+    g.wait_for_state(ReactorState::Live).await;
+    g.push("a", json!(2)).await.unwrap();
+    eventually("the next output", || async {
+        h.broker.messages("acked.out").len() >= 2
+    })
+    .await;
+    h.advance(Duration::from_secs(1)).await;
+    let fired: Vec<(String, Value)> = h
+        .broker
+        .messages("acked.out")
+        .iter()
+        .map(|m| {
+            let record: Value = serde_json::from_slice(&m.payload).unwrap();
+            (m.header("weir-fire").unwrap().to_string(), record)
+        })
+        .collect();
+    assert_eq!(
+        fired,
+        [("1".to_string(), json!(1)), ("2".to_string(), json!(2))]
+    );
+}
+
 /// `max_in_flight` caps the fires whose outputs await acknowledgement: the rest wait in
 /// their queue, unfired, until acknowledgements make room.
 #[tokio::test(start_paused = true)]
@@ -1376,13 +1441,15 @@ async fn fires_awaiting_acknowledgement_stop_at_max_in_flight() {
         h.broker.messages("capped.out").len() == 10
     })
     .await;
-    let out: Vec<Value> = h
+    // The gate lets the three waiting through at once, in no set order.
+    let mut out: Vec<u64> = h
         .broker
         .messages("capped.out")
         .iter()
         .map(|m| serde_json::from_slice(&m.payload).unwrap())
         .collect();
-    assert_eq!(out, (1..=10).map(|n| json!(n)).collect::<Vec<_>>());
+    out.sort_unstable();
+    assert_eq!(out, (1..=10).collect::<Vec<_>>());
 }
 
 /// A failing fire is run again `node_retries` times, waiting 100 ms, then twice as long
@@ -1474,4 +1541,61 @@ async fn a_leased_graph_runs_once_and_fences_its_outputs() {
         Some("2")
     );
     assert!(other.shutdown().await);
+}
+
+/// A graph declared in a config file whose source carries Avro (single-object encoding)
+/// and names its own dead-letter topic: records come out as JSON, and what does not
+/// decode goes to that topic, the source going on.
+#[tokio::test(start_paused = true)]
+async fn a_configured_avro_source_decodes_records_and_dead_letters_the_rest_where_told() {
+    let schema = r#"{"type": "record", "name": "Quote", "fields": [
+        {"name": "symbol", "type": "string"}, {"name": "px", "type": "double"}]}"#;
+    let mut schema_file = tempfile::NamedTempFile::new().unwrap();
+    std::io::Write::write_all(&mut schema_file, schema.as_bytes()).unwrap();
+    let text = format!(
+        r#"
+[[graph]]
+name = "quotes"
+criteria = "when_any"
+strategy = "sequential"
+function = "snapshot"
+output = "quotes.out"
+[[graph.accumulator]]
+name = "a"
+topic = "quotes.in"
+format = "avro"
+schema = "{}"
+dead_letter = "quotes.rejected"
+"#,
+        schema_file.path().display()
+    );
+    let config =
+        weir::config::Config::parse(&text, std::path::Path::new("weir.toml"), Vec::new()).unwrap();
+    let mut graphs = config.graphs(&FunctionRegistry::default()).unwrap();
+    let h = Harness::new();
+    let g = h.spawn(graphs.remove(0));
+    g.wait_for_state(ReactorState::Live).await;
+    #[derive(serde::Serialize)]
+    struct Quote {
+        symbol: &'static str,
+        px: f64,
+    }
+    let codec = weir::codec::avro::AvroCodec::new("event", schema).unwrap();
+    let encoded = |symbol, px| codec.encode(&Quote { symbol, px }).unwrap();
+    h.pipe_bytes("quotes.in", &encoded("ACME", 101.5)).await;
+    h.pipe_bytes("quotes.in", b"{\"symbol\": \"not avro\"}")
+        .await;
+    h.pipe_bytes("quotes.in", &encoded("INIT", 7.25)).await;
+    let quote = json!({"symbol": "ACME", "px": 101.5});
+    let later = json!({"symbol": "INIT", "px": 7.25});
+    eventually("both records out", || async {
+        h.outputs("quotes.out").len() == 2
+    })
+    .await;
+    assert_eq!(inputs(&h.outputs("quotes.out"), "a"), [quote, later]);
+    let rejected = h.broker.messages("quotes.rejected");
+    assert_eq!(rejected.len(), 1);
+    assert_eq!(&rejected[0].payload[..], b"{\"symbol\": \"not avro\"}");
+    assert!(rejected[0].header("weir-error").is_some());
+    assert!(h.broker.messages("quotes.in.dlq").is_empty());
 }

@@ -1159,6 +1159,48 @@ async fn a_result_on_another_tenants_results_topic_is_not_applied(env: &Env) {
     assert_eq!(execution.context, json!({}), "{summary}");
 }
 
+/// A result names its task by workflow: one naming another workflow's task of the same
+/// name, with this execution's id, is not applied to it; nor is one whose namespace is
+/// not `tenant::package::workflow::task`.
+async fn a_result_naming_another_workflows_task_is_not_applied(env: &Env) {
+    let executor = env.name("unserved");
+    let one = flow(&env.name("one"), vec![task("t", "builtin::echo")]);
+    let other = flow(&env.name("other"), vec![task("t", "builtin::echo")]);
+    let manager = env.state_manager(
+        &[one.clone(), other.clone()],
+        Router::new(Vec::new(), &executor).unwrap(),
+    );
+    let victim = manager.start(&other.name, json!({})).await.unwrap();
+    manager
+        .apply_result(&completed(&one, &victim, "t", json!({"forged": true})))
+        .await
+        .unwrap();
+    let refused = manager
+        .apply_result(&completed_as(&victim, "t", json!({"forged": true})))
+        .await;
+    assert!(
+        matches!(refused, Err(weir::dispatch::DispatchError::BadNamespace(_))),
+        "{refused:?}"
+    );
+    let execution = env
+        .store
+        .get_workflow_execution(&victim)
+        .await
+        .unwrap()
+        .unwrap();
+    let summary = execution.summary();
+    assert_eq!(execution.status, RunStatus::Running, "{summary}");
+    assert_eq!(summary["tasks"]["t"]["status"], "ready", "{summary}");
+    assert_eq!(execution.context, json!({}), "{summary}");
+    manager
+        .apply_result(&completed(&other, &victim, "t", json!({"genuine": true})))
+        .await
+        .unwrap();
+    let done = env.finished(&victim, WAIT).await;
+    assert_eq!(done.status, RunStatus::Completed, "{}", done.summary());
+    assert_eq!(done.context, json!({"genuine": true}));
+}
+
 /// Tasks longer than the broker's patience with a silent consumer (Kafka's
 /// `max.poll.interval.ms`, JetStream's ack wait), on two workers with one slot each: what
 /// a worker has read ahead, or is running, is never handed to the other worker
@@ -1272,6 +1314,11 @@ macro_rules! suite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn results_on_another_tenants_topic() {
             a_result_on_another_tenants_results_topic_is_not_applied(&$env).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn results_naming_another_workflow() {
+            a_result_naming_another_workflows_task_is_not_applied(&$env).await;
         }
     };
 }

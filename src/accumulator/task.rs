@@ -652,8 +652,8 @@ impl AccumulatorTask {
         run.unstored.push_back((version, broker_positions));
     }
 
-    /// Stopping: the positions the reactor makes durable as it stops (its last fires, its
-    /// last snapshot) are checkpointed and committed before the accumulator ends. Topic
+    /// Stopping: the positions the reactor makes durable as it stops (through its last
+    /// snapshot, which counts its last fires) are checkpointed and committed before the accumulator ends. Topic
     /// checkpoints are spaced out while running; without this, a restart would re-read up
     /// to one interval of events only to drop them as repeats.
     async fn store_last_checkpoint(

@@ -1147,16 +1147,21 @@ impl Config {
                 ));
             }
         }
-        // A graph's inputs are acknowledged through its stored cache snapshots: spaced
-        // past the ack wait, JetStream would deliver every input a second time.
+        // A graph's inputs are acknowledged once a stored cache snapshot holds them and
+        // the checkpoint after it is stored: were the two intervals together not well
+        // within the ack wait, JetStream would deliver inputs a second time.
         if self.broker.kind == BrokerKind::Nats && self.broker.jetstream {
             for (i, g) in self.graphs.iter().enumerate() {
-                if g.snapshot_interval_ms >= self.broker.ack_wait_ms {
+                let lag = g
+                    .snapshot_interval_ms
+                    .saturating_add(g.checkpoint_interval_ms);
+                if lag.saturating_mul(2) > self.broker.ack_wait_ms {
                     errors.push(invalid(
                         format!("graph[{i}].snapshot_interval_ms"),
                         format!(
-                            "must be below broker.ack_wait_ms ({}): inputs are acknowledged \
-                             only once a stored cache snapshot holds them",
+                            "with checkpoint_interval_ms must add up to at most half of \
+                             broker.ack_wait_ms ({}): inputs are acknowledged only once a \
+                             stored cache snapshot holds them",
                             self.broker.ack_wait_ms
                         ),
                     ));
@@ -1760,8 +1765,11 @@ format = "json"
         let err = parse(&text, &[]).unwrap_err().to_string();
         assert!(err.contains("graph[0].snapshot_interval_ms"), "{err}");
         assert!(err.contains("broker.ack_wait_ms (5000)"), "{err}");
-        let shorter = text.replace("snapshot_interval_ms = 5000", "snapshot_interval_ms = 4999");
+        // With the checkpoint interval's default of 100 ms.
+        let shorter = text.replace("snapshot_interval_ms = 5000", "snapshot_interval_ms = 2400");
         parse(&shorter, &[]).unwrap();
+        let longer = text.replace("snapshot_interval_ms = 5000", "snapshot_interval_ms = 2401");
+        assert!(parse(&longer, &[]).is_err());
         // Core NATS acknowledges nothing.
         let core = text.replace(
             "ack_wait_ms = 5000",

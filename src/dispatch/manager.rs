@@ -113,14 +113,6 @@ impl Default for DispatchSettings {
 /// tenant of both, see [`Workflow::topic`]).
 pub use crate::wire::workflow_start_topic;
 
-/// The tenant a task namespace (`tenant::package::workflow::task`) belongs to.
-fn namespace_tenant(namespace: &str) -> Option<&str> {
-    namespace
-        .split("::")
-        .next()
-        .and_then(crate::tenant::of_namespace_segment)
-}
-
 /// Task execution id: the execution and the task.
 pub fn task_execution_id(execution: &str, task: &str) -> String {
     format!("{execution}/{task}")
@@ -252,12 +244,12 @@ impl StateManager {
 
     /// Applies a worker's result and publishes what became ready.
     pub async fn apply_result(&self, result: &ExecutionResult) -> Result<(), DispatchError> {
-        let task = result
-            .namespace
-            .rsplit("::")
-            .next()
-            .unwrap_or_default()
-            .to_string();
+        let Some((tenant, workflow_name, task)) = split_namespace(&result.namespace) else {
+            return Err(DispatchError::BadNamespace(result.namespace.clone()));
+        };
+        // The workflow the result names, tenant-qualified as executions name theirs.
+        let named_workflow = crate::tenant::key(tenant, workflow_name);
+        let task = task.to_string();
         let reported = match result.status.as_str() {
             "completed" => Reported::Completed(
                 result
@@ -287,8 +279,10 @@ impl StateManager {
                 warn!(execution = %result.execution_id, "result for an unknown workflow execution; dropped");
                 return Ok(());
             };
-            if namespace_tenant(&result.namespace) != crate::tenant::of_key(&execution.workflow) {
-                warn!(execution = %execution.id, namespace = %result.namespace, "result names another tenant than its execution's; dropped");
+            // A result names its task by workflow: one naming another workflow (another
+            // tenant's, or one with a task of the same name) is not this execution's.
+            if named_workflow != execution.workflow {
+                warn!(execution = %execution.id, workflow = %execution.workflow, namespace = %result.namespace, "result names another workflow than its execution's; dropped");
                 return Ok(());
             }
             let Some(spec) = self.workflow(&execution.workflow) else {

@@ -39,6 +39,8 @@ pub struct ReactorConfig {
     /// Fires whose outputs may await acknowledgement at once.
     pub max_in_flight: usize,
     /// Least time between cache snapshots to the store; zero snapshots after every batch.
+    /// Inputs are committed only through stored snapshots, so this also bounds how far
+    /// commits lag; a snapshot is due sooner once many inputs (50,000) wait for one.
     pub snapshot_interval: Duration,
     /// Least time between the starts of the checkpoint writes of an accumulator reading
     /// a topic (its positions are committed to the broker after each); zero writes each

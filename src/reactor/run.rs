@@ -333,11 +333,11 @@ impl Reactor {
         if self.snapshot_pending || !self.unacknowledged.is_empty() {
             self.snapshot();
         }
-        if self.snapshots.flush(FINAL_SNAPSHOT_WAIT).await {
-            self.snapshot_stored(self.snapshots.written());
-        } else {
+        if !self.snapshots.flush(FINAL_SNAPSHOT_WAIT).await {
             warn!(graph = %self.graph, "the last cache snapshot was not stored; the next run replays from the last one stored");
         }
+        // What was stored, the last or an earlier one, counts either way.
+        self.snapshot_stored(self.snapshots.written());
         self.publish_progress();
     }
 
@@ -362,7 +362,9 @@ impl Reactor {
     }
 
     fn should_fire(&self) -> bool {
-        matches!(self.state, ReactorState::Live | ReactorState::Degraded)
+        // Stopping: no new fire, so one given up meanwhile is requeued behind none newer.
+        !self.cancel.is_cancelled()
+            && matches!(self.state, ReactorState::Live | ReactorState::Degraded)
             && !self.paused
             && self.in_flight.len() < self.config.max_in_flight
             && self.cache.ready(self.config.criteria)
@@ -407,6 +409,9 @@ impl Reactor {
             }
             Inserted::Duplicate => {
                 self.stats.duplicate_dropped();
+                // A repeat's position is committed through a snapshot too: a replay of
+                // repeats alone must not wait for a new event to be committed.
+                self.snapshot_pending = true;
                 // The slot this boundary took is free again.
                 self.permits_pending[source] += 1;
                 false
@@ -587,6 +592,9 @@ impl Reactor {
     /// consumers already saw on other outputs.
     fn acknowledged(&mut self) {
         self.unacknowledged.pop_front();
+        // The last snapshot may hold the fire as requeued: until one counts it as done,
+        // a restart would make it again.
+        self.snapshot_pending = true;
     }
 
     /// Tells accumulators what became durable and which queue slots are free.
