@@ -50,4 +50,12 @@ pub trait RecoveryLog: Send + Sync {
         graph: Option<&str>,
         limit: usize,
     ) -> Result<Vec<RecoveryEvent>, StoreError>;
+
+    /// Newest first, of `tenant`'s graphs only: kept apart from every graph's list, so
+    /// other tenants' events never crowd a tenant's out of it.
+    async fn tenant_recovery_events(
+        &self,
+        tenant: &str,
+        limit: usize,
+    ) -> Result<Vec<RecoveryEvent>, StoreError>;
 }

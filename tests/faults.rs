@@ -847,6 +847,77 @@ async fn a_cron_master_cut_off_from_redis_stops_at_most_once_ticks_within_its_tt
     let _ = tokio::join!(master, standby);
 }
 
+/// Redis cut off under a running graph, for less than its lease's time to live: fires
+/// go on, while no source position is committed to the broker, since none could be
+/// stored first; once Redis is back the positions are stored, then committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_redis_is_cut_off_fires_go_on_and_the_broker_position_waits() {
+    use common::servers::Proxy;
+    use weir::store::CheckpointStore;
+    let redis_server = Server::redis();
+    let proxy = Proxy::start(redis_server.port).await;
+    let prefix = services::unique("faults");
+    let store = Arc::new(
+        weir::store::redis::RedisStore::connect(
+            &format!("redis://127.0.0.1:{}", proxy.port),
+            &prefix,
+        )
+        .await
+        .unwrap(),
+    );
+    let memory = weir::transport::memory::MemoryBroker::default();
+    let broker: Arc<dyn Broker> = Arc::new(memory.clone());
+    let runtime = Runtime {
+        broker: broker.clone(),
+        store: store.clone(),
+        node_id: "cut".into(),
+    };
+    let cancel = CancellationToken::new();
+    let policy = SupervisionPolicy {
+        backoff_base: Duration::from_millis(200),
+        ..SupervisionPolicy::default()
+    };
+    let supervisor = Supervisor::new(runtime, policy, cancel.clone());
+    let decl = padding_graph(&prefix);
+    let (graph_key, group) = (decl.key(), decl.source_group(0));
+    let graph = supervisor.spawn(decl).unwrap();
+    graph.wait_for_state(weir::ReactorState::Live).await;
+    let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
+    let committed = || memory.committed(&input, &group);
+    let out = || ids(&memory.messages(&output));
+    publish_ids(&broker, &input, 0..10).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while committed() != vec![10] {
+        assert!(Instant::now() < deadline, "committed {:?}", committed());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    proxy.cut();
+    publish_ids(&broker, &input, 10..30).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while out() != (0..30).collect::<BTreeSet<u64>>() {
+        assert!(Instant::now() < deadline, "fired {:?}", out());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Time for any commit that would come.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(committed(), vec![10], "committed before it was stored");
+    proxy.heal();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while committed() != vec![30] {
+        assert!(Instant::now() < deadline, "committed {:?}", committed());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let checkpoint = store
+        .load_checkpoint(&graph_key, "a")
+        .await
+        .unwrap()
+        .expect("stored");
+    assert_eq!(checkpoint.positions[0].offset, 29);
+    assert_eq!(memory.messages(&output).len(), 30, "nothing fired twice");
+    cancel.cancel();
+    supervisor.shutdown().await;
+}
+
 /// A graph's lease holder whose Redis goes away (the connection cut, the server fine)
 /// stops firing once its lease's deadline passes, since another node may hold the graph
 /// by then, and takes the graph up again under a newer fencing token once Redis is

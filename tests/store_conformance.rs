@@ -54,7 +54,8 @@ macro_rules! store_conformance {
                 round_trip,
                 a_deposed_holders_writes_are_refused);
             store_conformance!(@role $open; recovery:
-                newest_first_and_filtered_by_graph);
+                newest_first_and_filtered_by_graph,
+                a_tenants_events_are_not_crowded_out_by_anothers);
             store_conformance!(@role $open; lease:
                 held_by_one_renewed_and_released_by_its_holder_only,
                 expiry_hands_over_with_a_larger_token,
@@ -262,6 +263,52 @@ mod cases {
             let all = store.recovery_events(None, 100).await.unwrap();
             assert_eq!(all.len(), 3);
             assert!(all.iter().any(|e| e.graph == "other"));
+        }
+
+        /// A tenant's events are kept apart: another tenant's 10,000 newer ones, more
+        /// than every graph's list keeps, leave them listed, and no one else's is.
+        pub async fn a_tenants_events_are_not_crowded_out_by_anothers(store: Arc<dyn Store>) {
+            let event = |graph: &str, attempt| RecoveryEvent {
+                graph: graph.to_string(),
+                component: "reactor".into(),
+                action: RecoveryAction::GraphRespawned,
+                attempt,
+                error: "boom".into(),
+                at_ms: 10,
+                node_id: "n1".into(),
+            };
+            for (graph, attempt) in [("acme/a", 1), ("plain", 1), ("acme/b", 2)] {
+                store.record_recovery(&event(graph, attempt)).await.unwrap();
+            }
+            for attempt in 0..10_000 {
+                store
+                    .record_recovery(&event("globex/a", attempt))
+                    .await
+                    .unwrap();
+            }
+            let acme = store.tenant_recovery_events("acme", 10).await.unwrap();
+            assert_eq!(
+                acme.iter()
+                    .map(|e| (e.graph.as_str(), e.attempt))
+                    .collect::<Vec<_>>(),
+                [("acme/b", 2), ("acme/a", 1)]
+            );
+            assert_eq!(
+                store.tenant_recovery_events("acme", 1).await.unwrap().len(),
+                1
+            );
+            let globex = store.tenant_recovery_events("globex", 3).await.unwrap();
+            assert!(globex.iter().all(|e| e.graph == "globex/a"), "{globex:?}");
+            assert!(store
+                .tenant_recovery_events("initech", 10)
+                .await
+                .unwrap()
+                .is_empty());
+            let all = store.recovery_events(None, 20_000).await.unwrap();
+            assert!(
+                all.iter().all(|e| e.graph == "globex/a"),
+                "crowded out there"
+            );
         }
     }
 

@@ -40,13 +40,7 @@ async fn list(
         None => None,
     };
     let events = match (&scope, &graph) {
-        // Every graph's events, narrowed to the tenant's: read them all, then filter.
-        (Scope::Tenant(_), None) => {
-            let mut events = store.recovery_events(None, MAX_LIMIT).await?;
-            events.retain(|e| scope.sees(&e.graph));
-            events.truncate(limit);
-            events
-        }
+        (Scope::Tenant(tenant), None) => store.tenant_recovery_events(tenant, limit).await?,
         _ => store.recovery_events(graph.as_deref(), limit).await?,
     };
     Ok(Json(to_json(&events)))

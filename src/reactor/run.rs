@@ -107,6 +107,9 @@ pub(crate) struct Reactor {
     /// Boundaries of fires given up at shutdown while their graph was being retried: stored
     /// as not yet consumed, so the next run fires them again.
     abandoned: Vec<Consumed>,
+    /// A fire was given up as the reactor stops (a plain flag: the token's own check
+    /// takes a lock, too dear for every turn of the firing loop).
+    fire_given_up: bool,
     cancel: CancellationToken,
     stats: Arc<GraphStats>,
     clock: FireClock,
@@ -225,6 +228,7 @@ impl Reactor {
             in_flight: FuturesOrdered::new(),
             unacknowledged: VecDeque::new(),
             abandoned: Vec::new(),
+            fire_given_up: false,
             cancel: CancellationToken::new(),
             stats,
             clock: FireClock::new(),
@@ -362,8 +366,7 @@ impl Reactor {
     }
 
     fn should_fire(&self) -> bool {
-        // Stopping: no new fire, so one given up meanwhile is requeued behind none newer.
-        !self.cancel.is_cancelled()
+        !self.fire_given_up
             && matches!(self.state, ReactorState::Live | ReactorState::Degraded)
             && !self.paused
             && self.in_flight.len() < self.config.max_in_flight
@@ -455,8 +458,11 @@ impl Reactor {
             self.stats.fire_failed();
             tokio::select! {
                 _ = self.cancel.cancelled() => {
-                    // Shutting down: the inputs go back to the stored cache unconsumed.
+                    // Shutting down: the inputs go back to the stored cache unconsumed,
+                    // and no fire starts after this one, which would be requeued ahead
+                    // of it.
                     self.abandoned.push(consumed);
+                    self.fire_given_up = true;
                     return Ok(FireReport { fire, outputs: 0 });
                 }
                 _ = tokio::time::sleep(delay) => {}

@@ -44,6 +44,8 @@ struct State {
     checkpoints: HashMap<(String, String), Checkpoint>,
     caches: HashMap<String, CacheSnapshot>,
     recoveries: VecDeque<RecoveryEvent>,
+    /// Per tenant, its graphs' events.
+    tenant_recoveries: HashMap<String, VecDeque<RecoveryEvent>>,
     leases: HashMap<String, HeldLease>,
     fencing: HashMap<String, u64>,
     schedules: std::collections::BTreeMap<String, Schedule>,

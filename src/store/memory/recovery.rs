@@ -5,11 +5,21 @@ use super::*;
 #[async_trait]
 impl RecoveryLog for MemoryStore {
     async fn record_recovery(&self, event: &RecoveryEvent) -> Result<(), StoreError> {
-        let mut state = self.state();
-        if state.recoveries.len() == RECOVERY_EVENTS_KEPT {
-            state.recoveries.pop_front();
+        let mut guard = self.state();
+        // Through the guard once, so the two lists borrow apart.
+        let state = &mut *guard;
+        let tenant_list = crate::tenant::of_key(&event.graph).map(|tenant| {
+            state
+                .tenant_recoveries
+                .entry(tenant.to_string())
+                .or_default()
+        });
+        for list in std::iter::once(&mut state.recoveries).chain(tenant_list) {
+            if list.len() == RECOVERY_EVENTS_KEPT {
+                list.pop_front();
+            }
+            list.push_back(event.clone());
         }
-        state.recoveries.push_back(event.clone());
         Ok(())
     }
 
@@ -27,5 +37,18 @@ impl RecoveryLog for MemoryStore {
             .take(limit)
             .cloned()
             .collect())
+    }
+
+    async fn tenant_recovery_events(
+        &self,
+        tenant: &str,
+        limit: usize,
+    ) -> Result<Vec<RecoveryEvent>, StoreError> {
+        Ok(self
+            .state()
+            .tenant_recoveries
+            .get(tenant)
+            .map(|list| list.iter().rev().take(limit).cloned().collect())
+            .unwrap_or_default())
     }
 }

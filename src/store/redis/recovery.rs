@@ -14,14 +14,18 @@ impl RecoveryLog for RedisStore {
         })?;
         let per_graph = self.key(&["recovery", &event.graph]);
         let all = self.key(&["recovery"]);
+        let per_tenant = crate::tenant::of_key(&event.graph).map(|t| self.tenant_list(t));
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        for list in [Some(&per_graph), Some(&all), per_tenant.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            pipe.lpush(list, &text)
+                .ltrim(list, 0, RECOVERY_EVENTS_KEPT - 1);
+        }
         let mut c = self.connection.clone();
-        redis::pipe()
-            .atomic()
-            .lpush(&per_graph, &text)
-            .ltrim(&per_graph, 0, RECOVERY_EVENTS_KEPT - 1)
-            .lpush(&all, &text)
-            .ltrim(&all, 0, RECOVERY_EVENTS_KEPT - 1)
-            .query_async::<()>(&mut c)
+        pipe.query_async::<()>(&mut c)
             .await
             .map_err(|e| store_error("LPUSH", e))
     }
@@ -38,6 +42,34 @@ impl RecoveryLog for RedisStore {
             Some(g) => self.key(&["recovery", g]),
             None => self.key(&["recovery"]),
         };
+        self.recovery_list(key, limit).await
+    }
+
+    async fn tenant_recovery_events(
+        &self,
+        tenant: &str,
+        limit: usize,
+    ) -> Result<Vec<RecoveryEvent>, StoreError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        self.recovery_list(self.tenant_list(tenant), limit).await
+    }
+}
+
+impl RedisStore {
+    /// The list of a tenant's graphs' recovery events (apart from `recovery:<graph>`,
+    /// whose second segment is a graph key).
+    fn tenant_list(&self, tenant: &str) -> String {
+        self.key(&["recovery-tenant", tenant])
+    }
+
+    /// The newest `limit` events of the list at `key`.
+    async fn recovery_list(
+        &self,
+        key: String,
+        limit: usize,
+    ) -> Result<Vec<RecoveryEvent>, StoreError> {
         let mut c = self.connection.clone();
         let raw: Vec<String> = c
             .lrange(&key, 0, limit as isize - 1)
