@@ -847,9 +847,9 @@ async fn a_cron_master_cut_off_from_redis_stops_at_most_once_ticks_within_its_tt
     let _ = tokio::join!(master, standby);
 }
 
-/// Redis cut off under a running graph, for less than its lease's time to live: fires
-/// go on, while no source position is committed to the broker, since none could be
-/// stored first; once Redis is back the positions are stored, then committed.
+/// Redis cut off under a running graph (one without a lease): fires go on, while no
+/// source position is committed to the broker, since none could be stored first; once
+/// Redis is back the positions are stored, then committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_redis_is_cut_off_fires_go_on_and_the_broker_position_waits() {
     use common::servers::Proxy;
@@ -1133,6 +1133,110 @@ fn a_kafka_consumer_let_go_while_its_broker_is_paused_holds_up_no_shutdown() {
         outcome.is_ok(),
         "the runtime's shutdown waited for a consumer leaving a paused broker's group"
     );
+}
+
+/// A Kafka consumer let go leaves its group, so the partitions it read pass to the other
+/// member without waiting for its session (60 s here) to time out: what the way out of
+/// every `weir` command relies on. (The broker the tests run on completes each join of a
+/// group half a session after it begins, so "at once" is about 30 s here; a member that
+/// did not leave would hold its partitions for the whole session first.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_consumer_let_go_hands_its_partitions_over_before_its_session_times_out() {
+    let mut options = services::fast_group_options();
+    options.insert("session.timeout.ms".into(), "60000".into());
+    options.insert("max.poll.interval.ms".into(), "70000".into());
+    let broker: Arc<dyn Broker> = Arc::new(
+        KafkaBroker::connect(KafkaSettings {
+            brokers: services::kafka_brokers(),
+            partitions: 2,
+            options,
+            retention: Some(services::TEST_RETENTION),
+            ..KafkaSettings::default()
+        })
+        .expect("kafka client"),
+    );
+    let topic = services::unique("leave");
+    let subscription = Subscription::new(&topic, services::unique("leave-group"));
+    // Each member reports (member, partition, id) for every message it reads.
+    let (reads, mut read) = tokio::sync::mpsc::unbounded_channel::<(usize, i32, u64)>();
+    let mut members = Vec::new();
+    for member in 0..2 {
+        let mut source = broker.subscribe(&subscription).await.expect("subscribed");
+        let reads = reads.clone();
+        members.push(tokio::spawn(async move {
+            loop {
+                let message = match source.next().await {
+                    Ok(message) => message,
+                    Err(e) if e.is_retryable() => continue,
+                    Err(e) => panic!("member {member} cannot read: {e}"),
+                };
+                let id = serde_json::from_slice::<Value>(&message.payload)
+                    .ok()
+                    .and_then(|v| v["id"].as_u64())
+                    .expect("an id");
+                if reads
+                    .send((member, message.position.partition, id))
+                    .is_err()
+                {
+                    break;
+                }
+            }
+        }));
+    }
+    let sink = broker.sink();
+    let mut next_id = 0u64;
+    let mut publish = || {
+        let id = next_id;
+        next_id += 1;
+        let message = Outbound {
+            key: Some(format!("k{id}").into_bytes().into()),
+            ..Outbound::new(&topic, json!({"id": id}).to_string())
+        };
+        let sink = sink.clone();
+        async move {
+            sink.publish(message).await.expect("published");
+            id
+        }
+    };
+    // Until each member reads a partition of its own (the group has settled: a join or
+    // two, each half a session).
+    let mut latest: [Option<i32>; 2] = [None, None];
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !matches!(latest, [Some(a), Some(b)] if a != b) {
+        assert!(
+            Instant::now() < deadline,
+            "the group did not settle: {latest:?}"
+        );
+        publish().await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        while let Ok((member, partition, _)) = read.try_recv() {
+            latest[member] = Some(partition);
+        }
+    }
+    let left = latest[0].expect("read");
+    // Aborted, the task drops its source, whose consumer closes.
+    members.remove(0).abort();
+    let let_go_at = publish().await;
+    // Before the 60 s session is out, the survivor reads what comes to the partition left.
+    let deadline = Instant::now() + Duration::from_secs(50);
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "partition {left} was not handed over within 50 s"
+        );
+        publish().await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut handed = false;
+        while let Ok((member, partition, id)) = read.try_recv() {
+            handed |= member == 1 && partition == left && id >= let_go_at;
+        }
+        if handed {
+            break;
+        }
+    }
+    for member in members {
+        member.abort();
+    }
 }
 
 /// A `weir` process a test started: killed, should the test end before the process does.

@@ -42,6 +42,8 @@ const FINAL_SNAPSHOT_WAIT: std::time::Duration = std::time::Duration::from_secs(
 /// to a reader holding too much unacknowledged (JetStream: 100,000 messages): a long
 /// interval must not stall the graph.
 const SNAPSHOT_AFTER_INPUTS: usize = 50_000;
+/// A stopping reactor starts at most this many fires more in one turn.
+const STOP_CHECK_EVERY: u32 = 64;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReactorError {
@@ -262,9 +264,17 @@ impl Reactor {
         let mut timer_armed = false;
         let turns: Result<(), ReactorError> = async {
             loop {
+                let mut fired: u32 = 0;
                 while self.should_fire() {
+                    // Stopping: no more fires than a few, however long the queues are, so
+                    // the final snapshot comes in time (looked at every so often: the
+                    // token's check takes a lock).
+                    if fired > 0 && fired % STOP_CHECK_EVERY == 0 && cancel.is_cancelled() {
+                        break;
+                    }
                     let (values, taken) = self.cache.take();
                     self.fire(values, taken, FireReason::Criteria).await?;
+                    fired += 1;
                 }
                 self.publish_progress();
                 self.report_queues();
