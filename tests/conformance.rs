@@ -354,6 +354,94 @@ mod services {
         }
     }
 
+    /// JetStream delivers a message again once its ack wait passes unacknowledged; a
+    /// graph acknowledges its inputs only through a stored cache snapshot and the
+    /// checkpoint after it, so a graph whose two intervals are not well within the wait
+    /// is refused when it is spawned, as the config refuses it, whoever built it.
+    #[tokio::test]
+    async fn a_graph_acknowledging_past_the_jetstream_ack_wait_is_refused() {
+        use tokio_util::sync::CancellationToken;
+        use weir::supervisor::SupervisorError;
+        use weir::transport::nats::{NatsBroker, NatsSettings};
+        use weir::{
+            AccumulatorSpec, GraphBuilder, ReactorConfig, Runtime, SupervisionPolicy, Supervisor,
+        };
+        let graph = |name: &str, snapshot_ms: u64, accumulator: AccumulatorSpec| {
+            GraphBuilder::new(name)
+                .reactor(ReactorConfig {
+                    snapshot_interval: Duration::from_millis(snapshot_ms),
+                    checkpoint_interval: Duration::from_millis(500),
+                    ..ReactorConfig::default()
+                })
+                .accumulator(accumulator)
+                .node("n", ["a"], |ctx: weir::graph::NodeContext| async move {
+                    Ok(ctx.source("a").cloned())
+                })
+                .output("n", format!("{name}.out"))
+                .build()
+                .expect("valid graph")
+        };
+        for jetstream in [true, false] {
+            let broker = NatsBroker::connect(NatsSettings {
+                url: services::nats_url(),
+                jetstream,
+                ack_wait: Duration::from_secs(5),
+                retention: Some(services::TEST_RETENTION),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            let supervisor = Supervisor::new(
+                Runtime {
+                    broker: Arc::new(broker),
+                    store: Arc::new(weir::store::memory::MemoryStore::new()),
+                    node_id: "ack-wait".into(),
+                },
+                SupervisionPolicy::default(),
+                CancellationToken::new(),
+            );
+            let subject = services::unique("conf.ackwait.");
+            let reading = |name: &str, snapshot_ms| {
+                graph(
+                    name,
+                    snapshot_ms,
+                    AccumulatorSpec::passthrough("a").topic(&subject),
+                )
+            };
+            // 2 × (2,000 + 500) ms is the 5 s ack wait: accepted.
+            supervisor
+                .spawn(reading("within", 2000))
+                .expect("within the ack wait");
+            // 2 × (2,001 + 500) ms is past it.
+            let refused = supervisor.spawn(reading("past", 2001));
+            if jetstream {
+                match refused {
+                    Err(SupervisorError::AcknowledgedTooLate { graph, wait, .. }) => {
+                        assert_eq!(graph, "past");
+                        assert_eq!(wait, Duration::from_secs(5));
+                    }
+                    other => panic!("spawned past the ack wait: {:?}", other.err()),
+                }
+            } else {
+                // Core NATS delivers once: no wait to keep within.
+                refused.expect("core NATS redelivers nothing");
+            }
+            // A graph fed only by pushes reads nothing from the broker.
+            supervisor
+                .spawn(graph("pushed", 60_000, AccumulatorSpec::passthrough("a")))
+                .expect("a push-only graph");
+            supervisor.shutdown().await;
+            if jetstream {
+                // The stream the graphs' sources may have made.
+                let client = async_nats::connect(services::nats_url()).await.unwrap();
+                let js = async_nats::jetstream::new(client);
+                let _ = js
+                    .delete_stream(weir::transport::nats::stream_name(&subject))
+                    .await;
+            }
+        }
+    }
+
     /// Topics weir creates carry the configured `retention.ms`.
     #[tokio::test]
     async fn kafka_topics_weir_creates_have_the_configured_retention() {

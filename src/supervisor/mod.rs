@@ -14,6 +14,7 @@ mod runtime;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use serde_json::Value;
 use tokio::sync::{mpsc, watch, Notify};
@@ -73,6 +74,16 @@ pub enum SupervisorError {
     DuplicateGraph(String),
     #[error("the supervisor is shutting down")]
     ShuttingDown,
+    #[error(
+        "graph {graph}: its snapshot and checkpoint intervals add up to {lag:?}, more than \
+         half of the broker's redelivery wait ({wait:?}); its inputs, acknowledged only once \
+         a stored cache snapshot holds them, would be delivered again"
+    )]
+    AcknowledgedTooLate {
+        graph: String,
+        lag: Duration,
+        wait: Duration,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -145,6 +156,20 @@ impl Supervisor {
         let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
         if graphs.contains_key(&decl.key()) {
             return Err(SupervisorError::DuplicateGraph(decl.key()));
+        }
+        let reads_the_broker = decl
+            .accumulators
+            .iter()
+            .any(|a| matches!(a.source, SourceSpec::Topic { .. }));
+        if let Some(wait) = self.runtime.broker.redelivery_wait() {
+            let lag = decl.reactor.snapshot_interval + decl.reactor.checkpoint_interval;
+            if reads_the_broker && lag * 2 > wait {
+                return Err(SupervisorError::AcknowledgedTooLate {
+                    graph: decl.key(),
+                    lag,
+                    wait,
+                });
+            }
         }
         let sources: Vec<&str> = decl.accumulators.iter().map(|a| a.name.as_str()).collect();
         let stats = Arc::new(GraphStats::new(&decl.key(), &sources));

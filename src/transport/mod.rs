@@ -13,6 +13,7 @@ mod setup;
 
 use std::borrow::Cow;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -456,6 +457,14 @@ pub trait Broker: Send + Sync {
 
     /// Succeeds when the broker answers.
     async fn ping(&self) -> Result<(), TransportError>;
+
+    /// How long the broker waits for a delivered message's acknowledgement before it
+    /// delivers the message again, where it does (JetStream's ack wait). A graph
+    /// acknowledges its inputs only once a stored cache snapshot holds them, so its
+    /// snapshot and checkpoint intervals must stay well within this.
+    fn redelivery_wait(&self) -> Option<Duration> {
+        None
+    }
 }
 
 /// Opens a source afresh, each time an accumulator (re)starts.

@@ -582,6 +582,10 @@ impl Broker for NatsBroker {
         "nats"
     }
 
+    fn redelivery_wait(&self) -> Option<Duration> {
+        self.inner.jetstream.as_ref().map(|_| self.inner.ack_wait)
+    }
+
     async fn subscribe(
         &self,
         subscription: &Subscription,
