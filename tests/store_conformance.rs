@@ -985,3 +985,51 @@ mod cases {
         }
     }
 }
+
+/// A Redis store written to before recovery events were kept per tenant holds a tenant's
+/// earlier events only in the list of all: a tenant's view lists them after the ones
+/// recorded since, newest first, and another tenant's none of them.
+#[cfg(feature = "it")]
+#[tokio::test]
+async fn a_tenants_recovery_events_from_before_its_own_list_are_still_listed() {
+    use weir::store::{RecoveryAction, RecoveryEvent};
+    let opened = redis().await;
+    let prefix = opened.prefix.clone().expect("a prefix");
+    let event = |graph: &str, at_ms| RecoveryEvent {
+        graph: graph.to_string(),
+        component: "reactor".into(),
+        action: RecoveryAction::GraphRespawned,
+        attempt: 1,
+        error: "boom".into(),
+        at_ms,
+        node_id: "n1".into(),
+    };
+    // Recorded as the store did before: onto the list of all and the graph's only.
+    let client = redis::Client::open(common::services::redis_url()).expect("redis url");
+    let mut connection = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis reachable");
+    for (graph, at_ms) in [("acme/a", 1), ("globex/a", 2), ("acme/b", 3)] {
+        let text = serde_json::to_string(&event(graph, at_ms)).unwrap();
+        let _: () = redis::cmd("LPUSH")
+            .arg(format!("{prefix}:recovery"))
+            .arg(text)
+            .query_async(&mut connection)
+            .await
+            .expect("LPUSH");
+    }
+    let store = opened.store.clone();
+    store.record_recovery(&event("acme/a", 4)).await.unwrap();
+    store.record_recovery(&event("globex/a", 5)).await.unwrap();
+    let times = |events: Vec<RecoveryEvent>| events.iter().map(|e| e.at_ms).collect::<Vec<_>>();
+    let acme = store.tenant_recovery_events("acme", 10).await.unwrap();
+    assert_eq!(times(acme), [4, 3, 1]);
+    let acme = store.tenant_recovery_events("acme", 2).await.unwrap();
+    assert_eq!(times(acme), [4, 3]);
+    let globex = store.tenant_recovery_events("globex", 10).await.unwrap();
+    assert_eq!(times(globex), [5, 2]);
+    let initech = store.tenant_recovery_events("initech", 10).await.unwrap();
+    assert!(initech.is_empty());
+    opened.clean_up().await;
+}

@@ -53,7 +53,25 @@ impl RecoveryLog for RedisStore {
         if limit == 0 {
             return Ok(Vec::new());
         }
-        self.recovery_list(self.tenant_list(tenant), limit).await
+        let mut events = self.recovery_list(self.tenant_list(tenant), limit).await?;
+        if events.len() < limit {
+            // A store written to before the per-tenant lists holds the tenant's earlier
+            // events only in the list of all. Both lists get each event together, so the
+            // tenant's newest there are the ones just read, and the rest follow them;
+            // the two lists are read together, so an event recorded meanwhile shifts
+            // neither against the other.
+            let (own, all) = self.recovery_lists_together(tenant).await?;
+            let listed = own.len();
+            events = own;
+            events.extend(
+                all.into_iter()
+                    .filter(|e| crate::tenant::of_key(&e.graph) == Some(tenant))
+                    .skip(listed)
+                    .take(limit.saturating_sub(listed)),
+            );
+            events.truncate(limit);
+        }
+        Ok(events)
     }
 }
 
@@ -62,6 +80,23 @@ impl RedisStore {
     /// whose second segment is a graph key).
     fn tenant_list(&self, tenant: &str) -> String {
         self.key(&["recovery-tenant", tenant])
+    }
+
+    /// A tenant's list and the list of all, read in one transaction.
+    async fn recovery_lists_together(
+        &self,
+        tenant: &str,
+    ) -> Result<(Vec<RecoveryEvent>, Vec<RecoveryEvent>), StoreError> {
+        let (own_key, all_key) = (self.tenant_list(tenant), self.key(&["recovery"]));
+        let mut c = self.connection.clone();
+        let (own, all): (Vec<String>, Vec<String>) = redis::pipe()
+            .atomic()
+            .lrange(&own_key, 0, -1)
+            .lrange(&all_key, 0, -1)
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("LRANGE", e))?;
+        Ok((decode_events(&own_key, own)?, decode_events(&all_key, all)?))
     }
 
     /// The newest `limit` events of the list at `key`.
@@ -75,13 +110,18 @@ impl RedisStore {
             .lrange(&key, 0, limit as isize - 1)
             .await
             .map_err(|e| store_error("LRANGE", e))?;
-        raw.into_iter()
-            .map(|text| {
-                serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
-                    key: key.clone(),
-                    source: e.into(),
-                })
-            })
-            .collect()
+        decode_events(&key, raw)
     }
+}
+
+/// The events of the list at `key`, as stored there.
+fn decode_events(key: &str, raw: Vec<String>) -> Result<Vec<RecoveryEvent>, StoreError> {
+    raw.into_iter()
+        .map(|text| {
+            serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
+                key: key.to_string(),
+                source: e.into(),
+            })
+        })
+        .collect()
 }
