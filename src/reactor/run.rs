@@ -116,7 +116,8 @@ pub(crate) struct Reactor {
     stats: Arc<GraphStats>,
     clock: FireClock,
     snapshot_pending: bool,
-    /// Inputs cached since the last snapshot was taken.
+    /// Inputs taken in since the last snapshot was taken, repeats included (their
+    /// positions too are committed through it).
     unsnapshotted: usize,
     last_snapshot: Instant,
 }
@@ -423,8 +424,10 @@ impl Reactor {
             Inserted::Duplicate => {
                 self.stats.duplicate_dropped();
                 // A repeat's position is committed through a snapshot too: a replay of
-                // repeats alone must not wait for a new event to be committed.
+                // repeats alone must not wait for a new event to be committed, nor hold
+                // more unacknowledged than a broker delivers.
                 self.snapshot_pending = true;
+                self.unsnapshotted += 1;
                 // The slot this boundary took is free again.
                 self.permits_pending[source] += 1;
                 false
