@@ -654,6 +654,92 @@ async fn offsets_are_committed_only_after_outputs_are_durable() {
     );
 }
 
+/// Positions are committed only through stored cache snapshots; with a snapshot
+/// interval of an hour, a graph still snapshots once 50,000 inputs wait for one, so its
+/// commits go on and a broker limiting what a reader holds unacknowledged never stalls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graph_snapshotting_hourly_still_commits_every_50000_inputs() {
+    const INPUTS: u64 = 50_100;
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "hourly",
+        vec![AccumulatorSpec::passthrough("a").topic("hourly.in")],
+        ReactorConfig {
+            snapshot_interval: Duration::from_secs(3600),
+            ..config(Criteria::WhenAny, Strategy::Sequential)
+        },
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    for i in 0..INPUTS {
+        h.pipe_bytes("hourly.in", json!(i).to_string().as_bytes())
+            .await;
+    }
+    let committed = || h.broker.committed("hourly.in", "weir.hourly");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while committed().first().copied().unwrap_or(0) < 50_000 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "committed {:?} after {} fires",
+            committed(),
+            g.stats().fires
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(committed()[0] <= INPUTS as i64, "{:?}", committed());
+}
+
+/// Repeats are committed through snapshots too, and count towards the 50,000 inputs
+/// after which one is due: a replay of repeats alone, with an hourly snapshot interval,
+/// still commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_of_repeats_counts_towards_the_inputs_after_which_a_snapshot_is_due() {
+    const INPUTS: i64 = 30_000;
+    let h = Harness::new();
+    let armed = Arc::new(AtomicBool::new(true));
+    let flag = armed.clone();
+    let g = h.spawn(snapshot_graph(
+        "repeats",
+        vec![AccumulatorSpec::custom("a", move || PanicsOnce {
+            armed: flag.clone(),
+        })
+        .topic("repeats.in")],
+        ReactorConfig {
+            snapshot_interval: Duration::from_secs(3600),
+            ..config(Criteria::WhenAny, Strategy::Latest)
+        },
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    // Paused, nothing fires: the inputs wait for a snapshot to become durable.
+    g.reactor().pause().await.unwrap();
+    for i in 0..INPUTS {
+        h.pipe_bytes("repeats.in", json!(i).to_string().as_bytes())
+            .await;
+    }
+    let committed = || h.broker.committed("repeats.in", "weir.repeats");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while g.stats().boundaries < INPUTS as u64 {
+        assert!(tokio::time::Instant::now() < deadline, "{:?}", g.stats());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    settle().await;
+    assert_eq!(committed(), vec![0], "fewer than 50,000 inputs wait");
+    // The accumulator restarts and reads everything again: 30,000 repeats, the 20,000th
+    // of which is the 50,000th input since the last snapshot, so the snapshot after it
+    // commits the positions read again so far.
+    h.pipe_bytes("repeats.in", json!("poison").to_string().as_bytes())
+        .await;
+    while committed()[0] < 20_000 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "committed {:?}, {:?}",
+            committed(),
+            g.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(g.stats().duplicates >= 20_000, "{:?}", g.stats());
+}
+
 /// Node that panics when source `a` holds "boom".
 fn panicky_graph(name: &str) -> weir::GraphDeclaration {
     GraphBuilder::new(name)
