@@ -847,26 +847,57 @@ async fn a_cron_master_cut_off_from_redis_stops_at_most_once_ticks_within_its_tt
     let _ = tokio::join!(master, standby);
 }
 
+/// A Redis server of a test's own behind a proxy that can cut it off, a store on it
+/// under a fresh prefix, and a memory broker.
+struct CutOffRedis {
+    _server: Server,
+    proxy: common::servers::Proxy,
+    prefix: String,
+    store: Arc<weir::store::redis::RedisStore>,
+    memory: weir::transport::memory::MemoryBroker,
+    broker: Arc<dyn Broker>,
+}
+
+impl CutOffRedis {
+    async fn start() -> Self {
+        let server = Server::redis();
+        let proxy = common::servers::Proxy::start(server.port).await;
+        let prefix = services::unique("faults");
+        let store = Arc::new(
+            weir::store::redis::RedisStore::connect(
+                &format!("redis://127.0.0.1:{}", proxy.port),
+                &prefix,
+            )
+            .await
+            .unwrap(),
+        );
+        let memory = weir::transport::memory::MemoryBroker::default();
+        let broker: Arc<dyn Broker> = Arc::new(memory.clone());
+        Self {
+            _server: server,
+            proxy,
+            prefix,
+            store,
+            memory,
+            broker,
+        }
+    }
+}
+
 /// Redis cut off under a running graph (one without a lease): fires go on, while no
 /// source position is committed to the broker, since none could be stored first; once
 /// Redis is back the positions are stored, then committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_redis_is_cut_off_fires_go_on_and_the_broker_position_waits() {
-    use common::servers::Proxy;
     use weir::store::CheckpointStore;
-    let redis_server = Server::redis();
-    let proxy = Proxy::start(redis_server.port).await;
-    let prefix = services::unique("faults");
-    let store = Arc::new(
-        weir::store::redis::RedisStore::connect(
-            &format!("redis://127.0.0.1:{}", proxy.port),
-            &prefix,
-        )
-        .await
-        .unwrap(),
-    );
-    let memory = weir::transport::memory::MemoryBroker::default();
-    let broker: Arc<dyn Broker> = Arc::new(memory.clone());
+    let CutOffRedis {
+        _server,
+        proxy,
+        prefix,
+        store,
+        memory,
+        broker,
+    } = CutOffRedis::start().await;
     let runtime = Runtime {
         broker: broker.clone(),
         store: store.clone(),
@@ -924,21 +955,15 @@ async fn while_redis_is_cut_off_fires_go_on_and_the_broker_position_waits() {
 /// back. No input is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_graph_holder_cut_off_from_redis_stops_within_its_ttl_and_takes_the_graph_back() {
-    use common::servers::Proxy;
     const TTL: Duration = Duration::from_millis(1500);
-    let redis_server = Server::redis();
-    let proxy = Proxy::start(redis_server.port).await;
-    let prefix = services::unique("faults");
-    let store = Arc::new(
-        weir::store::redis::RedisStore::connect(
-            &format!("redis://127.0.0.1:{}", proxy.port),
-            &prefix,
-        )
-        .await
-        .unwrap(),
-    );
-    let memory = weir::transport::memory::MemoryBroker::default();
-    let broker: Arc<dyn Broker> = Arc::new(memory.clone());
+    let CutOffRedis {
+        _server,
+        proxy,
+        prefix,
+        store,
+        memory,
+        broker,
+    } = CutOffRedis::start().await;
     let runtime = Runtime {
         broker: broker.clone(),
         store,

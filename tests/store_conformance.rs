@@ -240,18 +240,22 @@ mod cases {
         use super::*;
         use weir::store::{RecoveryAction, RecoveryEvent};
 
+        /// A graph's respawn, its `attempt`-th.
+        pub fn event(graph: &str, attempt: u32) -> RecoveryEvent {
+            RecoveryEvent {
+                graph: graph.to_string(),
+                component: "reactor".into(),
+                action: RecoveryAction::GraphRespawned,
+                attempt,
+                error: "boom".into(),
+                at_ms: 10,
+                node_id: "n1".into(),
+            }
+        }
+
         pub async fn newest_first_and_filtered_by_graph(store: Arc<dyn Store>) {
             for (graph, attempt) in [("g", 1), ("other", 1), ("g", 2)] {
-                let event = RecoveryEvent {
-                    graph: graph.to_string(),
-                    component: "reactor".into(),
-                    action: RecoveryAction::GraphRespawned,
-                    attempt,
-                    error: "boom".into(),
-                    at_ms: 10,
-                    node_id: "n1".into(),
-                };
-                store.record_recovery(&event).await.unwrap();
+                store.record_recovery(&event(graph, attempt)).await.unwrap();
             }
             let mine = store.recovery_events(Some("g"), 10).await.unwrap();
             assert_eq!(
@@ -268,15 +272,6 @@ mod cases {
         /// A tenant's events are kept apart: another tenant's 10,000 newer ones, more
         /// than every graph's list keeps, leave them listed, and no one else's is.
         pub async fn a_tenants_events_are_not_crowded_out_by_anothers(store: Arc<dyn Store>) {
-            let event = |graph: &str, attempt| RecoveryEvent {
-                graph: graph.to_string(),
-                component: "reactor".into(),
-                action: RecoveryAction::GraphRespawned,
-                attempt,
-                error: "boom".into(),
-                at_ms: 10,
-                node_id: "n1".into(),
-            };
             for (graph, attempt) in [("acme/a", 1), ("plain", 1), ("acme/b", 2)] {
                 store.record_recovery(&event(graph, attempt)).await.unwrap();
             }
@@ -992,17 +987,12 @@ mod cases {
 #[cfg(feature = "it")]
 #[tokio::test]
 async fn a_tenants_recovery_events_from_before_its_own_list_are_still_listed() {
-    use weir::store::{RecoveryAction, RecoveryEvent};
+    use weir::store::RecoveryEvent;
     let opened = redis().await;
     let prefix = opened.prefix.clone().expect("a prefix");
     let event = |graph: &str, at_ms| RecoveryEvent {
-        graph: graph.to_string(),
-        component: "reactor".into(),
-        action: RecoveryAction::GraphRespawned,
-        attempt: 1,
-        error: "boom".into(),
         at_ms,
-        node_id: "n1".into(),
+        ..cases::recovery::event(graph, 1)
     };
     // Recorded as the store did before: onto the list of all and the graph's only.
     let client = redis::Client::open(common::services::redis_url()).expect("redis url");
