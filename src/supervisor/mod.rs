@@ -162,8 +162,11 @@ impl Supervisor {
             .iter()
             .any(|a| matches!(a.source, SourceSpec::Topic { .. }));
         if let Some(wait) = self.runtime.broker.redelivery_wait() {
-            let lag = decl.reactor.snapshot_interval + decl.reactor.checkpoint_interval;
-            if reads_the_broker && lag * 2 > wait {
+            let lag = decl
+                .reactor
+                .snapshot_interval
+                .saturating_add(decl.reactor.checkpoint_interval);
+            if reads_the_broker && lag.saturating_mul(2) > wait {
                 return Err(SupervisorError::AcknowledgedTooLate {
                     graph: decl.key(),
                     lag,
