@@ -28,6 +28,9 @@ struct Setup {
     partitions: i32,
     prefix: String,
     input: String,
+    /// A second source, `b`, joined with `a` under `when_all`: every id is published to
+    /// both topics, so each fire pairs an id with itself.
+    joined: Option<String>,
     output: String,
     config: tempfile::NamedTempFile,
 }
@@ -47,9 +50,43 @@ impl Setup {
         partitions: i32,
         snapshot_interval_ms: u64,
     ) -> Self {
+        Self::build(kind, lease_ttl_ms, partitions, snapshot_interval_ms, false)
+    }
+
+    /// Two sources joined under `when_all`, one partition each.
+    fn joined(kind: Kind, lease_ttl_ms: u64, snapshot_interval_ms: u64) -> Self {
+        Self::build(kind, lease_ttl_ms, 1, snapshot_interval_ms, true)
+    }
+
+    fn build(
+        kind: Kind,
+        lease_ttl_ms: u64,
+        partitions: i32,
+        snapshot_interval_ms: u64,
+        joined: bool,
+    ) -> Self {
         let prefix = services::unique("it");
         let input = format!("{prefix}.in");
+        let joined = joined.then(|| format!("{prefix}.in_b"));
         let output = format!("{prefix}.out");
+        let criteria = if joined.is_some() {
+            "when_all"
+        } else {
+            "when_any"
+        };
+        let second = joined
+            .as_ref()
+            .map(|topic| {
+                format!(
+                    r#"
+[[graph.accumulator]]
+name = "b"
+topic = "{topic}"
+format = "json"
+"#
+                )
+            })
+            .unwrap_or_default();
         let broker = match kind {
             Kind::Kafka => format!("{}\npartitions = {partitions}", services::kafka_table()),
             Kind::Nats => services::nats_table(),
@@ -67,7 +104,7 @@ graph_lease_ttl_ms = {lease_ttl_ms}
 backoff_base_ms = 200
 [[graph]]
 name = "prices"
-criteria = "when_any"
+criteria = "{criteria}"
 strategy = "sequential"
 function = "snapshot"
 output = "{output}"
@@ -77,7 +114,7 @@ snapshot_interval_ms = {snapshot_interval_ms}
 name = "a"
 topic = "{input}"
 format = "json"
-"#,
+{second}"#,
             redis = services::redis_url(),
         );
         let mut config = tempfile::NamedTempFile::new().unwrap();
@@ -87,6 +124,7 @@ format = "json"
             partitions,
             prefix,
             input,
+            joined,
             output,
             config,
         }
@@ -97,6 +135,9 @@ format = "json"
             Kind::Kafka => {
                 let kafka = services::kafka_partitioned(self.partitions);
                 kafka.ensure_topic(&self.input).await.unwrap();
+                if let Some(joined) = &self.joined {
+                    kafka.ensure_topic(joined).await.unwrap();
+                }
                 kafka
             }
             Kind::Nats => services::nats(true).await,
@@ -220,6 +261,11 @@ async fn crash_safety(setup: Setup) {
         sink.publish(Outbound::new(&setup.input, event.to_string()))
             .await
             .unwrap();
+        if let Some(joined) = &setup.joined {
+            sink.publish(Outbound::new(joined, event.to_string()))
+                .await
+                .unwrap();
+        }
         if id % 50 == 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -311,8 +357,29 @@ async fn crash_safety(setup: Setup) {
             );
         }
     }
+    if setup.joined.is_some() {
+        // Each source read in its own order: a fire made again after the crash pairs
+        // the inputs it paired before, whatever the two replays' interleaving.
+        let mispaired: Vec<_> = outputs
+            .iter()
+            .filter_map(|m| {
+                let v: Value = serde_json::from_slice(&m.payload).ok()?;
+                let pair = (
+                    v["inputs"]["a"]["id"].as_u64(),
+                    v["inputs"]["b"]["id"].as_u64(),
+                );
+                (pair.0 != pair.1).then_some(pair)
+            })
+            .collect();
+        assert!(
+            mispaired.is_empty(),
+            "{} fires paired different ids, the first {:?}",
+            mispaired.len(),
+            &mispaired[..mispaired.len().min(5)]
+        );
+    }
     if setup.partitions == 1 {
-        // One source read in one order: a fire made again after the crash takes the
+        // One source, or sources joined, each read in one order: a fire made again after the crash takes the
         // inputs and the number it had, so `weir-fire` tells a consumer which outputs
         // repeat, and a number never stands for two different inputs.
         let mut fires: BTreeMap<u64, std::collections::BTreeSet<u64>> = BTreeMap::new();
@@ -368,6 +435,19 @@ async fn kafka_crash_between_snapshots_reuses_no_fire_number() {
 #[tokio::test(flavor = "multi_thread")]
 async fn nats_jetstream_crash_between_snapshots_reuses_no_fire_number() {
     crash_safety(Setup::snapshotting(Kind::Nats, 2000, 1, 1500)).await;
+}
+
+/// Two sources joined by `when_all`, killed between snapshots: the replays of the two
+/// topics arrive interleaved as they please, and every fire still pairs what it paired
+/// before, under the number it had.
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_joined_sources_crash_between_snapshots_reuses_no_fire_number() {
+    crash_safety(Setup::joined(Kind::Kafka, 2000, 1500)).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_jetstream_joined_sources_crash_between_snapshots_reuses_no_fire_number() {
+    crash_safety(Setup::joined(Kind::Nats, 2000, 1500)).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -533,24 +613,32 @@ async fn publish_ids(broker: &Arc<dyn Broker>, topic: &str, ids: std::ops::Range
 
 /// A lease holder frozen past its TTL (SIGSTOP) and thawed after another node took
 /// over publishes nothing more and writes nothing the store keeps.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_lease_holder_paused_past_its_ttl_is_fenced_when_it_resumes() {
+async fn a_paused_lease_holder_is_fenced_when_it_resumes(kind: Kind) {
     const TTL: Duration = Duration::from_millis(3000);
-    let setup = Setup::new(Kind::Nats, TTL.as_millis() as u64);
+    // The position of id 9, the last published: Kafka offsets count from 0, JetStream
+    // stream sequences from 1.
+    let last_position = match kind {
+        Kind::Kafka => 8,
+        Kind::Nats => 9,
+    };
+    let setup = Setup::new(kind, TTL.as_millis() as u64);
     let broker = setup.broker().await;
     let mut first = setup.start("n1");
     setup.wait_for_holder("n1", Duration::from_secs(30)).await;
     let mut second = setup.start("n2");
     publish_ids(&broker, &setup.input, 1..=3).await;
-    let before = read_until(&broker, &setup.output, Duration::from_secs(30), |seen| {
+    let before = read_until(&broker, &setup.output, Duration::from_secs(60), |seen| {
         ids_in(seen).len() >= 3
     })
     .await;
     let old_token = fencing_of(&before[0]);
     common::servers::signal(&first, "STOP");
-    setup.wait_for_holder("n2", TTL * 3).await;
+    // Published while the holder is frozen: on Kafka its consumer stays in the group
+    // until its session times out, and whatever its client fetched meanwhile is in the
+    // frozen process when it thaws.
     publish_ids(&broker, &setup.input, 4..=6).await;
-    read_until(&broker, &setup.output, Duration::from_secs(30), |seen| {
+    setup.wait_for_holder("n2", TTL * 3).await;
+    read_until(&broker, &setup.output, Duration::from_secs(60), |seen| {
         ids_in(seen).contains(&6)
     })
     .await;
@@ -580,7 +668,7 @@ async fn a_lease_holder_paused_past_its_ttl_is_fenced_when_it_resumes() {
     loop {
         let checkpoint = setup.checkpoint().await.unwrap_or_default();
         let offset = checkpoint["positions"][0]["offset"].as_i64().unwrap_or(0);
-        if checkpoint["token"] == json!(new_token) && offset >= 9 {
+        if checkpoint["token"] == json!(new_token) && offset >= last_position {
             break;
         }
         assert!(
@@ -593,6 +681,16 @@ async fn a_lease_holder_paused_past_its_ttl_is_fenced_when_it_resumes() {
         child.kill().unwrap();
         let _ = child.wait();
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nats_lease_holder_paused_past_its_ttl_is_fenced_when_it_resumes() {
+    a_paused_lease_holder_is_fenced_when_it_resumes(Kind::Nats).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kafka_lease_holder_paused_past_its_ttl_is_fenced_when_it_resumes() {
+    a_paused_lease_holder_is_fenced_when_it_resumes(Kind::Kafka).await;
 }
 
 /// Two processes given the same node id are two holders: one runs the graph, and each
