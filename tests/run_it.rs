@@ -1,5 +1,6 @@
-//! `weir run` on real services: crash safety under SIGKILL (Kafka and NATS JetStream),
-//! graph failover between two processes, and poison messages to the dead-letter topic.
+//! `weir run` on real services: crash safety under SIGKILL and stops under SIGTERM
+//! (Kafka and NATS JetStream), graph failover between two processes, a frozen lease
+//! holder fenced, and poison messages to the dead-letter topic.
 #![cfg(feature = "it")]
 
 mod common;
@@ -422,6 +423,84 @@ async fn kafka_three_partition_crash_and_replay_loses_nothing() {
 #[tokio::test(flavor = "multi_thread")]
 async fn nats_jetstream_crash_loses_nothing() {
     crash_safety(Setup::new(Kind::Nats, 2000)).await;
+}
+
+/// Stopped with SIGTERM under load and started again: the stop finishes the fires in
+/// flight, stores the cache and the last checkpoint, and the restarted graph takes up
+/// where it stopped, every input in exactly one output.
+async fn a_stop_and_restart_under_load_repeats_nothing(kind: Kind) {
+    const EVENTS: u64 = 1000;
+    let setup = Setup::new(kind, 2000);
+    let broker = setup.broker().await;
+    let sink = broker.sink();
+    let mut weir = setup.start("n1");
+    for id in 0..EVENTS {
+        sink.publish(Outbound::new(&setup.input, json!({"id": id}).to_string()))
+            .await
+            .unwrap();
+        if id % 50 == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if id == EVENTS / 2 {
+            // Stopped while it has outputs behind it and events still coming.
+            let mut parsed = 0;
+            read_until(&broker, &setup.output, Duration::from_secs(60), |seen| {
+                let out = ids_in(&seen[parsed..]).contains(&(EVENTS / 4));
+                parsed = seen.len();
+                out
+            })
+            .await;
+            common::servers::signal(&weir, "TERM");
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let status = loop {
+                if let Some(status) = weir.try_wait().unwrap() {
+                    break status;
+                }
+                assert!(Instant::now() < deadline, "weir did not stop within 30 s");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            };
+            assert_eq!(status.code(), Some(130), "a stop's exit code: {status}");
+            weir = setup.start("n1");
+        }
+    }
+    let mut distinct = std::collections::BTreeSet::new();
+    let mut parsed = 0;
+    let outputs = read_until(&broker, &setup.output, Duration::from_secs(90), |seen| {
+        distinct.extend(ids_in(&seen[parsed..]));
+        parsed = seen.len();
+        distinct.len() as u64 == EVENTS
+    })
+    .await;
+    // Let any late repeats arrive before counting them.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let outputs = read_until(&broker, &setup.output, Duration::from_secs(30), |seen| {
+        seen.len() >= outputs.len()
+    })
+    .await;
+    weir.kill().unwrap();
+    let _ = weir.wait();
+    let ids = ids_in(&outputs);
+    assert_eq!(
+        ids,
+        (0..EVENTS).collect::<Vec<u64>>(),
+        "each input once, in order"
+    );
+    let fires: Vec<u64> = outputs.iter().map(fire_of).collect();
+    assert_eq!(
+        fires,
+        (1..=EVENTS).collect::<Vec<u64>>(),
+        "fire numbers go on from where the stop left them"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kafka_graph_stopped_and_restarted_under_load_repeats_nothing() {
+    a_stop_and_restart_under_load_repeats_nothing(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nats_graph_stopped_and_restarted_under_load_repeats_nothing() {
+    a_stop_and_restart_under_load_repeats_nothing(Kind::Nats).await;
 }
 
 /// Killed a while after its last cache snapshot, with many fires acknowledged since: the
