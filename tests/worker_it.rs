@@ -1,5 +1,6 @@
-//! `weir run` (state manager) with two `weir worker` processes on real services: a
-//! worker killed with SIGKILL mid-task loses no task, over Kafka and NATS JetStream.
+//! `weir run` (state manager) with `weir worker` processes on real services: a worker
+//! killed with SIGKILL mid-task loses no task, and a state manager killed mid-workflow
+//! leaves no execution stuck, over Kafka and NATS JetStream.
 //! Also drives `weir workflow run --wait` and `weir workflow status`.
 #![cfg(feature = "it")]
 
@@ -27,6 +28,12 @@ impl Drop for Processes {
 }
 
 fn config(kafka: bool, prefix: &str) -> tempfile::NamedTempFile {
+    config_with(kafka, prefix, false)
+}
+
+/// With `chain`, each task depends on the one before, so a workflow advances one result
+/// at a time through the state manager.
+fn config_with(kafka: bool, prefix: &str, chain: bool) -> tempfile::NamedTempFile {
     let broker = if kafka {
         format!(
             "{}\npartitions = 2\n{}",
@@ -38,8 +45,13 @@ fn config(kafka: bool, prefix: &str) -> tempfile::NamedTempFile {
     };
     let tasks: String = (0..TASKS)
         .map(|i| {
+            let after = if chain && i > 0 {
+                format!("depends_on = [\"t{}\"]\n", i - 1)
+            } else {
+                String::new()
+            };
             format!(
-                "[[workflow.task]]\nid = \"t{i}\"\nhandler = \"builtin::sleep\"\nmax_attempts = 3\ntimeout_ms = 20000\n"
+                "[[workflow.task]]\nid = \"t{i}\"\nhandler = \"builtin::sleep\"\nmax_attempts = 3\ntimeout_ms = 20000\n{after}"
             )
         })
         .collect();
@@ -166,4 +178,97 @@ async fn kafka_worker_killed_mid_task_loses_no_task() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_worker_killed_mid_task_loses_no_task() {
     killed_worker_loses_no_task(false).await;
+}
+
+/// `weir run` killed with SIGKILL while workflows are part way through their chains, and
+/// started again: every execution still completes, whichever step the kill fell
+/// between (a result applied but its dependents not yet published, say).
+async fn a_killed_state_manager_leaves_no_workflow_stuck(kafka: bool) {
+    const EXECUTIONS: usize = 4;
+    let prefix = services::unique("sm");
+    let file = config_with(kafka, &prefix, true);
+    let executor = format!("{prefix}x");
+    let mut processes = Processes(Vec::new());
+    processes.0.push(weir(&file, &prefix, "run", &["run"]));
+    processes.0.push(weir(
+        &file,
+        &prefix,
+        "worker",
+        &["worker", "--executor", &executor, "--concurrency", "8"],
+    ));
+    tokio::time::sleep(Duration::from_secs(if kafka { 8 } else { 2 })).await;
+    let workflow = format!("{prefix}w");
+    let waiting: Vec<Child> = (0..EXECUTIONS)
+        .map(|i| {
+            weir(
+                &file,
+                &prefix,
+                &format!("client{i}"),
+                &[
+                    "workflow",
+                    "run",
+                    &workflow,
+                    "--context",
+                    r#"{"sleep_ms": 300}"#,
+                    "--wait",
+                ],
+            )
+        })
+        .collect();
+    let broker: std::sync::Arc<dyn Broker> = if kafka {
+        services::kafka()
+    } else {
+        services::nats(true).await
+    };
+    let mut results = broker
+        .subscribe(&Subscription::new(
+            format!("{prefix}.results"),
+            format!("{prefix}-reader"),
+        ))
+        .await
+        .unwrap();
+    // Killed once results are flowing: executions are then between their steps.
+    for _ in 0..EXECUTIONS + 2 {
+        tokio::time::timeout(Duration::from_secs(60), results.next())
+            .await
+            .expect("results while the workflows run")
+            .unwrap();
+    }
+    let state_manager = &mut processes.0[0];
+    common::servers::signal(state_manager, "KILL");
+    let _ = state_manager.wait();
+    processes.0[0] = weir(&file, &prefix, "run-again", &["run"]);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for mut client in waiting {
+        let status = loop {
+            if let Some(status) = client.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = client.kill();
+                panic!("an execution did not finish within 120 s of the restart");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let mut stdout = Vec::new();
+        std::io::Read::read_to_end(&mut client.stdout.take().unwrap(), &mut stdout).unwrap();
+        assert!(status.success(), "{status}");
+        let summary: Value = serde_json::from_slice(&stdout).expect("--wait prints JSON");
+        assert_eq!(summary["status"], "completed", "{summary}");
+        let tasks = summary["tasks"].as_object().unwrap();
+        assert_eq!(tasks.len(), TASKS, "{summary}");
+        for (id, t) in tasks {
+            assert_eq!(t["status"], "completed", "task {id}: {t}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_state_manager_killed_mid_workflow_leaves_none_stuck() {
+    a_killed_state_manager_leaves_no_workflow_stuck(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_state_manager_killed_mid_workflow_leaves_none_stuck() {
+    a_killed_state_manager_leaves_no_workflow_stuck(false).await;
 }
