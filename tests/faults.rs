@@ -278,6 +278,102 @@ async fn nats_server_restarted_mid_stream_loses_no_input() {
     restarted_mid_stream_loses_no_input(broker, server, 600).await;
 }
 
+/// The broker stopped for 20 s under a running graph whose policy fails it after one
+/// failure, restarted quickly: an unreachable broker is waited out, never counted, so
+/// the graph is never Failed, and once the broker is back every input reaches an output.
+async fn a_broker_down_long_never_fails_the_graph(broker: Arc<dyn Broker>, mut server: Server) {
+    const OUTAGE: Duration = Duration::from_secs(20);
+    let prefix = services::unique("faults");
+    let input = format!("{prefix}.in");
+    let cancel = CancellationToken::new();
+    let store = Arc::new(MemoryStore::new());
+    let runtime = Runtime {
+        broker: broker.clone(),
+        store: store.clone(),
+        node_id: "faults".into(),
+    };
+    let policy = SupervisionPolicy {
+        backoff_base: Duration::from_millis(50),
+        backoff_max: Duration::from_millis(200),
+        max_failures: 1,
+        ..SupervisionPolicy::default()
+    };
+    let supervisor = Supervisor::new(runtime, policy, cancel.clone());
+    let graph = supervisor.spawn(padding_graph(&prefix)).unwrap();
+    publish_id_bursts(&broker, &input, 0..100).await;
+    all_ids_read(&broker, &format!("{prefix}.out"), 100).await;
+    let mut server = tokio::task::spawn_blocking(move || {
+        server.stop();
+        server
+    })
+    .await
+    .unwrap();
+    let down_until = Instant::now() + OUTAGE;
+    while Instant::now() < down_until {
+        assert!(
+            !matches!(graph.status(), weir::supervisor::GraphStatus::Failed { .. }),
+            "failed while its broker was down: {:?}",
+            graph.status()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _server = tokio::task::spawn_blocking(move || {
+        server.start();
+        server
+    })
+    .await
+    .unwrap();
+    publish_id_bursts(&broker, &input, 100..200).await;
+    all_ids_read(&broker, &format!("{prefix}.out"), 200).await;
+    // The outage was seen, as restarts of the source that count for nothing.
+    let recoveries = {
+        use weir::store::prelude::*;
+        store.recovery_events(None, 100).await.unwrap()
+    };
+    assert!(!recoveries.is_empty(), "the outage went unnoticed");
+    assert!(
+        recoveries.iter().all(
+            |e| e.attempt == 0 && e.action == weir::store::RecoveryAction::AccumulatorRestarted
+        ),
+        "waits are recorded, not counted: {recoveries:?}"
+    );
+    // What the restarted source read again was recognised, not fired twice.
+    assert_eq!(graph.stats().outputs, 200, "{:?}", graph.stats());
+    assert!(
+        !matches!(graph.status(), weir::supervisor::GraphStatus::Failed { .. }),
+        "{:?}",
+        graph.status()
+    );
+    cancel.cancel();
+    supervisor.shutdown().await;
+    drop(supervisor);
+    drop(broker);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_server_down_for_20_seconds_never_fails_the_graph() {
+    let server = Server::nats("");
+    let broker: Arc<dyn Broker> = jetstream(&server).await;
+    a_broker_down_long_never_fails_the_graph(broker, server).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_broker_down_for_20_seconds_never_fails_the_graph() {
+    let s3 = Server::s3();
+    let server = Server::tansu_on_s3(&s3);
+    let broker: Arc<dyn Broker> = Arc::new(
+        KafkaBroker::connect(KafkaSettings {
+            brokers: format!("127.0.0.1:{}", server.port),
+            options: services::fast_group_options(),
+            retention: Some(services::TEST_RETENTION),
+            ..KafkaSettings::default()
+        })
+        .expect("kafka client"),
+    );
+    a_broker_down_long_never_fails_the_graph(broker, server).await;
+}
+
 /// Publishes `{"id": n}` for each id in bursts handed to the client together, so a broker
 /// storing each batch apart stores few; a burst that fails is sent again whole.
 async fn publish_id_bursts(broker: &Arc<dyn Broker>, topic: &str, ids: std::ops::Range<u64>) {
