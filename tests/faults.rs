@@ -1,5 +1,5 @@
 //! Guarantees under faults, against servers each test starts on spare ports and then
-//! breaks: restarted, or refusing what is too large.
+//! breaks: restarted, stopped for long, or refusing what is too large.
 #![cfg(feature = "it")]
 
 mod common;
@@ -372,6 +372,130 @@ async fn a_kafka_broker_down_for_20_seconds_never_fails_the_graph() {
         .expect("kafka client"),
     );
     a_broker_down_long_never_fails_the_graph(broker, server).await;
+}
+
+/// A graph over `<prefix>.in` whose node fails for the input `{"id": "bad"}`; the first
+/// time only after `gate` opens, having set `holding` meanwhile.
+fn gated_failing_graph(
+    prefix: &str,
+    gate: Arc<std::sync::atomic::AtomicBool>,
+    holding: Arc<std::sync::atomic::AtomicBool>,
+) -> weir::GraphDeclaration {
+    use std::sync::atomic::Ordering;
+    GraphBuilder::new(format!("{prefix}g"))
+        .reactor(ReactorConfig {
+            criteria: Criteria::WhenAny,
+            strategy: Strategy::Sequential,
+            ..ReactorConfig::default()
+        })
+        .accumulator(AccumulatorSpec::passthrough("a").topic(format!("{prefix}.in")))
+        .node("n", ["a"], move |ctx: NodeContext| {
+            let gate = gate.clone();
+            let holding = holding.clone();
+            async move {
+                let event = ctx.source("a").cloned().unwrap_or(Value::Null);
+                if event["id"] != json!("bad") {
+                    return Ok(Some(event));
+                }
+                holding.store(true, Ordering::SeqCst);
+                while !gate.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(weir::NodeError::new("cannot take a bad event"))
+            }
+        })
+        .output("n", format!("{prefix}.out"))
+        .build()
+        .expect("valid graph")
+}
+
+/// A fire fails while nats-server is down, so its dead letter cannot go out; the node
+/// is stopped and started again on the same store before the server is back. The
+/// failed input is not dropped: once the server is back it is dead-lettered, and the
+/// inputs around it fire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_due_while_nats_is_down_survives_a_restart_of_the_node() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let mut server = Server::nats("");
+    let broker: Arc<dyn Broker> = jetstream(&server).await;
+    let prefix = services::unique("faults");
+    let store = Arc::new(MemoryStore::new());
+    let policy = SupervisionPolicy {
+        backoff_base: Duration::from_millis(200),
+        backoff_max: Duration::from_secs(1),
+        ..SupervisionPolicy::default()
+    };
+    let start = |gate: bool| {
+        let cancel = CancellationToken::new();
+        let runtime = Runtime {
+            broker: broker.clone(),
+            store: store.clone(),
+            node_id: "faults".into(),
+        };
+        let supervisor = Supervisor::new(runtime, policy.clone(), cancel.clone());
+        let holding = Arc::new(AtomicBool::new(false));
+        let gate = Arc::new(AtomicBool::new(gate));
+        supervisor
+            .spawn(gated_failing_graph(&prefix, gate.clone(), holding.clone()))
+            .unwrap();
+        (supervisor, cancel, gate, holding)
+    };
+    let (first, cancel, gate, holding) = start(false);
+    let sink = broker.sink();
+    for id in [json!(1), json!("bad"), json!(3)] {
+        sink.publish(Outbound::new(
+            format!("{prefix}.in"),
+            json!({ "id": id }).to_string(),
+        ))
+        .await
+        .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !holding.load(Ordering::SeqCst) {
+        assert!(
+            Instant::now() < deadline,
+            "the bad event never reached the node"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    server = tokio::task::spawn_blocking(move || {
+        server.stop();
+        server
+    })
+    .await
+    .unwrap();
+    gate.store(true, Ordering::SeqCst);
+    // The fire fails now, and its dead letter finds no server, through a few restarts.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    cancel.cancel();
+    first.shutdown().await;
+    drop(first);
+    let _server = tokio::task::spawn_blocking(move || {
+        server.start();
+        server
+    })
+    .await
+    .unwrap();
+    let (second, cancel, _, _) = start(true);
+    let dead = read_until(
+        &broker,
+        &format!("{prefix}.out.dlq"),
+        Duration::from_secs(60),
+        |seen| !seen.is_empty(),
+    )
+    .await;
+    let body: Value = serde_json::from_slice(&dead[0].payload).unwrap();
+    assert_eq!(body["inputs"]["a"]["id"], json!("bad"), "{body}");
+    let outputs = read_until(
+        &broker,
+        &format!("{prefix}.out"),
+        Duration::from_secs(60),
+        |seen| ids(seen).len() >= 2,
+    )
+    .await;
+    assert_eq!(ids(&outputs), BTreeSet::from([1, 3]));
+    cancel.cancel();
+    second.shutdown().await;
 }
 
 /// Publishes `{"id": n}` for each id in bursts handed to the client together, so a broker
