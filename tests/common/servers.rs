@@ -288,6 +288,41 @@ pub fn signal(child: &Child, name: &str) {
         .status()
         .expect("kill runs");
     assert!(status.success(), "kill -{name} {}", child.id());
+    if name == "STOP" {
+        await_stopped(child.id());
+    }
+}
+
+/// Waits until every thread of the process is stopped. A stop signal wakes one thread,
+/// which then stops the others: on a busy machine the rest run on for milliseconds
+/// after `kill` returns, and may still read and publish.
+fn await_stopped(pid: u32) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let threads = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|dir| {
+                dir.flatten()
+                    .map(|t| t.path().join("stat"))
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default();
+        // The state follows the command name, which is in parentheses.
+        let stopped = threads.iter().all(|stat| {
+            std::fs::read_to_string(stat).is_ok_and(|text| {
+                text.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().next())
+                    .is_some_and(|state| state == "T" || state == "t")
+            })
+        });
+        if stopped {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "process {pid} not stopped within 10 s of SIGSTOP"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
 }
 
 /// A TCP proxy in front of a server, which a test can cut: a cut closes every
