@@ -65,6 +65,39 @@ topic = "nightly.ticks"
     assert!(err.contains(&port.to_string()), "names the server: {err}");
 }
 
+/// `weir run` whose broker refuses connections: exit 1, naming the broker.
+fn broker_down_at_start_exits_1_naming_it(broker: &str, named: &str) {
+    let file = config(&format!("[broker]\n{broker}\n{GRAPH}topic = \"g.in\"\n"));
+    let started = Instant::now();
+    let out = weir_run(&file);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(named), "names the broker: {err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "gave up after {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_kafka_broker_down_at_start_exits_1_naming_it() {
+    let port = closed_port();
+    broker_down_at_start_exits_1_naming_it(
+        &format!("kind = \"kafka\"\nbrokers = \"127.0.0.1:{port}\""),
+        &format!("kafka 127.0.0.1:{port}"),
+    );
+}
+
+#[test]
+fn a_nats_server_down_at_start_exits_1_naming_it() {
+    let port = closed_port();
+    broker_down_at_start_exits_1_naming_it(
+        &format!("kind = \"nats\"\nurl = \"nats://127.0.0.1:{port}\""),
+        &format!("nats nats://127.0.0.1:{port}"),
+    );
+}
+
 #[cfg(unix)]
 #[test]
 fn ctrl_c_exits_130() {
