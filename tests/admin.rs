@@ -1430,6 +1430,7 @@ mod services {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn schedules_list_an_unreadable_record_by_id_among_the_rest() {
         let prefix = unique("adminsched");
+        let _cleanup_prefix = common::services::cleanup(&prefix);
         let store = common::services::redis(&prefix).await;
         for id in ["a", "b", "z", "acme/c"] {
             let mut schedule = weir::cron::Schedule::new(id, "0 3 * * *", "UTC");
@@ -1483,6 +1484,7 @@ mod services {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn produce_then_tail_prints_each_message_on_a_line() {
         let subject = unique("tail");
+        let _cleanup_subject = common::services::cleanup(&subject);
         let mut config = tempfile::NamedTempFile::new().unwrap();
         write!(config, "[broker]\n{}\n", nats_table()).unwrap();
         let path = config.path().to_path_buf();
@@ -1615,6 +1617,7 @@ mod services {
     /// once each, in their order.
     async fn many_lines_keep_their_order(broker_table: &str, flags: &[&str]) {
         let subject = unique("produce");
+        let _cleanup_subject = common::services::cleanup(&subject);
         let mut config = tempfile::NamedTempFile::new().unwrap();
         write!(config, "[broker]\n{broker_table}\n").unwrap();
         let lines: Vec<String> = (0..20_000).map(|n| format!("line {n}")).collect();
@@ -1641,6 +1644,7 @@ mod services {
     async fn produce_stops_at_a_line_the_broker_refuses_and_says_which() {
         let server = common::servers::Server::nats("max_payload: 1024");
         let subject = unique("produce");
+        let _cleanup_subject = common::services::cleanup(&subject);
         let mut config = tempfile::NamedTempFile::new().unwrap();
         write!(
             config,

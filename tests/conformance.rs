@@ -103,6 +103,7 @@ mod services {
     #[tokio::test]
     async fn kafka_broker_conforms() {
         let topic = services::unique("conf.kafka.");
+        let _cleanup_topic = services::cleanup(&topic);
         broker_conformance(
             services::kafka(),
             &topic,
@@ -115,6 +116,7 @@ mod services {
     #[tokio::test]
     async fn kafka_broker_conforms_with_direct_assignment() {
         let topic = services::unique("conf.kafka.");
+        let _cleanup_topic = services::cleanup(&topic);
         broker_conformance(
             services::kafka(),
             &topic,
@@ -127,6 +129,7 @@ mod services {
     #[tokio::test]
     async fn nats_jetstream_broker_conforms() {
         let subject = services::unique("conf.js.");
+        let _cleanup_subject = services::cleanup(&subject);
         broker_conformance(
             services::nats(true).await,
             &subject,
@@ -143,6 +146,7 @@ mod services {
         use weir::transport::nats::{stream_name, SOLE_READER_IDLE_LIMIT};
         let broker = services::nats(true).await;
         let subject = services::unique("conf.idle.");
+        let _cleanup_subject = services::cleanup(&subject);
         let client = async_nats::connect(services::nats_url()).await.unwrap();
         let js = async_nats::jetstream::new(client);
         for (assignment, expected) in [
@@ -170,6 +174,7 @@ mod services {
         use weir::transport::nats::stream_name;
         let broker = services::nats(true).await;
         let subject = services::unique("conf.tidy.");
+        let _cleanup_subject = services::cleanup(&subject);
         let group = services::unique("tidy");
         let mut subscription = Subscription::new(&subject, &group);
         subscription.assignment = Assignment::All;
@@ -204,6 +209,7 @@ mod services {
     async fn nats_deposed_sole_reader_subscribing_again_leaves_its_successors_durable() {
         let broker = services::nats(true).await;
         let subject = services::unique("conf.fenced.");
+        let _cleanup_subject = services::cleanup(&subject);
         let group = services::unique("fenced");
         let mut subscription = Subscription::new(&subject, &group);
         subscription.assignment = Assignment::All;
@@ -266,6 +272,7 @@ mod services {
     async fn nats_deposed_sole_reader_takes_none_of_its_successors_messages() {
         let broker = services::nats(true).await;
         let subject = services::unique("conf.deposed.");
+        let _cleanup_subject = services::cleanup(&subject);
         let group = services::unique("deposed");
         let mut subscription = Subscription::new(&subject, &group);
         subscription.assignment = Assignment::All;
@@ -342,6 +349,7 @@ mod services {
             .await
             .unwrap();
             let subject = services::unique("conf.retention.");
+            let _cleanup_subject = services::cleanup(&subject);
             broker
                 .sink()
                 .publish(Outbound::new(&subject, "1"))
@@ -401,6 +409,7 @@ mod services {
                 CancellationToken::new(),
             );
             let subject = services::unique("conf.ackwait.");
+            let _cleanup_subject = services::cleanup(&subject);
             let reading = |name: &str, snapshot_ms| {
                 graph(
                     name,
@@ -450,6 +459,7 @@ mod services {
         use rdkafka::ClientConfig;
         let broker = services::kafka();
         let topic = services::unique("conf.retention.");
+        let _cleanup_topic = services::cleanup(&topic);
         broker
             .sink()
             .publish(Outbound::new(&topic, "1"))
@@ -476,6 +486,7 @@ mod services {
         // Core NATS is at-most-once: only what is published while subscribed arrives.
         let broker = services::nats(false).await;
         let subject = services::unique("conf.core.");
+        let _cleanup_subject = services::cleanup(&subject);
         let mut source = broker
             .subscribe(&Subscription::new(&subject, "g"))
             .await

@@ -107,6 +107,7 @@ mod with_redis {
     #[test]
     fn add_list_pause_resume_history_and_rm() {
         let prefix = services::unique("weircli");
+        let _cleanup_prefix = services::cleanup(&prefix);
         let file = config_file(&prefix);
         let run = |args: &[&str]| cron(&file, args);
         let out = run(&[
@@ -148,6 +149,7 @@ mod with_redis {
     #[test]
     fn list_names_an_unreadable_schedule_and_lists_the_rest() {
         let prefix = services::unique("weircli");
+        let _cleanup_prefix = services::cleanup(&prefix);
         let file = config_file(&prefix);
         for id in ["a", "b", "c"] {
             let out = cron(&file, &["add", "--id", id, "--cron", "0 * * * *"]);

@@ -264,6 +264,7 @@ mod failover {
     #[tokio::test(flavor = "multi_thread")]
     async fn an_unreadable_stored_schedule_leaves_the_rest_of_its_shard_firing() {
         let prefix = services::unique("cronbad");
+        let _cleanup_prefix = services::cleanup(&prefix);
         let store = Arc::new(
             weir::store::redis::RedisStore::connect(&services::redis_url(), &prefix)
                 .await
@@ -307,6 +308,7 @@ mod failover {
     #[tokio::test(flavor = "multi_thread")]
     async fn an_unreadable_schedule_leaves_the_rest_of_the_orphan_sweep_going() {
         let prefix = services::unique("cronorph");
+        let _cleanup_prefix = services::cleanup(&prefix);
         let store = Arc::new(
             weir::store::redis::RedisStore::connect(&services::redis_url(), &prefix)
                 .await
@@ -346,6 +348,7 @@ mod failover {
     #[tokio::test(flavor = "multi_thread")]
     async fn killing_the_master_neither_duplicates_at_most_once_nor_misses_at_least_once() {
         let prefix = services::unique("cronit");
+        let _cleanup_prefix = services::cleanup(&prefix);
         let (amo, alo) = (format!("{prefix}.amo"), format!("{prefix}.alo"));
         let text = format!(
             r#"

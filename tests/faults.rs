@@ -337,7 +337,12 @@ async fn a_broker_down_long_never_fails_the_graph(broker: Arc<dyn Broker>, mut s
         ),
         "waits are recorded, not counted: {recoveries:?}"
     );
-    // What the restarted source read again was recognised, not fired twice.
+    // What the restarted source read again was recognised, not fired twice. An output
+    // is counted once its acknowledgement is in, which can come after a reader saw it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while graph.stats().outputs < 200 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(graph.stats().outputs, 200, "{:?}", graph.stats());
     assert!(
         !matches!(graph.status(), weir::supervisor::GraphStatus::Failed { .. }),

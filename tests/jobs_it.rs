@@ -41,6 +41,9 @@ struct Cluster {
     job_type: String,
     config: tempfile::NamedTempFile,
     nodes: common::nodes::Nodes,
+    /// Last, so the nodes are gone before what they used is removed: the store's keys
+    /// and the job type's topic.
+    _cleanup: [services::Cleanup; 2],
 }
 
 impl Cluster {
@@ -86,6 +89,7 @@ lease_ttl_ms = 3000
         config.write_all(text.as_bytes()).unwrap();
         Self {
             nodes: common::nodes::Nodes::new(&prefix, config.path(), nodes),
+            _cleanup: [services::cleanup(&prefix), services::cleanup(&job_type)],
             kind,
             redis_url: redis_url.to_string(),
             broker_url: broker_url.to_string(),

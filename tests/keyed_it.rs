@@ -48,6 +48,8 @@ struct Cluster {
     /// Kept for as long as the nodes read it.
     _config: tempfile::NamedTempFile,
     nodes: common::nodes::Nodes,
+    /// Last, so the nodes are gone before what they used is removed.
+    _cleanup: services::Cleanup,
 }
 
 impl Cluster {
@@ -117,6 +119,7 @@ format = "json"
         config.write_all(text.as_bytes()).unwrap();
         Self {
             nodes: common::nodes::Nodes::new(&prefix, config.path(), nodes),
+            _cleanup: services::cleanup(&prefix),
             kind,
             redis_url: redis_url.to_string(),
             broker_address: broker_address.to_string(),

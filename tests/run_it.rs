@@ -34,6 +34,7 @@ struct Setup {
     joined: Option<String>,
     output: String,
     config: tempfile::NamedTempFile,
+    _cleanup: services::Cleanup,
 }
 
 impl Setup {
@@ -121,6 +122,7 @@ format = "json"
         let mut config = tempfile::NamedTempFile::new().unwrap();
         config.write_all(text.as_bytes()).unwrap();
         Self {
+            _cleanup: services::cleanup(&prefix),
             kind,
             partitions,
             prefix,

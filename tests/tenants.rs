@@ -133,6 +133,7 @@ async fn values_on(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_never_see_each_other() {
     let prefix = services::unique("tn");
+    let _cleanup_prefix = services::cleanup(&prefix);
     let (acme, globex) = (format!("{prefix}acme"), format!("{prefix}globex"));
     let port = common::servers::spare_port();
     let admin = format!("http://127.0.0.1:{port}");

@@ -93,6 +93,7 @@ fn weir(config: &tempfile::NamedTempFile, prefix: &str, name: &str, args: &[&str
 
 async fn killed_worker_loses_no_task(kafka: bool) {
     let prefix = services::unique("wk");
+    let _cleanup = services::cleanup(&prefix);
     let file = config(kafka, &prefix);
     let executor = format!("{prefix}x");
     let mut processes = Processes(Vec::new());
@@ -186,6 +187,7 @@ async fn nats_worker_killed_mid_task_loses_no_task() {
 async fn a_killed_state_manager_leaves_no_workflow_stuck(kafka: bool) {
     const EXECUTIONS: usize = 4;
     let prefix = services::unique("sm");
+    let _cleanup = services::cleanup(&prefix);
     let file = config_with(kafka, &prefix, true);
     let executor = format!("{prefix}x");
     let mut processes = Processes(Vec::new());

@@ -34,6 +34,8 @@ struct Env {
     store: Arc<dyn Store>,
     prefix: String,
     cancel: CancellationToken,
+    /// Kept until the test ends: on the shared services, what removes its names then.
+    cleanups: Vec<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Drop for Env {
@@ -47,8 +49,9 @@ impl Env {
         Self {
             broker,
             store,
-            prefix: format!("t{:08x}", rand::random::<u32>()),
+            prefix: format!("t{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff),
             cancel: CancellationToken::new(),
+            cleanups: Vec::new(),
         }
     }
 
@@ -1344,10 +1347,15 @@ mod kafka {
 
     async fn env() -> Env {
         let prefix = common::services::unique("weir-wf-");
-        Env::new(
+        let mut env = Env::new(
             common::services::kafka(),
             common::services::redis(&prefix).await,
-        )
+        );
+        env.cleanups = vec![
+            Box::new(common::services::cleanup(&prefix)),
+            Box::new(common::services::cleanup(&env.prefix)),
+        ];
+        env
     }
 
     suite!(env().await);
@@ -1365,10 +1373,15 @@ mod nats {
 
     async fn env() -> Env {
         let prefix = common::services::unique("weir-wf-");
-        Env::new(
+        let mut env = Env::new(
             common::services::nats(true).await,
             common::services::redis(&prefix).await,
-        )
+        );
+        env.cleanups = vec![
+            Box::new(common::services::cleanup(&prefix)),
+            Box::new(common::services::cleanup(&env.prefix)),
+        ];
+        env
     }
 
     suite!(env().await);

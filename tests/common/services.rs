@@ -115,6 +115,110 @@ pub async fn redis(prefix: &str) -> Arc<RedisStore> {
     )
 }
 
+/// What a test made on the shared services, removed when this is dropped: the Redis
+/// keys, JetStream streams and Kafka topics whose names hold the test's prefix (as
+/// [`unique`] makes it, no other test's names hold it). Declared before the processes
+/// and clients a test starts, it is dropped after them.
+pub struct Cleanup {
+    prefix: String,
+}
+
+/// Removes what carries `prefix` on the shared services once the test is done.
+pub fn cleanup(prefix: &str) -> Cleanup {
+    // Short names could be parts of other tests' names.
+    assert!(prefix.len() >= 12, "not a unique prefix: {prefix}");
+    Cleanup {
+        prefix: prefix.to_string(),
+    }
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let prefix = self.prefix.clone();
+        // Dropped inside a test's runtime, which cannot be blocked on: the removal runs
+        // on a thread and a runtime of its own, waited for, bounded.
+        let _ = std::thread::spawn(move || {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            runtime.block_on(async {
+                let _ = tokio::time::timeout(
+                    std::time::Duration::from_secs(30),
+                    remove_everything_named(&prefix),
+                )
+                .await;
+            });
+        })
+        .join();
+    }
+}
+
+/// Best effort: what cannot be removed (a service gone) is left for its retention.
+async fn remove_everything_named(prefix: &str) {
+    if let Ok(client) = redis::Client::open(redis_url()) {
+        if let Ok(mut connection) = client.get_multiplexed_async_connection().await {
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg(format!("*{prefix}*"))
+                .query_async(&mut connection)
+                .await
+                .unwrap_or_default();
+            for chunk in keys.chunks(500) {
+                let _: Result<(), _> = redis::cmd("DEL")
+                    .arg(chunk)
+                    .query_async(&mut connection)
+                    .await;
+            }
+        }
+    }
+    // Stream names are subjects with their dots and wildcards replaced.
+    let stream_part = weir::transport::nats::stream_name(prefix);
+    if let Ok(client) = async_nats::connect(nats_url()).await {
+        let js = async_nats::jetstream::new(client);
+        let mut names = js.stream_names();
+        let mut ours = Vec::new();
+        while let Some(Ok(name)) = futures::StreamExt::next(&mut names).await {
+            if name.contains(&stream_part) {
+                ours.push(name);
+            }
+        }
+        for name in ours {
+            let _ = js.delete_stream(&name).await;
+        }
+    }
+    remove_kafka_topics(prefix).await;
+}
+
+async fn remove_kafka_topics(prefix: &str) {
+    use rdkafka::admin::{AdminClient, AdminOptions};
+    use rdkafka::client::DefaultClientContext;
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let mut config = rdkafka::ClientConfig::new();
+    config.set("bootstrap.servers", kafka_brokers());
+    let Ok(consumer) = config.create::<BaseConsumer>() else {
+        return;
+    };
+    let Ok(metadata) = consumer.fetch_metadata(None, std::time::Duration::from_secs(5)) else {
+        return;
+    };
+    let ours: Vec<String> = metadata
+        .topics()
+        .iter()
+        .map(|topic| topic.name().to_string())
+        .filter(|name| name.contains(prefix))
+        .collect();
+    if ours.is_empty() {
+        return;
+    }
+    let Ok(admin) = config.create::<AdminClient<DefaultClientContext>>() else {
+        return;
+    };
+    let names: Vec<&str> = ours.iter().map(String::as_str).collect();
+    let _ = admin.delete_topics(&names, &AdminOptions::new()).await;
+}
+
 /// Removes every Redis key under `prefix` (what a test's store created).
 pub async fn remove_redis_keys(prefix: &str) {
     let client = redis::Client::open(redis_url()).expect("redis url");
