@@ -22,6 +22,19 @@ use weir::{
     Supervisor,
 };
 
+/// A Kafka client of a test's own Tansu.
+fn kafka_client_of(server: &Server) -> Arc<dyn Broker> {
+    Arc::new(
+        KafkaBroker::connect(KafkaSettings {
+            brokers: format!("127.0.0.1:{}", server.port),
+            options: services::fast_group_options(),
+            retention: Some(services::TEST_RETENTION),
+            ..KafkaSettings::default()
+        })
+        .expect("kafka client"),
+    )
+}
+
 async fn jetstream(server: &Server) -> Arc<NatsBroker> {
     jetstream_at(server.nats_url()).await
 }
@@ -367,15 +380,7 @@ async fn a_nats_server_down_for_20_seconds_never_fails_the_graph() {
 async fn a_kafka_broker_down_for_20_seconds_never_fails_the_graph() {
     let s3 = Server::s3();
     let server = Server::tansu_on_s3(&s3);
-    let broker: Arc<dyn Broker> = Arc::new(
-        KafkaBroker::connect(KafkaSettings {
-            brokers: format!("127.0.0.1:{}", server.port),
-            options: services::fast_group_options(),
-            retention: Some(services::TEST_RETENTION),
-            ..KafkaSettings::default()
-        })
-        .expect("kafka client"),
-    );
+    let broker = kafka_client_of(&server);
     a_broker_down_long_never_fails_the_graph(broker, server).await;
 }
 
@@ -534,15 +539,7 @@ async fn publish_id_bursts(broker: &Arc<dyn Broker>, topic: &str, ids: std::ops:
 async fn kafka_broker_restarted_mid_stream_loses_no_input() {
     let s3 = Server::s3();
     let server = Server::tansu_on_s3(&s3);
-    let broker: Arc<dyn Broker> = Arc::new(
-        KafkaBroker::connect(KafkaSettings {
-            brokers: format!("127.0.0.1:{}", server.port),
-            options: services::fast_group_options(),
-            retention: Some(services::TEST_RETENTION),
-            ..KafkaSettings::default()
-        })
-        .expect("kafka client"),
-    );
+    let broker = kafka_client_of(&server);
     restarted_mid_stream_loses_no_input(broker, server, 400).await;
 }
 

@@ -234,6 +234,25 @@ async fn read_until(
     seen
 }
 
+/// Reads the output until every id below `events` is in it, then what came after a
+/// moment more, so that late repeats are counted too.
+async fn read_every_id(broker: &Arc<dyn Broker>, output: &str, events: u64) -> Vec<Message> {
+    // Parses each output once: re-reading everything per message would be quadratic.
+    let mut distinct = std::collections::BTreeSet::new();
+    let mut parsed = 0;
+    let outputs = read_until(broker, output, Duration::from_secs(90), |seen| {
+        distinct.extend(ids_in(&seen[parsed..]));
+        parsed = seen.len();
+        distinct.len() as u64 == events
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    read_until(broker, output, Duration::from_secs(30), |seen| {
+        seen.len() >= outputs.len()
+    })
+    .await
+}
+
 fn fire_of(output: &Message) -> u64 {
     output
         .header("weir-fire")
@@ -302,21 +321,7 @@ async fn crash_safety(setup: Setup) {
             weir = setup.start("n1");
         }
     }
-    // Parses each output once: re-reading everything per message would be quadratic.
-    let mut distinct = std::collections::BTreeSet::new();
-    let mut parsed = 0;
-    let outputs = read_until(&broker, &setup.output, Duration::from_secs(90), |seen| {
-        distinct.extend(ids_in(&seen[parsed..]));
-        parsed = seen.len();
-        distinct.len() as u64 == EVENTS
-    })
-    .await;
-    // Let any late duplicates arrive before counting them.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let outputs = read_until(&broker, &setup.output, Duration::from_secs(30), |seen| {
-        seen.len() >= outputs.len()
-    })
-    .await;
+    let outputs = read_every_id(&broker, &setup.output, EVENTS).await;
     weir.kill().unwrap();
     let _ = weir.wait();
     let ids = ids_in(&outputs);
@@ -465,20 +470,7 @@ async fn a_stop_and_restart_under_load_repeats_nothing(kind: Kind) {
             weir = setup.start("n1");
         }
     }
-    let mut distinct = std::collections::BTreeSet::new();
-    let mut parsed = 0;
-    let outputs = read_until(&broker, &setup.output, Duration::from_secs(90), |seen| {
-        distinct.extend(ids_in(&seen[parsed..]));
-        parsed = seen.len();
-        distinct.len() as u64 == EVENTS
-    })
-    .await;
-    // Let any late repeats arrive before counting them.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let outputs = read_until(&broker, &setup.output, Duration::from_secs(30), |seen| {
-        seen.len() >= outputs.len()
-    })
-    .await;
+    let outputs = read_every_id(&broker, &setup.output, EVENTS).await;
     weir.kill().unwrap();
     let _ = weir.wait();
     let ids = ids_in(&outputs);

@@ -91,6 +91,22 @@ fn weir(config: &tempfile::NamedTempFile, prefix: &str, name: &str, args: &[&str
         .expect("weir starts")
 }
 
+/// A reader of the results topic, from its start.
+async fn results_reader(kafka: bool, prefix: &str) -> Box<dyn weir::transport::Source> {
+    let broker: std::sync::Arc<dyn Broker> = if kafka {
+        services::kafka()
+    } else {
+        services::nats(true).await
+    };
+    broker
+        .subscribe(&Subscription::new(
+            format!("{prefix}.results"),
+            format!("{prefix}-reader"),
+        ))
+        .await
+        .unwrap()
+}
+
 async fn killed_worker_loses_no_task(kafka: bool) {
     let prefix = services::unique("wk");
     let _cleanup = services::cleanup(&prefix);
@@ -123,18 +139,7 @@ async fn killed_worker_loses_no_task(kafka: bool) {
         ],
     );
     // Once the first task has reported, the workers are mid-task: kill one of them.
-    let broker: std::sync::Arc<dyn Broker> = if kafka {
-        services::kafka()
-    } else {
-        services::nats(true).await
-    };
-    let mut results = broker
-        .subscribe(&Subscription::new(
-            format!("{prefix}.results"),
-            format!("{prefix}-reader"),
-        ))
-        .await
-        .unwrap();
+    let mut results = results_reader(kafka, &prefix).await;
     tokio::time::timeout(Duration::from_secs(60), results.next())
         .await
         .expect("a first result")
@@ -217,18 +222,7 @@ async fn a_killed_state_manager_leaves_no_workflow_stuck(kafka: bool) {
             )
         })
         .collect();
-    let broker: std::sync::Arc<dyn Broker> = if kafka {
-        services::kafka()
-    } else {
-        services::nats(true).await
-    };
-    let mut results = broker
-        .subscribe(&Subscription::new(
-            format!("{prefix}.results"),
-            format!("{prefix}-reader"),
-        ))
-        .await
-        .unwrap();
+    let mut results = results_reader(kafka, &prefix).await;
     // Killed once results are flowing: executions are then between their steps.
     for _ in 0..EXECUTIONS + 2 {
         tokio::time::timeout(Duration::from_secs(60), results.next())
