@@ -22,6 +22,16 @@ use weir::{
     Supervisor,
 };
 
+/// Stops the supervisor, then lets Kafka consumers close (on blocking threads, which
+/// the runtime waits for at its end) while their broker still answers.
+async fn shut_down(cancel: &CancellationToken, supervisor: Supervisor, broker: Arc<dyn Broker>) {
+    cancel.cancel();
+    supervisor.shutdown().await;
+    drop(supervisor);
+    drop(broker);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+}
+
 /// A Kafka client of a test's own Tansu.
 fn kafka_client_of(server: &Server) -> Arc<dyn Broker> {
     Arc::new(
@@ -275,13 +285,7 @@ async fn restarted_mid_stream_loses_no_input(
     .unwrap();
     publisher.await.unwrap();
     all_ids_read(&broker, &format!("{prefix}.out"), events).await;
-    cancel.cancel();
-    supervisor.shutdown().await;
-    // Kafka consumers close on blocking threads, which the runtime waits for at its end:
-    // let them close while their broker still answers.
-    drop(supervisor);
-    drop(broker);
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    shut_down(&cancel, supervisor, broker).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -362,11 +366,7 @@ async fn a_broker_down_long_never_fails_the_graph(broker: Arc<dyn Broker>, mut s
         "{:?}",
         graph.status()
     );
-    cancel.cancel();
-    supervisor.shutdown().await;
-    drop(supervisor);
-    drop(broker);
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    shut_down(&cancel, supervisor, broker).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
