@@ -32,6 +32,15 @@ async fn shut_down(cancel: &CancellationToken, supervisor: Supervisor, broker: A
     tokio::time::sleep(Duration::from_secs(2)).await;
 }
 
+/// Waits (10 s at most) until the graph counts `count` outputs, each counted once its
+/// acknowledgement is in, which can come after a reader saw the output.
+async fn outputs_reach(graph: &weir::supervisor::GraphHandle, count: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while graph.stats().outputs < count && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A Kafka client of a test's own Tansu.
 fn kafka_client_of(server: &Server) -> Arc<dyn Broker> {
     Arc::new(
@@ -319,6 +328,8 @@ async fn a_broker_down_long_never_fails_the_graph(broker: Arc<dyn Broker>, mut s
     let graph = supervisor.spawn(padding_graph(&prefix)).unwrap();
     publish_id_bursts(&broker, &input, 0..100).await;
     all_ids_read(&broker, &format!("{prefix}.out"), 100).await;
+    // Every output acknowledged before the server goes: none is left to fail then.
+    outputs_reach(&graph, 100).await;
     let mut server = tokio::task::spawn_blocking(move || {
         server.stop();
         server
@@ -354,13 +365,25 @@ async fn a_broker_down_long_never_fails_the_graph(broker: Arc<dyn Broker>, mut s
         ),
         "waits are recorded, not counted: {recoveries:?}"
     );
-    // What the restarted source read again was recognised, not fired twice. An output
-    // is counted once its acknowledgement is in, which can come after a reader saw it.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while graph.stats().outputs < 200 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(graph.stats().outputs, 200, "{:?}", graph.stats());
+    // What the restarted source read again was recognised, not fired twice: one output
+    // per message in the input topic (a burst whose publish failed was sent again, so
+    // it may hold an id twice).
+    let inputs = read_until(&broker, &input, Duration::from_secs(30), |seen| {
+        ids(seen).len() == 200
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let inputs = read_until(&broker, &input, Duration::from_secs(30), |seen| {
+        seen.len() >= inputs.len()
+    })
+    .await;
+    outputs_reach(&graph, inputs.len() as u64).await;
+    assert_eq!(
+        graph.stats().outputs,
+        inputs.len() as u64,
+        "{:?}",
+        graph.stats()
+    );
     assert!(
         !matches!(graph.status(), weir::supervisor::GraphStatus::Failed { .. }),
         "{:?}",
@@ -445,12 +468,12 @@ async fn a_dead_letter_due_while_nats_is_down_survives_a_restart_of_the_node() {
         let supervisor = Supervisor::new(runtime, policy.clone(), cancel.clone());
         let holding = Arc::new(AtomicBool::new(false));
         let gate = Arc::new(AtomicBool::new(gate));
-        supervisor
+        let graph = supervisor
             .spawn(gated_failing_graph(&prefix, gate.clone(), holding.clone()))
             .unwrap();
-        (supervisor, cancel, gate, holding)
+        (supervisor, cancel, gate, holding, graph)
     };
-    let (first, cancel, gate, holding) = start(false);
+    let (first, cancel, gate, holding, graph) = start(false);
     let sink = broker.sink();
     for id in [json!(1), json!("bad"), json!(3)] {
         sink.publish(Outbound::new(
@@ -476,7 +499,12 @@ async fn a_dead_letter_due_while_nats_is_down_survives_a_restart_of_the_node() {
     .unwrap();
     gate.store(true, Ordering::SeqCst);
     // The fire fails now, and its dead letter finds no server, through a few restarts.
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while graph.stats().fire_failures == 0 {
+        assert!(Instant::now() < deadline, "the fire never failed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
     cancel.cancel();
     first.shutdown().await;
     drop(first);
@@ -486,7 +514,7 @@ async fn a_dead_letter_due_while_nats_is_down_survives_a_restart_of_the_node() {
     })
     .await
     .unwrap();
-    let (second, cancel, _, _) = start(true);
+    let (second, cancel, _, _, _) = start(true);
     let dead = read_until(
         &broker,
         &format!("{prefix}.out.dlq"),

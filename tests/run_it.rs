@@ -387,9 +387,10 @@ async fn crash_safety(setup: Setup) {
         );
     }
     if setup.partitions == 1 {
-        // One source, or sources joined, each read in one order: a fire made again after the crash takes the
-        // inputs and the number it had, so `weir-fire` tells a consumer which outputs
-        // repeat, and a number never stands for two different inputs.
+        // One source, or sources joined, each read in one order: a fire made again
+        // after the crash takes the inputs and the number it had, so `weir-fire` tells
+        // a consumer which outputs repeat, and a number never stands for two different
+        // inputs.
         let mut fires: BTreeMap<u64, std::collections::BTreeSet<u64>> = BTreeMap::new();
         let mut numbers: BTreeMap<u64, std::collections::BTreeSet<u64>> = BTreeMap::new();
         for m in &outputs {
@@ -706,9 +707,8 @@ async fn a_paused_lease_holder_is_fenced_when_it_resumes(kind: Kind) {
     .await;
     let old_token = fencing_of(&before[0]);
     common::servers::signal(&first, "STOP");
-    // Published while the holder is frozen: on Kafka its consumer stays in the group
-    // until its session times out, and whatever its client fetched meanwhile is in the
-    // frozen process when it thaws.
+    // Published while the holder is frozen: a fetch or pull it had outstanding can be
+    // answered into its socket, so it finds these events waiting when it thaws.
     publish_ids(&broker, &setup.input, 4..=6).await;
     setup.wait_for_holder("n2", TTL * 3).await;
     read_until(&broker, &setup.output, Duration::from_secs(60), |seen| {

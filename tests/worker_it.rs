@@ -216,7 +216,7 @@ async fn a_killed_state_manager_leaves_no_workflow_stuck(kafka: bool) {
                     "run",
                     &workflow,
                     "--context",
-                    r#"{"sleep_ms": 300}"#,
+                    r#"{"sleep_ms": 1000}"#,
                     "--wait",
                 ],
             )
@@ -230,6 +230,12 @@ async fn a_killed_state_manager_leaves_no_workflow_stuck(kafka: bool) {
             .expect("results while the workflows run")
             .unwrap();
     }
+    // Six one-second steps each: the executions are still running at the kill.
+    let mut waiting = waiting;
+    assert!(
+        waiting.iter_mut().any(|c| c.try_wait().unwrap().is_none()),
+        "every execution finished before the kill"
+    );
     let state_manager = &mut processes.0[0];
     common::servers::signal(state_manager, "KILL");
     let _ = state_manager.wait();

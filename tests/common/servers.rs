@@ -311,7 +311,8 @@ fn await_stopped(pid: u32) {
             std::fs::read_to_string(stat).is_ok_and(|text| {
                 text.rsplit_once(')')
                     .and_then(|(_, rest)| rest.split_whitespace().next())
-                    .is_some_and(|state| state == "T" || state == "t")
+                    // Stopped, or gone (a zombie): either way it runs no more.
+                    .is_some_and(|state| matches!(state, "T" | "t" | "Z"))
             })
         });
         if stopped {

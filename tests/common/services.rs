@@ -160,11 +160,26 @@ impl Drop for Cleanup {
 async fn remove_everything_named(prefix: &str) {
     if let Ok(client) = redis::Client::open(redis_url()) {
         if let Ok(mut connection) = client.get_multiplexed_async_connection().await {
-            let keys: Vec<String> = redis::cmd("KEYS")
-                .arg(format!("*{prefix}*"))
-                .query_async(&mut connection)
-                .await
-                .unwrap_or_default();
+            // SCAN, not KEYS: other tests' leases share this Redis and must not stall.
+            let pattern = format!("*{prefix}*");
+            let mut keys = Vec::new();
+            let mut cursor: u64 = 0;
+            loop {
+                let page: Result<(u64, Vec<String>), redis::RedisError> = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(1000)
+                    .query_async(&mut connection)
+                    .await;
+                let Ok((next, page)) = page else { break };
+                keys.extend(page);
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
             for chunk in keys.chunks(500) {
                 let _: Result<(), _> = redis::cmd("DEL")
                     .arg(chunk)
