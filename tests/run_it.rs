@@ -147,19 +147,21 @@ format = "json"
         }
     }
 
-    fn start(&self, node: &str) -> Child {
+    fn start(&self, node: &str) -> Running {
         let log =
             std::fs::File::create(std::env::temp_dir().join(format!("{}-{node}.log", self.prefix)))
                 .unwrap();
-        Command::new(env!("CARGO_BIN_EXE_weir"))
-            .args(["run", "--config"])
-            .arg(self.config.path())
-            .env("WEIR__NODE__ID", node)
-            .env("WEIR_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("weir starts")
+        Running(
+            Command::new(env!("CARGO_BIN_EXE_weir"))
+                .args(["run", "--config"])
+                .arg(self.config.path())
+                .env("WEIR__NODE__ID", node)
+                .env("WEIR_LOG", "info")
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .expect("weir starts"),
+        )
     }
 
     async fn lease_holder(&self) -> Option<String> {
@@ -196,6 +198,31 @@ format = "json"
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+}
+
+/// A `weir run` process, killed when dropped: a test that fails part way leaves no
+/// process running (or frozen) behind it.
+struct Running(Child);
+
+impl std::ops::Deref for Running {
+    type Target = Child;
+
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Running {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
