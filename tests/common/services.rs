@@ -116,9 +116,16 @@ pub async fn redis(prefix: &str) -> Arc<RedisStore> {
 }
 
 /// What a test made on the shared services, removed when this is dropped: the Redis
-/// keys, JetStream streams and Kafka topics whose names hold the test's prefix (as
-/// [`unique`] makes it, no other test's names hold it). Declared before the processes
-/// and clients a test starts, it is dropped after them.
+/// keys and JetStream streams whose names hold the test's prefix (as [`unique`] makes
+/// it, no other test's names hold it), and, when the test process exits, its Kafka
+/// topics. Declared before the processes and clients a test starts, it is dropped
+/// after them.
+///
+/// Kafka topics wait for the exit because a topic deleted under a client still
+/// fetching from it can crash the whole process: Tansu then answers fetches with a
+/// leader update naming neither the topic nor its id, and librdkafka (2.12) compares
+/// that missing name. A test's clients can outlive this guard (tasks of its runtime
+/// end only when the runtime does); at exit every test and runtime has ended.
 pub struct Cleanup {
     prefix: String,
 }
@@ -127,6 +134,21 @@ pub struct Cleanup {
 pub fn cleanup(prefix: &str) -> Cleanup {
     // Short names could be parts of other tests' names.
     assert!(prefix.len() >= 12, "not a unique prefix: {prefix}");
+    KAFKA_PREFIXES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(prefix.to_string());
+    REMOVE_KAFKA_TOPICS_AT_EXIT.call_once(|| {
+        extern "C" {
+            fn atexit(callback: extern "C" fn()) -> std::ffi::c_int;
+        }
+        // SAFETY: `atexit` only stores the pointer of a function that lives as long as
+        // the process; the function does not unwind: its
+        // work runs on a thread of its own.
+        unsafe {
+            atexit(remove_kafka_topics_at_exit);
+        }
+    });
     Cleanup {
         prefix: prefix.to_string(),
     }
@@ -147,7 +169,7 @@ impl Drop for Cleanup {
             runtime.block_on(async {
                 let _ = tokio::time::timeout(
                     std::time::Duration::from_secs(30),
-                    remove_everything_named(&prefix),
+                    remove_redis_keys_and_streams(&prefix),
                 )
                 .await;
             });
@@ -156,8 +178,35 @@ impl Drop for Cleanup {
     }
 }
 
+/// The prefixes of every [`Cleanup`] of this process, whose Kafka topics go at exit.
+static KAFKA_PREFIXES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+static REMOVE_KAFKA_TOPICS_AT_EXIT: std::sync::Once = std::sync::Once::new();
+
+extern "C" fn remove_kafka_topics_at_exit() {
+    let prefixes = std::mem::take(&mut *KAFKA_PREFIXES.lock().unwrap_or_else(|p| p.into_inner()));
+    // A thread of its own: a panic there stays there, and the runtime is a new one.
+    let removal = std::thread::Builder::new().spawn(move || {
+        let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        runtime.block_on(async {
+            let _ = tokio::time::timeout(
+                std::time::Duration::from_secs(30),
+                remove_kafka_topics(&prefixes),
+            )
+            .await;
+        });
+    });
+    if let Ok(removal) = removal {
+        let _ = removal.join();
+    }
+}
+
 /// Best effort: what cannot be removed (a service gone) is left for its retention.
-async fn remove_everything_named(prefix: &str) {
+async fn remove_redis_keys_and_streams(prefix: &str) {
     if let Ok(client) = redis::Client::open(redis_url()) {
         if let Ok(mut connection) = client.get_multiplexed_async_connection().await {
             // SCAN, not KEYS: other tests' leases share this Redis and must not stall.
@@ -203,10 +252,12 @@ async fn remove_everything_named(prefix: &str) {
             let _ = js.delete_stream(&name).await;
         }
     }
-    remove_kafka_topics(prefix).await;
 }
 
-async fn remove_kafka_topics(prefix: &str) {
+async fn remove_kafka_topics(prefixes: &[String]) {
+    if prefixes.is_empty() {
+        return;
+    }
     use rdkafka::admin::{AdminClient, AdminOptions};
     use rdkafka::client::DefaultClientContext;
     use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -222,7 +273,7 @@ async fn remove_kafka_topics(prefix: &str) {
         .topics()
         .iter()
         .map(|topic| topic.name().to_string())
-        .filter(|name| name.contains(prefix))
+        .filter(|name| prefixes.iter().any(|prefix| name.contains(prefix.as_str())))
         .collect();
     if ours.is_empty() {
         return;
