@@ -12,11 +12,47 @@ fn config(text: &str) -> tempfile::NamedTempFile {
 }
 
 fn weir_run(config: &tempfile::NamedTempFile) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_weir"))
-        .args(["run", "--config"])
+    weir(&["run"], config)
+}
+
+/// `weir <args> --config <config>`, stopped and failed if it has not exited in a minute:
+/// a command that should exit at once must not hang the suite instead.
+fn weir(args: &[&str], config: &tempfile::NamedTempFile) -> std::process::Output {
+    let stdout = tempfile::tempfile().unwrap();
+    let stderr = tempfile::tempfile().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(args)
+        .arg("--config")
         .arg(config.path())
-        .output()
-        .expect("weir runs")
+        .stdin(Stdio::null())
+        .stdout(stdout.try_clone().unwrap())
+        .stderr(stderr.try_clone().unwrap())
+        .spawn()
+        .expect("weir runs");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("weir {args:?} still running after a minute");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let read = |mut file: std::fs::File| {
+        use std::io::{Read, Seek};
+        let mut bytes = Vec::new();
+        file.rewind().unwrap();
+        file.read_to_end(&mut bytes).unwrap();
+        bytes
+    };
+    std::process::Output {
+        status,
+        stdout: read(stdout),
+        stderr: read(stderr),
+    }
 }
 
 /// A port nothing listens on.
@@ -96,6 +132,42 @@ fn a_nats_server_down_at_start_exits_1_naming_it() {
         &format!("kind = \"nats\"\nurl = \"nats://127.0.0.1:{port}\""),
         &format!("nats nats://127.0.0.1:{port}"),
     );
+}
+
+/// A state the job's handler refuses at its start is refused by the command line, before
+/// any broker is reached, instead of being sent and dead-lettered by the job's owner.
+#[test]
+fn a_job_state_its_handler_refuses_exits_2_naming_the_handler() {
+    let port = closed_port();
+    let file = config(&format!(
+        r#"
+[broker]
+kind = "kafka"
+brokers = "127.0.0.1:{port}"
+[[job]]
+type = "counter"
+handler = "builtin::count"
+"#
+    ));
+    let out = weir(&["job", "put", "counter", "c1", "--state", "5"], &file);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("builtin::count"), "names the handler: {err}");
+    assert!(err.contains("JSON object"), "says why: {err}");
+    // A state it takes gets as far as the broker, which is down: 1, not 2.
+    let out = weir(
+        &[
+            "job",
+            "put",
+            "counter",
+            "c1",
+            "--state",
+            r#"{"every_ms": 1000}"#,
+        ],
+        &file,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
 }
 
 #[cfg(unix)]

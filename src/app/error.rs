@@ -35,6 +35,14 @@ pub enum Error {
         #[source]
         source: serde_json::Error,
     },
+    /// A job state that the job type's handler refuses.
+    #[error("job type {job_type:?}: its handler {handler} refuses the state: {source}")]
+    JobState {
+        job_type: String,
+        handler: String,
+        #[source]
+        source: weir::jobs::HandlerError,
+    },
     /// Stored records that do not read back (written by another version, say); each
     /// was named as the command went on.
     #[error("{what} that could not be read: {count}")]
@@ -61,6 +69,7 @@ impl Error {
             Self::Usage(_)
             | Self::NotFound { .. }
             | Self::Json { .. }
+            | Self::JobState { .. }
             | Self::Unreadable { .. }
             | Self::Graph(_)
             | Self::Schedule(_)

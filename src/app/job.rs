@@ -2,14 +2,13 @@
 //! store (get, list).
 
 use std::io::Write;
-use std::path::Path;
 
 use serde_json::Value;
 
 use crate::app::cli::JobCommand;
 use crate::app::error::Error;
 use weir::config::Config;
-use weir::jobs::JobClient;
+use weir::jobs::{JobClient, JobEvent, JobHandlers};
 
 pub async fn run(command: JobCommand, out: &mut impl Write) -> Result<(), Error> {
     match command {
@@ -19,10 +18,12 @@ pub async fn run(command: JobCommand, out: &mut impl Write) -> Result<(), Error>
             id,
             state,
         } => {
+            let config = Config::load(&config)?;
             let state = match state {
                 Some(text) => json(&text, "--state is not JSON")?,
                 None => serde_json::json!({}),
             };
+            check_state(&config, &job_type, &state)?;
             client(&config, &job_type).await?.put(&id, &state).await?;
         }
         JobCommand::Send {
@@ -31,6 +32,7 @@ pub async fn run(command: JobCommand, out: &mut impl Write) -> Result<(), Error>
             id,
             message,
         } => {
+            let config = Config::load(&config)?;
             let message = json(&message, "--message is not JSON")?;
             client(&config, &job_type)
                 .await?
@@ -42,6 +44,7 @@ pub async fn run(command: JobCommand, out: &mut impl Write) -> Result<(), Error>
             job_type,
             id,
         } => {
+            let config = Config::load(&config)?;
             client(&config, &job_type).await?.stop(&id).await?;
         }
         JobCommand::Get {
@@ -76,9 +79,28 @@ fn json(text: &str, what: &'static str) -> Result<Value, Error> {
     serde_json::from_str(text).map_err(|source| Error::Json { what, source })
 }
 
+/// A state the job type's handler refuses at `start` is refused here, with the handler's
+/// reason, instead of being sent and dead-lettered by the node that owns the job.
+/// Handlers are pure functions of a state and an event, so starting one on the state is
+/// only a check. A handler this binary does not know (registered by another program
+/// built on weir) is left to the nodes that run it.
+fn check_state(config: &Config, job_type: &str, state: &Value) -> Result<(), Error> {
+    let handler = &config.job(job_type)?.handler;
+    let Some(known) = JobHandlers::default().get(handler) else {
+        return Ok(());
+    };
+    match known.handle(state.clone(), &JobEvent::Start) {
+        Ok(_) => Ok(()),
+        Err(source) => Err(Error::JobState {
+            job_type: job_type.to_string(),
+            handler: handler.clone(),
+            source,
+        }),
+    }
+}
+
 /// A client of a declared job type, on the config's broker.
-async fn client(config: &Path, job_type: &str) -> Result<JobClient, Error> {
-    let config = Config::load(config)?;
+async fn client(config: &Config, job_type: &str) -> Result<JobClient, Error> {
     let partitions = config.job(job_type)?.partitions;
     let broker = config.connect_broker().await?;
     Ok(JobClient::new(broker.as_ref(), job_type, partitions).await?)
