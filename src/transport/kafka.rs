@@ -96,17 +96,43 @@ pub fn shown_options(options: &BTreeMap<String, String>) -> BTreeMap<&str, &str>
 #[derive(Default, Clone)]
 pub struct ClientErrors {
     last: Arc<Mutex<Option<String>>>,
+    /// When each kind of error (by its code) was last logged as a warning.
+    warned: Arc<Mutex<BTreeMap<Option<i32>, std::time::Instant>>>,
 }
+
+/// librdkafka reports a broker that stays down every time it tries again (several times
+/// a second, from each client): one warning per kind of error per this interval says
+/// as much, and the repeats go to the debug level.
+const REPEATED_ERROR_WARNING_INTERVAL: Duration = Duration::from_secs(30);
 
 impl ClientErrors {
     fn last(&self) -> Option<String> {
         self.last.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
+
+    /// Whether an error of this kind, reported at `now`, is the first in an interval.
+    fn warn_now(&self, code: Option<RDKafkaErrorCode>, now: std::time::Instant) -> bool {
+        let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
+        let kind = code.map(|c| c as i32);
+        match warned.get(&kind) {
+            Some(at) if now.saturating_duration_since(*at) < REPEATED_ERROR_WARNING_INTERVAL => {
+                false
+            }
+            _ => {
+                warned.insert(kind, now);
+                true
+            }
+        }
+    }
 }
 
 impl ClientContext for ClientErrors {
     fn error(&self, error: KafkaError, reason: &str) {
-        tracing::warn!(%error, reason, "kafka client error");
+        if self.warn_now(error.rdkafka_error_code(), std::time::Instant::now()) {
+            tracing::warn!(%error, reason, "kafka client error");
+        } else {
+            tracing::debug!(%error, reason, "kafka client error, repeated");
+        }
         // "All brokers are down" follows the error that took them down; keep that one.
         if error.rdkafka_error_code() != Some(RDKafkaErrorCode::AllBrokersDown) {
             *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.to_string());
@@ -1056,6 +1082,21 @@ impl Source for KafkaSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_repeated_client_error_is_warned_of_once_per_interval() {
+        let errors = ClientErrors::default();
+        let start = std::time::Instant::now();
+        let down = Some(RDKafkaErrorCode::AllBrokersDown);
+        let failed = Some(RDKafkaErrorCode::BrokerTransportFailure);
+        assert!(errors.warn_now(down, start));
+        assert!(!errors.warn_now(down, start + Duration::from_millis(50)));
+        // Another kind of error is warned of at once.
+        assert!(errors.warn_now(failed, start + Duration::from_millis(60)));
+        assert!(!errors.warn_now(down, start + REPEATED_ERROR_WARNING_INTERVAL / 2));
+        assert!(errors.warn_now(down, start + REPEATED_ERROR_WARNING_INTERVAL));
+        assert!(!errors.warn_now(down, start + REPEATED_ERROR_WARNING_INTERVAL * 3 / 2));
+    }
 
     #[test]
     fn what_the_broker_refuses_for_the_message_itself_is_final() {
