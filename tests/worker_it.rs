@@ -7,7 +7,7 @@
 mod common;
 
 use std::io::Write;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use common::services;
@@ -25,6 +25,27 @@ impl Drop for Processes {
             let _ = child.wait();
         }
     }
+}
+
+/// Waits for `child` to exit, within `limit` (then it is killed and the test fails), and
+/// reads what it printed (a little: it must fit the pipe while the child runs).
+async fn exited(child: &mut Child, limit: Duration, what: &str) -> (ExitStatus, Vec<u8>) {
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{what} did not exit within {limit:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut stdout = Vec::new();
+    if let Some(mut pipe) = child.stdout.take() {
+        std::io::Read::read_to_end(&mut pipe, &mut stdout).unwrap();
+    }
+    (status, stdout)
 }
 
 fn config(kafka: bool, prefix: &str) -> tempfile::NamedTempFile {
@@ -125,7 +146,8 @@ async fn killed_worker_loses_no_task(kafka: bool) {
     // Let the state manager and both workers join their groups.
     tokio::time::sleep(Duration::from_secs(if kafka { 8 } else { 2 })).await;
     let workflow = format!("{prefix}w");
-    let waiting = weir(
+    // Among the processes, so that it is killed too if the test fails part way.
+    processes.0.push(weir(
         &file,
         &prefix,
         "client",
@@ -137,7 +159,7 @@ async fn killed_worker_loses_no_task(kafka: bool) {
             r#"{"sleep_ms": 1500}"#,
             "--wait",
         ],
-    );
+    ));
     // Once the first task has reported, the workers are mid-task: kill one of them.
     let mut results = results_reader(kafka, &prefix).await;
     tokio::time::timeout(Duration::from_secs(60), results.next())
@@ -151,14 +173,14 @@ async fn killed_worker_loses_no_task(kafka: bool) {
         .unwrap();
     assert!(status.success());
     let _ = worker_a.wait();
-    let started = Instant::now();
-    let output = tokio::task::spawn_blocking(move || waiting.wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(output.status.success());
-    assert!(started.elapsed() < Duration::from_secs(90));
-    let summary: Value = serde_json::from_slice(&output.stdout).expect("--wait prints JSON");
+    let (status, stdout) = exited(
+        &mut processes.0[3],
+        Duration::from_secs(90),
+        "workflow run --wait",
+    )
+    .await;
+    assert!(status.success(), "{status}");
+    let summary: Value = serde_json::from_slice(&stdout).expect("--wait prints JSON");
     assert_eq!(summary["status"], "completed", "{summary}");
     let tasks = summary["tasks"].as_object().unwrap();
     assert_eq!(tasks.len(), TASKS);
@@ -168,11 +190,17 @@ async fn killed_worker_loses_no_task(kafka: bool) {
     }
     // `weir workflow status` prints the same JSON.
     let id = summary["execution"].as_str().unwrap();
-    let status = weir(&file, &prefix, "status", &["workflow", "status", id])
-        .wait_with_output()
-        .unwrap();
-    assert!(status.status.success());
-    let again: Value = serde_json::from_slice(&status.stdout).unwrap();
+    processes
+        .0
+        .push(weir(&file, &prefix, "status", &["workflow", "status", id]));
+    let (status, stdout) = exited(
+        &mut processes.0[4],
+        Duration::from_secs(60),
+        "workflow status",
+    )
+    .await;
+    assert!(status.success(), "{status}");
+    let again: Value = serde_json::from_slice(&stdout).unwrap();
     assert_eq!(again, summary);
 }
 
@@ -205,23 +233,26 @@ async fn a_killed_state_manager_leaves_no_workflow_stuck(kafka: bool) {
     ));
     tokio::time::sleep(Duration::from_secs(if kafka { 8 } else { 2 })).await;
     let workflow = format!("{prefix}w");
-    let waiting: Vec<Child> = (0..EXECUTIONS)
-        .map(|i| {
-            weir(
-                &file,
-                &prefix,
-                &format!("client{i}"),
-                &[
-                    "workflow",
-                    "run",
-                    &workflow,
-                    "--context",
-                    r#"{"sleep_ms": 1000}"#,
-                    "--wait",
-                ],
-            )
-        })
-        .collect();
+    // A guard of their own, so that they are killed too if the test fails part way.
+    let mut waiting = Processes(
+        (0..EXECUTIONS)
+            .map(|i| {
+                weir(
+                    &file,
+                    &prefix,
+                    &format!("client{i}"),
+                    &[
+                        "workflow",
+                        "run",
+                        &workflow,
+                        "--context",
+                        r#"{"sleep_ms": 1000}"#,
+                        "--wait",
+                    ],
+                )
+            })
+            .collect(),
+    );
     let mut results = results_reader(kafka, &prefix).await;
     // Killed once results are flowing: executions are then between their steps.
     for _ in 0..EXECUTIONS + 2 {
@@ -231,9 +262,11 @@ async fn a_killed_state_manager_leaves_no_workflow_stuck(kafka: bool) {
             .unwrap();
     }
     // Six one-second steps each: the executions are still running at the kill.
-    let mut waiting = waiting;
     assert!(
-        waiting.iter_mut().any(|c| c.try_wait().unwrap().is_none()),
+        waiting
+            .0
+            .iter_mut()
+            .any(|c| c.try_wait().unwrap().is_none()),
         "every execution finished before the kill"
     );
     let state_manager = &mut processes.0[0];
@@ -241,19 +274,9 @@ async fn a_killed_state_manager_leaves_no_workflow_stuck(kafka: bool) {
     let _ = state_manager.wait();
     processes.0[0] = weir(&file, &prefix, "run-again", &["run"]);
     let deadline = Instant::now() + Duration::from_secs(120);
-    for mut client in waiting {
-        let status = loop {
-            if let Some(status) = client.try_wait().unwrap() {
-                break status;
-            }
-            if Instant::now() > deadline {
-                let _ = client.kill();
-                panic!("an execution did not finish within 120 s of the restart");
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
-        let mut stdout = Vec::new();
-        std::io::Read::read_to_end(&mut client.stdout.take().unwrap(), &mut stdout).unwrap();
+    for client in &mut waiting.0 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (status, stdout) = exited(client, left, "an execution after the restart").await;
         assert!(status.success(), "{status}");
         let summary: Value = serde_json::from_slice(&stdout).expect("--wait prints JSON");
         assert_eq!(summary["status"], "completed", "{summary}");
