@@ -170,6 +170,26 @@ handler = "builtin::count"
     assert_eq!(out.status.code(), Some(1), "{err}");
 }
 
+/// `weir job get` and `list` of a type the config does not declare (a typo) say so, as
+/// put, send and rm do, instead of finding no job.
+#[test]
+fn a_job_type_not_declared_exits_2_naming_it() {
+    let file = config("[[job]]\ntype = \"counter\"\nhandler = \"builtin::count\"\n");
+    for args in [
+        &["job", "list", "countr"][..],
+        &["job", "get", "countr", "c1"][..],
+    ] {
+        let out = weir(args, &file);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("\"countr\""), "names the type: {err}");
+    }
+    // The declared type lists its jobs: none yet, in the embedded store.
+    let out = weir(&["job", "list", "counter"], &file);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert!(out.stdout.is_empty(), "{out:?}");
+}
+
 #[cfg(unix)]
 #[test]
 fn ctrl_c_exits_130() {

@@ -52,7 +52,7 @@ pub async fn run(command: JobCommand, out: &mut impl Write) -> Result<(), Error>
             job_type,
             id,
         } => {
-            let store = Config::load(&config)?.store().await?;
+            let store = declared(&config, &job_type)?.store().await?;
             let Some(view) = weir::jobs::view(store.as_ref(), &job_type, &id).await? else {
                 return Err(Error::NotFound {
                     what: "job",
@@ -66,13 +66,21 @@ pub async fn run(command: JobCommand, out: &mut impl Write) -> Result<(), Error>
             writeln!(out, "{line}")?;
         }
         JobCommand::List { config, job_type } => {
-            let store = Config::load(&config)?.store().await?;
+            let store = declared(&config, &job_type)?.store().await?;
             for id in store.list_jobs(&job_type).await? {
                 writeln!(out, "{id}")?;
             }
         }
     }
     Ok(())
+}
+
+/// The config, once it declares `job_type`: a misspelt type is named as such rather
+/// than answered with no job or an empty list.
+fn declared(config: &std::path::Path, job_type: &str) -> Result<Config, Error> {
+    let config = Config::load(config)?;
+    config.job(job_type)?;
+    Ok(config)
 }
 
 fn json(text: &str, what: &'static str) -> Result<Value, Error> {
