@@ -101,8 +101,9 @@ pub struct ClientErrors {
 }
 
 /// librdkafka reports a broker that stays down every time it tries again (several times
-/// a second, from each client): one warning per kind of error per this interval says
-/// as much, and the repeats go to the debug level.
+/// a second, from each client): one warning per kind of error (its code, whichever
+/// broker it names) per this interval, over all of a `KafkaBroker`'s producers and
+/// consumers, says as much, and the repeats go to the debug level.
 const REPEATED_ERROR_WARNING_INTERVAL: Duration = Duration::from_secs(30);
 
 impl ClientErrors {
@@ -482,7 +483,10 @@ impl Broker for KafkaBroker {
                 config.set(k, v);
             }
         }
-        let context = GroupContext::default();
+        let context = GroupContext {
+            revoked: Arc::default(),
+            errors: self.inner.errors.clone(),
+        };
         let revoked = context.revoked.clone();
         let consumer: StreamConsumer<GroupContext> = config
             .create_with_context(context)
@@ -865,14 +869,19 @@ fn is_retryable(e: &KafkaError) -> bool {
     )
 }
 
-/// Hears of rebalances, which happen inside the client's poll.
-#[derive(Default)]
+/// Hears of rebalances, which happen inside the client's poll, and reports the
+/// client's errors with the broker's other clients.
 struct GroupContext {
     /// Partitions revoked since the source last looked.
     revoked: Arc<Mutex<Vec<i32>>>,
+    errors: ClientErrors,
 }
 
-impl ClientContext for GroupContext {}
+impl ClientContext for GroupContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        self.errors.error(error, reason);
+    }
+}
 
 impl ConsumerContext for GroupContext {
     fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
