@@ -30,6 +30,14 @@ fn weir(args: &[&str], config: &tempfile::NamedTempFile) -> std::process::Output
         .spawn()
         .expect("weir runs");
     let deadline = Instant::now() + Duration::from_secs(60);
+    let read = |file: &std::fs::File| {
+        use std::io::{Read, Seek};
+        let mut file = file.try_clone().unwrap();
+        let mut bytes = Vec::new();
+        file.rewind().unwrap();
+        file.read_to_end(&mut bytes).unwrap();
+        bytes
+    };
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
             break status;
@@ -37,21 +45,17 @@ fn weir(args: &[&str], config: &tempfile::NamedTempFile) -> std::process::Output
         if Instant::now() >= deadline {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("weir {args:?} still running after a minute");
+            panic!(
+                "weir {args:?} still running after a minute: {}",
+                String::from_utf8_lossy(&read(&stderr))
+            );
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    let read = |mut file: std::fs::File| {
-        use std::io::{Read, Seek};
-        let mut bytes = Vec::new();
-        file.rewind().unwrap();
-        file.read_to_end(&mut bytes).unwrap();
-        bytes
-    };
     std::process::Output {
         status,
-        stdout: read(stdout),
-        stderr: read(stderr),
+        stdout: read(&stdout),
+        stderr: read(&stderr),
     }
 }
 

@@ -203,6 +203,8 @@ async fn an_output_too_large_is_dead_lettered_and_later_events_fire(
     error_mentions: &str,
 ) {
     let prefix = services::unique("faults");
+    // On the shared Kafka (the NATS case has a server of its own).
+    let _cleanup = services::cleanup(&prefix);
     let cancel = CancellationToken::new();
     let supervisor = supervisor(broker.clone(), &cancel);
     let graph = supervisor.spawn(padding_graph(&prefix)).unwrap();
@@ -1298,6 +1300,7 @@ async fn a_graph_holder_cut_off_from_redis_stops_within_its_ttl_and_takes_the_gr
 async fn a_kafka_producer_that_failed_fatally_is_replaced() {
     let broker = services::kafka();
     let topic = services::unique("fatal");
+    let _cleanup = services::cleanup(&topic);
     let sink = broker.sink();
     let message = |payload: &'static str| Outbound::new(topic.as_str(), payload).key("k");
     sink.publish(message("before"))
@@ -1431,6 +1434,7 @@ async fn a_kafka_consumer_let_go_hands_its_partitions_over_before_its_session_ti
         .expect("kafka client"),
     );
     let topic = services::unique("leave");
+    let _cleanup = services::cleanup(&topic);
     let subscription = Subscription::new(&topic, services::unique("leave-group"));
     // Each member reports (member, partition, id) for every message it reads.
     let (reads, mut read) = tokio::sync::mpsc::unbounded_channel::<(usize, i32, u64)>();

@@ -27,7 +27,8 @@ impl Drop for Processes {
     }
 }
 
-/// Waits for `child` to exit, within `limit` (then it is killed and the test fails), and
+/// Waits for `child` to exit, within `limit` (then it is killed and the test fails,
+/// naming `what`), and
 /// reads what it printed (a little: it must fit the pipe while the child runs).
 async fn exited(child: &mut Child, limit: Duration, what: &str) -> (ExitStatus, Vec<u8>) {
     let deadline = Instant::now() + limit;
@@ -37,7 +38,7 @@ async fn exited(child: &mut Child, limit: Duration, what: &str) -> (ExitStatus, 
         }
         if Instant::now() > deadline {
             let _ = child.kill();
-            panic!("{what} did not exit within {limit:?}");
+            panic!("{what}: not exited");
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
@@ -147,6 +148,7 @@ async fn killed_worker_loses_no_task(kafka: bool) {
     tokio::time::sleep(Duration::from_secs(if kafka { 8 } else { 2 })).await;
     let workflow = format!("{prefix}w");
     // Among the processes, so that it is killed too if the test fails part way.
+    let client = processes.0.len();
     processes.0.push(weir(
         &file,
         &prefix,
@@ -174,9 +176,9 @@ async fn killed_worker_loses_no_task(kafka: bool) {
     assert!(status.success());
     let _ = worker_a.wait();
     let (status, stdout) = exited(
-        &mut processes.0[3],
+        &mut processes.0[client],
         Duration::from_secs(90),
-        "workflow run --wait",
+        "workflow run --wait, 90 s after the kill",
     )
     .await;
     assert!(status.success(), "{status}");
@@ -190,13 +192,14 @@ async fn killed_worker_loses_no_task(kafka: bool) {
     }
     // `weir workflow status` prints the same JSON.
     let id = summary["execution"].as_str().unwrap();
+    let status_command = processes.0.len();
     processes
         .0
         .push(weir(&file, &prefix, "status", &["workflow", "status", id]));
     let (status, stdout) = exited(
-        &mut processes.0[4],
+        &mut processes.0[status_command],
         Duration::from_secs(60),
-        "workflow status",
+        "workflow status, within a minute",
     )
     .await;
     assert!(status.success(), "{status}");
@@ -276,7 +279,7 @@ async fn a_killed_state_manager_leaves_no_workflow_stuck(kafka: bool) {
     let deadline = Instant::now() + Duration::from_secs(120);
     for client in &mut waiting.0 {
         let left = deadline.saturating_duration_since(Instant::now());
-        let (status, stdout) = exited(client, left, "an execution after the restart").await;
+        let (status, stdout) = exited(client, left, "an execution 120 s after the restart").await;
         assert!(status.success(), "{status}");
         let summary: Value = serde_json::from_slice(&stdout).expect("--wait prints JSON");
         assert_eq!(summary["status"], "completed", "{summary}");

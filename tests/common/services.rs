@@ -125,7 +125,9 @@ pub async fn redis(prefix: &str) -> Arc<RedisStore> {
 /// fetching from it can crash the whole process: Tansu then answers fetches with a
 /// leader update naming neither the topic nor its id, and librdkafka (2.12) compares
 /// that missing name. A test's clients can outlive this guard (tasks of its runtime
-/// end only when the runtime does); at exit every test and runtime has ended.
+/// end only when the runtime does); at exit every test and runtime has ended, and the
+/// clients they dropped are let finish closing before any topic goes. A binary killed
+/// before it exits leaves its topics to their retention.
 pub struct Cleanup {
     prefix: String,
 }
@@ -143,8 +145,8 @@ pub fn cleanup(prefix: &str) -> Cleanup {
             fn atexit(callback: extern "C" fn()) -> std::ffi::c_int;
         }
         // SAFETY: `atexit` only stores the pointer of a function that lives as long as
-        // the process; the function does not unwind: its
-        // work runs on a thread of its own.
+        // the process; the function catches any panic, so none unwinds into libc.
+        // Should the registration fail, the topics are left to their retention.
         unsafe {
             atexit(remove_kafka_topics_at_exit);
         }
@@ -183,26 +185,34 @@ static KAFKA_PREFIXES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec
 static REMOVE_KAFKA_TOPICS_AT_EXIT: std::sync::Once = std::sync::Once::new();
 
 extern "C" fn remove_kafka_topics_at_exit() {
-    let prefixes = std::mem::take(&mut *KAFKA_PREFIXES.lock().unwrap_or_else(|p| p.into_inner()));
-    // A thread of its own: a panic there stays there, and the runtime is a new one.
-    let removal = std::thread::Builder::new().spawn(move || {
-        let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-        else {
-            return;
-        };
-        runtime.block_on(async {
-            let _ = tokio::time::timeout(
-                std::time::Duration::from_secs(30),
-                remove_kafka_topics(&prefixes),
-            )
-            .await;
+    // At exit the main thread's thread-locals may be gone already: whatever fails for
+    // it, nothing may unwind out of this function.
+    let _ = std::panic::catch_unwind(|| {
+        let prefixes =
+            std::mem::take(&mut *KAFKA_PREFIXES.lock().unwrap_or_else(|p| p.into_inner()));
+        // A runtime of its own, on a thread of its own.
+        let removal = std::thread::Builder::new().spawn(move || {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            runtime.block_on(async {
+                // Dropped clients close on threads of their own: a group they are
+                // leaving may still fetch from its topics.
+                weir::transport::kafka::let_clients_close(std::time::Duration::from_secs(10)).await;
+                let _ = tokio::time::timeout(
+                    std::time::Duration::from_secs(30),
+                    remove_kafka_topics(&prefixes),
+                )
+                .await;
+            });
         });
+        if let Ok(removal) = removal {
+            let _ = removal.join();
+        }
     });
-    if let Ok(removal) = removal {
-        let _ = removal.join();
-    }
 }
 
 /// Best effort: what cannot be removed (a service gone) is left for its retention.
