@@ -159,24 +159,29 @@ pub fn cleanup(prefix: &str) -> Cleanup {
 impl Drop for Cleanup {
     fn drop(&mut self) {
         let prefix = self.prefix.clone();
-        // Dropped inside a test's runtime, which cannot be blocked on: the removal runs
-        // on a thread and a runtime of its own, waited for, bounded.
-        let _ = std::thread::spawn(move || {
-            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            runtime.block_on(async {
-                let _ = tokio::time::timeout(
-                    std::time::Duration::from_secs(30),
-                    remove_redis_keys_and_streams(&prefix),
-                )
-                .await;
-            });
-        })
-        .join();
+        // Dropped inside a test's runtime, which cannot be blocked on.
+        on_a_thread_of_its_own(async move {
+            let _ = tokio::time::timeout(
+                std::time::Duration::from_secs(30),
+                remove_redis_keys_and_streams(&prefix),
+            )
+            .await;
+        });
+    }
+}
+
+/// Runs `work` to its end on a new thread and runtime, and waits for it.
+fn on_a_thread_of_its_own(work: impl std::future::Future<Output = ()> + Send + 'static) {
+    let thread = std::thread::Builder::new().spawn(move || {
+        if let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            runtime.block_on(work);
+        }
+    });
+    if let Ok(thread) = thread {
+        let _ = thread.join();
     }
 }
 
@@ -185,33 +190,19 @@ static KAFKA_PREFIXES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec
 static REMOVE_KAFKA_TOPICS_AT_EXIT: std::sync::Once = std::sync::Once::new();
 
 extern "C" fn remove_kafka_topics_at_exit() {
+    use std::time::Duration;
     // At exit the main thread's thread-locals may be gone already: whatever fails for
     // it, nothing may unwind out of this function.
     let _ = std::panic::catch_unwind(|| {
         let prefixes =
             std::mem::take(&mut *KAFKA_PREFIXES.lock().unwrap_or_else(|p| p.into_inner()));
-        // A runtime of its own, on a thread of its own.
-        let removal = std::thread::Builder::new().spawn(move || {
-            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            runtime.block_on(async {
-                // Dropped clients close on threads of their own: a group they are
-                // leaving may still fetch from its topics.
-                weir::transport::kafka::let_clients_close(std::time::Duration::from_secs(10)).await;
-                let _ = tokio::time::timeout(
-                    std::time::Duration::from_secs(30),
-                    remove_kafka_topics(&prefixes),
-                )
-                .await;
-            });
+        on_a_thread_of_its_own(async move {
+            // Dropped clients close on threads of their own: a group they are leaving
+            // may still fetch from its topics.
+            weir::transport::kafka::let_clients_close(Duration::from_secs(10)).await;
+            let _ =
+                tokio::time::timeout(Duration::from_secs(30), remove_kafka_topics(&prefixes)).await;
         });
-        if let Ok(removal) = removal {
-            let _ = removal.join();
-        }
     });
 }
 
