@@ -1478,7 +1478,6 @@ mod services {
             "a tenant is not shown the store's keys: {why}"
         );
         cancel.cancel();
-        common::services::remove_redis_keys(&prefix).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -300,7 +300,6 @@ mod failover {
             score.is_some_and(|due| due > now_ms + 30_000.0),
             "the unreadable schedule is kept, due again later: {score:?}"
         );
-        services::remove_redis_keys(&prefix).await;
     }
 
     /// An unreadable schedule with unfinished executions of its own leaves them waiting;
@@ -342,7 +341,6 @@ mod failover {
         assert_eq!(emitted, ["orph@1000"]);
         let waiting = store.get_execution("bad", 1_000).await.unwrap().unwrap();
         assert_eq!(waiting.status, ExecutionStatus::Scheduled, "left as it was");
-        services::remove_redis_keys(&prefix).await;
     }
 
     #[tokio::test(flavor = "multi_thread")]

@@ -351,7 +351,6 @@ async fn jobs_survive_kills_joins_and_rolling_restarts(kind: Kind) {
     for node in 0..3 {
         cluster.nodes.terminate(node);
     }
-    services::remove_redis_keys(&cluster.prefix).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -487,7 +486,6 @@ async fn kafka_jobs_survive_a_broker_restart() {
     for node in 0..2 {
         cluster.nodes.terminate(node);
     }
-    services::remove_redis_keys(&cluster.prefix).await;
 }
 
 /// Jobs keep positions and one owner per partition, which core NATS cannot give: `weir

@@ -513,7 +513,6 @@ async fn keyed_graph_survives_a_kill_a_rejoin_and_a_pause(kind: Kind) {
     for node in 0..3 {
         cluster.nodes.kill(node);
     }
-    services::remove_redis_keys(&cluster.prefix).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -550,7 +549,6 @@ async fn keyed_graph_rolling_restart_repeats_nothing(kind: Kind) {
     for node in 0..3 {
         cluster.nodes.terminate(node);
     }
-    services::remove_redis_keys(&cluster.prefix).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -603,7 +601,6 @@ async fn keyed_graph_paused_and_resumed_loses_nothing(kind: Kind) {
     for node in 0..2 {
         cluster.nodes.kill(node);
     }
-    services::remove_redis_keys(&cluster.prefix).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -700,7 +697,6 @@ async fn keyed_graph_survives_a_broker_restart(kind: Kind) {
     for node in 0..2 {
         cluster.nodes.kill(node);
     }
-    services::remove_redis_keys(&cluster.prefix).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -779,7 +775,6 @@ async fn nats_graph_keyed_by_message_key_takes_a_plain_clients_events() {
     for node in 0..2 {
         cluster.nodes.terminate(node);
     }
-    services::remove_redis_keys(&cluster.prefix).await;
 }
 
 /// A key NATS cannot carry (a line break: the key travels in a header) makes an output
@@ -832,5 +827,4 @@ async fn nats_keyed_graph_dead_letters_an_output_whose_key_has_a_line_break() {
     assert_eq!(record["key"], broken, "{record}");
     assert_eq!(record["topic"], json!(cluster.output), "{record}");
     cluster.nodes.terminate(0);
-    services::remove_redis_keys(&cluster.prefix).await;
 }

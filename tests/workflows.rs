@@ -34,7 +34,8 @@ struct Env {
     store: Arc<dyn Store>,
     prefix: String,
     cancel: CancellationToken,
-    /// Kept until the test ends: on the shared services, what removes its names then.
+    /// Kept until the test ends: on the shared services, what removes its names then
+    /// (`services::Cleanup`, boxed since that module is built with the `it` feature only).
     cleanups: Vec<Box<dyn std::any::Any + Send + Sync>>,
 }
 

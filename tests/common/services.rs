@@ -210,32 +210,7 @@ extern "C" fn remove_kafka_topics_at_exit() {
 async fn remove_redis_keys_and_streams(prefix: &str) {
     if let Ok(client) = redis::Client::open(redis_url()) {
         if let Ok(mut connection) = client.get_multiplexed_async_connection().await {
-            // SCAN, not KEYS: other tests' leases share this Redis and must not stall.
-            let pattern = format!("*{prefix}*");
-            let mut keys = Vec::new();
-            let mut cursor: u64 = 0;
-            loop {
-                let page: Result<(u64, Vec<String>), redis::RedisError> = redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(&pattern)
-                    .arg("COUNT")
-                    .arg(1000)
-                    .query_async(&mut connection)
-                    .await;
-                let Ok((next, page)) = page else { break };
-                keys.extend(page);
-                if next == 0 {
-                    break;
-                }
-                cursor = next;
-            }
-            for chunk in keys.chunks(500) {
-                let _: Result<(), _> = redis::cmd("DEL")
-                    .arg(chunk)
-                    .query_async(&mut connection)
-                    .await;
-            }
+            let _ = delete_keys_matching(&mut connection, &format!("*{prefix}*")).await;
         }
     }
     // Stream names are subjects with their dots and wildcards replaced.
@@ -293,18 +268,38 @@ pub async fn remove_redis_keys(prefix: &str) {
         .get_multiplexed_async_connection()
         .await
         .expect("redis reachable");
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}*"))
-        .query_async(&mut connection)
+    delete_keys_matching(&mut connection, &format!("{prefix}*"))
         .await
-        .expect("KEYS");
-    if !keys.is_empty() {
-        let _: () = redis::cmd("DEL")
-            .arg(&keys)
-            .query_async(&mut connection)
-            .await
-            .expect("DEL");
+        .expect("SCAN and DEL");
+}
+
+/// Deletes the keys matching `pattern`. By SCAN, not KEYS: other tests' leases share
+/// this Redis and must not stall.
+async fn delete_keys_matching(
+    connection: &mut redis::aio::MultiplexedConnection,
+    pattern: &str,
+) -> Result<(), redis::RedisError> {
+    let mut keys: Vec<String> = Vec::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, page): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(connection)
+            .await?;
+        keys.extend(page);
+        if next == 0 {
+            break;
+        }
+        cursor = next;
     }
+    for chunk in keys.chunks(500) {
+        let () = redis::cmd("DEL").arg(chunk).query_async(connection).await?;
+    }
+    Ok(())
 }
 
 /// Waits until every partition of an ownership `group` (`jobs.<type>`, `graph.<name>`)
