@@ -138,6 +138,88 @@ fn a_nats_server_down_at_start_exits_1_naming_it() {
     );
 }
 
+/// Every command that needs a server, not only `weir run`, exits 1 naming the one it
+/// cannot reach, and does so in well under the helper's minute.
+fn every_command_exits_1_naming_what_it_cannot_reach(broker: &str, named_broker: &str) {
+    let redis = closed_port();
+    let file = config(&format!(
+        r#"
+[broker]
+{broker}
+[store]
+kind = "redis"
+url = "redis://127.0.0.1:{redis}"
+[[job]]
+type = "counter"
+handler = "builtin::count"
+[[workflow]]
+name = "wf"
+[[workflow.task]]
+id = "a"
+handler = "builtin::echo"
+"#
+    ));
+    let named_store = format!("redis://127.0.0.1:{redis}");
+    let commands: [(&[&str], &str); 17] = [
+        (&["worker", "--executor", "default"], named_broker),
+        (&["workflow", "run", "wf"], named_broker),
+        (&["workflow", "status", "x"], &named_store),
+        (&["job", "put", "counter", "c1"], named_broker),
+        (
+            &["job", "send", "counter", "c1", "--message", "{}"],
+            named_broker,
+        ),
+        (&["job", "rm", "counter", "c1"], named_broker),
+        (&["job", "get", "counter", "c1"], &named_store),
+        (&["job", "list", "counter"], &named_store),
+        (&["cron", "list"], &named_store),
+        (
+            &[
+                "cron",
+                "add",
+                "--id",
+                "nightly",
+                "--cron",
+                "0 2 * * *",
+                "--topic",
+                "t",
+            ],
+            &named_store,
+        ),
+        (&["cron", "pause", "nightly"], &named_store),
+        (&["cron", "resume", "nightly"], &named_store),
+        (&["cron", "show", "nightly"], &named_store),
+        (&["cron", "rm", "nightly"], &named_store),
+        (&["cron", "history", "nightly"], &named_store),
+        (&["tail", "t1"], named_broker),
+        (&["produce", "t1"], named_broker),
+    ];
+    for (args, named) in commands {
+        let out = weir(args, &file);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "weir {args:?}: {err}");
+        assert!(err.contains(named), "weir {args:?} names {named}: {err}");
+    }
+}
+
+#[test]
+fn every_command_on_kafka_exits_1_naming_what_it_cannot_reach() {
+    let port = closed_port();
+    every_command_exits_1_naming_what_it_cannot_reach(
+        &format!("kind = \"kafka\"\nbrokers = \"127.0.0.1:{port}\""),
+        &format!("kafka 127.0.0.1:{port}"),
+    );
+}
+
+#[test]
+fn every_command_on_nats_exits_1_naming_what_it_cannot_reach() {
+    let port = closed_port();
+    every_command_exits_1_naming_what_it_cannot_reach(
+        &format!("kind = \"nats\"\nurl = \"nats://127.0.0.1:{port}\""),
+        &format!("nats nats://127.0.0.1:{port}"),
+    );
+}
+
 /// A state the job's handler refuses at its start is refused by the command line, before
 /// any broker is reached, instead of being sent and dead-lettered by the job's owner.
 #[test]
