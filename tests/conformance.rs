@@ -7,8 +7,16 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+use weir::graph::NodeContext;
+use weir::store::memory::MemoryStore;
 use weir::transport::memory::MemoryBroker;
 use weir::transport::{Assignment, Broker, Message, Outbound, Source, Subscription};
+use weir::{
+    AccumulatorSpec, Criteria, GraphBuilder, ReactorConfig, Runtime, Strategy, SupervisionPolicy,
+    Supervisor,
+};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -77,6 +85,74 @@ async fn broker_conformance(
     broker.ping().await.expect("ping");
 }
 
+/// A graph working off a backlog has many fires' outputs awaiting acknowledgement at
+/// once; they still reach the output topic in fire order, each input's output after the
+/// one before it.
+async fn graph_outputs_keep_fire_order(broker: Arc<dyn Broker>, prefix: &str) {
+    const EVENTS: u64 = 2_000;
+    let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
+    let sink = broker.sink();
+    let mut acks = Vec::new();
+    for id in 0..EVENTS {
+        let event = json!({ "id": id }).to_string();
+        acks.push(sink.enqueue(Outbound::new(&input, event)).await.unwrap());
+    }
+    for ack in acks {
+        ack.await.expect("input published");
+    }
+    let graph = GraphBuilder::new(format!("{prefix}g"))
+        .reactor(ReactorConfig {
+            criteria: Criteria::WhenAny,
+            strategy: Strategy::Sequential,
+            ..ReactorConfig::default()
+        })
+        .accumulator(AccumulatorSpec::passthrough("a").topic(&input))
+        .node("n", ["a"], |ctx: NodeContext| async move {
+            Ok(ctx.source("a").map(|event| json!({ "id": event["id"] })))
+        })
+        .output("n", &output)
+        .build()
+        .expect("valid graph");
+    let cancel = CancellationToken::new();
+    let runtime = Runtime {
+        broker: broker.clone(),
+        store: Arc::new(MemoryStore::new()),
+        node_id: "conformance".into(),
+    };
+    let supervisor = Supervisor::new(runtime, SupervisionPolicy::default(), cancel.clone());
+    supervisor.spawn(graph).unwrap();
+    let mut subscription = Subscription::new(&output, format!("{prefix}-reader"));
+    subscription.assignment = Assignment::All;
+    let mut reader = broker.subscribe(&subscription).await.expect("subscribe");
+    let mut ids = Vec::new();
+    let mut fires = Vec::new();
+    while (ids.len() as u64) < EVENTS {
+        let message = next(&mut reader).await;
+        let event: Value = serde_json::from_slice(&message.payload).unwrap();
+        ids.push(event["id"].as_u64().expect("an id"));
+        fires.push(message.header("weir-fire").unwrap_or_default().to_string());
+    }
+    if let Some(at) = ids
+        .iter()
+        .zip(0..)
+        .position(|(id, expected)| *id != expected)
+    {
+        panic!(
+            "output {at} holds input {} (fire {}); around it: {:?}",
+            ids[at],
+            fires[at],
+            &ids[at.saturating_sub(3)..(at + 10).min(ids.len())]
+        );
+    }
+    cancel.cancel();
+    supervisor.shutdown().await;
+}
+
+#[tokio::test]
+async fn memory_graph_outputs_keep_fire_order() {
+    graph_outputs_keep_fire_order(Arc::new(MemoryBroker::new(1)), "order.mem").await;
+}
+
 #[tokio::test]
 async fn memory_broker_conforms() {
     broker_conformance(
@@ -99,6 +175,20 @@ async fn memory_broker_conforms() {
 mod services {
     use super::*;
     use common::services;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn kafka_graph_outputs_keep_fire_order() {
+        let prefix = services::unique("order");
+        let _cleanup = services::cleanup(&prefix);
+        graph_outputs_keep_fire_order(services::kafka(), &prefix).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn nats_jetstream_graph_outputs_keep_fire_order() {
+        let prefix = services::unique("order");
+        let _cleanup = services::cleanup(&prefix);
+        graph_outputs_keep_fire_order(services::nats(true).await, &prefix).await;
+    }
 
     #[tokio::test]
     async fn kafka_broker_conforms() {

@@ -153,16 +153,26 @@ async fn read_until(
     seen
 }
 
-/// Reads a topic until every id below `count` was seen, parsing each message once.
-async fn all_ids_read(broker: &Arc<dyn Broker>, topic: &str, count: u64) {
+/// Reads a topic until every id below `count` was seen, parsing each message once; the
+/// ids in the order they first appear.
+async fn all_ids_read(broker: &Arc<dyn Broker>, topic: &str, count: u64) -> Vec<u64> {
     let mut distinct = BTreeSet::new();
+    let mut first_seen = Vec::new();
     let mut parsed = 0;
     read_until(broker, topic, Duration::from_secs(90), |seen| {
-        distinct.extend(ids(&seen[parsed..]));
+        for message in &seen[parsed..] {
+            let id = serde_json::from_slice::<Value>(&message.payload)
+                .ok()
+                .and_then(|event| event["id"].as_u64());
+            if let Some(id) = id.filter(|id| distinct.insert(*id)) {
+                first_seen.push(id);
+            }
+        }
         parsed = seen.len();
         distinct.len() as u64 == count
     })
     .await;
+    first_seen
 }
 
 fn ids(messages: &[Message]) -> BTreeSet<u64> {
@@ -264,7 +274,8 @@ async fn publish_ids(broker: &Arc<dyn Broker>, topic: &str, ids: std::ops::Range
 }
 
 /// Runs a graph on `broker`, restarts `server` (the broker's) once half the input is in
-/// and the graph fires, goes on publishing meanwhile, and reads every input's output.
+/// and the graph fires, goes on publishing meanwhile, and reads every input's output, in
+/// the input's order.
 async fn restarted_mid_stream_loses_no_input(
     broker: Arc<dyn Broker>,
     mut server: Server,
@@ -295,7 +306,18 @@ async fn restarted_mid_stream_loses_no_input(
     .await
     .unwrap();
     publisher.await.unwrap();
-    all_ids_read(&broker, &format!("{prefix}.out"), events).await;
+    let outputs = all_ids_read(&broker, &format!("{prefix}.out"), events).await;
+    // Publishes retried across the restart may have stored the input out of id order;
+    // the outputs follow the input as stored, replays aside.
+    let inputs = all_ids_read(&broker, &input, events).await;
+    if let Some(at) = outputs.iter().zip(&inputs).position(|(o, i)| o != i) {
+        let around = at.saturating_sub(5)..(at + 15).min(outputs.len());
+        panic!(
+            "outputs out of input order from {at}: outputs {:?}, inputs {:?}",
+            &outputs[around.clone()],
+            &inputs[around]
+        );
+    }
     shut_down(&cancel, supervisor, broker).await;
 }
 

@@ -1338,9 +1338,18 @@ impl weir::transport::Sink for Gate {
         &self,
         message: weir::transport::Outbound,
     ) -> Result<Position, TransportError> {
-        let mut open = self.open.clone();
-        let _ = open.wait_for(|open| *open).await;
-        weir::transport::Sink::publish(&self.broker, message).await
+        self.enqueue(message).await?.await
+    }
+
+    async fn enqueue(
+        &self,
+        message: weir::transport::Outbound,
+    ) -> Result<weir::transport::PendingAck, TransportError> {
+        let (mut open, broker) = (self.open.clone(), self.broker.clone());
+        Ok(Box::pin(async move {
+            let _ = open.wait_for(|open| *open).await;
+            weir::transport::Sink::publish(&broker, message).await
+        }))
     }
 }
 

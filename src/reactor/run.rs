@@ -25,7 +25,7 @@ use crate::accumulator::{Boundary, Health, Positions, PUSH_PARTITION};
 use crate::graph::{CompiledGraph, FireInput, FireValues, GraphDeclaration};
 use crate::stats::{FireClock, GraphStats};
 use crate::store_error::StoreError;
-use crate::transport::{now_ms, HeaderValue, Outbound, Sink, TransportError};
+use crate::transport::{now_ms, HeaderValue, Outbound, PendingAck, Sink, TransportError};
 use crate::write_behind::WriteBehind;
 
 /// Boundaries drained per wakeup before criteria are evaluated, so a burst becomes one
@@ -523,39 +523,38 @@ impl Reactor {
             fire,
             outputs: messages.len(),
         };
-        let publishing = publishing.clone();
-        let mut publish: BoxFuture<'static, Result<(), TransportError>> = Box::pin(async move {
-            let count = messages.len();
-            for (target, message) in messages {
-                let (topic, sink) = target.resolve(&publishing.outputs);
-                // Past the lease's deadline another node may run the graph: this one
-                // publishes nothing more, in-flight fires included.
-                if publishing
-                    .lease
-                    .as_ref()
-                    .is_some_and(|held| held.deadline.passed())
-                {
-                    return Err(TransportError::Publish {
-                        topic: topic.into_owned(),
-                        source: "the graph's lease deadline passed".into(),
-                        retryable: true,
-                    });
+        // Handed to the sinks here, one after the other, and only the acknowledgements
+        // awaited in flight: a fire's outputs then leave in fire order. Handed over from
+        // futures polled together, they would not: once the task's cooperative budget
+        // is spent, tokio wakes the futures it deferred last first, and a burst of
+        // outputs would reach the broker reversed.
+        let mut handed: SmallVec<[(Target, PendingAck); 1]> = SmallVec::new();
+        for (target, message) in messages {
+            let handing = self
+                .publishing
+                .hand_over(target, message, fire, degraded, &input);
+            match handing.await {
+                Ok(ack) => handed.push((target, ack)),
+                Err(e) => {
+                    // Requeued in the snapshot the failing reactor stores.
+                    self.unacknowledged.push_back(consumed);
+                    return Err(e.into());
                 }
-                match sink.publish(message).await {
+            }
+        }
+        let publishing = self.publishing.clone();
+        let mut publish: BoxFuture<'static, Result<(), TransportError>> = Box::pin(async move {
+            let count = handed.len();
+            for (target, ack) in handed {
+                match ack.await {
                     Ok(_) => {}
-                    // No retry can publish it (larger than the broker takes, say): what
-                    // identifies the fire goes to the dead-letter topic in its place.
+                    // Refused for good once sent (larger than the stream takes, say):
+                    // what identifies the fire goes to the dead-letter topic instead.
                     Err(e) if !e.is_retryable() => {
+                        let (topic, sink) = target.resolve(&publishing.outputs);
                         warn!(%topic, fire, error = %e, "output cannot be published; dead-lettering it");
-                        let mut body = fire_identity(&input);
-                        body.insert("topic".into(), Value::String(topic.to_string()));
-                        body.insert("error".into(), Value::String(e.to_string()));
-                        let letter = Outbound::new(
-                            crate::wire::dead_letter_topic(&topic),
-                            crate::codec::json::encode(&Value::Object(body)),
-                        )
-                        .header(crate::wire::ERROR_HEADER, e.to_string());
-                        let letter = publishing.stamp.apply(letter, fire, degraded);
+                        let letter =
+                            undeliverable_output(&publishing, &input, &topic, fire, degraded, &e);
                         sink.publish(letter).await?;
                         publishing.stats.dead_lettered();
                     }
@@ -799,6 +798,49 @@ struct Publishing {
     stats: Arc<GraphStats>,
 }
 
+impl Publishing {
+    /// Hands one of a fire's messages to its sink. One the broker refuses for good
+    /// before sending (larger than it takes, say) is replaced by what identifies the
+    /// fire, on the output's dead-letter topic, so one bad output cannot wedge the graph.
+    async fn hand_over(
+        &self,
+        target: Target,
+        message: Outbound,
+        fire: u64,
+        degraded: bool,
+        input: &FireInput,
+    ) -> Result<PendingAck, TransportError> {
+        let (topic, sink) = target.resolve(&self.outputs);
+        // Past the lease's deadline another node may run the graph: this one publishes
+        // nothing more.
+        if self
+            .lease
+            .as_ref()
+            .is_some_and(|held| held.deadline.passed())
+        {
+            return Err(TransportError::Publish {
+                topic: topic.into_owned(),
+                source: "the graph's lease deadline passed".into(),
+                retryable: true,
+            });
+        }
+        match sink.enqueue(message).await {
+            Err(e) if !e.is_retryable() => {
+                warn!(%topic, fire, error = %e, "output cannot be published; dead-lettering it");
+                let letter = undeliverable_output(self, input, &topic, fire, degraded, &e);
+                let ack = sink.enqueue(letter).await?;
+                let stats = self.stats.clone();
+                Ok(Box::pin(async move {
+                    let position = ack.await?;
+                    stats.dead_lettered();
+                    Ok(position)
+                }))
+            }
+            handed => handed,
+        }
+    }
+}
+
 /// The key and headers every message of a graph's fire carries: the graph's name as key
 /// (one graph's outputs stay in one partition, in fire order), the graph, the fire
 /// number, whether the reactor was degraded, and the lease's fencing token, so consumers
@@ -835,6 +877,27 @@ impl Stamp {
         }
         message
     }
+}
+
+/// The dead letter standing for an output `topic` refused for good: what identifies the
+/// fire, the topic and the broker's error.
+fn undeliverable_output(
+    publishing: &Publishing,
+    input: &FireInput,
+    topic: &str,
+    fire: u64,
+    degraded: bool,
+    error: &TransportError,
+) -> Outbound {
+    let mut body = fire_identity(input);
+    body.insert("topic".into(), Value::String(topic.to_string()));
+    body.insert("error".into(), Value::String(error.to_string()));
+    let letter = Outbound::new(
+        crate::wire::dead_letter_topic(topic),
+        crate::codec::json::encode(&Value::Object(body)),
+    )
+    .header(crate::wire::ERROR_HEADER, error.to_string());
+    publishing.stamp.apply(letter, fire, degraded)
 }
 
 /// What identifies a fire in a dead letter: the graph, the fire number and, per source,

@@ -425,8 +425,10 @@ pub trait Sink: Send + Sync {
 
     /// Hands the message to the broker client and returns once it is queued for
     /// sending, leaving the acknowledgement to await. A burst sent this way leaves in
-    /// order, with no round trip between its messages. Backends whose client has no
-    /// such split publish the whole message here.
+    /// order, with no round trip between its messages, when each hand-over is awaited
+    /// before the next starts (only the acknowledgements awaited together). Backends
+    /// whose client has no such split publish the whole message here, and their
+    /// callers then wait for each acknowledgement in turn.
     async fn enqueue(&self, message: Outbound) -> Result<PendingAck, TransportError> {
         let acknowledged = self.publish(message).await;
         Ok(Box::pin(futures::future::ready(acknowledged)))
