@@ -343,11 +343,9 @@ mod failover {
         assert_eq!(waiting.status, ExecutionStatus::Scheduled, "left as it was");
     }
 
-    #[tokio::test(flavor = "multi_thread")]
-    async fn killing_the_master_neither_duplicates_at_most_once_nor_misses_at_least_once() {
-        let prefix = services::unique("cronit");
-        let _cleanup_prefix = services::cleanup(&prefix);
-        let (amo, alo) = (format!("{prefix}.amo"), format!("{prefix}.alo"));
+/// A config with two schedules ticking every second, `amo` at most once and `alo` at
+    /// least once (catching up on every missed time), and the cron lease's TTL short.
+    fn two_schedules(prefix: &str, amo: &str, alo: &str) -> tempfile::NamedTempFile {
         let text = format!(
             r#"
 [broker]
@@ -375,20 +373,38 @@ catchup = "all"
         );
         let mut file = tempfile::NamedTempFile::new().unwrap();
         file.write_all(text.as_bytes()).unwrap();
-        let mut n1 = start(file.path(), "n1", &prefix);
-        let mut n2 = start(file.path(), "n2", &prefix);
-        tokio::time::sleep(Duration::from_secs(4)).await;
+        file
+    }
+
+    /// Which of the two nodes holds the cron shard's lease: (master, other).
+    async fn master_of<'a>(
+        prefix: &str,
+        n1: &'a mut Child,
+        n2: &'a mut Child,
+    ) -> (&'a mut Child, &'a mut Child) {
         let client = redis::Client::open(services::redis_url()).unwrap();
         let mut c = client.get_multiplexed_async_connection().await.unwrap();
         let holder: String =
             redis::AsyncCommands::get(&mut c, format!("{prefix}:lease:cron:shard:0"))
                 .await
                 .unwrap();
-        let (master, survivor) = if holder.starts_with("n1#") {
-            (&mut n1, &mut n2)
+        if holder.starts_with("n1#") {
+            (n1, n2)
         } else {
-            (&mut n2, &mut n1)
-        };
+            (n2, n1)
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn killing_the_master_neither_duplicates_at_most_once_nor_misses_at_least_once() {
+        let prefix = services::unique("cronit");
+        let _cleanup_prefix = services::cleanup(&prefix);
+        let (amo, alo) = (format!("{prefix}.amo"), format!("{prefix}.alo"));
+        let file = two_schedules(&prefix, &amo, &alo);
+        let mut n1 = start(file.path(), "n1", &prefix);
+        let mut n2 = start(file.path(), "n2", &prefix);
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let (master, survivor) = master_of(&prefix, &mut n1, &mut n2).await;
         master.kill().unwrap();
         master.wait().unwrap();
         tokio::time::sleep(Duration::from_secs(6)).await;
@@ -425,6 +441,59 @@ catchup = "all"
         assert!(
             gap <= TTL_MS as i64 + 1500,
             "ticks stopped for {gap} ms, more than the lease TTL"
+        );
+    }
+
+    /// The master frozen (SIGSTOP) for three lease TTLs while the other node takes its
+    /// shard over, then woken with everything it believed still in memory: it sends no
+    /// at-most-once time a second time, and what it sends of at-least-once times under
+    /// its old token is dropped by a consumer's `TickGuard`, which then sees every time
+    /// once, with no gap.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_master_frozen_past_its_lease_sends_no_tick_twice_once_it_wakes() {
+        let prefix = services::unique("cronit");
+        let _cleanup_prefix = services::cleanup(&prefix);
+        let (amo, alo) = (format!("{prefix}.amo"), format!("{prefix}.alo"));
+        let file = two_schedules(&prefix, &amo, &alo);
+        let mut n1 = start(file.path(), "n1", &prefix);
+        let mut n2 = start(file.path(), "n2", &prefix);
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let (master, other) = master_of(&prefix, &mut n1, &mut n2).await;
+        common::servers::signal(master, "STOP");
+        tokio::time::sleep(Duration::from_millis(3 * TTL_MS)).await;
+        common::servers::signal(master, "CONT");
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        for node in [master, other] {
+            node.kill().unwrap();
+            node.wait().unwrap();
+        }
+
+        let broker: Arc<dyn Broker> = services::nats(true).await;
+        let amo_ticks = drain(&broker, &amo).await;
+        let mut times: Vec<i64> = amo_ticks.iter().map(|t| t.scheduled_time_ms).collect();
+        times.sort();
+        let n = times.len();
+        times.dedup();
+        assert_eq!(times.len(), n, "at_most_once: no scheduled time ticked twice");
+        assert!(n >= 8, "{n} ticks");
+        let nodes: std::collections::BTreeSet<&str> =
+            amo_ticks.iter().map(|t| t.node_id.as_str()).collect();
+        assert_eq!(nodes.len(), 2, "the other node took over: {nodes:?}");
+
+        let mut guard = TickGuard::default();
+        let mut accepted: Vec<i64> = drain(&broker, &alo)
+            .await
+            .iter()
+            .filter(|tick| guard.check(tick) == TickVerdict::Accept)
+            .map(|tick| tick.scheduled_time_ms)
+            .collect();
+        let n = accepted.len();
+        accepted.sort();
+        accepted.dedup();
+        assert_eq!(accepted.len(), n, "the guard lets each time through once");
+        assert!(
+            accepted.windows(2).all(|w| w[1] - w[0] == 1000),
+            "at_least_once: no scheduled time missed: {accepted:?}"
         );
     }
 }
