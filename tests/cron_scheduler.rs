@@ -343,7 +343,7 @@ mod failover {
         assert_eq!(waiting.status, ExecutionStatus::Scheduled, "left as it was");
     }
 
-/// A config with two schedules ticking every second, `amo` at most once and `alo` at
+    /// A config with two schedules ticking every second, `amo` at most once and `alo` at
     /// least once (catching up on every missed time), and the cron lease's TTL short.
     fn two_schedules(prefix: &str, amo: &str, alo: &str) -> tempfile::NamedTempFile {
         let text = format!(
@@ -474,7 +474,11 @@ catchup = "all"
         times.sort();
         let n = times.len();
         times.dedup();
-        assert_eq!(times.len(), n, "at_most_once: no scheduled time ticked twice");
+        assert_eq!(
+            times.len(),
+            n,
+            "at_most_once: no scheduled time ticked twice"
+        );
         assert!(n >= 8, "{n} ticks");
         let nodes: std::collections::BTreeSet<&str> =
             amo_ticks.iter().map(|t| t.node_id.as_str()).collect();
