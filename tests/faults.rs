@@ -1223,6 +1223,132 @@ async fn while_redis_is_cut_off_fires_go_on_and_the_broker_position_waits() {
     supervisor.shutdown().await;
 }
 
+/// The memory broker, but the first publish of the output `{"id": fail_on}` is refused
+/// as a broker that went away refuses it (retryable): the graph's reactor fails there.
+struct FailsOnce {
+    broker: weir::transport::memory::MemoryBroker,
+    fail_on: u64,
+    failed: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl weir::transport::Sink for FailsOnce {
+    async fn publish(
+        &self,
+        message: Outbound,
+    ) -> Result<weir::transport::Position, weir::transport::TransportError> {
+        let id = serde_json::from_slice::<Value>(&message.payload)
+            .ok()
+            .and_then(|event| event["id"].as_u64());
+        if id == Some(self.fail_on) && !self.failed.swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(weir::transport::TransportError::Publish {
+                topic: message.topic,
+                source: "the broker went away".into(),
+                retryable: true,
+            });
+        }
+        weir::transport::Sink::publish(&self.broker, message).await
+    }
+}
+
+/// The reactor fails while Redis is cut off, so its respawn cannot restore the stored
+/// cache: it waits for Redis rather than starting without it, and the failure counts
+/// toward nothing, even under a policy that fails a graph at its first counted failure.
+/// Once Redis is back every input comes out, and no fire number stands for two inputs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reactor_failing_while_redis_is_cut_off_waits_for_its_stored_cache() {
+    let CutOffRedis {
+        _server,
+        proxy,
+        prefix,
+        store,
+        memory,
+        broker,
+    } = CutOffRedis::start().await;
+    let runtime = Runtime {
+        broker: broker.clone(),
+        store,
+        node_id: "cut".into(),
+    };
+    let cancel = CancellationToken::new();
+    let policy = SupervisionPolicy {
+        backoff_base: Duration::from_millis(200),
+        max_failures: 1,
+        ..SupervisionPolicy::default()
+    };
+    let supervisor = Supervisor::new(runtime, policy, cancel.clone());
+    let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
+    let sink = Arc::new(FailsOnce {
+        broker: memory.clone(),
+        fail_on: 15,
+        failed: Default::default(),
+    });
+    let decl = GraphBuilder::new(format!("{prefix}g"))
+        .reactor(ReactorConfig {
+            criteria: Criteria::WhenAny,
+            strategy: Strategy::Sequential,
+            snapshot_interval: Duration::ZERO,
+            ..ReactorConfig::default()
+        })
+        .accumulator(AccumulatorSpec::passthrough("a").topic(&input))
+        .node("n", ["a"], |ctx: NodeContext| async move {
+            Ok(ctx.source("a").map(|event| json!({"id": event["id"]})))
+        })
+        .output_to("n", &output, sink.clone())
+        .build()
+        .expect("valid graph");
+    let graph = supervisor.spawn(decl).unwrap();
+    graph.wait_for_state(weir::ReactorState::Live).await;
+    let out = || ids(&memory.messages(&output));
+    publish_ids(&broker, &input, 0..10).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while out().len() < 10 {
+        assert!(Instant::now() < deadline, "fired {:?}", out());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Stored before the cut, so the respawn has a cache to wait for.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    proxy.cut();
+    publish_ids(&broker, &input, 10..30).await;
+    let cut_until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < cut_until {
+        let status = graph.status();
+        assert!(
+            !matches!(status, weir::supervisor::GraphStatus::Failed { .. }),
+            "failed while Redis was away: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        sink.failed.load(std::sync::atomic::Ordering::SeqCst),
+        "the reactor reached the output that fails"
+    );
+    proxy.heal();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while out() != (0..30).collect::<BTreeSet<u64>>() {
+        assert!(Instant::now() < deadline, "fired {:?}", out());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let status = graph.status();
+    assert!(
+        matches!(status, weir::supervisor::GraphStatus::Running),
+        "running again: {status:?}"
+    );
+    let mut inputs_of_fire = std::collections::BTreeMap::new();
+    for message in memory.messages(&output) {
+        let fire = message.header("weir-fire").expect("numbered").to_string();
+        let id = ids(std::slice::from_ref(&message));
+        let earlier = inputs_of_fire.insert(fire.clone(), id.clone());
+        assert!(
+            earlier.as_ref().is_none_or(|earlier| *earlier == id),
+            "fire {fire} stands for {earlier:?} and {id:?}"
+        );
+    }
+    cancel.cancel();
+    supervisor.shutdown().await;
+}
+
 /// A graph's lease holder whose Redis goes away (the connection cut, the server fine)
 /// stops firing once its lease's deadline passes, since another node may hold the graph
 /// by then, and takes the graph up again under a newer fencing token once Redis is
