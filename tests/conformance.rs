@@ -571,6 +571,109 @@ mod services {
         );
     }
 
+    /// A stream that already captures a subject (made by its owner, with its own
+    /// retention) is used as it is: weir makes no stream of its own for the subject and
+    /// leaves the stream's limits alone, whatever retention weir is configured with.
+    #[tokio::test]
+    async fn an_existing_nats_stream_keeps_its_own_retention() {
+        use weir::transport::nats::{stream_name, NatsBroker, NatsSettings};
+        const OWN: Duration = Duration::from_secs(3600);
+        let subject = services::unique("conf.owned.");
+        let _cleanup_subject = services::cleanup(&subject);
+        let own_stream = format!("{}_own", stream_name(&subject));
+        let client = async_nats::connect(services::nats_url()).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: own_stream.clone(),
+            subjects: vec![subject.clone()],
+            max_age: OWN,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let broker = NatsBroker::connect(NatsSettings {
+            url: services::nats_url(),
+            retention: Some(Duration::from_secs(90)),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        broker
+            .sink()
+            .publish(Outbound::new(&subject, "1"))
+            .await
+            .unwrap();
+        let mut subscription = Subscription::new(&subject, services::unique("g"));
+        subscription.assignment = Assignment::All;
+        let mut source = broker.subscribe(&subscription).await.unwrap();
+        assert_eq!(&next(&mut source).await.payload[..], b"1");
+        let info = js
+            .get_stream(&own_stream)
+            .await
+            .unwrap()
+            .info()
+            .await
+            .unwrap()
+            .clone();
+        assert_eq!(info.config.max_age, OWN, "the stream's own retention");
+        assert_eq!(
+            info.state.messages, 1,
+            "the message is in the owner's stream"
+        );
+        assert!(
+            js.get_stream(stream_name(&subject)).await.is_err(),
+            "no stream of weir's own for the subject"
+        );
+    }
+
+    /// A topic made before weir first uses it keeps the retention it was made with.
+    #[tokio::test]
+    async fn an_existing_kafka_topic_keeps_its_own_retention() {
+        use rdkafka::admin::TopicReplication;
+        use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier};
+        use rdkafka::client::DefaultClientContext;
+        use rdkafka::ClientConfig;
+        const OWN_MS: &str = "3600000";
+        let topic = services::unique("conf.owned.");
+        let _cleanup_topic = services::cleanup(&topic);
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", services::kafka_brokers())
+            .create()
+            .unwrap();
+        let made =
+            admin
+                .create_topics(
+                    [&NewTopic::new(&topic, 1, TopicReplication::Fixed(1))
+                        .set("retention.ms", OWN_MS)],
+                    &AdminOptions::new(),
+                )
+                .await
+                .unwrap();
+        made.into_iter().next().unwrap().unwrap();
+        let broker = services::kafka();
+        broker
+            .sink()
+            .publish(Outbound::new(&topic, "1"))
+            .await
+            .unwrap();
+        broker.ensure_topic(&topic).await.unwrap();
+        let mut subscription = Subscription::new(&topic, services::unique("g"));
+        subscription.assignment = Assignment::All;
+        let mut source = broker.subscribe(&subscription).await.unwrap();
+        assert_eq!(&next(&mut source).await.payload[..], b"1");
+        let described = admin
+            .describe_configs([&ResourceSpecifier::Topic(&topic)], &AdminOptions::new())
+            .await
+            .unwrap();
+        let resource = described.into_iter().next().unwrap().unwrap();
+        let retention = resource.get("retention.ms").and_then(|e| e.value.clone());
+        assert_eq!(
+            retention.as_deref(),
+            Some(OWN_MS),
+            "the topic's own retention"
+        );
+    }
+
     #[tokio::test]
     async fn nats_core_delivers_while_subscribed() {
         // Core NATS is at-most-once: only what is published while subscribed arrives.

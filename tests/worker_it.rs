@@ -217,6 +217,102 @@ async fn nats_worker_killed_mid_task_loses_no_task() {
     killed_worker_loses_no_task(false).await;
 }
 
+/// A worker frozen (SIGSTOP) mid-task for longer than its broker waits for it (JetStream's
+/// ack wait, Kafka's session timeout), so its tasks go to the other worker, then woken
+/// to finish them too and report them late: the workflow completes, every task
+/// completed, none failed or dead-lettered for the duplicate.
+async fn a_frozen_worker_woken_late_fails_no_task(kafka: bool) {
+    let prefix = services::unique("wf");
+    let _cleanup = services::cleanup(&prefix);
+    let file = config_with(kafka, &prefix, true);
+    let executor = format!("{prefix}x");
+    let mut processes = Processes(Vec::new());
+    processes.0.push(weir(&file, &prefix, "run", &["run"]));
+    for name in ["a", "b"] {
+        processes.0.push(weir(
+            &file,
+            &prefix,
+            name,
+            &["worker", "--executor", &executor, "--concurrency", "2"],
+        ));
+    }
+    tokio::time::sleep(Duration::from_secs(if kafka { 8 } else { 2 })).await;
+    let workflow = format!("{prefix}w");
+    let client = processes.0.len();
+    processes.0.push(weir(
+        &file,
+        &prefix,
+        "client",
+        &[
+            "workflow",
+            "run",
+            &workflow,
+            "--context",
+            r#"{"sleep_ms": 1500}"#,
+            "--wait",
+        ],
+    ));
+    let mut results = results_reader(kafka, &prefix).await;
+    tokio::time::timeout(Duration::from_secs(60), results.next())
+        .await
+        .expect("a first result")
+        .unwrap();
+    // The chain's next task is running on one of the two now; freeze both in turn, so
+    // whichever holds it stays frozen past the broker's wait.
+    for frozen in [1, 2] {
+        common::servers::signal(&processes.0[frozen], "STOP");
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        common::servers::signal(&processes.0[frozen], "CONT");
+    }
+    let (status, stdout) = exited(
+        &mut processes.0[client],
+        Duration::from_secs(120),
+        "workflow run --wait, 120 s after the freezes",
+    )
+    .await;
+    assert!(status.success(), "{status}");
+    let summary: Value = serde_json::from_slice(&stdout).expect("--wait prints JSON");
+    assert_eq!(summary["status"], "completed", "{summary}");
+    let tasks = summary["tasks"].as_object().unwrap();
+    assert_eq!(tasks.len(), TASKS);
+    for (id, t) in tasks {
+        assert_eq!(t["status"], "completed", "task {id}: {t}");
+    }
+    // Every attempt reported, late ones included, completed: none failed or is retried
+    // for being run twice. Read from the start by a reader of its own (one in a group,
+    // not polled while the test waited, may have been dropped from it).
+    drop(results);
+    let broker: std::sync::Arc<dyn Broker> = if kafka {
+        services::kafka()
+    } else {
+        services::nats(true).await
+    };
+    let mut subscription = Subscription::new(format!("{prefix}.results"), services::unique("r"));
+    subscription.assignment = weir::transport::Assignment::All;
+    let mut everything = broker.subscribe(&subscription).await.unwrap();
+    let mut reported = 0;
+    while let Ok(Ok(message)) =
+        tokio::time::timeout(Duration::from_secs(5), everything.next()).await
+    {
+        use weir::codec::{avro::decode_one_or_batch, ExecutionResult};
+        for result in decode_one_or_batch::<ExecutionResult>(&message.payload).unwrap() {
+            assert_eq!(result.status, "completed", "{result:?}");
+            reported += 1;
+        }
+    }
+    assert!(reported >= TASKS, "{reported} results read");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_nats_worker_woken_late_fails_no_task() {
+    a_frozen_worker_woken_late_fails_no_task(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_kafka_worker_woken_late_fails_no_task() {
+    a_frozen_worker_woken_late_fails_no_task(true).await;
+}
+
 /// `weir run` killed with SIGKILL while workflows are part way through their chains, and
 /// started again: every execution still completes, whichever step the kill fell
 /// between (a result applied but its dependents not yet published, say).
