@@ -683,6 +683,62 @@ async fn nats_poison_message_is_dead_lettered() {
     poison_goes_to_the_dead_letter_topic(Kind::Nats).await;
 }
 
+/// An accumulator reading a wildcard subject sends its poison to `weir.dlq.<subject>`,
+/// with `*` written `any` (a subject with a wildcard cannot be published to), and goes
+/// on with the events after it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_wildcard_subjects_poison_goes_to_its_dead_letter_subject() {
+    let setup = Setup::new(Kind::Nats, 2000);
+    let wildcard = format!("{}.*", setup.input);
+    let text = std::fs::read_to_string(setup.config.path()).unwrap();
+    let text = text.replace(
+        &format!("topic = \"{}\"", setup.input),
+        &format!("topic = \"{wildcard}\""),
+    );
+    std::fs::write(setup.config.path(), text).unwrap();
+    let broker = setup.broker().await;
+    // The stream capturing the wildcard made first, as weir makes it: a publish to one
+    // subject before it would make a stream for that subject alone.
+    drop(
+        broker
+            .subscribe(&Subscription::new(&wildcard, services::unique("g")))
+            .await
+            .unwrap(),
+    );
+    let mut weir = setup.start("n1");
+    let subject = format!("{}.east", setup.input);
+    let sink = broker.sink();
+    for payload in [
+        json!({"id": 1}).to_string(),
+        "{not json".into(),
+        json!({"id": 2}).to_string(),
+    ] {
+        sink.publish(Outbound::new(&subject, payload))
+            .await
+            .unwrap();
+    }
+    let outputs = read_until(&broker, &setup.output, Duration::from_secs(60), |seen| {
+        ids_in(seen).len() >= 2
+    })
+    .await;
+    assert_eq!(
+        ids_in(&outputs),
+        vec![1, 2],
+        "good events flow around the poison"
+    );
+    let dead_letters = format!("weir.dlq.{}.any", setup.input);
+    let dead = read_until(&broker, &dead_letters, Duration::from_secs(30), |seen| {
+        !seen.is_empty()
+    })
+    .await;
+    assert_eq!(&dead[0].payload[..], b"{not json");
+    assert!(dead[0]
+        .header("weir-error")
+        .is_some_and(|e| e.contains("invalid JSON")));
+    weir.kill().unwrap();
+    let _ = weir.wait();
+}
+
 /// Two accumulators of one graph reading the same topic each see every event: neither
 /// takes a share of the other's (on NATS they would otherwise share one durable).
 #[tokio::test(flavor = "multi_thread")]
