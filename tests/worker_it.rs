@@ -65,6 +65,11 @@ fn config_with(kafka: bool, prefix: &str, chain: bool) -> tempfile::NamedTempFil
     } else {
         format!("{}\nack_wait_ms = 3000", services::nats_table())
     };
+    config_on(&broker, prefix, chain)
+}
+
+/// The config of [`config_with`] on the broker a `[broker]` table body describes.
+fn config_on(broker: &str, prefix: &str, chain: bool) -> tempfile::NamedTempFile {
     let tasks: String = (0..TASKS)
         .map(|i| {
             let after = if chain && i > 0 {
@@ -311,6 +316,94 @@ async fn a_frozen_nats_worker_woken_late_fails_no_task() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_kafka_worker_woken_late_fails_no_task() {
     a_frozen_worker_woken_late_fails_no_task(true).await;
+}
+
+/// The broker restarted (nats-server on its file store, Tansu on S3) while chained
+/// workflows run: the state manager, the worker and the clients waiting for their
+/// executions ride it out, and every execution completes.
+async fn chained_workflows_ride_out_a_broker_restart(
+    mut server: common::servers::Server,
+    broker: String,
+) {
+    const EXECUTIONS: usize = 4;
+    let prefix = services::unique("rs");
+    let _cleanup = services::cleanup(&prefix);
+    let file = config_on(&broker, &prefix, true);
+    let executor = format!("{prefix}x");
+    let mut processes = Processes(Vec::new());
+    processes.0.push(weir(&file, &prefix, "run", &["run"]));
+    processes.0.push(weir(
+        &file,
+        &prefix,
+        "worker",
+        &["worker", "--executor", &executor, "--concurrency", "8"],
+    ));
+    // Let the state manager and the worker join their groups.
+    let kafka = broker.contains("\"kafka\"");
+    tokio::time::sleep(Duration::from_secs(if kafka { 8 } else { 2 })).await;
+    let workflow = format!("{prefix}w");
+    let mut waiting = Processes(
+        (0..EXECUTIONS)
+            .map(|i| {
+                weir(
+                    &file,
+                    &prefix,
+                    &format!("client{i}"),
+                    &[
+                        "workflow",
+                        "run",
+                        &workflow,
+                        "--context",
+                        r#"{"sleep_ms": 1000}"#,
+                        "--wait",
+                    ],
+                )
+            })
+            .collect(),
+    );
+    // Two steps in: each execution is part way through its six.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let _server = tokio::task::spawn_blocking(move || {
+        server.restart();
+        server
+    })
+    .await
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for client in &mut waiting.0 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (status, stdout) = exited(client, left, "an execution 120 s after the restart").await;
+        assert!(status.success(), "{status}");
+        let summary: Value = serde_json::from_slice(&stdout).expect("--wait prints JSON");
+        assert_eq!(summary["status"], "completed", "{summary}");
+        let tasks = summary["tasks"].as_object().unwrap();
+        assert_eq!(tasks.len(), TASKS, "{summary}");
+        for (id, t) in tasks {
+            assert_eq!(t["status"], "completed", "task {id}: {t}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chained_workflows_ride_out_a_nats_server_restart() {
+    let server = common::servers::Server::nats("");
+    let broker = format!(
+        "{}\nack_wait_ms = 3000",
+        services::nats_table_at(&server.nats_url())
+    );
+    chained_workflows_ride_out_a_broker_restart(server, broker).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chained_workflows_ride_out_a_kafka_broker_restart() {
+    let s3 = common::servers::Server::s3();
+    let server = common::servers::Server::tansu_on_s3(&s3);
+    let broker = format!(
+        "kind = \"kafka\"\nbrokers = \"127.0.0.1:{}\"\npartitions = 2\n{}",
+        server.port,
+        services::fast_group_options_line()
+    );
+    chained_workflows_ride_out_a_broker_restart(server, broker).await;
 }
 
 /// `weir run` killed with SIGKILL while workflows are part way through their chains, and
