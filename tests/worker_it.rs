@@ -134,45 +134,84 @@ async fn results_reader(kafka: bool, prefix: &str) -> Box<dyn weir::transport::S
         .unwrap()
 }
 
+/// A state manager, workers `a` and `b` (processes 1 and 2) with two task slots each,
+/// and a client (process `client`) running one workflow with one-and-a-half-second
+/// tasks and waiting for it; started once the first task has reported, so the workers
+/// are mid-task.
+struct MidTask {
+    processes: Processes,
+    client: usize,
+    results: Box<dyn weir::transport::Source>,
+}
+
+impl MidTask {
+    async fn start(kafka: bool, file: &tempfile::NamedTempFile, prefix: &str) -> Self {
+        let executor = format!("{prefix}x");
+        let mut processes = Processes(Vec::new());
+        processes.0.push(weir(file, prefix, "run", &["run"]));
+        for name in ["a", "b"] {
+            processes.0.push(weir(
+                file,
+                prefix,
+                name,
+                &["worker", "--executor", &executor, "--concurrency", "2"],
+            ));
+        }
+        // Let the state manager and both workers join their groups.
+        tokio::time::sleep(Duration::from_secs(if kafka { 8 } else { 2 })).await;
+        let workflow = format!("{prefix}w");
+        // Among the processes, so that it is killed too if the test fails part way.
+        let client = processes.0.len();
+        processes.0.push(weir(
+            file,
+            prefix,
+            "client",
+            &[
+                "workflow",
+                "run",
+                &workflow,
+                "--context",
+                r#"{"sleep_ms": 1500}"#,
+                "--wait",
+            ],
+        ));
+        let mut results = results_reader(kafka, prefix).await;
+        tokio::time::timeout(Duration::from_secs(60), results.next())
+            .await
+            .expect("a first result")
+            .unwrap();
+        Self {
+            processes,
+            client,
+            results,
+        }
+    }
+}
+
+/// What `weir workflow run --wait` printed, checked: it exited 0, and the execution and
+/// every one of its tasks completed.
+fn completed(status: ExitStatus, stdout: &[u8]) -> Value {
+    assert!(status.success(), "{status}");
+    let summary: Value = serde_json::from_slice(stdout).expect("--wait prints JSON");
+    assert_eq!(summary["status"], "completed", "{summary}");
+    let tasks = summary["tasks"].as_object().unwrap();
+    assert_eq!(tasks.len(), TASKS, "{summary}");
+    for (id, t) in tasks {
+        assert_eq!(t["status"], "completed", "task {id}: {t}");
+    }
+    summary
+}
+
 async fn killed_worker_loses_no_task(kafka: bool) {
     let prefix = services::unique("wk");
     let _cleanup = services::cleanup(&prefix);
     let file = config(kafka, &prefix);
     let executor = format!("{prefix}x");
-    let mut processes = Processes(Vec::new());
-    processes.0.push(weir(&file, &prefix, "run", &["run"]));
-    for name in ["a", "b"] {
-        processes.0.push(weir(
-            &file,
-            &prefix,
-            name,
-            &["worker", "--executor", &executor, "--concurrency", "2"],
-        ));
-    }
-    // Let the state manager and both workers join their groups.
-    tokio::time::sleep(Duration::from_secs(if kafka { 8 } else { 2 })).await;
-    let workflow = format!("{prefix}w");
-    // Among the processes, so that it is killed too if the test fails part way.
-    let client = processes.0.len();
-    processes.0.push(weir(
-        &file,
-        &prefix,
-        "client",
-        &[
-            "workflow",
-            "run",
-            &workflow,
-            "--context",
-            r#"{"sleep_ms": 1500}"#,
-            "--wait",
-        ],
-    ));
-    // Once the first task has reported, the workers are mid-task: kill one of them.
-    let mut results = results_reader(kafka, &prefix).await;
-    tokio::time::timeout(Duration::from_secs(60), results.next())
-        .await
-        .expect("a first result")
-        .unwrap();
+    let MidTask {
+        mut processes,
+        client,
+        ..
+    } = MidTask::start(kafka, &file, &prefix).await;
     let worker_a = &mut processes.0[1];
     let status = Command::new("kill")
         .args(["-KILL", &worker_a.id().to_string()])
@@ -186,14 +225,9 @@ async fn killed_worker_loses_no_task(kafka: bool) {
         "workflow run --wait, 90 s after the kill",
     )
     .await;
-    assert!(status.success(), "{status}");
-    let summary: Value = serde_json::from_slice(&stdout).expect("--wait prints JSON");
-    assert_eq!(summary["status"], "completed", "{summary}");
-    let tasks = summary["tasks"].as_object().unwrap();
-    assert_eq!(tasks.len(), TASKS);
-    for (id, t) in tasks {
-        assert_eq!(t["status"], "completed", "task {id}: {t}");
-        assert_eq!(t["executor"], Value::String(executor.clone()));
+    let summary = completed(status, &stdout);
+    for (id, t) in summary["tasks"].as_object().unwrap() {
+        assert_eq!(t["executor"], Value::String(executor.clone()), "task {id}");
     }
     // `weir workflow status` prints the same JSON.
     let id = summary["execution"].as_str().unwrap();
@@ -230,38 +264,11 @@ async fn a_frozen_worker_woken_late_fails_no_task(kafka: bool) {
     let prefix = services::unique("wf");
     let _cleanup = services::cleanup(&prefix);
     let file = config_with(kafka, &prefix, true);
-    let executor = format!("{prefix}x");
-    let mut processes = Processes(Vec::new());
-    processes.0.push(weir(&file, &prefix, "run", &["run"]));
-    for name in ["a", "b"] {
-        processes.0.push(weir(
-            &file,
-            &prefix,
-            name,
-            &["worker", "--executor", &executor, "--concurrency", "2"],
-        ));
-    }
-    tokio::time::sleep(Duration::from_secs(if kafka { 8 } else { 2 })).await;
-    let workflow = format!("{prefix}w");
-    let client = processes.0.len();
-    processes.0.push(weir(
-        &file,
-        &prefix,
-        "client",
-        &[
-            "workflow",
-            "run",
-            &workflow,
-            "--context",
-            r#"{"sleep_ms": 1500}"#,
-            "--wait",
-        ],
-    ));
-    let mut results = results_reader(kafka, &prefix).await;
-    tokio::time::timeout(Duration::from_secs(60), results.next())
-        .await
-        .expect("a first result")
-        .unwrap();
+    let MidTask {
+        mut processes,
+        client,
+        results,
+    } = MidTask::start(kafka, &file, &prefix).await;
     // The chain's next task is running on one of the two now; freeze both in turn, so
     // whichever holds it stays frozen past the broker's wait.
     for frozen in [1, 2] {
@@ -275,14 +282,7 @@ async fn a_frozen_worker_woken_late_fails_no_task(kafka: bool) {
         "workflow run --wait, 120 s after the freezes",
     )
     .await;
-    assert!(status.success(), "{status}");
-    let summary: Value = serde_json::from_slice(&stdout).expect("--wait prints JSON");
-    assert_eq!(summary["status"], "completed", "{summary}");
-    let tasks = summary["tasks"].as_object().unwrap();
-    assert_eq!(tasks.len(), TASKS);
-    for (id, t) in tasks {
-        assert_eq!(t["status"], "completed", "task {id}: {t}");
-    }
+    completed(status, &stdout);
     // Every attempt reported, late ones included, completed: none failed or is retried
     // for being run twice. Read from the start by a reader of its own (one in a group,
     // not polled while the test waited, may have been dropped from it).
@@ -318,36 +318,36 @@ async fn a_frozen_kafka_worker_woken_late_fails_no_task() {
     a_frozen_worker_woken_late_fails_no_task(true).await;
 }
 
-/// The broker restarted (nats-server on its file store, Tansu on S3) while chained
-/// workflows run: the state manager, the worker and the clients waiting for their
-/// executions ride it out, and every execution completes.
-async fn chained_workflows_ride_out_a_broker_restart(
-    mut server: common::servers::Server,
-    broker: String,
-) {
-    const EXECUTIONS: usize = 4;
-    let prefix = services::unique("rs");
-    let _cleanup = services::cleanup(&prefix);
-    let file = config_on(&broker, &prefix, true);
+/// Workflow executions the chained tests run at once.
+const EXECUTIONS: usize = 4;
+
+/// Chained workflows under way: a state manager (process 0), one worker with eight
+/// task slots (process 1), and `EXECUTIONS` clients each running a workflow of
+/// one-second tasks and waiting for it, in a guard of their own so that they are killed
+/// too if the test fails part way.
+async fn chained_under_way(
+    kafka: bool,
+    file: &tempfile::NamedTempFile,
+    prefix: &str,
+) -> (Processes, Processes) {
     let executor = format!("{prefix}x");
     let mut processes = Processes(Vec::new());
-    processes.0.push(weir(&file, &prefix, "run", &["run"]));
+    processes.0.push(weir(file, prefix, "run", &["run"]));
     processes.0.push(weir(
-        &file,
-        &prefix,
+        file,
+        prefix,
         "worker",
         &["worker", "--executor", &executor, "--concurrency", "8"],
     ));
     // Let the state manager and the worker join their groups.
-    let kafka = broker.contains("\"kafka\"");
     tokio::time::sleep(Duration::from_secs(if kafka { 8 } else { 2 })).await;
     let workflow = format!("{prefix}w");
-    let mut waiting = Processes(
+    let waiting = Processes(
         (0..EXECUTIONS)
             .map(|i| {
                 weir(
-                    &file,
-                    &prefix,
+                    file,
+                    prefix,
                     &format!("client{i}"),
                     &[
                         "workflow",
@@ -361,6 +361,21 @@ async fn chained_workflows_ride_out_a_broker_restart(
             })
             .collect(),
     );
+    (processes, waiting)
+}
+
+/// The broker restarted (nats-server on its file store, Tansu on S3) while chained
+/// workflows run: the state manager, the worker and the clients waiting for their
+/// executions ride it out, and every execution completes.
+async fn chained_workflows_ride_out_a_broker_restart(
+    mut server: common::servers::Server,
+    broker: String,
+) {
+    let prefix = services::unique("rs");
+    let _cleanup = services::cleanup(&prefix);
+    let file = config_on(&broker, &prefix, true);
+    let kafka = broker.contains("\"kafka\"");
+    let (_processes, mut waiting) = chained_under_way(kafka, &file, &prefix).await;
     // Two steps in: each execution is part way through its six.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let _server = tokio::task::spawn_blocking(move || {
@@ -373,14 +388,7 @@ async fn chained_workflows_ride_out_a_broker_restart(
     for client in &mut waiting.0 {
         let left = deadline.saturating_duration_since(Instant::now());
         let (status, stdout) = exited(client, left, "an execution 120 s after the restart").await;
-        assert!(status.success(), "{status}");
-        let summary: Value = serde_json::from_slice(&stdout).expect("--wait prints JSON");
-        assert_eq!(summary["status"], "completed", "{summary}");
-        let tasks = summary["tasks"].as_object().unwrap();
-        assert_eq!(tasks.len(), TASKS, "{summary}");
-        for (id, t) in tasks {
-            assert_eq!(t["status"], "completed", "task {id}: {t}");
-        }
+        completed(status, &stdout);
     }
 }
 
@@ -410,41 +418,10 @@ async fn chained_workflows_ride_out_a_kafka_broker_restart() {
 /// started again: every execution still completes, whichever step the kill fell
 /// between (a result applied but its dependents not yet published, say).
 async fn a_killed_state_manager_leaves_no_workflow_stuck(kafka: bool) {
-    const EXECUTIONS: usize = 4;
     let prefix = services::unique("sm");
     let _cleanup = services::cleanup(&prefix);
     let file = config_with(kafka, &prefix, true);
-    let executor = format!("{prefix}x");
-    let mut processes = Processes(Vec::new());
-    processes.0.push(weir(&file, &prefix, "run", &["run"]));
-    processes.0.push(weir(
-        &file,
-        &prefix,
-        "worker",
-        &["worker", "--executor", &executor, "--concurrency", "8"],
-    ));
-    tokio::time::sleep(Duration::from_secs(if kafka { 8 } else { 2 })).await;
-    let workflow = format!("{prefix}w");
-    // A guard of their own, so that they are killed too if the test fails part way.
-    let mut waiting = Processes(
-        (0..EXECUTIONS)
-            .map(|i| {
-                weir(
-                    &file,
-                    &prefix,
-                    &format!("client{i}"),
-                    &[
-                        "workflow",
-                        "run",
-                        &workflow,
-                        "--context",
-                        r#"{"sleep_ms": 1000}"#,
-                        "--wait",
-                    ],
-                )
-            })
-            .collect(),
-    );
+    let (mut processes, mut waiting) = chained_under_way(kafka, &file, &prefix).await;
     let mut results = results_reader(kafka, &prefix).await;
     // Killed once results are flowing: executions are then between their steps.
     for _ in 0..EXECUTIONS + 2 {
@@ -469,14 +446,7 @@ async fn a_killed_state_manager_leaves_no_workflow_stuck(kafka: bool) {
     for client in &mut waiting.0 {
         let left = deadline.saturating_duration_since(Instant::now());
         let (status, stdout) = exited(client, left, "an execution 120 s after the restart").await;
-        assert!(status.success(), "{status}");
-        let summary: Value = serde_json::from_slice(&stdout).expect("--wait prints JSON");
-        assert_eq!(summary["status"], "completed", "{summary}");
-        let tasks = summary["tasks"].as_object().unwrap();
-        assert_eq!(tasks.len(), TASKS, "{summary}");
-        for (id, t) in tasks {
-            assert_eq!(t["status"], "completed", "task {id}: {t}");
-        }
+        completed(status, &stdout);
     }
 }
 
