@@ -1133,6 +1133,26 @@ struct CutOffRedis {
 }
 
 impl CutOffRedis {
+    /// A supervisor over the memory broker and the store behind the proxy, with `policy`
+    /// restarting after 200 ms rather than a second.
+    fn supervisor(
+        &self,
+        node_id: &str,
+        policy: SupervisionPolicy,
+        cancel: &CancellationToken,
+    ) -> Supervisor {
+        let runtime = Runtime {
+            broker: self.broker.clone(),
+            store: self.store.clone(),
+            node_id: node_id.into(),
+        };
+        let policy = SupervisionPolicy {
+            backoff_base: Duration::from_millis(200),
+            ..policy
+        };
+        Supervisor::new(runtime, policy, cancel.clone())
+    }
+
     async fn start() -> Self {
         let server = Server::redis();
         let proxy = common::servers::Proxy::start(server.port).await;
@@ -1164,25 +1184,18 @@ impl CutOffRedis {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_redis_is_cut_off_fires_go_on_and_the_broker_position_waits() {
     use weir::store::CheckpointStore;
+    let cut = CutOffRedis::start().await;
+    let cancel = CancellationToken::new();
+    let supervisor = cut.supervisor("cut", SupervisionPolicy::default(), &cancel);
     let CutOffRedis {
         _server,
         proxy,
         prefix,
-        store,
         memory,
         broker,
-    } = CutOffRedis::start().await;
-    let runtime = Runtime {
-        broker: broker.clone(),
-        store: store.clone(),
-        node_id: "cut".into(),
-    };
-    let cancel = CancellationToken::new();
-    let policy = SupervisionPolicy {
-        backoff_base: Duration::from_millis(200),
-        ..SupervisionPolicy::default()
-    };
-    let supervisor = Supervisor::new(runtime, policy, cancel.clone());
+        store,
+        ..
+    } = cut;
     let decl = padding_graph(&prefix);
     let (graph_key, group) = (decl.key(), decl.source_group(0));
     let graph = supervisor.spawn(decl).unwrap();
@@ -1258,26 +1271,21 @@ impl weir::transport::Sink for FailsOnce {
 /// Once Redis is back every input comes out, and no fire number stands for two inputs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reactor_failing_while_redis_is_cut_off_waits_for_its_stored_cache() {
+    let cut = CutOffRedis::start().await;
+    let cancel = CancellationToken::new();
+    let policy = SupervisionPolicy {
+        max_failures: 1,
+        ..SupervisionPolicy::default()
+    };
+    let supervisor = cut.supervisor("cut", policy, &cancel);
     let CutOffRedis {
         _server,
         proxy,
         prefix,
-        store,
         memory,
         broker,
-    } = CutOffRedis::start().await;
-    let runtime = Runtime {
-        broker: broker.clone(),
-        store,
-        node_id: "cut".into(),
-    };
-    let cancel = CancellationToken::new();
-    let policy = SupervisionPolicy {
-        backoff_base: Duration::from_millis(200),
-        max_failures: 1,
-        ..SupervisionPolicy::default()
-    };
-    let supervisor = Supervisor::new(runtime, policy, cancel.clone());
+        ..
+    } = cut;
     let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
     let sink = Arc::new(FailsOnce {
         broker: memory.clone(),
@@ -1356,26 +1364,21 @@ async fn a_reactor_failing_while_redis_is_cut_off_waits_for_its_stored_cache() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_graph_holder_cut_off_from_redis_stops_within_its_ttl_and_takes_the_graph_back() {
     const TTL: Duration = Duration::from_millis(1500);
+    let cut = CutOffRedis::start().await;
+    let cancel = CancellationToken::new();
+    let policy = SupervisionPolicy {
+        graph_lease_ttl: Some(TTL),
+        ..SupervisionPolicy::default()
+    };
+    let supervisor = cut.supervisor("holder", policy, &cancel);
     let CutOffRedis {
         _server,
         proxy,
         prefix,
-        store,
         memory,
         broker,
-    } = CutOffRedis::start().await;
-    let runtime = Runtime {
-        broker: broker.clone(),
-        store,
-        node_id: "holder".into(),
-    };
-    let cancel = CancellationToken::new();
-    let policy = SupervisionPolicy {
-        backoff_base: Duration::from_millis(200),
-        graph_lease_ttl: Some(TTL),
-        ..SupervisionPolicy::default()
-    };
-    let supervisor = Supervisor::new(runtime, policy, cancel.clone());
+        ..
+    } = cut;
     let graph = supervisor.spawn(padding_graph(&prefix)).unwrap();
     graph.wait_for_state(weir::ReactorState::Live).await;
     let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
