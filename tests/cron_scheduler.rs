@@ -395,6 +395,29 @@ catchup = "all"
         }
     }
 
+    /// Reads the at-most-once ticks of `topic`: at least `at_least` of them, no scheduled
+    /// time twice, and ticked by both nodes in turn.
+    async fn each_at_most_once_time_ticked_once_by_both(
+        broker: &Arc<dyn Broker>,
+        topic: &str,
+        at_least: usize,
+    ) {
+        let ticks = drain(broker, topic).await;
+        let mut times: Vec<i64> = ticks.iter().map(|t| t.scheduled_time_ms).collect();
+        times.sort();
+        let n = times.len();
+        times.dedup();
+        assert_eq!(
+            times.len(),
+            n,
+            "at_most_once: no scheduled time ticked twice"
+        );
+        assert!(n >= at_least, "{n} ticks");
+        let nodes: std::collections::BTreeSet<&str> =
+            ticks.iter().map(|t| t.node_id.as_str()).collect();
+        assert_eq!(nodes.len(), 2, "both nodes were master in turn: {nodes:?}");
+    }
+
     #[tokio::test(flavor = "multi_thread")]
     async fn killing_the_master_neither_duplicates_at_most_once_nor_misses_at_least_once() {
         let prefix = services::unique("cronit");
@@ -412,20 +435,7 @@ catchup = "all"
         survivor.wait().unwrap();
 
         let broker: Arc<dyn Broker> = services::nats(true).await;
-        let amo_ticks = drain(&broker, &amo).await;
-        let mut times: Vec<i64> = amo_ticks.iter().map(|t| t.scheduled_time_ms).collect();
-        times.sort();
-        let n = times.len();
-        times.dedup();
-        assert_eq!(
-            times.len(),
-            n,
-            "at_most_once: no scheduled time ticked twice"
-        );
-        assert!(n >= 6, "{n} ticks");
-        let nodes: std::collections::BTreeSet<&str> =
-            amo_ticks.iter().map(|t| t.node_id.as_str()).collect();
-        assert_eq!(nodes.len(), 2, "both nodes were master in turn");
+        each_at_most_once_time_ticked_once_by_both(&broker, &amo, 6).await;
 
         let alo_ticks = drain(&broker, &alo).await;
         let mut times: Vec<i64> = alo_ticks.iter().map(|t| t.scheduled_time_ms).collect();
@@ -469,20 +479,7 @@ catchup = "all"
         }
 
         let broker: Arc<dyn Broker> = services::nats(true).await;
-        let amo_ticks = drain(&broker, &amo).await;
-        let mut times: Vec<i64> = amo_ticks.iter().map(|t| t.scheduled_time_ms).collect();
-        times.sort();
-        let n = times.len();
-        times.dedup();
-        assert_eq!(
-            times.len(),
-            n,
-            "at_most_once: no scheduled time ticked twice"
-        );
-        assert!(n >= 8, "{n} ticks");
-        let nodes: std::collections::BTreeSet<&str> =
-            amo_ticks.iter().map(|t| t.node_id.as_str()).collect();
-        assert_eq!(nodes.len(), 2, "the other node took over: {nodes:?}");
+        each_at_most_once_time_ticked_once_by_both(&broker, &amo, 8).await;
 
         let mut guard = TickGuard::default();
         let mut accepted: Vec<i64> = drain(&broker, &alo)

@@ -638,18 +638,29 @@ async fn graph_fails_over_within_the_lease_ttl() {
 async fn poison_goes_to_the_dead_letter_topic(kind: Kind) {
     let setup = Setup::new(kind, 2000);
     let broker = setup.broker().await;
-    let mut weir = setup.start("n1");
+    let weir = setup.start("n1");
+    let dead_letters = format!("{}.dlq", setup.input);
+    poison_is_dead_lettered(&setup, &broker, &setup.input, &dead_letters).await;
+    drop(weir);
+}
+
+/// Publishes an event, a poison message and another event to `subject`: the two events
+/// fire, and the poison lands on `dead_letters` naming why.
+async fn poison_is_dead_lettered(
+    setup: &Setup,
+    broker: &Arc<dyn Broker>,
+    subject: &str,
+    dead_letters: &str,
+) {
     let sink = broker.sink();
-    sink.publish(Outbound::new(&setup.input, json!({"id": 1}).to_string()))
-        .await
-        .unwrap();
-    sink.publish(Outbound::new(&setup.input, "{definitely not json"))
-        .await
-        .unwrap();
-    sink.publish(Outbound::new(&setup.input, json!({"id": 2}).to_string()))
-        .await
-        .unwrap();
-    let outputs = read_until(&broker, &setup.output, Duration::from_secs(60), |seen| {
+    for payload in [
+        json!({"id": 1}).to_string(),
+        "{definitely not json".into(),
+        json!({"id": 2}).to_string(),
+    ] {
+        sink.publish(Outbound::new(subject, payload)).await.unwrap();
+    }
+    let outputs = read_until(broker, &setup.output, Duration::from_secs(60), |seen| {
         ids_in(seen).len() >= 2
     })
     .await;
@@ -658,19 +669,14 @@ async fn poison_goes_to_the_dead_letter_topic(kind: Kind) {
         vec![1, 2],
         "good events keep flowing around the poison"
     );
-    let dead = read_until(
-        &broker,
-        &format!("{}.dlq", setup.input),
-        Duration::from_secs(30),
-        |seen| !seen.is_empty(),
-    )
+    let dead = read_until(broker, dead_letters, Duration::from_secs(30), |seen| {
+        !seen.is_empty()
+    })
     .await;
     assert_eq!(&dead[0].payload[..], b"{definitely not json");
     assert!(dead[0]
         .header("weir-error")
         .is_some_and(|e| e.contains("invalid JSON")));
-    weir.kill().unwrap();
-    let _ = weir.wait();
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -705,38 +711,11 @@ async fn a_wildcard_subjects_poison_goes_to_its_dead_letter_subject() {
             .await
             .unwrap(),
     );
-    let mut weir = setup.start("n1");
+    let weir = setup.start("n1");
     let subject = format!("{}.east", setup.input);
-    let sink = broker.sink();
-    for payload in [
-        json!({"id": 1}).to_string(),
-        "{not json".into(),
-        json!({"id": 2}).to_string(),
-    ] {
-        sink.publish(Outbound::new(&subject, payload))
-            .await
-            .unwrap();
-    }
-    let outputs = read_until(&broker, &setup.output, Duration::from_secs(60), |seen| {
-        ids_in(seen).len() >= 2
-    })
-    .await;
-    assert_eq!(
-        ids_in(&outputs),
-        vec![1, 2],
-        "good events flow around the poison"
-    );
     let dead_letters = format!("weir.dlq.{}.any", setup.input);
-    let dead = read_until(&broker, &dead_letters, Duration::from_secs(30), |seen| {
-        !seen.is_empty()
-    })
-    .await;
-    assert_eq!(&dead[0].payload[..], b"{not json");
-    assert!(dead[0]
-        .header("weir-error")
-        .is_some_and(|e| e.contains("invalid JSON")));
-    weir.kill().unwrap();
-    let _ = weir.wait();
+    poison_is_dead_lettered(&setup, &broker, &subject, &dead_letters).await;
+    drop(weir);
 }
 
 /// Two accumulators of one graph reading the same topic each see every event: neither
