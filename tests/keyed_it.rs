@@ -777,6 +777,50 @@ async fn nats_graph_keyed_by_message_key_takes_a_plain_clients_events() {
     }
 }
 
+/// Many events per key handed to the broker at once, so that a partition's batch holds
+/// several of one key's fires in flight together: each key's outputs still come out in
+/// its input order, none repeated.
+async fn a_keyed_graph_keeps_each_keys_order_through_a_burst(kind: Kind) {
+    const USERS: usize = 4;
+    const PER_USER: u64 = 500;
+    let mut cluster = Cluster::on(kind, &services::redis_url(), 1);
+    let run = cluster.start_nodes(1).await;
+    let mut acks = Vec::new();
+    let mut sent = HashSet::new();
+    for seq in 1..=PER_USER {
+        for u in 0..USERS {
+            let user = format!("u{u}");
+            let event = json!({"user": user, "seq": seq}).to_string();
+            let handing = run.feed.sink.enqueue(run.feed.input.outbound(&user, event));
+            acks.push(handing.await.unwrap());
+            sent.insert((user, seq));
+        }
+    }
+    for ack in acks {
+        ack.await.expect("published");
+    }
+    let outputs = read_outputs(
+        &run.broker,
+        &cluster.output,
+        &run.feed.input,
+        &sent,
+        Duration::from_secs(60),
+    )
+    .await;
+    checked_per_key(&outputs).assert_within(0, 0);
+    cluster.nodes.terminate(0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kafka_keyed_graph_keeps_each_keys_order_through_a_burst() {
+    a_keyed_graph_keeps_each_keys_order_through_a_burst(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nats_keyed_graph_keeps_each_keys_order_through_a_burst() {
+    a_keyed_graph_keeps_each_keys_order_through_a_burst(Kind::Nats).await;
+}
+
 /// A key NATS cannot carry (a line break: the key travels in a header) makes an output
 /// no retry can publish: it is dead-lettered with the key in its record, and the
 /// partition goes on with every other key.
