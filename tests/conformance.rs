@@ -190,6 +190,68 @@ mod services {
         graph_outputs_keep_fire_order(services::nats(true).await, &prefix).await;
     }
 
+    /// A graph whose fires have two outputs each and up to 4,096 fires awaiting
+    /// acknowledgement, working off a backlog: more acknowledgements pending than the
+    /// NATS client lets through by default (5,000), which must slow the graph, never
+    /// stop it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_nats_graph_with_more_acknowledgements_pending_than_the_client_allows_goes_on() {
+        const EVENTS: u64 = 20_000;
+        let prefix = services::unique("acks");
+        let _cleanup = services::cleanup(&prefix);
+        let broker: Arc<dyn Broker> = services::nats(true).await;
+        let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
+        let sink = broker.sink();
+        let mut acks = Vec::new();
+        for id in 0..EVENTS {
+            let event = json!({ "id": id }).to_string();
+            acks.push(sink.enqueue(Outbound::new(&input, event)).await.unwrap());
+            if acks.len() == 1000 {
+                for ack in acks.drain(..) {
+                    ack.await.expect("input published");
+                }
+            }
+        }
+        for ack in acks {
+            ack.await.expect("input published");
+        }
+        let graph = GraphBuilder::new(format!("{prefix}g"))
+            .reactor(ReactorConfig {
+                criteria: Criteria::WhenAny,
+                strategy: Strategy::Sequential,
+                max_in_flight: 4096,
+                ..ReactorConfig::default()
+            })
+            .accumulator(AccumulatorSpec::passthrough("a").topic(&input))
+            .node("n", ["a"], |ctx: NodeContext| async move {
+                Ok(ctx.source("a").cloned())
+            })
+            .output("n", &output)
+            .output("n", format!("{output}.copy"))
+            .build()
+            .expect("valid graph");
+        let cancel = CancellationToken::new();
+        let runtime = Runtime {
+            broker: broker.clone(),
+            store: Arc::new(MemoryStore::new()),
+            node_id: "conformance".into(),
+        };
+        let supervisor = Supervisor::new(runtime, SupervisionPolicy::default(), cancel.clone());
+        let handle = supervisor.spawn(graph).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        while handle.stats().outputs < 2 * EVENTS {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "stuck at {} of {} outputs acknowledged",
+                handle.stats().outputs,
+                2 * EVENTS
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        cancel.cancel();
+        supervisor.shutdown().await;
+    }
+
     #[tokio::test]
     async fn kafka_broker_conforms() {
         let topic = services::unique("conf.kafka.");

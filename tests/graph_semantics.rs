@@ -1495,6 +1495,78 @@ async fn a_fire_acknowledged_after_its_snapshot_is_not_made_again_after_a_stop()
     );
 }
 
+/// A sink that, as the NATS JetStream client, counts each message handed over until its
+/// acknowledgement is awaited, and holds further hand-overs back while `limit` are.
+struct AcksCounted {
+    broker: weir::transport::memory::MemoryBroker,
+    pending: Arc<tokio::sync::Semaphore>,
+}
+
+#[async_trait]
+impl weir::transport::Sink for AcksCounted {
+    async fn publish(
+        &self,
+        message: weir::transport::Outbound,
+    ) -> Result<Position, TransportError> {
+        self.enqueue(message).await?.await
+    }
+
+    async fn enqueue(
+        &self,
+        message: weir::transport::Outbound,
+    ) -> Result<weir::transport::PendingAck, TransportError> {
+        let counted = self.pending.clone().acquire_owned().await.unwrap();
+        let position = weir::transport::Sink::publish(&self.broker, message).await?;
+        Ok(Box::pin(async move {
+            // Acknowledged a moment after it is sent, as over a network.
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            drop(counted);
+            Ok(position)
+        }))
+    }
+}
+
+/// More fires may await acknowledgement (`max_in_flight`) than the sink lets be pending
+/// before it holds hand-overs back: the reactor takes in acknowledgements while a
+/// hand-over waits, so the graph slows down to the sink's pace rather than stopping.
+#[tokio::test(start_paused = true)]
+async fn a_sink_holding_hand_overs_back_until_acknowledgements_are_awaited_stops_nothing() {
+    let h = Harness::new();
+    let sink = Arc::new(AcksCounted {
+        broker: h.broker.clone(),
+        pending: Arc::new(tokio::sync::Semaphore::new(4)),
+    });
+    let g = h.spawn(
+        GraphBuilder::new("counted")
+            .accumulator(AccumulatorSpec::passthrough("a"))
+            .reactor(ReactorConfig {
+                max_in_flight: 32,
+                ..config(Criteria::WhenAny, Strategy::Sequential)
+            })
+            .node("n", ["a"], |ctx: NodeContext| async move {
+                Ok(ctx.source("a").cloned())
+            })
+            .output_to("n", "counted.out", sink)
+            .build()
+            .unwrap(),
+    );
+    g.wait_for_state(ReactorState::Live).await;
+    for n in 1..=100 {
+        g.push("a", json!(n)).await.unwrap();
+    }
+    eventually("every input out", || async {
+        h.broker.messages("counted.out").len() == 100
+    })
+    .await;
+    let out: Vec<u64> = h
+        .broker
+        .messages("counted.out")
+        .iter()
+        .map(|m| serde_json::from_slice(&m.payload).unwrap())
+        .collect();
+    assert_eq!(out, (1..=100).collect::<Vec<_>>(), "in fire order");
+}
+
 /// `max_in_flight` caps the fires whose outputs await acknowledgement: the rest wait in
 /// their queue, unfired, until acknowledgements make room.
 #[tokio::test(start_paused = true)]

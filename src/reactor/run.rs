@@ -529,11 +529,10 @@ impl Reactor {
         // is spent, tokio wakes the futures it deferred last first, and a burst of
         // outputs would reach the broker reversed.
         let mut handed: SmallVec<[(Target, PendingAck); 1]> = SmallVec::new();
+        let publishing = self.publishing.clone();
         for (target, message) in messages {
-            let handing = self
-                .publishing
-                .hand_over(target, message, fire, degraded, &input);
-            match handing.await {
+            let handing = publishing.hand_over(target, message, fire, degraded, &input);
+            match self.acknowledging_while(handing).await {
                 Ok(ack) => handed.push((target, ack)),
                 Err(e) => {
                     // Requeued in the snapshot the failing reactor stores.
@@ -542,7 +541,6 @@ impl Reactor {
                 }
             }
         }
-        let publishing = self.publishing.clone();
         let mut publish: BoxFuture<'static, Result<(), TransportError>> = Box::pin(async move {
             let count = handed.len();
             for (target, ack) in handed {
@@ -578,6 +576,26 @@ impl Reactor {
         self.in_flight.push_back(publish);
         self.unacknowledged.push_back(consumed);
         Ok(report)
+    }
+
+    /// Awaits a hand-over while taking in the acknowledgements of the fires in flight: a
+    /// client may hold a hand-over back until acknowledgements it has sent are awaited
+    /// (async-nats counts them until then), and those are in flight here.
+    async fn acknowledging_while(
+        &mut self,
+        handing: impl std::future::Future<Output = Result<PendingAck, TransportError>>,
+    ) -> Result<PendingAck, TransportError> {
+        tokio::pin!(handing);
+        loop {
+            tokio::select! {
+                biased;
+                handed = &mut handing => return handed,
+                Some(done) = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                    done?;
+                    self.acknowledged();
+                }
+            }
+        }
     }
 
     /// The number of a fire taking `taken`: a restored fire made again from its requeued

@@ -159,6 +159,14 @@ struct Inner {
 /// How often a core NATS source looks at its connection.
 const CONNECTION_CHECK: Duration = Duration::from_millis(250);
 
+/// Publish acknowledgements the JetStream client lets be pending at once, across every
+/// graph, keyed partition and job partition of the process. weir bounds its own (fires in
+/// flight, a partition's batch); the client's bound must lie far beyond the sum, since a
+/// publish waiting for room there may be held up by acknowledgements its own caller has
+/// not awaited yet. The client's default, 5,000, is fewer than one graph of
+/// `max_in_flight = 4096` with two outputs can hold.
+const MAX_ACKS_PENDING: usize = 1 << 20;
+
 /// How long connecting (TCP, TLS and authentication) may take at start.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -215,7 +223,11 @@ impl NatsBroker {
             .connect(url.as_str())
             .await
             .map_err(|e| failed(connect_failure(&e)))?;
-        let jetstream = settings.jetstream.then(|| jetstream::new(client.clone()));
+        let jetstream = settings.jetstream.then(|| {
+            jetstream::ContextBuilder::new()
+                .max_ack_inflight(MAX_ACKS_PENDING)
+                .build(client.clone())
+        });
         Ok(Self {
             inner: Arc::new(Inner {
                 url: shown,
