@@ -395,6 +395,54 @@ catchup = "all"
         }
     }
 
+    /// More schedules due at one instant than the NATS client lets publish
+    /// acknowledgements be pending by default (5,000): the instant's ticks are handed
+    /// over in turn and their acknowledgements awaited together, and every one goes out.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn six_thousand_ticks_due_at_one_instant_all_go_out_on_nats() {
+        const SCHEDULES: usize = 6_000;
+        let prefix = services::unique("cronburst");
+        let _cleanup_prefix = services::cleanup(&prefix);
+        let topic = format!("{prefix}.ticks");
+        let store = Arc::new(MemoryStore::new());
+        for n in 0..SCHEDULES {
+            let mut schedule = every_second(&format!("s{n}"), &topic);
+            schedule.delivery = Delivery::AtLeastOnce;
+            register(store.as_ref(), &schedule, 1).await.unwrap();
+        }
+        let broker: Arc<dyn Broker> = services::nats(true).await;
+        let cancel = CancellationToken::new();
+        let scheduler = tokio::spawn(
+            Scheduler::new(store.clone(), broker.sink(), config("burst", 0)).run(cancel.clone()),
+        );
+        let mut subscription = Subscription::new(&topic, services::unique("reader"));
+        subscription.assignment = Assignment::All;
+        let mut source = broker.subscribe(&subscription).await.unwrap();
+        // Schedules registered across a second boundary start an instant apart; from
+        // then on every instant holds all of them.
+        let mut per_instant: std::collections::BTreeMap<i64, std::collections::HashSet<String>> =
+            Default::default();
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while per_instant.values().all(|ids| ids.len() < SCHEDULES) {
+            let read = per_instant.values().map(|ids| ids.len()).max().unwrap_or(0);
+            assert!(
+                std::time::Instant::now() < deadline,
+                "at most {read} of {SCHEDULES} ticks of one instant after 60 s"
+            );
+            let Ok(message) = tokio::time::timeout(Duration::from_secs(5), source.next()).await
+            else {
+                continue;
+            };
+            let tick = decode::<CronTick>(&message.unwrap().payload).unwrap();
+            per_instant
+                .entry(tick.scheduled_time_ms)
+                .or_default()
+                .insert(tick.schedule_id);
+        }
+        cancel.cancel();
+        let _ = scheduler.await;
+    }
+
     /// Reads the at-most-once ticks of `topic`: at least `at_least` of them, no scheduled
     /// time twice, and ticked by both nodes in turn.
     async fn each_at_most_once_time_ticked_once_by_both(
