@@ -164,7 +164,8 @@ const CONNECTION_CHECK: Duration = Duration::from_millis(250);
 /// flight, a partition's batch); the client's bound must lie far beyond the sum, since a
 /// publish waiting for room there may be held up by acknowledgements its own caller has
 /// not awaited yet. The client's default, 5,000, is fewer than one graph of
-/// `max_in_flight = 4096` with two outputs can hold.
+/// `max_in_flight = 4096` with two outputs can hold, or the ticks of one cron instant
+/// (up to 10,000 per shard).
 const MAX_ACKS_PENDING: usize = 1 << 20;
 
 /// How long connecting (TCP, TLS and authentication) may take at start.
