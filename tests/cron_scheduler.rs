@@ -211,7 +211,30 @@ mod failover {
 
     const TTL_MS: u64 = 2000;
 
-    fn start(config: &std::path::Path, node: &str, prefix: &str) -> Child {
+    /// A `weir run` process, killed when dropped: a failing test leaves none running.
+    struct Node(Child);
+
+    impl std::ops::Deref for Node {
+        type Target = Child;
+        fn deref(&self) -> &Child {
+            &self.0
+        }
+    }
+
+    impl std::ops::DerefMut for Node {
+        fn deref_mut(&mut self) -> &mut Child {
+            &mut self.0
+        }
+    }
+
+    impl Drop for Node {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    fn start(config: &std::path::Path, node: &str, prefix: &str) -> Node {
         let path = std::env::temp_dir().join(format!("{prefix}-{node}.log"));
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -226,6 +249,7 @@ mod failover {
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
+            .map(Node)
             .unwrap()
     }
 
@@ -379,9 +403,9 @@ catchup = "all"
     /// Which of the two nodes holds the cron shard's lease: (master, other).
     async fn master_of<'a>(
         prefix: &str,
-        n1: &'a mut Child,
-        n2: &'a mut Child,
-    ) -> (&'a mut Child, &'a mut Child) {
+        n1: &'a mut Node,
+        n2: &'a mut Node,
+    ) -> (&'a mut Node, &'a mut Node) {
         let client = redis::Client::open(services::redis_url()).unwrap();
         let mut c = client.get_multiplexed_async_connection().await.unwrap();
         let holder: String =

@@ -139,7 +139,7 @@ fn a_nats_server_down_at_start_exits_1_naming_it() {
 }
 
 /// Every command that needs a server, not only `weir run`, exits 1 naming the one it
-/// cannot reach, and does so in well under the helper's minute.
+/// cannot reach, within the helper's minute.
 fn every_command_exits_1_naming_what_it_cannot_reach(broker: &str, named_broker: &str) {
     let redis = closed_port();
     let file = config(&format!(

@@ -275,11 +275,12 @@ async fn publish_ids(broker: &Arc<dyn Broker>, topic: &str, ids: std::ops::Range
 
 /// Runs a graph on `broker`, restarts `server` (the broker's) once half the input is in
 /// and the graph fires, goes on publishing meanwhile, and reads every input's output, in
-/// the input's order.
+/// the input's order: each output first seen at most `displaced` places from its input's.
 async fn restarted_mid_stream_loses_no_input(
     broker: Arc<dyn Broker>,
     mut server: Server,
     events: u64,
+    displaced: usize,
 ) {
     let prefix = services::unique("faults");
     let input = format!("{prefix}.in");
@@ -310,7 +311,16 @@ async fn restarted_mid_stream_loses_no_input(
     // Publishes retried across the restart may have stored the input out of id order;
     // the outputs follow the input as stored, replays aside.
     let inputs = all_ids_read(&broker, &input, events).await;
-    if let Some(at) = outputs.iter().zip(&inputs).position(|(o, i)| o != i) {
+    let input_at: std::collections::HashMap<u64, usize> = inputs
+        .iter()
+        .enumerate()
+        .map(|(at, id)| (*id, at))
+        .collect();
+    let misplaced = outputs
+        .iter()
+        .enumerate()
+        .position(|(at, id)| input_at[id].abs_diff(at) > displaced);
+    if let Some(at) = misplaced {
         let around = at.saturating_sub(5)..(at + 15).min(outputs.len());
         panic!(
             "outputs out of input order from {at}: outputs {:?}, inputs {:?}",
@@ -325,7 +335,9 @@ async fn restarted_mid_stream_loses_no_input(
 async fn nats_server_restarted_mid_stream_loses_no_input() {
     let server = Server::nats("");
     let broker: Arc<dyn Broker> = jetstream(&server).await;
-    restarted_mid_stream_loses_no_input(broker, server, 600).await;
+    // No idempotent producer: an output lost with the connection comes out again behind
+    // those of the fires in flight with it (`max_in_flight`, 64).
+    restarted_mid_stream_loses_no_input(broker, server, 600, 64).await;
 }
 
 /// The broker stopped for 20 s under a running graph whose policy fails it after one
@@ -592,7 +604,7 @@ async fn kafka_broker_restarted_mid_stream_loses_no_input() {
     let s3 = Server::s3();
     let server = Server::tansu_on_s3(&s3);
     let broker = kafka_client_of(&server);
-    restarted_mid_stream_loses_no_input(broker, server, 400).await;
+    restarted_mid_stream_loses_no_input(broker, server, 400, 0).await;
 }
 
 /// `GET path` on a local HTTP server; the status code.

@@ -1567,6 +1567,79 @@ async fn a_sink_holding_hand_overs_back_until_acknowledgements_are_awaited_stops
     assert_eq!(out, (1..=100).collect::<Vec<_>>(), "in fire order");
 }
 
+/// A sink whose client takes nothing until opened: every hand-over waits, as one to a
+/// broker client whose buffer is full while its server is away.
+struct HandOverGate {
+    broker: weir::transport::memory::MemoryBroker,
+    open: tokio::sync::watch::Receiver<bool>,
+}
+
+#[async_trait]
+impl weir::transport::Sink for HandOverGate {
+    async fn publish(
+        &self,
+        message: weir::transport::Outbound,
+    ) -> Result<Position, TransportError> {
+        let _ = self.open.clone().wait_for(|open| *open).await;
+        weir::transport::Sink::publish(&self.broker, message).await
+    }
+}
+
+/// A graph stopped while its sink holds a fire's output back stops in time (it does not
+/// wait out the hand-over), and the fire's input is kept: the next start fires it under
+/// the same number.
+#[tokio::test(start_paused = true)]
+async fn a_stop_while_a_hand_over_waits_stops_in_time_and_keeps_the_input() {
+    let h = Harness::new();
+    let (open_tx, open) = tokio::sync::watch::channel(false);
+    let broker = h.broker.clone();
+    let decl = |open: tokio::sync::watch::Receiver<bool>| {
+        GraphBuilder::new("held")
+            .accumulator(AccumulatorSpec::passthrough("a"))
+            .reactor(ReactorConfig {
+                snapshot_interval: Duration::ZERO,
+                ..config(Criteria::WhenAny, Strategy::Sequential)
+            })
+            .node("n", ["a"], |ctx: NodeContext| async move {
+                Ok(ctx.source("a").cloned())
+            })
+            .output_to(
+                "n",
+                "held.out",
+                Arc::new(HandOverGate {
+                    broker: broker.clone(),
+                    open,
+                }),
+            )
+            .build()
+            .unwrap()
+    };
+    let g = h.spawn(decl(open.clone()));
+    g.wait_for_state(ReactorState::Live).await;
+    g.push("a", json!(1)).await.unwrap();
+    eventually("the fire", || async { g.stats().fires == 1 }).await;
+    settle().await;
+    assert!(
+        h.supervisor.shutdown().await,
+        "stopped within the shutdown timeout"
+    );
+    assert!(h.broker.messages("held.out").is_empty());
+    let h = h.restart().await;
+    open_tx.send_replace(true);
+    let g = h.spawn(decl(open));
+    g.wait_for_state(ReactorState::Live).await;
+    eventually("the kept input's output", || async {
+        h.broker.messages("held.out").len() == 1
+    })
+    .await;
+    let out = &h.broker.messages("held.out")[0];
+    assert_eq!(
+        serde_json::from_slice::<Value>(&out.payload).unwrap(),
+        json!(1)
+    );
+    assert_eq!(out.header("weir-fire"), Some("1"));
+}
+
 /// `max_in_flight` caps the fires whose outputs await acknowledgement: the rest wait in
 /// their queue, unfired, until acknowledgements make room.
 #[tokio::test(start_paused = true)]

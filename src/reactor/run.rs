@@ -533,7 +533,15 @@ impl Reactor {
         for (target, message) in messages {
             let handing = publishing.hand_over(target, message, fire, degraded, &input);
             match self.acknowledging_while(handing).await {
-                Ok(ack) => handed.push((target, ack)),
+                Ok(Some(ack)) => handed.push((target, ack)),
+                // Stopping while the broker holds the hand-over back: as for a fire given
+                // up on, its inputs go back to the stored cache unconsumed, and no fire
+                // starts after it.
+                Ok(None) => {
+                    self.abandoned.push(consumed);
+                    self.fire_given_up = true;
+                    return Ok(FireReport { fire, outputs: 0 });
+                }
                 Err(e) => {
                     // Requeued in the snapshot the failing reactor stores.
                     self.unacknowledged.push_back(consumed);
@@ -578,22 +586,26 @@ impl Reactor {
         Ok(report)
     }
 
-    /// Awaits a hand-over while taking in the acknowledgements of the fires in flight: a
-    /// client may hold a hand-over back until acknowledgements it has sent are awaited
-    /// (async-nats counts them until then), and those are in flight here.
+    /// Awaits a hand-over while taking in the acknowledgements of earlier fires still in
+    /// flight: a client may hold a hand-over back until acknowledgements it has sent are
+    /// awaited (async-nats counts them until then), and those are in flight here. `None`
+    /// if the reactor is stopped first: a broker client holding the hand-over back (its
+    /// server away) must not hold the stop up.
     async fn acknowledging_while(
         &mut self,
         handing: impl std::future::Future<Output = Result<PendingAck, TransportError>>,
-    ) -> Result<PendingAck, TransportError> {
+    ) -> Result<Option<PendingAck>, TransportError> {
         tokio::pin!(handing);
+        let cancel = self.cancel.clone();
         loop {
             tokio::select! {
                 biased;
-                handed = &mut handing => return handed,
+                handed = &mut handing => return handed.map(Some),
                 Some(done) = self.in_flight.next(), if !self.in_flight.is_empty() => {
                     done?;
                     self.acknowledged();
                 }
+                _ = cancel.cancelled() => return Ok(None),
             }
         }
     }
