@@ -256,11 +256,89 @@ async fn nats_worker_killed_mid_task_loses_no_task() {
     killed_worker_loses_no_task(false).await;
 }
 
-/// A worker frozen (SIGSTOP) mid-task for longer than its broker waits for it (JetStream's
-/// ack wait, Kafka's session timeout), so its tasks go to the other worker, then woken
-/// to finish them too and report them late: the workflow completes, and every attempt
-/// reported, the late duplicates included, completed.
-async fn a_frozen_worker_woken_late_fails_no_task(kafka: bool) {
+/// A worker frozen (SIGSTOP) mid-task for longer than JetStream's ack wait, so that a
+/// second worker runs its task again, then
+/// woken to finish the task and report it late: the workflow completes, and every
+/// attempt reported, the late duplicate included, completed.
+async fn a_frozen_nats_worker_woken_late_fails_no_task() {
+    let prefix = services::unique("wf");
+    let _cleanup = services::cleanup(&prefix);
+    let file = config_with(false, &prefix, true);
+    let executor = format!("{prefix}x");
+    let worker = |name: &str| {
+        weir(
+            &file,
+            &prefix,
+            name,
+            &["worker", "--executor", &executor, "--concurrency", "1"],
+        )
+    };
+    let mut processes = Processes(vec![weir(&file, &prefix, "run", &["run"]), worker("a")]);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let workflow = format!("{prefix}w");
+    let client = processes.0.len();
+    processes.0.push(weir(
+        &file,
+        &prefix,
+        "client",
+        &[
+            "workflow",
+            "run",
+            &workflow,
+            "--context",
+            r#"{"sleep_ms": 1500}"#,
+            "--wait",
+        ],
+    ));
+    let mut results = results_reader(false, &prefix).await;
+    tokio::time::timeout(Duration::from_secs(60), results.next())
+        .await
+        .expect("a first result")
+        .unwrap();
+    // The chain's second task is under way on `a`, the only worker: frozen there, and a
+    // second worker started to take the task over once the broker gives up on `a`.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    common::servers::signal(&processes.0[1], "STOP");
+    processes.0.push(worker("b"));
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    common::servers::signal(&processes.0[1], "CONT");
+    let (status, stdout) = exited(
+        &mut processes.0[client],
+        Duration::from_secs(120),
+        "workflow run --wait, 120 s after the freeze",
+    )
+    .await;
+    completed(status, &stdout);
+    // Every attempt reported, late ones included, completed: none failed or is retried
+    // for being run twice. Read from the start by a reader of its own (one in a group,
+    // not polled while the test waited, may have been dropped from it).
+    drop(results);
+    let broker: std::sync::Arc<dyn Broker> = services::nats(true).await;
+    let mut subscription = Subscription::new(format!("{prefix}.results"), services::unique("r"));
+    subscription.assignment = weir::transport::Assignment::All;
+    let mut everything = broker.subscribe(&subscription).await.unwrap();
+    let mut reported = 0;
+    while let Ok(Ok(message)) =
+        tokio::time::timeout(Duration::from_secs(5), everything.next()).await
+    {
+        use weir::codec::{avro::decode_one_or_batch, ExecutionResult};
+        for result in decode_one_or_batch::<ExecutionResult>(&message.payload).unwrap() {
+            assert_eq!(result.status, "completed", "{result:?}");
+            reported += 1;
+        }
+    }
+    assert!(
+        reported > TASKS,
+        "{reported} results for {TASKS} tasks: the frozen worker's task never ran twice"
+    );
+}
+
+/// Two workers of a Kafka group frozen (SIGSTOP) in turn past the session timeout while
+/// a chained workflow runs, then woken: the workflow completes, and every attempt
+/// reported completed. (Whether the frozen one held a task depends on which partition
+/// the chain's next task went to; the NATS test below makes sure it does.)
+async fn kafka_workers_frozen_in_turn_fail_no_task() {
+    let kafka = true;
     let prefix = services::unique("wf");
     let _cleanup = services::cleanup(&prefix);
     let file = config_with(kafka, &prefix, true);
@@ -305,21 +383,17 @@ async fn a_frozen_worker_woken_late_fails_no_task(kafka: bool) {
             reported += 1;
         }
     }
-    assert!(
-        reported > TASKS,
-        "{reported} results for {TASKS} tasks: no task ran twice, so no worker was frozen \
-         holding one"
-    );
+    assert!(reported >= TASKS, "{reported} results for {TASKS} tasks");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_frozen_nats_worker_woken_late_fails_no_task() {
-    a_frozen_worker_woken_late_fails_no_task(false).await;
+async fn a_frozen_nats_worker_woken_late_reports_a_duplicate_and_fails_no_task() {
+    a_frozen_nats_worker_woken_late_fails_no_task().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_frozen_kafka_worker_woken_late_fails_no_task() {
-    a_frozen_worker_woken_late_fails_no_task(true).await;
+async fn frozen_kafka_workers_fail_no_task() {
+    kafka_workers_frozen_in_turn_fail_no_task().await;
 }
 
 /// Workflow executions the chained tests run at once.
