@@ -256,6 +256,32 @@ async fn nats_worker_killed_mid_task_loses_no_task() {
     killed_worker_loses_no_task(false).await;
 }
 
+/// Reads every result reported on the results topic from its start, with a reader of
+/// its own (one in a group, not polled while the test waited, may have been dropped from
+/// it), checks that each attempt completed (none failed or was retried for being run
+/// twice), and returns how many there were.
+async fn every_result_completed(kafka: bool, prefix: &str) -> usize {
+    let broker: std::sync::Arc<dyn Broker> = if kafka {
+        services::kafka()
+    } else {
+        services::nats(true).await
+    };
+    let mut subscription = Subscription::new(format!("{prefix}.results"), services::unique("r"));
+    subscription.assignment = weir::transport::Assignment::All;
+    let mut everything = broker.subscribe(&subscription).await.unwrap();
+    let mut reported = 0;
+    while let Ok(Ok(message)) =
+        tokio::time::timeout(Duration::from_secs(5), everything.next()).await
+    {
+        use weir::codec::{avro::decode_one_or_batch, ExecutionResult};
+        for result in decode_one_or_batch::<ExecutionResult>(&message.payload).unwrap() {
+            assert_eq!(result.status, "completed", "{result:?}");
+            reported += 1;
+        }
+    }
+    reported
+}
+
 /// A worker frozen (SIGSTOP) mid-task for longer than JetStream's ack wait, so that a
 /// second worker runs its task again, then
 /// woken to finish the task and report it late: the workflow completes, and every
@@ -309,24 +335,8 @@ async fn a_frozen_nats_worker_woken_late_fails_no_task() {
     )
     .await;
     completed(status, &stdout);
-    // Every attempt reported, late ones included, completed: none failed or is retried
-    // for being run twice. Read from the start by a reader of its own (one in a group,
-    // not polled while the test waited, may have been dropped from it).
     drop(results);
-    let broker: std::sync::Arc<dyn Broker> = services::nats(true).await;
-    let mut subscription = Subscription::new(format!("{prefix}.results"), services::unique("r"));
-    subscription.assignment = weir::transport::Assignment::All;
-    let mut everything = broker.subscribe(&subscription).await.unwrap();
-    let mut reported = 0;
-    while let Ok(Ok(message)) =
-        tokio::time::timeout(Duration::from_secs(5), everything.next()).await
-    {
-        use weir::codec::{avro::decode_one_or_batch, ExecutionResult};
-        for result in decode_one_or_batch::<ExecutionResult>(&message.payload).unwrap() {
-            assert_eq!(result.status, "completed", "{result:?}");
-            reported += 1;
-        }
-    }
+    let reported = every_result_completed(false, &prefix).await;
     assert!(
         reported > TASKS,
         "{reported} results for {TASKS} tasks: the frozen worker's task never ran twice"
@@ -338,15 +348,14 @@ async fn a_frozen_nats_worker_woken_late_fails_no_task() {
 /// reported completed. (Whether the frozen one held a task depends on which partition
 /// the chain's next task went to; the NATS test below makes sure it does.)
 async fn kafka_workers_frozen_in_turn_fail_no_task() {
-    let kafka = true;
     let prefix = services::unique("wf");
     let _cleanup = services::cleanup(&prefix);
-    let file = config_with(kafka, &prefix, true);
+    let file = config_with(true, &prefix, true);
     let MidTask {
         mut processes,
         client,
         results,
-    } = MidTask::start(kafka, &file, &prefix).await;
+    } = MidTask::start(true, &file, &prefix).await;
     // The chain's next task is running on one of the two now; freeze both in turn, so
     // whichever holds it stays frozen past the broker's wait.
     for frozen in [1, 2] {
@@ -361,28 +370,8 @@ async fn kafka_workers_frozen_in_turn_fail_no_task() {
     )
     .await;
     completed(status, &stdout);
-    // Every attempt reported, late ones included, completed: none failed or is retried
-    // for being run twice. Read from the start by a reader of its own (one in a group,
-    // not polled while the test waited, may have been dropped from it).
     drop(results);
-    let broker: std::sync::Arc<dyn Broker> = if kafka {
-        services::kafka()
-    } else {
-        services::nats(true).await
-    };
-    let mut subscription = Subscription::new(format!("{prefix}.results"), services::unique("r"));
-    subscription.assignment = weir::transport::Assignment::All;
-    let mut everything = broker.subscribe(&subscription).await.unwrap();
-    let mut reported = 0;
-    while let Ok(Ok(message)) =
-        tokio::time::timeout(Duration::from_secs(5), everything.next()).await
-    {
-        use weir::codec::{avro::decode_one_or_batch, ExecutionResult};
-        for result in decode_one_or_batch::<ExecutionResult>(&message.payload).unwrap() {
-            assert_eq!(result.status, "completed", "{result:?}");
-            reported += 1;
-        }
-    }
+    let reported = every_result_completed(true, &prefix).await;
     assert!(reported >= TASKS, "{reported} results for {TASKS} tasks");
 }
 
