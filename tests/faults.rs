@@ -1835,3 +1835,183 @@ format = "json"
     let status = status.expect("weir exits within 40 s of SIGTERM while its broker is paused");
     assert_eq!(status.code(), Some(130), "{status}");
 }
+
+/// Reads through one broker and publishes through another: a fault on the path of the
+/// reads alone.
+struct ReadsThrough {
+    reads: Arc<dyn Broker>,
+    writes: Arc<dyn Broker>,
+}
+
+#[async_trait::async_trait]
+impl Broker for ReadsThrough {
+    fn kind(&self) -> &'static str {
+        self.reads.kind()
+    }
+
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn weir::transport::Source>, weir::transport::TransportError> {
+        self.reads.subscribe(subscription).await
+    }
+
+    fn sink(&self) -> Arc<dyn weir::transport::Sink> {
+        self.writes.sink()
+    }
+
+    async fn partitioned(
+        &self,
+        topic: &str,
+        partitions: u32,
+    ) -> Result<weir::transport::PartitionedTopic, weir::transport::TransportError> {
+        self.reads.partitioned(topic, partitions).await
+    }
+
+    async fn ping(&self) -> Result<(), weir::transport::TransportError> {
+        self.reads.ping().await
+    }
+
+    fn redelivery_wait(&self) -> Option<Duration> {
+        self.reads.redelivery_wait()
+    }
+}
+
+/// A JetStream reader whose connection is closed while deliveries are on their way to
+/// it, the client reconnecting at once: what the server had sent into the closed
+/// connection never arrives, and the server counts it delivered. Acknowledging a later
+/// message (ack-all) would acknowledge it too. The reader sees the gap in the consumer's
+/// deliveries and reads again from its last stored position: every input reaches an
+/// output.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jetstream_reader_whose_connection_closes_mid_delivery_loses_no_input() {
+    use common::servers::Proxy;
+    const EVENTS: u64 = 40_000;
+    let server = Server::nats("");
+    let direct: Arc<dyn Broker> = jetstream(&server).await;
+    let proxy = Proxy::start(server.port).await;
+    let reads: Arc<dyn Broker> = jetstream_at(format!("nats://127.0.0.1:{}", proxy.port)).await;
+    let prefix = services::unique("faults");
+    let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
+    // A backlog, so the reader is sent deliveries as fast as it takes them.
+    let sink = direct.sink();
+    let mut acks = Vec::new();
+    for id in 0..EVENTS {
+        let event = Outbound::new(input.as_str(), json!({ "id": id }).to_string());
+        acks.push(sink.enqueue(event).await.unwrap());
+        if acks.len() == 1000 {
+            futures::future::try_join_all(acks.drain(..)).await.unwrap();
+        }
+    }
+    futures::future::try_join_all(acks).await.unwrap();
+    let cancel = CancellationToken::new();
+    let broker = Arc::new(ReadsThrough {
+        reads,
+        writes: direct.clone(),
+    });
+    let supervisor = supervisor(broker, &cancel);
+    let graph = supervisor.spawn(padding_graph(&prefix)).unwrap();
+    graph.wait_for_state(weir::ReactorState::Live).await;
+    // Closed every so often while the graph works the backlog off.
+    let cutting = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            proxy.cut();
+            proxy.heal();
+        }
+    });
+    all_ids_read(&direct, &output, EVENTS).await;
+    cutting.abort();
+    cancel.cancel();
+    supervisor.shutdown().await;
+}
+
+/// Hands every message over, but the acknowledgement of the one with id `fail_on`
+/// fails once, as a JetStream publish whose acknowledgement does not come in time.
+struct AckFailsOnce {
+    broker: weir::transport::memory::MemoryBroker,
+    fail_on: u64,
+    failed: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl weir::transport::Sink for AckFailsOnce {
+    async fn publish(
+        &self,
+        message: Outbound,
+    ) -> Result<weir::transport::Position, weir::transport::TransportError> {
+        self.enqueue(message).await?.await
+    }
+
+    async fn enqueue(
+        &self,
+        message: Outbound,
+    ) -> Result<weir::transport::PendingAck, weir::transport::TransportError> {
+        let id = serde_json::from_slice::<Value>(&message.payload)
+            .ok()
+            .and_then(|event| event["id"].as_u64());
+        if id == Some(self.fail_on) && !self.failed.swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            let topic = message.topic;
+            return Ok(Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                Err(weir::transport::TransportError::Publish {
+                    topic,
+                    source: "no acknowledgement in time".into(),
+                    retryable: true,
+                })
+            }));
+        }
+        weir::transport::Sink::enqueue(&self.broker, message).await
+    }
+}
+
+/// The reactor fails on an acknowledgement while a backlog waits in its queue: the
+/// respawned graph fires every input, the queued ones and those in flight included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reactor_failing_on_an_acknowledgement_with_a_backlog_queued_loses_no_input() {
+    const EVENTS: u64 = 5_000;
+    let memory = weir::transport::memory::MemoryBroker::default();
+    let broker: Arc<dyn Broker> = Arc::new(memory.clone());
+    let prefix = services::unique("faults");
+    let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
+    publish_ids(&broker, &input, 0..EVENTS).await;
+    let sink = Arc::new(AckFailsOnce {
+        broker: memory.clone(),
+        fail_on: 900,
+        failed: Default::default(),
+    });
+    let decl = GraphBuilder::new(format!("{prefix}g"))
+        .reactor(ReactorConfig {
+            criteria: Criteria::WhenAny,
+            strategy: Strategy::Sequential,
+            snapshot_interval: Duration::ZERO,
+            ..ReactorConfig::default()
+        })
+        .accumulator(AccumulatorSpec::passthrough("a").topic(&input))
+        .node("n", ["a"], |ctx: NodeContext| async move {
+            Ok(ctx.source("a").map(|event| json!({"id": event["id"]})))
+        })
+        .output_to("n", &output, sink.clone())
+        .build()
+        .expect("valid graph");
+    let cancel = CancellationToken::new();
+    let supervisor = supervisor(broker.clone(), &cancel);
+    let graph = supervisor.spawn(decl).unwrap();
+    let out = || ids(&memory.messages(&output));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while out().len() < EVENTS as usize {
+        assert!(
+            Instant::now() < deadline,
+            "missing {:?}",
+            (0..EVENTS)
+                .filter(|id| !out().contains(id))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(sink.failed.load(std::sync::atomic::Ordering::SeqCst));
+    drop(graph);
+    cancel.cancel();
+    supervisor.shutdown().await;
+}

@@ -341,6 +341,10 @@ impl AccumulatorTask {
                     Err(e) => return Err(self.source_failed(e).await),
                 },
                 _ = tick(&mut flush) => {
+                    // Held before the flush empties the state, as for an event.
+                    if !self.hold_slot(&mut run).await {
+                        break;
+                    }
                     if let Some(value) = run.accumulator.flush() {
                         if !self.emit(&mut run, value, None, now_ms()).await
                             || !self.hand_over(&mut run).await
@@ -480,6 +484,9 @@ impl AccumulatorTask {
         position: Position,
         message: Option<&Message>,
     ) -> Result<bool, AccumulatorError> {
+        if !self.hold_slot(run).await {
+            return Ok(false);
+        }
         run.events_uncounted += 1;
         let time_ms = event.time_ms;
         // Caught, so what this run emitted before still reaches the reactor: pushes
@@ -506,8 +513,48 @@ impl AccumulatorTask {
         }
     }
 
-    /// Adds a boundary to those the reactor gets at the next hand-over, once its
-    /// source's queue has room. Returns false when the reactor is gone.
+    /// Holds a slot in this source's queue for the boundary the next event (or flush)
+    /// may emit, waiting for one while the queue is full. Taken before the event is
+    /// processed rather than when its boundary is emitted: an event processed, its
+    /// boundary then left waiting for a slot when the reactor went away, would count as
+    /// processed and be committed with the next checkpoint, its boundary lost. Returns
+    /// false when the reactor is gone.
+    async fn hold_slot(&self, run: &mut Running) -> bool {
+        let Some(permits) = &self.permits else {
+            return true;
+        };
+        if run.slots.held > 0 {
+            return true;
+        }
+        // Backpressure: slots are taken several at a time when the queue has them, so
+        // most boundaries cost no atomic operation here.
+        let free = permits.available_permits().clamp(1, HANDOFF);
+        match permits.try_acquire_many(free as u32) {
+            Ok(taken) => {
+                taken.forget();
+                run.slots.held = free;
+            }
+            Err(_) => {
+                // Full: what this accumulator holds goes to the reactor first, so the
+                // slots it took can be freed.
+                if !self.hand_over(run).await {
+                    return false;
+                }
+                tokio::select! {
+                    _ = self.cancel.cancelled() => return false,
+                    permit = permits.acquire() => match permit {
+                        Ok(p) => p.forget(),
+                        Err(_) => return false,
+                    },
+                }
+                run.slots.held = 1;
+            }
+        }
+        true
+    }
+
+    /// Adds a boundary to those the reactor gets at the next hand-over, in the queue
+    /// slot held for it. Returns false when the reactor is gone.
     async fn emit(
         &self,
         run: &mut Running,
@@ -515,34 +562,10 @@ impl AccumulatorTask {
         position: Option<crate::transport::Position>,
         event_time_ms: i64,
     ) -> bool {
-        if let Some(permits) = &self.permits {
-            // Backpressure: a slot in this source's queue per boundary. Slots are taken
-            // several at a time when the queue has them, so most boundaries cost no
-            // atomic operation here.
-            if run.slots.held == 0 {
-                let free = permits.available_permits().clamp(1, HANDOFF);
-                match permits.try_acquire_many(free as u32) {
-                    Ok(taken) => {
-                        taken.forget();
-                        run.slots.held = free;
-                    }
-                    Err(_) => {
-                        // Full: what this accumulator holds goes to the reactor first, so
-                        // the slots it took can be freed.
-                        if !self.hand_over(run).await {
-                            return false;
-                        }
-                        tokio::select! {
-                            _ = self.cancel.cancelled() => return false,
-                            permit = permits.acquire() => match permit {
-                                Ok(p) => p.forget(),
-                                Err(_) => return false,
-                            },
-                        }
-                        run.slots.held = 1;
-                    }
-                }
-            }
+        if !self.hold_slot(run).await {
+            return false;
+        }
+        if self.permits.is_some() {
             run.slots.held -= 1;
         }
         let sequence = self.counters.next_sequence();

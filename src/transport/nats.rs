@@ -709,6 +709,7 @@ impl Broker for NatsBroker {
             reading,
             unacked: BTreeMap::new(),
             ack_wait: self.inner.ack_wait,
+            last_delivery: sole_reader.then_some(None),
         }))
     }
 
@@ -871,6 +872,9 @@ struct JetStreamSource {
     /// After this long unacknowledged and not reported alive, the server delivers a
     /// message again.
     ack_wait: Duration,
+    /// For the sole reader of its consumer: the consumer's delivery count at the last
+    /// message read, `None` before the first. See [`JetStreamSource::check_delivery`].
+    last_delivery: Option<Option<u64>>,
 }
 
 struct Delivered {
@@ -909,6 +913,35 @@ fn consume_error(topic: &str, reason: String) -> TransportError {
 }
 
 impl JetStreamSource {
+    /// Fails the read when deliveries are missing before this one. The server counts a
+    /// message delivered once it has sent it; sent into a connection that then broke, it
+    /// never arrives, and the client's new connection goes on with the messages after
+    /// it. Acknowledging those (ack-all) would acknowledge the lost ones too. Failing
+    /// instead has the reader start again from its last stored position, with a
+    /// consumer of its own made afresh there, so the lost messages come again. Only a
+    /// sole reader sees every delivery of its consumer and can tell.
+    fn check_delivery(&mut self, delivery: u64) -> Result<(), TransportError> {
+        let Some(last) = &mut self.last_delivery else {
+            return Ok(());
+        };
+        match *last {
+            Some(previous) if delivery != previous + 1 => Err(consume_error(
+                &self.topic,
+                format!(
+                    "deliveries {} to {} of the consumer never arrived (the connection \
+                     broke while they were on their way); reading again from the last \
+                     stored position",
+                    previous + 1,
+                    delivery.saturating_sub(1)
+                ),
+            )),
+            _ => {
+                *last = Some(delivery);
+                Ok(())
+            }
+        }
+    }
+
     /// The next message from the server, pulling more when there is room for them.
     async fn receive(&mut self) -> Result<Option<jetstream::Message>, TransportError> {
         let unacked = &mut self.unacked;
@@ -999,6 +1032,7 @@ impl Source for JetStreamSource {
             let info = message
                 .info()
                 .map_err(|e| consume_error(&self.topic, e.to_string()))?;
+            self.check_delivery(info.consumer_sequence)?;
             let ts = info.published.unix_timestamp_nanos() / 1_000_000;
             (info.stream_sequence, ts as i64)
         };
