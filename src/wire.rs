@@ -18,6 +18,9 @@ pub const ACCUMULATOR_HEADER: &str = "weir-accumulator";
 pub const SOURCE_TOPIC_HEADER: &str = "weir-source-topic";
 pub const PARTITION_HEADER: &str = "weir-partition";
 pub const OFFSET_HEADER: &str = "weir-offset";
+/// On a dead letter sent without the message it stands for (the letter with it was
+/// larger than the broker takes): the size of the message's payload, in bytes.
+pub const PAYLOAD_OMITTED_HEADER: &str = "weir-payload-omitted";
 /// The id of a cron tick (`schedule@millis`), for consumers dropping repeats.
 pub const TICK_ID_HEADER: &str = "weir-tick-id";
 /// How often a task event was handed back by workers without its handler.
@@ -33,7 +36,7 @@ pub const JOB_TYPE_HEADER: &str = "weir-job-type";
 pub const JOB_ID_HEADER: &str = "weir-job-id";
 
 /// Every header name above.
-pub const HEADERS: [&str; 16] = [
+pub const HEADERS: [&str; 17] = [
     GRAPH_HEADER,
     FIRE_HEADER,
     DEGRADED_HEADER,
@@ -43,6 +46,7 @@ pub const HEADERS: [&str; 16] = [
     SOURCE_TOPIC_HEADER,
     PARTITION_HEADER,
     OFFSET_HEADER,
+    PAYLOAD_OMITTED_HEADER,
     TICK_ID_HEADER,
     DELIVERIES_HEADER,
     NAMESPACE_HEADER,

@@ -2015,3 +2015,102 @@ async fn a_reactor_failing_on_an_acknowledgement_with_a_backlog_queued_loses_no_
     cancel.cancel();
     supervisor.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_at_nats_max_payload_is_dead_lettered_without_its_payload() {
+    let server = Server::nats("max_payload: 65536");
+    let nats = jetstream(&server).await;
+    a_poison_message_at_the_limit_is_dead_lettered_without_its_payload(nats, 65_536).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_at_kafka_message_max_bytes_is_dead_lettered_without_its_payload() {
+    let mut options = services::fast_group_options();
+    options.insert("message.max.bytes".into(), "65536".into());
+    let kafka = Arc::new(
+        KafkaBroker::connect(KafkaSettings {
+            brokers: services::kafka_brokers(),
+            options,
+            retention: Some(services::TEST_RETENTION),
+            ..KafkaSettings::default()
+        })
+        .unwrap(),
+    );
+    a_poison_message_at_the_limit_is_dead_lettered_without_its_payload(kafka, 65_536).await;
+}
+
+/// A poison message just small enough for the broker makes a dead letter too large for
+/// it, with the headers saying where it came from and why: the letter goes without the
+/// payload, giving its size, and the events after the poison fire.
+async fn a_poison_message_at_the_limit_is_dead_lettered_without_its_payload(
+    broker: Arc<dyn Broker>,
+    limit: usize,
+) {
+    let prefix = services::unique("faults");
+    // On the shared Kafka (the NATS case has a server of its own).
+    let _cleanup = services::cleanup(&prefix);
+    // A long source name makes long headers on its dead letters.
+    let input = format!("{prefix}.{}", "source".repeat(20));
+    let output = format!("{prefix}.out");
+    let decl = GraphBuilder::new(format!("{prefix}g"))
+        .reactor(ReactorConfig {
+            criteria: Criteria::WhenAny,
+            strategy: Strategy::Sequential,
+            ..ReactorConfig::default()
+        })
+        .accumulator(AccumulatorSpec::passthrough("a").topic(&input))
+        .node("n", ["a"], |ctx: NodeContext| async move {
+            Ok(ctx.source("a").map(|event| json!({"id": event["id"]})))
+        })
+        .output("n", &output)
+        .build()
+        .expect("valid graph");
+    let cancel = CancellationToken::new();
+    let supervisor = supervisor(broker.clone(), &cancel);
+    let graph = supervisor.spawn(decl).unwrap();
+    graph.wait_for_state(weir::ReactorState::Live).await;
+    let poison = format!("{{{}", "x".repeat(limit - 200));
+    let sink = broker.sink();
+    for payload in [
+        json!({"id": 1}).to_string(),
+        poison.clone(),
+        json!({"id": 2}).to_string(),
+    ] {
+        sink.publish(Outbound::new(input.as_str(), payload))
+            .await
+            .expect("the poison alone fits");
+    }
+    let outputs = read_until(&broker, &output, Duration::from_secs(30), |seen| {
+        ids(seen).len() == 2
+    })
+    .await;
+    assert_eq!(ids(&outputs), BTreeSet::from([1, 2]));
+    let dead = read_until(
+        &broker,
+        &weir::wire::dead_letter_topic(&input),
+        Duration::from_secs(30),
+        |seen| !seen.is_empty(),
+    )
+    .await;
+    assert!(
+        dead[0].payload.is_empty(),
+        "{} bytes",
+        dead[0].payload.len()
+    );
+    let omitted = poison.len().to_string();
+    assert_eq!(
+        dead[0].header(weir::wire::PAYLOAD_OMITTED_HEADER),
+        Some(omitted.as_str())
+    );
+    assert!(dead[0]
+        .header(weir::wire::ERROR_HEADER)
+        .is_some_and(|e| e.contains("invalid JSON")));
+    assert_eq!(
+        dead[0].header(weir::wire::SOURCE_TOPIC_HEADER),
+        Some(input.as_str())
+    );
+    assert!(dead[0].header(weir::wire::OFFSET_HEADER).is_some());
+    assert_eq!(graph.stats().dead_letters, 1);
+    cancel.cancel();
+    supervisor.shutdown().await;
+}

@@ -305,6 +305,40 @@ async fn each_due_time_fires_once_while_nodes_join_and_leave() {
     }
 }
 
+/// A malformed message just small enough for the broker makes a dead letter too large
+/// for it: the letter goes without the payload, giving its size, and the partition goes
+/// on.
+#[tokio::test]
+async fn a_malformed_message_at_the_size_limit_is_dead_lettered_without_its_payload() {
+    const LIMIT: usize = 4096;
+    let cluster = Cluster::on(MemoryBroker::with_max_message_bytes(1, LIMIT)).await;
+    let client = cluster.client().await;
+    let node = cluster.node("a");
+    let topic = weir::wire::job_topic(TYPE);
+    let malformed = cluster
+        .topic
+        .outbound("j", format!("not json {}", "x".repeat(LIMIT - 32)));
+    let size = malformed.payload.len();
+    cluster.broker.sink().publish(malformed).await.unwrap();
+    client.send("j", &json!(1)).await.unwrap();
+    cluster.await_counts(&["j".to_string()], 1).await;
+    let dead = cluster
+        .memory
+        .messages(&weir::wire::dead_letter_topic(&topic));
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert!(dead[0].payload.is_empty());
+    let size = size.to_string();
+    assert_eq!(
+        dead[0].header(weir::wire::PAYLOAD_OMITTED_HEADER),
+        Some(size.as_str())
+    );
+    assert!(dead[0]
+        .header(weir::wire::ERROR_HEADER)
+        .is_some_and(|e| e.contains("payload: invalid JSON")));
+    assert_eq!(dead[0].header(weir::wire::OFFSET_HEADER), Some("0"));
+    node.stop().await;
+}
+
 #[tokio::test]
 async fn malformed_messages_are_dead_lettered_and_the_partition_goes_on() {
     let cluster = Cluster::new().await;

@@ -396,6 +396,40 @@ async fn events_that_cannot_be_read_or_keyed_are_dead_lettered_and_the_key_goes_
     node.stop().await;
 }
 
+/// An event just small enough for the broker that cannot be read makes a dead letter
+/// too large for it: the letter goes without the payload, giving its size, and the key
+/// goes on.
+#[tokio::test]
+async fn an_unreadable_event_at_the_size_limit_is_dead_lettered_without_its_payload() {
+    const LIMIT: usize = 4096;
+    let decl = graph("limit", &["a"], Criteria::WhenAny);
+    let cluster = Cluster::on(decl, MemoryBroker::with_max_message_bytes(1, LIMIT)).await;
+    let sink = cluster.broker.sink();
+    let unreadable = format!("{{{}", "x".repeat(LIMIT - 64));
+    for event in [
+        unreadable.clone(),
+        json!({"user": "u1", "seq": 1}).to_string(),
+    ] {
+        sink.publish(Outbound::new("limit.a", event).key("u1"))
+            .await
+            .unwrap();
+    }
+    let node = cluster.node("n");
+    let sent = HashSet::from([("u1".to_string(), 1)]);
+    cluster.await_outputs(&sent).await;
+    let dead = cluster.memory.messages("limit.a.dlq");
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert!(dead[0].payload.is_empty());
+    let size = unreadable.len().to_string();
+    assert_eq!(
+        dead[0].header(weir::wire::PAYLOAD_OMITTED_HEADER),
+        Some(size.as_str())
+    );
+    assert_eq!(dead[0].key.as_deref(), Some(&b"u1"[..]));
+    assert_eq!(dead[0].header(weir::wire::OFFSET_HEADER), Some("0"));
+    node.stop().await;
+}
+
 #[tokio::test]
 async fn a_paused_keyed_graph_reads_nothing_on_any_node_until_resumed() {
     let cluster = Cluster::new(graph("pausing", &["a"], Criteria::WhenAny)).await;

@@ -628,8 +628,7 @@ impl AccumulatorTask {
                 message.position.offset.to_string(),
             );
         outbound.key = message.key.clone();
-        self.dead_letters
-            .publish(outbound)
+        crate::transport::publish_dead_letter(self.dead_letters.as_ref(), outbound, &self.cancel)
             .await
             .map_err(|source| AccumulatorError::DeadLetter {
                 topic: self.dead_letter_topic.clone(),

@@ -29,7 +29,7 @@ use crate::codec::{CodecError, CronTick, ExecutionResult, TaskReadyEvent};
 use crate::store_error::StoreError;
 use crate::transport::concurrent::consume_concurrently;
 use crate::transport::{
-    now_ms, publish_persistently, Broker, Message, Outbound, Sink, Subscription, TransportError,
+    now_ms, publish_dead_letter, Broker, Message, Outbound, Sink, Subscription, TransportError,
 };
 use crate::wire::{results_group, state_manager_group};
 
@@ -715,7 +715,7 @@ pub(crate) async fn dead_letter(
     )
     .header(crate::wire::ERROR_HEADER, error.to_string());
     outbound.key = message.key.clone();
-    match publish_persistently(sink, outbound, cancel).await {
+    match publish_dead_letter(sink, outbound, cancel).await {
         Ok(_) => true,
         Err(e) => {
             warn!(error = %e, "dead-letter publish failed; the message stays for redelivery");

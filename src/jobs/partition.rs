@@ -19,7 +19,7 @@ use crate::metrics;
 use crate::ownership::{PartitionError, PartitionWork};
 use crate::store_error::StoreError;
 use crate::transport::{
-    now_ms, publish_persistently, Broker, Message, Outbound, PartitionedTopic, Position, Sink,
+    now_ms, publish_dead_letter, Broker, Message, Outbound, PartitionedTopic, Position, Sink,
     Source, TransportError,
 };
 use crate::wire;
@@ -528,7 +528,7 @@ impl<'a> Serving<'a> {
                 .header(wire::PARTITION_HEADER, self.partition.to_string())
                 .header(wire::OFFSET_HEADER, message.position.offset.to_string());
         outbound.key = message.key.clone();
-        publish_persistently(self.jobs.sink.as_ref(), outbound, &self.stopping).await?;
+        publish_dead_letter(self.jobs.sink.as_ref(), outbound, &self.stopping).await?;
         warn!(job_type = %self.jobs.job_type.name, partition = self.partition, topic = %self.jobs.dead_letter_topic, %reason, "job message dead-lettered");
         self.counts.dead_letters.increment(1);
         Ok(())
@@ -543,7 +543,7 @@ impl<'a> Serving<'a> {
         self.held.write_fence()?;
         let letter = crate::transport::undeliverable(output, error);
         warn!(job_type = %self.jobs.job_type.name, partition = self.partition, topic = %letter.topic, %error, "job output cannot be published; dead-lettered");
-        publish_persistently(self.jobs.sink.as_ref(), letter, &self.stopping).await?;
+        publish_dead_letter(self.jobs.sink.as_ref(), letter, &self.stopping).await?;
         Ok(())
     }
 

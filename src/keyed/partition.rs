@@ -26,7 +26,7 @@ use crate::reactor::cache::{InputCache, Inserted};
 use crate::reactor::CacheSnapshot;
 use crate::store_error::StoreError;
 use crate::transport::{
-    now_ms, publish_persistently, Broker, HeaderValue, Message, Outbound, PendingAck, Position,
+    now_ms, publish_dead_letter, Broker, HeaderValue, Message, Outbound, PendingAck, Position,
     Sink, Source, TransportError,
 };
 use crate::wire;
@@ -543,13 +543,14 @@ impl<'a> Serving<'a> {
                 let topic = wire::dead_letter_topic(&self.graph.outputs[0]);
                 let mut message = Outbound::new(topic, record.to_string())
                     .header(wire::ERROR_HEADER, reason)
-                    .header(wire::GRAPH_HEADER, self.graph.graph.to_string());
+                    .header(wire::GRAPH_HEADER, self.graph.graph.to_string())
+                    .header(wire::FIRE_HEADER, fire.to_string());
                 // In the record either way; as the message key only where every broker
                 // can carry it, or no broker might take the letter.
                 if crate::transport::key_travels_everywhere(key.as_bytes()) {
                     message = message.key(key.to_string());
                 }
-                publish_persistently(self.graph.sink.as_ref(), message, &self.stopping).await?;
+                publish_dead_letter(self.graph.sink.as_ref(), message, &self.stopping).await?;
                 return Ok(());
             }
         };
@@ -593,7 +594,7 @@ impl<'a> Serving<'a> {
         self.held.write_fence()?;
         let letter = crate::transport::undeliverable(&self.output_message(sent, Vec::new()), error);
         warn!(graph = %self.graph.graph, key = %sent.key, fire = sent.fire, topic = %letter.topic, %error, "output cannot be published; dead-lettered");
-        publish_persistently(self.graph.sink.as_ref(), letter, &self.stopping).await?;
+        publish_dead_letter(self.graph.sink.as_ref(), letter, &self.stopping).await?;
         Ok(())
     }
 
@@ -618,7 +619,7 @@ impl<'a> Serving<'a> {
             .header(wire::PARTITION_HEADER, self.partition.to_string())
             .header(wire::OFFSET_HEADER, message.position.offset.to_string());
         outbound.key = message.key.clone();
-        publish_persistently(self.graph.sink.as_ref(), outbound, &self.stopping).await?;
+        publish_dead_letter(self.graph.sink.as_ref(), outbound, &self.stopping).await?;
         warn!(graph = %self.graph.graph, partition = self.partition, %topic, %reason, "event dead-lettered");
         Ok(())
     }

@@ -58,8 +58,8 @@ impl MemoryBroker {
         }
     }
 
-    /// A broker that refuses payloads larger than `limit` bytes, for good, as Kafka and
-    /// NATS refuse messages over their size limits.
+    /// A broker that refuses messages (payload, key and headers) larger than `limit`
+    /// bytes, for good, as Kafka and NATS refuse messages over their size limits.
     pub fn with_max_message_bytes(partitions: usize, limit: usize) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -127,11 +127,18 @@ impl MemoryBroker {
     fn append(&self, message: Outbound) -> Result<Position, TransportError> {
         validate_topic(&message.topic)?;
         if let Some(limit) = self.inner.max_message_bytes {
-            if message.payload.len() > limit {
+            // Key and headers count, as they do on Kafka and NATS.
+            let size = message.payload.len()
+                + message.key.as_ref().map_or(0, |key| key.len())
+                + message
+                    .headers
+                    .iter()
+                    .map(|(name, value)| name.len() + value.len())
+                    .sum::<usize>();
+            if size > limit {
                 return Err(TransportError::Publish {
                     source: format!(
-                        "message of {} bytes is larger than the broker takes ({limit})",
-                        message.payload.len()
+                        "message of {size} bytes is larger than the broker takes ({limit})"
                     )
                     .into(),
                     topic: message.topic,

@@ -612,6 +612,32 @@ pub async fn publish_persistently(
     }
 }
 
+/// Publishes a dead letter carrying the message that could not be applied, as
+/// [`publish_persistently`] does. The letter adds headers to the message, so one that
+/// came in just under the broker's size limit can make a letter over it, refused for
+/// good: retried, it would stop its source for good. Then the letter goes again without
+/// the payload, [`crate::wire::PAYLOAD_OMITTED_HEADER`] giving its size; its other
+/// headers (source topic, partition, offset) still say where the message is.
+pub async fn publish_dead_letter(
+    sink: &dyn Sink,
+    letter: Outbound,
+    cancel: &tokio_util::sync::CancellationToken,
+) -> Result<Position, TransportError> {
+    match publish_persistently(sink, letter.clone(), cancel).await {
+        Err(e) if !e.is_retryable() && !letter.payload.is_empty() => {
+            tracing::warn!(topic = %letter.topic, bytes = letter.payload.len(), error = %e, "dead letter refused; sent again without the message's payload");
+            publish_persistently(sink, without_payload(letter), cancel).await
+        }
+        other => other,
+    }
+}
+
+/// `letter` without its payload, the payload's size in its own header.
+fn without_payload(mut letter: Outbound) -> Outbound {
+    let bytes = std::mem::take(&mut letter.payload).len();
+    letter.header(crate::wire::PAYLOAD_OMITTED_HEADER, bytes.to_string())
+}
+
 /// The most of a key an error message quotes. A key is the user's data, as long as the
 /// event it came in may be, and a dead letter carries its reason in a header: quoting it
 /// whole could make the dead letter larger than the broker takes.
