@@ -70,6 +70,7 @@ macro_rules! store_conformance {
             store_conformance!(@role $open; jobs:
                 a_partition_batch_round_trips,
                 removed_jobs_lose_their_timeouts,
+                timeouts_due_far_ahead_load_back,
                 a_deposed_owners_batch_is_refused_whole);
             store_conformance!(@role $open; schedule:
                 schedules_and_fire_times_round_trip,
@@ -561,6 +562,34 @@ mod cases {
             assert!(loaded.timeouts.is_empty(), "{:?}", loaded.timeouts);
             assert_eq!(store.list_jobs("t").await.unwrap(), ["b"]);
             assert_eq!(store.load_jobs("t", &["a".into()]).await.unwrap(), [None]);
+        }
+
+        /// A timeout as late as weir arms one comes back exactly, and one later than
+        /// that (Redis keeps due times as doubles, and writes large ones back in
+        /// exponent form) leaves its partition loadable.
+        pub async fn timeouts_due_far_ahead_load_back(store: Arc<dyn Store>) {
+            let fence = fence(store.as_ref()).await;
+            let latest = weir::jobs::LATEST_DUE_MS;
+            let changes = PartitionChanges {
+                position: Some(1),
+                put: vec![
+                    record("latest", 1, Some(latest), 0),
+                    record("later", 1, Some(100_000_000_000_000_000), 1),
+                ],
+                ..Default::default()
+            };
+            store
+                .save_partition("t", 2, &changes, &fence)
+                .await
+                .unwrap();
+            let loaded = store.load_partition("t", 2).await.unwrap();
+            assert_eq!(
+                loaded.timeouts,
+                [
+                    ("latest".to_string(), latest),
+                    ("later".to_string(), 100_000_000_000_000_000)
+                ]
+            );
         }
 
         pub async fn a_deposed_owners_batch_is_refused_whole(store: Arc<dyn Store>) {

@@ -172,6 +172,11 @@ impl JobType {
 /// Partitions of a job type's topic unless configured.
 pub const DEFAULT_PARTITIONS: u32 = 6;
 
+/// The latest due time a job's timeout may have, in ms since the epoch (2^53, some
+/// 285,000 years ahead): Redis keeps due times as doubles, exact up to there. A timeout
+/// due later never falls due.
+pub const LATEST_DUE_MS: i64 = 1 << 53;
+
 /// The ownership group of a job type: it names the partitions' leases.
 pub fn ownership_group(job_type: &str) -> String {
     format!("jobs.{job_type}")

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::store::{JobRecord, JobStore, PartitionChanges};
-use super::{JobEvent, JobHandler, JobType, Step, Timer};
+use super::{JobEvent, JobHandler, JobType, Step, Timer, LATEST_DUE_MS};
 use crate::lease::Held;
 use crate::metrics;
 use crate::ownership::{PartitionError, PartitionWork};
@@ -637,7 +637,7 @@ impl Serving<'_> {
 }
 
 /// When the job's timeout falls due after a handler's `timer`, given the pending one.
-/// A timeout later than the clock can say (`every_ms` from a message, say) never falls
+/// A timeout later than [`LATEST_DUE_MS`] (`every_ms` from a message, say) never falls
 /// due, rather than wrapping round into the past and firing at once, again and again.
 fn deadline(timer: Timer, pending: Option<i64>) -> Option<i64> {
     match timer {
@@ -645,7 +645,8 @@ fn deadline(timer: Timer, pending: Option<i64>) -> Option<i64> {
         Timer::Clear => None,
         Timer::After(after) => i64::try_from(after.as_millis())
             .ok()
-            .and_then(|after| now_ms().checked_add(after)),
+            .and_then(|after| now_ms().checked_add(after))
+            .filter(|due| *due <= LATEST_DUE_MS),
     }
 }
 
@@ -660,6 +661,8 @@ mod tests {
         assert_eq!(deadline(Timer::After(Duration::MAX), Some(5)), None);
         let most = Duration::from_millis(u64::MAX);
         assert_eq!(deadline(Timer::After(most), None), None);
+        let past_the_latest = Duration::from_millis(LATEST_DUE_MS as u64);
+        assert_eq!(deadline(Timer::After(past_the_latest), None), None);
         assert_eq!(deadline(Timer::Keep, Some(5)), Some(5));
     }
 }

@@ -54,7 +54,8 @@ impl JobStore for RedisStore {
     ) -> Result<PartitionSnapshot, StoreError> {
         let mut c = self.connection.clone();
         let released_key = self.partition_key(job_type, "released", partition);
-        let (position, timeouts, released): (Option<i64>, Vec<(String, i64)>, Option<String>) =
+        // Scores are doubles, and Redis writes large ones in exponent form: read as such.
+        let (position, timeouts, released): (Option<i64>, Vec<(String, f64)>, Option<String>) =
             redis::pipe()
                 .get(self.partition_key(job_type, "position", partition))
                 .zrange_withscores(self.partition_key(job_type, "timers", partition), 0, -1)
@@ -75,7 +76,10 @@ impl JobStore for RedisStore {
         };
         Ok(PartitionSnapshot {
             position,
-            timeouts,
+            timeouts: timeouts
+                .into_iter()
+                .map(|(id, due)| (id, due as i64))
+                .collect(),
             released,
         })
     }
