@@ -135,6 +135,15 @@ impl MembershipStore for Counting {
         self.count();
         self.inner.group_members(group).await
     }
+
+    async fn settle_partition_count(
+        &self,
+        group: &str,
+        partitions: u32,
+    ) -> Result<u32, StoreError> {
+        self.count();
+        self.inner.settle_partition_count(group, partitions).await
+    }
 }
 
 async fn broker(kind: &str) -> Arc<dyn Broker> {

@@ -43,6 +43,49 @@ pub trait MembershipStore: Send + Sync {
 
     /// The members whose announcement has not expired, sorted.
     async fn group_members(&self, group: &str) -> Result<Vec<String>, StoreError>;
+
+    /// Records `partitions` as the group's partition count unless one is recorded
+    /// already; returns the recorded count.
+    async fn settle_partition_count(&self, group: &str, partitions: u32)
+        -> Result<u32, StoreError>;
+}
+
+/// Why a group's partitions cannot be owned with the count they have now.
+#[derive(Debug, thiserror::Error)]
+pub enum PartitionCountError {
+    /// A key's partition is its hash modulo the count: with another count keys would be
+    /// read on other partitions than the one their stored state is in, and two owners
+    /// would each keep a state for them.
+    #[error(
+        "{group} first ran with {recorded} partitions and has {now} now: keys would be read \
+         on other partitions than their stored state; keep {recorded} partitions, or run \
+         it under a new name"
+    )]
+    Changed {
+        group: String,
+        recorded: u32,
+        now: u32,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Checks the group runs with the partition count it first ran with, recording it on
+/// the first run.
+pub async fn check_partition_count(
+    store: &dyn MembershipStore,
+    group: &str,
+    partitions: u32,
+) -> Result<(), PartitionCountError> {
+    let recorded = store.settle_partition_count(group, partitions).await?;
+    if recorded != partitions {
+        return Err(PartitionCountError::Changed {
+            group: group.to_string(),
+            recorded,
+            now: partitions,
+        });
+    }
+    Ok(())
 }
 
 /// What owning partitions needs of a store: leases and membership.

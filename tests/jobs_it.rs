@@ -528,3 +528,43 @@ handler = "builtin::count"
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("broker.jetstream = true"), "{err}");
 }
+
+/// A job type started with another partition count than it first ran with is refused
+/// at start (exit 2), naming both counts: its jobs' state is stored by partition, and a
+/// job's partition is its id's hash modulo the count.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_type_started_with_another_partition_count_exits_2_naming_both() {
+    use weir::ownership::MembershipStore;
+    let cluster = Cluster::new(Kind::Nats);
+    let group = weir::jobs::ownership_group(&cluster.job_type);
+    // As a first run with 4 partitions left it.
+    let recorded = cluster
+        .redis()
+        .await
+        .settle_partition_count(&group, 4)
+        .await
+        .unwrap();
+    assert_eq!(recorded, 4);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(["run", "--config"])
+        .arg(cluster.config.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("weir runs");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("weir run did not refuse the changed partition count");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&group) && err.contains("4 partitions") && err.contains("6 now"),
+        "{err}"
+    );
+}

@@ -62,7 +62,8 @@ macro_rules! store_conformance {
                 the_current_holder_is_shown_until_expiry);
             store_conformance!(@role $open; membership:
                 members_are_sorted_and_expire,
-                a_member_that_leaves_is_gone_at_once);
+                a_member_that_leaves_is_gone_at_once,
+                a_groups_first_partition_count_stays);
             store_conformance!(@role $open; keyed:
                 keys_and_positions_round_trip,
                 a_deposed_owners_batch_is_refused_whole,
@@ -388,6 +389,12 @@ mod cases {
             store.join_group("g", "b#1", ttl).await.unwrap();
             store.leave_group("g", "a#1").await.unwrap();
             assert_eq!(store.group_members("g").await.unwrap(), ["b#1"]);
+        }
+
+        pub async fn a_groups_first_partition_count_stays(store: Arc<dyn Store>) {
+            assert_eq!(store.settle_partition_count("g", 6).await.unwrap(), 6);
+            assert_eq!(store.settle_partition_count("g", 8).await.unwrap(), 6);
+            assert_eq!(store.settle_partition_count("h", 8).await.unwrap(), 8);
         }
     }
 

@@ -58,6 +58,8 @@ pub enum Error {
     Transport(#[from] weir::transport::TransportError),
     #[error(transparent)]
     Demo(#[from] weir::demo::DemoError),
+    #[error(transparent)]
+    PartitionCount(#[from] weir::ownership::PartitionCountError),
 }
 
 impl Error {
@@ -89,6 +91,12 @@ impl Error {
             Self::Transport(e)
                 if e.kind() == weir::transport::TransportErrorKind::Publish
                     && !e.is_retryable() =>
+            {
+                2
+            }
+            Self::PartitionCount(weir::ownership::PartitionCountError::Changed { .. }) => 2,
+            Self::PartitionCount(weir::ownership::PartitionCountError::Store(e))
+                if e.kind() == weir::store_error::StoreErrorKind::Corrupt =>
             {
                 2
             }

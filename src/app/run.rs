@@ -33,6 +33,12 @@ pub async fn run(
     let mut keyed = Vec::new();
     for decl in keyed_graphs {
         let topics = weir::keyed::topics(&decl, runtime.broker.as_ref()).await?;
+        weir::ownership::check_partition_count(
+            runtime.store.as_ref(),
+            &weir::keyed::ownership_group(&decl.key()),
+            topics.partitions,
+        )
+        .await?;
         keyed.push((decl, topics));
     }
     // Each job type's topic, before anything runs: a broker that cannot hold one stops
@@ -43,6 +49,12 @@ pub async fn run(
             .broker
             .partitioned(&weir::wire::job_topic(&job_type.name), job_type.partitions)
             .await?;
+        weir::ownership::check_partition_count(
+            runtime.store.as_ref(),
+            &weir::jobs::ownership_group(&job_type.name),
+            topic.partitions,
+        )
+        .await?;
         job_topics.push((job_type, topic));
     }
     info!(

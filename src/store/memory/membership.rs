@@ -31,4 +31,16 @@ impl MembershipStore for MemoryStore {
         live.sort();
         Ok(live)
     }
+
+    async fn settle_partition_count(
+        &self,
+        group: &str,
+        partitions: u32,
+    ) -> Result<u32, StoreError> {
+        Ok(*self
+            .state()
+            .partition_counts
+            .entry(group.to_string())
+            .or_insert(partitions))
+    }
 }

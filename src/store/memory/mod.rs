@@ -65,6 +65,8 @@ struct State {
     job_partitions: HashMap<(String, i32), JobPartition>,
     /// Group members and when their announcement expires.
     members: HashMap<String, HashMap<String, Instant>>,
+    /// The partition count each group first ran with.
+    partition_counts: HashMap<String, u32>,
     /// Keyed graphs' state by (graph, partition).
     keyed: HashMap<(String, i32), KeyedPartition>,
     /// Keyed graphs paused.

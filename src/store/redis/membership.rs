@@ -1,6 +1,7 @@
 //! Group membership on the Redis store: `members:<group>`, a sorted set of members
 //! scored by when their announcement expires, in ms of the Redis server's clock, so
-//! nodes whose clocks disagree still agree on who is live.
+//! nodes whose clocks disagree still agree on who is live; and `partitions:<group>`,
+//! the partition count the group first ran with.
 
 use super::*;
 
@@ -57,5 +58,26 @@ impl MembershipStore for RedisStore {
             .map_err(|e| store_error("group members", e))?;
         members.sort();
         Ok(members)
+    }
+
+    async fn settle_partition_count(
+        &self,
+        group: &str,
+        partitions: u32,
+    ) -> Result<u32, StoreError> {
+        let key = self.key(&["partitions", group]);
+        let mut c = self.connection.clone();
+        let (recorded,): (Option<String>,) = redis::pipe()
+            .set_nx(&key, partitions)
+            .ignore()
+            .get(&key)
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("settle partition count", e))?;
+        let recorded = recorded.unwrap_or_default();
+        recorded.parse().map_err(|_| StoreError::Corrupt {
+            key,
+            source: format!("{recorded:?} is not a partition count").into(),
+        })
     }
 }
