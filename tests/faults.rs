@@ -2104,13 +2104,70 @@ async fn a_poison_message_at_the_limit_is_dead_lettered_without_its_payload(
     );
     assert!(dead[0]
         .header(weir::wire::ERROR_HEADER)
-        .is_some_and(|e| e.contains("invalid JSON")));
+        .is_some_and(|e| e.contains("invalid JSON") && e.contains("payload left out")));
     assert_eq!(
         dead[0].header(weir::wire::SOURCE_TOPIC_HEADER),
         Some(input.as_str())
     );
     assert!(dead[0].header(weir::wire::OFFSET_HEADER).is_some());
     assert_eq!(graph.stats().dead_letters, 1);
+    cancel.cancel();
+    supervisor.shutdown().await;
+}
+
+/// The reactor fails on an acknowledgement while pushes wait for room in its queue:
+/// the respawned graph fires every push, those taken from the socket before the
+/// failure included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reactor_failing_on_an_acknowledgement_while_pushes_wait_loses_no_push() {
+    const PUSHES: u64 = 3_000;
+    let memory = weir::transport::memory::MemoryBroker::default();
+    let broker: Arc<dyn Broker> = Arc::new(memory.clone());
+    let prefix = services::unique("faults");
+    let output = format!("{prefix}.out");
+    let sink = Arc::new(AckFailsOnce {
+        broker: memory.clone(),
+        fail_on: 900,
+        failed: Default::default(),
+    });
+    let decl = GraphBuilder::new(format!("{prefix}g"))
+        .reactor(ReactorConfig {
+            criteria: Criteria::WhenAny,
+            strategy: Strategy::Sequential,
+            snapshot_interval: Duration::ZERO,
+            queue_capacity: 64,
+            ..ReactorConfig::default()
+        })
+        .accumulator(AccumulatorSpec::passthrough("a"))
+        .node("n", ["a"], |ctx: NodeContext| async move {
+            Ok(ctx.source("a").map(|event| json!({"id": event["id"]})))
+        })
+        .output_to("n", &output, sink.clone())
+        .build()
+        .expect("valid graph");
+    let cancel = CancellationToken::new();
+    let supervisor = supervisor(broker.clone(), &cancel);
+    let graph = supervisor.spawn(decl).unwrap();
+    graph.wait_for_state(weir::ReactorState::Live).await;
+    for id in 0..PUSHES {
+        // A push refused while the graph restarts is pushed again.
+        while graph.push("a", json!({ "id": id })).await.is_err() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let out = || ids(&memory.messages(&output));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while out().len() < PUSHES as usize {
+        assert!(
+            Instant::now() < deadline,
+            "missing {:?}",
+            (0..PUSHES)
+                .filter(|id| !out().contains(id))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(sink.failed.load(std::sync::atomic::Ordering::SeqCst));
     cancel.cancel();
     supervisor.shutdown().await;
 }

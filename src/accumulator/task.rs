@@ -49,12 +49,17 @@ impl Socket {
     /// Waits until a push is at hand; false once every sender is gone and nothing is
     /// left. Cancel-safe: nothing is taken from the channel unless it returns.
     async fn ready(&mut self) -> bool {
-        if self.next < self.taken.len() {
+        if self.has_push() {
             return true;
         }
         self.taken.clear();
         self.next = 0;
         self.receiver.recv_many(&mut self.taken, PUSH_BATCH).await > 0
+    }
+
+    /// Whether the burst at hand has a push left.
+    fn has_push(&self) -> bool {
+        self.next < self.taken.len()
     }
 
     /// The next push of the burst at hand.
@@ -369,7 +374,15 @@ impl AccumulatorTask {
     ) -> Result<bool, AccumulatorError> {
         // One clock reading for the burst: its pushes are a moment apart.
         let now_us = chrono::Utc::now().timestamp_micros();
-        while let Some(value) = socket.next_push() {
+        while socket.has_push() {
+            // Held before the push leaves the socket: a push waiting for a slot when
+            // the reactor goes away stays there for the next run.
+            if !self.hold_slot(run).await {
+                return Ok(false);
+            }
+            let Some(value) = socket.next_push() else {
+                break;
+            };
             if !self.handle_push(run, value, now_us).await? {
                 return Ok(false);
             }

@@ -8,6 +8,7 @@ use serde_json::Value;
 use tokio::io::AsyncBufRead;
 use tokio::io::AsyncBufReadExt;
 use tokio_util::sync::CancellationToken;
+use tracing::warn;
 
 use crate::app::cli::{GraphCommand, ProduceArgs, TailArgs};
 use crate::app::error::Error;
@@ -86,14 +87,33 @@ pub async fn tail(
     };
     let mut source = broker.subscribe(&subscription).await?;
     let mut printed = 0;
+    // Printed since the source was opened: a reader that fails after printing some
+    // (a JetStream reader finding deliveries lost with a broken connection) is opened
+    // again after the last one printed; one that fails before printing any ends the
+    // command with its error.
+    let mut printed_here = 0;
+    let mut last_printed = std::collections::BTreeMap::new();
     while args.count.is_none_or(|n| printed < n) {
         let message = tokio::select! {
             _ = cancel.cancelled() => break,
-            message = source.next() => message?,
+            message = source.next() => message,
         };
+        let message = match message {
+            Ok(message) => message,
+            Err(e) if e.is_retryable() && printed_here > 0 => {
+                warn!(topic = %args.topic, error = %e, "reading again after the last message printed");
+                source = broker.subscribe(&subscription).await?;
+                printed_here = 0;
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        last_printed.insert(message.position.partition, message.position);
+        subscription.resume_after = last_printed.values().copied().collect();
         writeln!(out, "{}", render(&message.payload))?;
         out.flush()?;
         printed += 1;
+        printed_here += 1;
     }
     Ok(())
 }

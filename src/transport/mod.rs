@@ -615,9 +615,10 @@ pub async fn publish_persistently(
 /// Publishes a dead letter carrying the message that could not be applied, as
 /// [`publish_persistently`] does. The letter adds headers to the message, so one that
 /// came in just under the broker's size limit can make a letter over it, refused for
-/// good: retried, it would stop its source for good. Then the letter goes again without
-/// the payload, [`crate::wire::PAYLOAD_OMITTED_HEADER`] giving its size; its other
-/// headers (source topic, partition, offset) still say where the message is.
+/// good: retried, it would stop its source for good. A letter refused for good goes
+/// again without the payload, [`crate::wire::PAYLOAD_OMITTED_HEADER`] giving its size
+/// and the refusal added to its `weir-error`; its other headers (source topic,
+/// partition, offset) still say where the message is.
 pub async fn publish_dead_letter(
     sink: &dyn Sink,
     letter: Outbound,
@@ -626,15 +627,27 @@ pub async fn publish_dead_letter(
     match publish_persistently(sink, letter.clone(), cancel).await {
         Err(e) if !e.is_retryable() && !letter.payload.is_empty() => {
             tracing::warn!(topic = %letter.topic, bytes = letter.payload.len(), error = %e, "dead letter refused; sent again without the message's payload");
-            publish_persistently(sink, without_payload(letter), cancel).await
+            publish_persistently(sink, without_payload(letter, &e), cancel).await
         }
         other => other,
     }
 }
 
-/// `letter` without its payload, the payload's size in its own header.
-fn without_payload(mut letter: Outbound) -> Outbound {
+/// `letter` without its payload, the payload's size in its own header and why it was
+/// left out in the error header.
+fn without_payload(mut letter: Outbound, refusal: &TransportError) -> Outbound {
     let bytes = std::mem::take(&mut letter.payload).len();
+    let why = format!("payload left out, the letter with it was refused: {refusal}");
+    match letter
+        .headers
+        .iter_mut()
+        .find(|(name, _)| name == crate::wire::ERROR_HEADER)
+    {
+        Some((_, error)) => *error = HeaderValue::from(format!("{error}; {why}")),
+        None => letter
+            .headers
+            .push((crate::wire::ERROR_HEADER.into(), why.into())),
+    }
     letter.header(crate::wire::PAYLOAD_OMITTED_HEADER, bytes.to_string())
 }
 

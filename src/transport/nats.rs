@@ -683,6 +683,9 @@ impl Broker for NatsBroker {
             .get_or_create_consumer(&durable, config)
             .await
             .map_err(|e| self.unreachable(format!("consumer {durable}: {e}")))?;
+        // Counted from what the consumer had delivered when made (none, when made
+        // afresh): a break before the first delivery loses messages too.
+        let last_delivery = sole_reader.then(|| consumer.cached_info().delivered.consumer_sequence);
         let reading = match prefetch {
             None => Reading::Continuous(Box::new(
                 consumer
@@ -709,7 +712,7 @@ impl Broker for NatsBroker {
             reading,
             unacked: BTreeMap::new(),
             ack_wait: self.inner.ack_wait,
-            last_delivery: sole_reader.then_some(None),
+            last_delivery,
         }))
     }
 
@@ -873,8 +876,8 @@ struct JetStreamSource {
     /// message again.
     ack_wait: Duration,
     /// For the sole reader of its consumer: the consumer's delivery count at the last
-    /// message read, `None` before the first. See [`JetStreamSource::check_delivery`].
-    last_delivery: Option<Option<u64>>,
+    /// message read. See [`JetStreamSource::check_delivery`].
+    last_delivery: Option<u64>,
 }
 
 struct Delivered {
@@ -919,27 +922,24 @@ impl JetStreamSource {
     /// it. Acknowledging those (ack-all) would acknowledge the lost ones too. Failing
     /// instead has the reader start again from its last stored position, with a
     /// consumer of its own made afresh there, so the lost messages come again. Only a
-    /// sole reader sees every delivery of its consumer and can tell.
+    /// sole reader sees every delivery of its consumer and can tell. A count that goes
+    /// back (the server's consumer state restored older) fails the read the same way.
     fn check_delivery(&mut self, delivery: u64) -> Result<(), TransportError> {
         let Some(last) = &mut self.last_delivery else {
             return Ok(());
         };
-        match *last {
-            Some(previous) if delivery != previous + 1 => Err(consume_error(
+        if delivery != *last + 1 {
+            return Err(consume_error(
                 &self.topic,
                 format!(
-                    "deliveries {} to {} of the consumer never arrived (the connection \
-                     broke while they were on their way); reading again from the last \
-                     stored position",
-                    previous + 1,
-                    delivery.saturating_sub(1)
+                    "the consumer's delivery {delivery} came after delivery {last}: what was \
+                     delivered between never arrived (a connection broke while it was on its \
+                     way), so the reader must read again from its last position"
                 ),
-            )),
-            _ => {
-                *last = Some(delivery);
-                Ok(())
-            }
+            ));
         }
+        *last = delivery;
+        Ok(())
     }
 
     /// The next message from the server, pulling more when there is room for them.
