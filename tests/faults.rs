@@ -2171,3 +2171,77 @@ async fn a_reactor_failing_on_an_acknowledgement_while_pushes_wait_loses_no_push
     cancel.cancel();
     supervisor.shutdown().await;
 }
+
+/// Redis cut off under a graph reading JetStream for several of the stream's ack waits:
+/// nothing is acknowledged meanwhile (no snapshot can be stored), so the server delivers
+/// the unacknowledged messages again, ack wait after ack wait. The graph drops what it
+/// already holds: every input has exactly one output.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_delivered_again_while_redis_is_cut_off_fire_once() {
+    use common::servers::Proxy;
+    let nats_server = Server::nats("");
+    let broker: Arc<dyn Broker> = Arc::new(
+        NatsBroker::connect(NatsSettings {
+            url: nats_server.nats_url(),
+            jetstream: true,
+            ack_wait: Duration::from_secs(2),
+            retention: Some(services::TEST_RETENTION),
+            ..Default::default()
+        })
+        .await
+        .expect("test nats-server reachable"),
+    );
+    let redis_server = Server::redis();
+    let proxy = Proxy::start(redis_server.port).await;
+    let prefix = services::unique("faults");
+    let store = Arc::new(
+        weir::store::redis::RedisStore::connect(
+            &format!("redis://127.0.0.1:{}", proxy.port),
+            &prefix,
+        )
+        .await
+        .unwrap(),
+    );
+    let runtime = Runtime {
+        broker: broker.clone(),
+        store,
+        node_id: "faults".into(),
+    };
+    let cancel = CancellationToken::new();
+    let policy = SupervisionPolicy {
+        backoff_base: Duration::from_millis(200),
+        ..SupervisionPolicy::default()
+    };
+    let supervisor = Supervisor::new(runtime, policy, cancel.clone());
+    let graph = supervisor.spawn(padding_graph(&prefix)).unwrap();
+    graph.wait_for_state(weir::ReactorState::Live).await;
+    let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
+    publish_ids(&broker, &input, 0..50).await;
+    all_ids_read(&broker, &output, 50).await;
+    proxy.cut();
+    publish_ids(&broker, &input, 50..100).await;
+    // Three ack waits: each delivers the unacknowledged messages again.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    proxy.heal();
+    all_ids_read(&broker, &output, 100).await;
+    // Time for anything delivered late to come out too.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let published = graph.stats().outputs;
+    let outputs = read_until(&broker, &output, Duration::from_secs(30), |seen| {
+        seen.len() as u64 >= published
+    })
+    .await;
+    let mut counts = std::collections::BTreeMap::<u64, usize>::new();
+    for message in &outputs {
+        for id in ids(std::slice::from_ref(message)) {
+            *counts.entry(id).or_default() += 1;
+        }
+    }
+    let repeated: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(repeated.is_empty(), "outputs more than once: {repeated:?}");
+    // The server did deliver them again: the graph dropped those as duplicates.
+    let stats = graph.stats();
+    assert!(stats.duplicates >= 50, "{stats:?}");
+    cancel.cancel();
+    supervisor.shutdown().await;
+}
