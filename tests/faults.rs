@@ -307,10 +307,21 @@ async fn restarted_mid_stream_loses_no_input(
     .await
     .unwrap();
     publisher.await.unwrap();
-    let outputs = all_ids_read(&broker, &format!("{prefix}.out"), events).await;
-    // Publishes retried across the restart may have stored the input out of id order;
-    // the outputs follow the input as stored, replays aside.
-    let inputs = all_ids_read(&broker, &input, events).await;
+    outputs_follow_inputs(&broker, &prefix, events, displaced).await;
+    shut_down(&cancel, supervisor, broker).await;
+}
+
+/// Reads every input's output and checks each is first seen at most `displaced` places
+/// from its input's: publishes retried across a fault may have stored the input out of
+/// id order, and the outputs follow the input as stored, replays aside.
+async fn outputs_follow_inputs(
+    broker: &Arc<dyn Broker>,
+    prefix: &str,
+    events: u64,
+    displaced: usize,
+) {
+    let outputs = all_ids_read(broker, &format!("{prefix}.out"), events).await;
+    let inputs = all_ids_read(broker, &format!("{prefix}.in"), events).await;
     let input_at: std::collections::HashMap<u64, usize> = inputs
         .iter()
         .enumerate()
@@ -328,7 +339,6 @@ async fn restarted_mid_stream_loses_no_input(
             &inputs[around]
         );
     }
-    shut_down(&cancel, supervisor, broker).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2244,4 +2254,38 @@ async fn messages_delivered_again_while_redis_is_cut_off_fire_once() {
     assert!(stats.duplicates >= 50, "{stats:?}");
     cancel.cancel();
     supervisor.shutdown().await;
+}
+
+/// The Kafka producer fails fatally under a graph working off a backlog: the outputs it
+/// held are published again through the producer made after it, every input reaches an
+/// output, in input order, and the graph is never Failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_producer_failing_fatally_under_a_graph_loses_no_output() {
+    const EVENTS: u64 = 10_000;
+    let kafka = services::kafka();
+    let broker: Arc<dyn Broker> = kafka.clone();
+    let prefix = services::unique("faults");
+    let _cleanup = services::cleanup(&prefix);
+    publish_id_bursts(&broker, &format!("{prefix}.in"), 0..EVENTS).await;
+    let cancel = CancellationToken::new();
+    let supervisor = supervisor(broker.clone(), &cancel);
+    let graph = supervisor.spawn(padding_graph(&prefix)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while graph.stats().outputs < 300 {
+        assert!(Instant::now() < deadline, "{:?}", graph.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    kafka.fail_producer_fatally();
+    let at_failure = graph.stats().outputs;
+    assert!(
+        at_failure < EVENTS,
+        "the backlog was worked off before the failure"
+    );
+    outputs_follow_inputs(&broker, &prefix, EVENTS, 0).await;
+    assert!(
+        !matches!(graph.status(), weir::supervisor::GraphStatus::Failed { .. }),
+        "{:?}",
+        graph.status()
+    );
+    shut_down(&cancel, supervisor, broker).await;
 }
