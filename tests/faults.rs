@@ -93,6 +93,54 @@ fn padding_graph(prefix: &str) -> weir::GraphDeclaration {
         .expect("valid graph")
 }
 
+/// A graph emitting `{"id": <the event's id>}` per event of its accumulator `a` (reading
+/// `input`, or pushed to) to `<prefix>.out` through `sink`, storing its cache after every
+/// fire.
+fn id_graph(
+    prefix: &str,
+    input: Option<&str>,
+    sink: Arc<dyn weir::transport::Sink>,
+    queue_capacity: usize,
+) -> weir::GraphDeclaration {
+    let accumulator = AccumulatorSpec::passthrough("a");
+    GraphBuilder::new(format!("{prefix}g"))
+        .reactor(ReactorConfig {
+            criteria: Criteria::WhenAny,
+            strategy: Strategy::Sequential,
+            snapshot_interval: Duration::ZERO,
+            queue_capacity,
+            ..ReactorConfig::default()
+        })
+        .accumulator(match input {
+            Some(topic) => accumulator.topic(topic),
+            None => accumulator,
+        })
+        .node("n", ["a"], |ctx: NodeContext| async move {
+            Ok(ctx.source("a").map(|event| json!({"id": event["id"]})))
+        })
+        .output_to("n", format!("{prefix}.out"), sink)
+        .build()
+        .expect("valid graph")
+}
+
+/// Waits (30 s at most) until the memory topic `output` holds an output for every id
+/// below `count`; fails naming those missing.
+async fn every_id_output(memory: &weir::transport::memory::MemoryBroker, output: &str, count: u64) {
+    let out = || ids(&memory.messages(output));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while out().len() < count as usize {
+        let seen = out();
+        assert!(
+            Instant::now() < deadline,
+            "missing {:?}",
+            (0..count)
+                .filter(|id| !seen.contains(id))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn supervisor(broker: Arc<dyn Broker>, cancel: &CancellationToken) -> Supervisor {
     let runtime = Runtime {
         broker,
@@ -1314,20 +1362,12 @@ async fn a_reactor_failing_while_redis_is_cut_off_waits_for_its_stored_cache() {
         fail_on: 15,
         failed: Default::default(),
     });
-    let decl = GraphBuilder::new(format!("{prefix}g"))
-        .reactor(ReactorConfig {
-            criteria: Criteria::WhenAny,
-            strategy: Strategy::Sequential,
-            snapshot_interval: Duration::ZERO,
-            ..ReactorConfig::default()
-        })
-        .accumulator(AccumulatorSpec::passthrough("a").topic(&input))
-        .node("n", ["a"], |ctx: NodeContext| async move {
-            Ok(ctx.source("a").map(|event| json!({"id": event["id"]})))
-        })
-        .output_to("n", &output, sink.clone())
-        .build()
-        .expect("valid graph");
+    let decl = id_graph(
+        &prefix,
+        Some(&input),
+        sink.clone(),
+        ReactorConfig::default().queue_capacity,
+    );
     let graph = supervisor.spawn(decl).unwrap();
     graph.wait_for_state(weir::ReactorState::Live).await;
     let out = || ids(&memory.messages(&output));
@@ -1991,35 +2031,16 @@ async fn a_reactor_failing_on_an_acknowledgement_with_a_backlog_queued_loses_no_
         fail_on: 900,
         failed: Default::default(),
     });
-    let decl = GraphBuilder::new(format!("{prefix}g"))
-        .reactor(ReactorConfig {
-            criteria: Criteria::WhenAny,
-            strategy: Strategy::Sequential,
-            snapshot_interval: Duration::ZERO,
-            ..ReactorConfig::default()
-        })
-        .accumulator(AccumulatorSpec::passthrough("a").topic(&input))
-        .node("n", ["a"], |ctx: NodeContext| async move {
-            Ok(ctx.source("a").map(|event| json!({"id": event["id"]})))
-        })
-        .output_to("n", &output, sink.clone())
-        .build()
-        .expect("valid graph");
+    let decl = id_graph(
+        &prefix,
+        Some(&input),
+        sink.clone(),
+        ReactorConfig::default().queue_capacity,
+    );
     let cancel = CancellationToken::new();
     let supervisor = supervisor(broker.clone(), &cancel);
     let graph = supervisor.spawn(decl).unwrap();
-    let out = || ids(&memory.messages(&output));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while out().len() < EVENTS as usize {
-        assert!(
-            Instant::now() < deadline,
-            "missing {:?}",
-            (0..EVENTS)
-                .filter(|id| !out().contains(id))
-                .collect::<Vec<_>>()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    every_id_output(&memory, &output, EVENTS).await;
     assert!(sink.failed.load(std::sync::atomic::Ordering::SeqCst));
     drop(graph);
     cancel.cancel();
@@ -2140,21 +2161,7 @@ async fn a_reactor_failing_on_an_acknowledgement_while_pushes_wait_loses_no_push
         fail_on: 900,
         failed: Default::default(),
     });
-    let decl = GraphBuilder::new(format!("{prefix}g"))
-        .reactor(ReactorConfig {
-            criteria: Criteria::WhenAny,
-            strategy: Strategy::Sequential,
-            snapshot_interval: Duration::ZERO,
-            queue_capacity: 64,
-            ..ReactorConfig::default()
-        })
-        .accumulator(AccumulatorSpec::passthrough("a"))
-        .node("n", ["a"], |ctx: NodeContext| async move {
-            Ok(ctx.source("a").map(|event| json!({"id": event["id"]})))
-        })
-        .output_to("n", &output, sink.clone())
-        .build()
-        .expect("valid graph");
+    let decl = id_graph(&prefix, None, sink.clone(), 64);
     let cancel = CancellationToken::new();
     let supervisor = supervisor(broker.clone(), &cancel);
     let graph = supervisor.spawn(decl).unwrap();
@@ -2165,18 +2172,7 @@ async fn a_reactor_failing_on_an_acknowledgement_while_pushes_wait_loses_no_push
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    let out = || ids(&memory.messages(&output));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while out().len() < PUSHES as usize {
-        assert!(
-            Instant::now() < deadline,
-            "missing {:?}",
-            (0..PUSHES)
-                .filter(|id| !out().contains(id))
-                .collect::<Vec<_>>()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    every_id_output(&memory, &output, PUSHES).await;
     assert!(sink.failed.load(std::sync::atomic::Ordering::SeqCst));
     cancel.cancel();
     supervisor.shutdown().await;
