@@ -239,9 +239,16 @@ async fn an_output_over_nats_max_payload_is_dead_lettered_and_later_events_fire(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_output_over_kafka_message_max_bytes_is_dead_lettered_and_later_events_fire() {
+    let kafka = kafka_taking_at_most(65_536);
+    an_output_too_large_is_dead_lettered_and_later_events_fire(kafka, "too large").await;
+}
+
+/// A client of the shared Kafka whose producer refuses messages over `bytes`, as a
+/// broker refuses those over its `message.max.bytes`.
+fn kafka_taking_at_most(bytes: usize) -> Arc<KafkaBroker> {
     let mut options = services::fast_group_options();
-    options.insert("message.max.bytes".into(), "65536".into());
-    let kafka = Arc::new(
+    options.insert("message.max.bytes".into(), bytes.to_string());
+    Arc::new(
         KafkaBroker::connect(KafkaSettings {
             brokers: services::kafka_brokers(),
             options,
@@ -249,8 +256,7 @@ async fn an_output_over_kafka_message_max_bytes_is_dead_lettered_and_later_event
             ..KafkaSettings::default()
         })
         .unwrap(),
-    );
-    an_output_too_large_is_dead_lettered_and_later_events_fire(kafka, "too large").await;
+    )
 }
 
 /// Of three outputs, the middle one (80,000 bytes) is larger than the broker takes
@@ -2056,17 +2062,7 @@ async fn a_poison_message_at_nats_max_payload_is_dead_lettered_without_its_paylo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_message_at_kafka_message_max_bytes_is_dead_lettered_without_its_payload() {
-    let mut options = services::fast_group_options();
-    options.insert("message.max.bytes".into(), "65536".into());
-    let kafka = Arc::new(
-        KafkaBroker::connect(KafkaSettings {
-            brokers: services::kafka_brokers(),
-            options,
-            retention: Some(services::TEST_RETENTION),
-            ..KafkaSettings::default()
-        })
-        .unwrap(),
-    );
+    let kafka = kafka_taking_at_most(65_536);
     a_poison_message_at_the_limit_is_dead_lettered_without_its_payload(kafka, 65_536).await;
 }
 
@@ -2083,19 +2079,12 @@ async fn a_poison_message_at_the_limit_is_dead_lettered_without_its_payload(
     // A long source name makes long headers on its dead letters.
     let input = format!("{prefix}.{}", "source".repeat(20));
     let output = format!("{prefix}.out");
-    let decl = GraphBuilder::new(format!("{prefix}g"))
-        .reactor(ReactorConfig {
-            criteria: Criteria::WhenAny,
-            strategy: Strategy::Sequential,
-            ..ReactorConfig::default()
-        })
-        .accumulator(AccumulatorSpec::passthrough("a").topic(&input))
-        .node("n", ["a"], |ctx: NodeContext| async move {
-            Ok(ctx.source("a").map(|event| json!({"id": event["id"]})))
-        })
-        .output("n", &output)
-        .build()
-        .expect("valid graph");
+    let decl = id_graph(
+        &prefix,
+        Some(&input),
+        broker.sink(),
+        ReactorConfig::default().queue_capacity,
+    );
     let cancel = CancellationToken::new();
     let supervisor = supervisor(broker.clone(), &cancel);
     let graph = supervisor.spawn(decl).unwrap();

@@ -102,6 +102,7 @@ pub async fn tail(
             Ok(message) => message,
             Err(e) if e.is_retryable() && printed_here > 0 => {
                 warn!(topic = %args.topic, error = %e, "reading again after the last message printed");
+                subscription.resume_after = last_printed.values().copied().collect();
                 source = broker.subscribe(&subscription).await?;
                 printed_here = 0;
                 continue;
@@ -109,7 +110,6 @@ pub async fn tail(
             Err(e) => return Err(e.into()),
         };
         last_printed.insert(message.position.partition, message.position);
-        subscription.resume_after = last_printed.values().copied().collect();
         writeln!(out, "{}", render(&message.payload))?;
         out.flush()?;
         printed += 1;
