@@ -68,6 +68,21 @@ fn closed_port() -> u16 {
         .port()
 }
 
+/// A port that takes connections and never answers on them, as a hung server or a
+/// firewall dropping replies does: the kernel completes each connection into the
+/// listener's backlog and nothing reads it. Every wait on it must end by itself.
+struct SilentPort(std::net::TcpListener);
+
+impl SilentPort {
+    fn new() -> Self {
+        Self(std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+    }
+
+    fn port(&self) -> u16 {
+        self.0.local_addr().unwrap().port()
+    }
+}
+
 const GRAPH: &str = r#"
 [[graph]]
 name = "g"
@@ -87,7 +102,16 @@ fn a_config_that_cannot_work_exits_2_naming_the_key() {
 
 #[test]
 fn redis_down_at_start_exits_1_even_with_schedules_to_register() {
-    let port = closed_port();
+    redis_unreachable_at_start_exits_1_naming_it(closed_port());
+}
+
+#[test]
+fn redis_that_never_answers_at_start_exits_1_naming_it() {
+    let silent = SilentPort::new();
+    redis_unreachable_at_start_exits_1_naming_it(silent.port());
+}
+
+fn redis_unreachable_at_start_exits_1_naming_it(port: u16) {
     let file = config(&format!(
         r#"
 [store]
@@ -105,7 +129,8 @@ topic = "nightly.ticks"
     assert!(err.contains(&port.to_string()), "names the server: {err}");
 }
 
-/// `weir run` whose broker refuses connections: exit 1, naming the broker.
+/// `weir run` whose broker cannot be reached (refused, or never answering): exit 1, naming
+/// the broker.
 fn broker_down_at_start_exits_1_naming_it(broker: &str, named: &str) {
     let file = config(&format!("[broker]\n{broker}\n{GRAPH}topic = \"g.in\"\n"));
     let started = Instant::now();
@@ -138,10 +163,29 @@ fn a_nats_server_down_at_start_exits_1_naming_it() {
     );
 }
 
+#[test]
+fn a_kafka_broker_that_never_answers_exits_1_naming_it() {
+    let silent = SilentPort::new();
+    let port = silent.port();
+    broker_down_at_start_exits_1_naming_it(
+        &format!("kind = \"kafka\"\nbrokers = \"127.0.0.1:{port}\""),
+        &format!("kafka 127.0.0.1:{port}"),
+    );
+}
+
+#[test]
+fn a_nats_server_that_never_answers_exits_1_naming_it() {
+    let silent = SilentPort::new();
+    let port = silent.port();
+    broker_down_at_start_exits_1_naming_it(
+        &format!("kind = \"nats\"\nurl = \"nats://127.0.0.1:{port}\""),
+        &format!("nats nats://127.0.0.1:{port}"),
+    );
+}
+
 /// Every command that needs a server, not only `weir run`, exits 1 naming the one it
 /// cannot reach, within the helper's minute.
-fn every_command_exits_1_naming_what_it_cannot_reach(broker: &str, named_broker: &str) {
-    let redis = closed_port();
+fn every_command_exits_1_naming_what_it_cannot_reach(broker: &str, named_broker: &str, redis: u16) {
     let file = config(&format!(
         r#"
 [broker]
@@ -194,12 +238,19 @@ handler = "builtin::echo"
         (&["tail", "t1"], named_broker),
         (&["produce", "t1"], named_broker),
     ];
-    for (args, named) in commands {
-        let out = weir(args, &file);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "weir {args:?}: {err}");
-        assert!(err.contains(named), "weir {args:?} names {named}: {err}");
-    }
+    // Side by side: against a server that never answers, each one waits out its timeout.
+    std::thread::scope(|scope| {
+        let runs: Vec<_> = commands
+            .iter()
+            .map(|(args, named)| scope.spawn(|| (*args, *named, weir(args, &file))))
+            .collect();
+        for run in runs {
+            let (args, named, out) = run.join().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "weir {args:?}: {err}");
+            assert!(err.contains(named), "weir {args:?} names {named}: {err}");
+        }
+    });
 }
 
 #[test]
@@ -208,6 +259,7 @@ fn every_command_on_kafka_exits_1_naming_what_it_cannot_reach() {
     every_command_exits_1_naming_what_it_cannot_reach(
         &format!("kind = \"kafka\"\nbrokers = \"127.0.0.1:{port}\""),
         &format!("kafka 127.0.0.1:{port}"),
+        closed_port(),
     );
 }
 
@@ -217,6 +269,29 @@ fn every_command_on_nats_exits_1_naming_what_it_cannot_reach() {
     every_command_exits_1_naming_what_it_cannot_reach(
         &format!("kind = \"nats\"\nurl = \"nats://127.0.0.1:{port}\""),
         &format!("nats nats://127.0.0.1:{port}"),
+        closed_port(),
+    );
+}
+
+#[test]
+fn every_command_on_kafka_exits_1_when_its_servers_never_answer() {
+    let (broker, redis) = (SilentPort::new(), SilentPort::new());
+    let port = broker.port();
+    every_command_exits_1_naming_what_it_cannot_reach(
+        &format!("kind = \"kafka\"\nbrokers = \"127.0.0.1:{port}\""),
+        &format!("kafka 127.0.0.1:{port}"),
+        redis.port(),
+    );
+}
+
+#[test]
+fn every_command_on_nats_exits_1_when_its_servers_never_answer() {
+    let (broker, redis) = (SilentPort::new(), SilentPort::new());
+    let port = broker.port();
+    every_command_exits_1_naming_what_it_cannot_reach(
+        &format!("kind = \"nats\"\nurl = \"nats://127.0.0.1:{port}\""),
+        &format!("nats nats://127.0.0.1:{port}"),
+        redis.port(),
     );
 }
 

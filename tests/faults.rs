@@ -1100,11 +1100,38 @@ async fn a_schedule_edited_after_a_redis_restart_applies() {
     drop(redis_server);
 }
 
-/// A cron master cut off from Redis (a partition, through a proxy): its at_most_once
-/// ticks stop within the lease TTL and the standby takes over; at_least_once ticks go
-/// on; no at_most_once tick goes out twice.
+/// How a node loses its Redis: its connections closed and new ones never answered (a
+/// partition), or its connections kept open and silent (a path dropping every packet,
+/// which only a timeout notices).
+#[derive(Clone, Copy, Debug)]
+enum RedisLoss {
+    Cut,
+    Stall,
+}
+
+impl RedisLoss {
+    fn apply(self, proxy: &common::servers::Proxy) {
+        match self {
+            RedisLoss::Cut => proxy.cut(),
+            RedisLoss::Stall => proxy.stall(),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cron_master_cut_off_from_redis_stops_at_most_once_ticks_within_its_ttl() {
+    a_cron_master_losing_redis_stops_at_most_once_ticks_within_its_ttl(RedisLoss::Cut).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cron_master_whose_redis_goes_silent_stops_at_most_once_ticks_within_its_ttl() {
+    a_cron_master_losing_redis_stops_at_most_once_ticks_within_its_ttl(RedisLoss::Stall).await;
+}
+
+/// A cron master losing Redis (through a proxy): its at_most_once ticks stop within the
+/// lease TTL and the standby takes over; at_least_once ticks go on; no at_most_once tick
+/// goes out twice.
+async fn a_cron_master_losing_redis_stops_at_most_once_ticks_within_its_ttl(loss: RedisLoss) {
     use common::servers::Proxy;
     use weir::codec::CronTick;
     use weir::cron::scheduler::{register, Scheduler, SchedulerConfig};
@@ -1159,7 +1186,7 @@ async fn a_cron_master_cut_off_from_redis_stops_at_most_once_ticks_within_its_tt
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let cut_at = chrono::Utc::now().timestamp_millis();
-    proxy.cut();
+    loss.apply(&proxy);
     tokio::time::sleep(Duration::from_secs(7)).await;
     let end = chrono::Utc::now().timestamp_millis();
 
@@ -1425,12 +1452,23 @@ async fn a_reactor_failing_while_redis_is_cut_off_waits_for_its_stored_cache() {
     supervisor.shutdown().await;
 }
 
-/// A graph's lease holder whose Redis goes away (the connection cut, the server fine)
-/// stops firing once its lease's deadline passes, since another node may hold the graph
-/// by then, and takes the graph up again under a newer fencing token once Redis is
-/// back. No input is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_graph_holder_cut_off_from_redis_stops_within_its_ttl_and_takes_the_graph_back() {
+    a_graph_holder_losing_redis_stops_within_its_ttl_and_takes_the_graph_back(RedisLoss::Cut).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graph_holder_whose_redis_goes_silent_stops_within_its_ttl_and_takes_the_graph_back() {
+    a_graph_holder_losing_redis_stops_within_its_ttl_and_takes_the_graph_back(RedisLoss::Stall)
+        .await;
+}
+
+/// A graph's lease holder whose Redis goes away (the server fine) stops firing once its
+/// lease's deadline passes, since another node may hold the graph by then, and takes the
+/// graph up again under a newer fencing token once Redis is back. No input is lost.
+async fn a_graph_holder_losing_redis_stops_within_its_ttl_and_takes_the_graph_back(
+    loss: RedisLoss,
+) {
     const TTL: Duration = Duration::from_millis(1500);
     let cut = CutOffRedis::start().await;
     let cancel = CancellationToken::new();
@@ -1476,8 +1514,8 @@ async fn a_graph_holder_cut_off_from_redis_stops_within_its_ttl_and_takes_the_gr
     }
     let first_token = fencing(&memory.messages(&output)[0]);
 
-    proxy.cut();
-    // Past the deadline (at most the TTL after the cut) and the fires in flight then.
+    loss.apply(&proxy);
+    // Past the deadline (at most the TTL after the loss) and the fires in flight then.
     tokio::time::sleep(TTL + Duration::from_millis(500)).await;
     let stopped_at = memory.messages(&output).len();
     for id in 10..40 {
