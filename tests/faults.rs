@@ -2020,6 +2020,77 @@ async fn a_jetstream_reader_whose_connection_closes_mid_delivery_loses_no_input(
     supervisor.shutdown().await;
 }
 
+/// `weir tail` reading a JetStream backlog through a connection closed every so often:
+/// a read that fails after it printed some (deliveries lost with the connection) opens
+/// its reader again after the last message printed, so it prints every message once,
+/// in order, and stops at `--count`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weir_tail_through_a_connection_closing_mid_delivery_prints_each_message_once() {
+    use common::servers::Proxy;
+    use std::io::Write;
+    const EVENTS: u64 = 20_000;
+    let server = Server::nats("");
+    let direct: Arc<dyn Broker> = jetstream(&server).await;
+    let proxy = Proxy::start(server.port).await;
+    let subject = services::unique("faults.tail.");
+    let sink = direct.sink();
+    let mut acks = Vec::new();
+    for id in 0..EVENTS {
+        let event = Outbound::new(subject.as_str(), json!({ "id": id }).to_string());
+        acks.push(sink.enqueue(event).await.unwrap());
+        if acks.len() == 1000 {
+            futures::future::try_join_all(acks.drain(..)).await.unwrap();
+        }
+    }
+    futures::future::try_join_all(acks).await.unwrap();
+    let mut config = tempfile::NamedTempFile::new().unwrap();
+    let url = format!("nats://127.0.0.1:{}", proxy.port);
+    write!(config, "[broker]\n{}\n", services::nats_table_at(&url)).unwrap();
+    let path = config.path().to_path_buf();
+    let tail = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(["tail", &subject, "--from-beginning", "--count"])
+            .arg(EVENTS.to_string())
+            .arg("--config")
+            .arg(&path)
+            .output()
+            .unwrap()
+    });
+    let cutting = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            proxy.cut();
+            proxy.heal();
+        }
+    });
+    let tailed = tokio::time::timeout(Duration::from_secs(120), tail)
+        .await
+        .expect("weir tail stops after --count messages")
+        .unwrap();
+    cutting.abort();
+    assert!(tailed.status.success(), "{tailed:?}");
+    let printed: Vec<u64> = String::from_utf8(tailed.stdout)
+        .unwrap()
+        .lines()
+        .map(|line| {
+            serde_json::from_str::<Value>(line).unwrap()["id"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    let missing: Vec<u64> = (0..EVENTS)
+        .filter(|id| !printed.contains(id))
+        .take(10)
+        .collect();
+    assert!(missing.is_empty(), "not printed: {missing:?}");
+    assert_eq!(
+        printed,
+        (0..EVENTS).collect::<Vec<_>>(),
+        "each once, in order"
+    );
+    drop(config);
+}
+
 /// Hands every message over, but the acknowledgement of the one with id `fail_on`
 /// fails once, as a JetStream publish whose acknowledgement does not come in time.
 struct AckFailsOnce {
