@@ -315,6 +315,16 @@ handler = "builtin::count"
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("builtin::count"), "names the handler: {err}");
     assert!(err.contains("JSON object"), "says why: {err}");
+    // Nested deeper than a node reads: refused too, whatever the handler.
+    let deep = format!(
+        "{}{}",
+        "{\"a\":".repeat(101),
+        "1".to_string() + &"}".repeat(101)
+    );
+    let out = weir(&["job", "put", "counter", "c1", "--state", &deep], &file);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("nested deeper than 100"), "says why: {err}");
     // A state it takes gets as far as the broker, which is down: 1, not 2.
     let out = weir(
         &[

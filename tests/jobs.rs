@@ -395,6 +395,62 @@ async fn malformed_messages_are_dead_lettered_and_the_partition_goes_on() {
     node.stop().await;
 }
 
+/// Wraps its state in one more object per message.
+struct Nesting;
+
+impl JobHandler for Nesting {
+    fn handle(&self, state: Value, event: &JobEvent) -> Result<Step, HandlerError> {
+        Ok(match event {
+            JobEvent::Message(_) => Step::new(json!({ "inner": state })),
+            _ => Step::new(state),
+        })
+    }
+}
+
+fn depth(mut state: &Value) -> usize {
+    let mut depth = 1;
+    while let Some(inner) = state.get("inner") {
+        state = inner;
+        depth += 1;
+    }
+    depth
+}
+
+/// A handler returning a state nested deeper than weir reads JSON: stored, it could never
+/// be loaded again, so the message is dead-lettered as if the handler had refused it, the
+/// job keeps its last state, and the partition goes on.
+#[tokio::test]
+async fn a_state_nested_too_deep_is_refused_and_the_job_keeps_its_last_one() {
+    const LIMIT: usize = weir::codec::json::MAX_DEPTH;
+    let cluster = Cluster::new().await;
+    let client = cluster.client().await;
+    let node = cluster.node_handling("a", Arc::new(Nesting));
+    client.put("deep", &json!({})).await.unwrap();
+    for n in 0..LIMIT + 3 {
+        client.send("deep", &json!(n)).await.unwrap();
+    }
+    let topic = weir::wire::job_topic(TYPE);
+    let dead_letters = weir::wire::dead_letter_topic(&topic);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while cluster.memory.messages(&dead_letters).len() < 4 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not dead-lettered: {:?}",
+            cluster.memory.messages(&dead_letters)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let dead = cluster.memory.messages(&dead_letters);
+    assert_eq!(dead.len(), 4, "{dead:?}");
+    for letter in &dead {
+        let reason = letter.header(weir::wire::ERROR_HEADER).unwrap();
+        assert!(reason.contains("nested deeper than 100"), "{reason}");
+    }
+    let state = cluster.state("deep").await.expect("the job is kept");
+    assert_eq!(depth(&state), LIMIT);
+    node.stop().await;
+}
+
 #[tokio::test]
 async fn an_output_too_large_to_publish_is_dead_lettered_and_the_partition_goes_on() {
     // The padded state fits as a message; the stop's output, the state and more, does not.

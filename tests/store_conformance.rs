@@ -72,6 +72,7 @@ macro_rules! store_conformance {
                 a_partition_batch_round_trips,
                 removed_jobs_lose_their_timeouts,
                 timeouts_due_far_ahead_load_back,
+                a_state_nested_as_deep_as_weir_reads_loads_back,
                 a_deposed_owners_batch_is_refused_whole);
             store_conformance!(@role $open; schedule:
                 schedules_and_fire_times_round_trip,
@@ -597,6 +598,31 @@ mod cases {
                     ("later".to_string(), 100_000_000_000_000_000)
                 ]
             );
+        }
+
+        /// Job handlers may return a state as deeply nested as weir reads JSON and no
+        /// deeper (deeper ones are refused): the stored record around it must still read
+        /// back, or the partition could never load it.
+        pub async fn a_state_nested_as_deep_as_weir_reads_loads_back(store: Arc<dyn Store>) {
+            let fence = fence(store.as_ref()).await;
+            let mut state = json!({ "count": 1 });
+            for _ in 1..weir::codec::json::MAX_DEPTH {
+                state = json!({ "inner": state });
+            }
+            weir::codec::json::check_depth(&state).unwrap();
+            let mut deep = record("deep", 1, Some(5_000), 0);
+            deep.state = state;
+            let changes = PartitionChanges {
+                position: Some(0),
+                put: vec![deep.clone()],
+                ..Default::default()
+            };
+            store
+                .save_partition("t", 2, &changes, &fence)
+                .await
+                .unwrap();
+            let loaded = store.load_jobs("t", &["deep".to_string()]).await.unwrap();
+            assert_eq!(loaded, vec![Some(deep)]);
         }
 
         pub async fn a_deposed_owners_batch_is_refused_whole(store: Arc<dyn Store>) {

@@ -8,7 +8,7 @@ use serde_json::Value;
 use crate::app::cli::JobCommand;
 use crate::app::error::Error;
 use weir::config::Config;
-use weir::jobs::{JobClient, JobEvent, JobHandlers};
+use weir::jobs::{run_handler, HandlerError, JobClient, JobEvent, JobHandlers};
 
 pub async fn run(command: JobCommand, out: &mut impl Write) -> Result<(), Error> {
     match command {
@@ -94,17 +94,19 @@ fn json(text: &str, what: &'static str) -> Result<Value, Error> {
 /// built on weir) is left to the nodes that run it.
 fn check_state(config: &Config, job_type: &str, state: &Value) -> Result<(), Error> {
     let handler = &config.job(job_type)?.handler;
+    let refused = |source| Error::JobState {
+        job_type: job_type.to_string(),
+        handler: handler.clone(),
+        source,
+    };
+    // Whatever the handler: the node reads no start state nested deeper.
+    weir::codec::json::check_depth(state).map_err(|e| refused(HandlerError::new(e.to_string())))?;
     let Some(known) = JobHandlers::default().get(handler) else {
         return Ok(());
     };
-    match known.handle(state.clone(), &JobEvent::Start) {
-        Ok(_) => Ok(()),
-        Err(source) => Err(Error::JobState {
-            job_type: job_type.to_string(),
-            handler: handler.clone(),
-            source,
-        }),
-    }
+    run_handler(known.as_ref(), state.clone(), &JobEvent::Start)
+        .map(drop)
+        .map_err(refused)
 }
 
 /// A client of a declared job type, on the config's broker.

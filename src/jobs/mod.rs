@@ -108,6 +108,20 @@ pub trait JobHandler: Send + Sync {
     fn handle(&self, state: Value, event: &JobEvent) -> Result<Step, HandlerError>;
 }
 
+/// Runs `handler` on one event, refusing a state it returns nested deeper than weir reads
+/// JSON ([`crate::codec::json::MAX_DEPTH`]): such a state could be stored but never loaded
+/// back, and the job's partition would stop at every attempt to load it.
+pub fn run_handler(
+    handler: &dyn JobHandler,
+    state: Value,
+    event: &JobEvent,
+) -> Result<Step, HandlerError> {
+    let step = handler.handle(state, event)?;
+    crate::codec::json::check_depth(&step.state)
+        .map_err(|e| HandlerError::new(format!("the state it returned: {e}")))?;
+    Ok(step)
+}
+
 /// Job handlers by name, with the built-ins (`builtin::count`).
 #[derive(Clone)]
 pub struct JobHandlers {

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::store::{JobRecord, JobStore, PartitionChanges};
-use super::{JobEvent, JobHandler, JobType, Step, Timer, LATEST_DUE_MS};
+use super::{HandlerError, JobEvent, JobType, Step, Timer, LATEST_DUE_MS};
 use crate::lease::Held;
 use crate::metrics;
 use crate::ownership::{PartitionError, PartitionWork};
@@ -205,8 +205,8 @@ impl<'a> Serving<'a> {
         })
     }
 
-    fn handler(&self) -> &dyn JobHandler {
-        self.jobs.job_type.handler.as_ref()
+    fn handle(&self, state: Value, event: &JobEvent) -> Result<Step, HandlerError> {
+        super::run_handler(self.jobs.job_type.handler.as_ref(), state, event)
     }
 
     async fn serve(
@@ -363,29 +363,24 @@ impl<'a> Serving<'a> {
                     }
                 };
                 // A start replaces a job of the same id: its timeout goes with it.
-                self.handler()
-                    .handle(state, &JobEvent::Start)
+                self.handle(state, &JobEvent::Start)
                     .map(|step| (step, None))
             }
             (JobEvent::Stop, None) => return Ok(()),
             (_, Some(record)) => {
                 let pending = record.timeout_at_ms;
-                self.handler()
-                    .handle(record.state, &event)
+                self.handle(record.state, &event)
                     .map(|step| (step, pending))
             }
             // A message to a job never put starts it with an empty state first.
             (_, None) => self
-                .handler()
                 .handle(Value::Object(Default::default()), &JobEvent::Start)
                 .and_then(|started| {
                     let timeout = deadline(started.timer, None);
-                    self.handler()
-                        .handle(started.state, &event)
-                        .map(|mut step| {
-                            step.outputs.splice(0..0, started.outputs);
-                            (step, timeout)
-                        })
+                    self.handle(started.state, &event).map(|mut step| {
+                        step.outputs.splice(0..0, started.outputs);
+                        (step, timeout)
+                    })
                 }),
         };
         match applied {
@@ -498,7 +493,7 @@ impl<'a> Serving<'a> {
             if record.timeout_at_ms != Some(at) {
                 continue;
             }
-            match self.handler().handle(record.state, &JobEvent::Timeout) {
+            match self.handle(record.state, &JobEvent::Timeout) {
                 Ok(step) => {
                     self.record_step(&id, step, None, None, false);
                     self.counts.timeouts.increment(1);
