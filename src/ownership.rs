@@ -172,6 +172,10 @@ pub enum PartitionError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Transport(#[from] crate::transport::TransportError),
+    /// Released or lost while waiting to run a failed fire again: the fire is left to
+    /// whoever serves the partition next, from the positions written.
+    #[error("stopped while waiting to run a failed fire again")]
+    StoppedRetrying,
 }
 
 /// Serves one partition through `attempt` (given a token cancelled on release or loss,

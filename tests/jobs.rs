@@ -395,6 +395,47 @@ async fn malformed_messages_are_dead_lettered_and_the_partition_goes_on() {
     node.stop().await;
 }
 
+/// Counts messages, but panics on the message `"boom"`.
+struct PanicsOnBoom;
+
+impl JobHandler for PanicsOnBoom {
+    fn handle(&self, state: Value, event: &JobEvent) -> Result<Step, HandlerError> {
+        if let JobEvent::Message(message) = event {
+            assert_ne!(message, "boom", "a message no handler should meet");
+        }
+        JobHandlers::default()
+            .get("builtin::count")
+            .unwrap()
+            .handle(state, event)
+    }
+}
+
+/// A handler that panics refuses the message, as one returning an error does: the
+/// message is dead-lettered and the job goes on. Unwinding the partition instead, it
+/// would be served again from the store and panic on the same message, forever.
+#[tokio::test]
+async fn a_handler_panicking_dead_letters_the_message_and_the_job_goes_on() {
+    let cluster = Cluster::new().await;
+    let client = cluster.client().await;
+    let node = cluster.node_handling("a", Arc::new(PanicsOnBoom));
+    client.send("j", &json!(1)).await.unwrap();
+    client.send("j", &json!("boom")).await.unwrap();
+    client.send("j", &json!(2)).await.unwrap();
+    cluster.await_counts(&["j".to_string()], 2).await;
+    let topic = weir::wire::job_topic(TYPE);
+    let dead = cluster
+        .memory
+        .messages(&weir::wire::dead_letter_topic(&topic));
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let reason = dead[0].header(weir::wire::ERROR_HEADER).unwrap();
+    assert!(
+        reason.contains("panicked") && reason.contains("a message no handler should meet"),
+        "{reason}"
+    );
+    assert_eq!(&dead[0].payload[..], b"\"boom\"");
+    node.stop().await;
+}
+
 /// Wraps its state in one more object per message.
 struct Nesting;
 

@@ -553,27 +553,87 @@ async fn a_keys_full_queue_dead_letters_what_it_cannot_hold_and_the_partition_go
     node.stop().await;
 }
 
-#[tokio::test]
-async fn a_failed_fire_is_dead_lettered_with_its_key_and_the_key_goes_on() {
+/// How the node of [`faulty_graph`] fails on the event with `seq` 2: every time, or only
+/// its first `n` runs.
+#[derive(Clone, Copy)]
+enum Failure {
+    Error,
+    Panic,
+    ErrorTimes(u32),
+}
+
+/// A keyed graph over `faulty.a` passing each event through, but for the one with `seq` 2.
+fn faulty_graph(failure: Failure) -> weir::GraphDeclaration {
     let mut keying = Keying::new(KeySource::Pointer("/user".into()));
     keying.partitions = 2;
     keying.lease_ttl = Duration::from_millis(600);
-    let decl = GraphBuilder::new("faulty")
+    let runs = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    GraphBuilder::new("faulty")
         .criteria(Criteria::WhenAny)
         .strategy(Strategy::Sequential)
         .keyed(keying)
         .accumulator(AccumulatorSpec::passthrough("a").topic("faulty.a"))
-        .node("n", ["a"], |ctx: NodeContext| async move {
-            let event = ctx.source("a").cloned().unwrap_or_default();
-            match event["seq"].as_u64() {
-                Some(2) => Err(NodeError::new("cannot take the second event")),
-                _ => Ok(Some(event)),
+        .node("n", ["a"], move |ctx: NodeContext| {
+            let runs = runs.clone();
+            async move {
+                let event = ctx.source("a").cloned().unwrap_or_default();
+                if event["seq"].as_u64() != Some(2) {
+                    return Ok(Some(event));
+                }
+                let run = runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                match failure {
+                    Failure::Error => Err(NodeError::new("cannot take the second event")),
+                    Failure::Panic => panic!("cannot take the second event"),
+                    Failure::ErrorTimes(n) if run < n => {
+                        Err(NodeError::new("cannot take the second event yet"))
+                    }
+                    Failure::ErrorTimes(_) => Ok(Some(event)),
+                }
             }
         })
         .output("n", "faulty.out")
         .build()
-        .unwrap();
-    let cluster = Cluster::new(decl).await;
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_failed_fire_is_dead_lettered_with_its_key_and_the_key_goes_on() {
+    a_failing_fire_is_dead_lettered_and_the_key_goes_on(Failure::Error).await;
+}
+
+/// A node that panics fails its fire as one returning an error does. Unwinding the
+/// partition instead, it would be served again from the store and panic again on the
+/// same event, forever, publishing the outputs before it each time.
+#[tokio::test]
+async fn a_node_panicking_is_dead_lettered_with_its_key_and_the_key_goes_on() {
+    a_failing_fire_is_dead_lettered_and_the_key_goes_on(Failure::Panic).await;
+}
+
+/// A fire failing fewer times than `node_retries` (3 by default) is run again and
+/// publishes its output; nothing is dead-lettered.
+#[tokio::test]
+async fn a_keyed_fire_failing_less_than_its_retries_publishes_its_output() {
+    let cluster = Cluster::new(faulty_graph(Failure::ErrorTimes(2))).await;
+    let node = cluster.node("n");
+    for seq in 1..=3 {
+        cluster.send("a", "ann", seq).await;
+    }
+    cluster
+        .await_count("faulty.out", 3, Duration::from_secs(10))
+        .await;
+    let seqs: Vec<Value> = cluster
+        .memory
+        .messages("faulty.out")
+        .iter()
+        .map(|m| serde_json::from_slice::<Value>(&m.payload).unwrap()["seq"].clone())
+        .collect();
+    assert_eq!(seqs, [json!(1), json!(2), json!(3)]);
+    assert!(cluster.memory.messages("faulty.out.dlq").is_empty());
+    node.stop().await;
+}
+
+async fn a_failing_fire_is_dead_lettered_and_the_key_goes_on(failure: Failure) {
+    let cluster = Cluster::new(faulty_graph(failure)).await;
     let node = cluster.node("n");
     for seq in 1..=3 {
         cluster.send("a", "ann", seq).await;
@@ -603,13 +663,27 @@ async fn a_failed_fire_is_dead_lettered_with_its_key_and_the_key_goes_on() {
     let dead = cluster.memory.messages("faulty.out.dlq");
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(dead[0].key.as_deref(), Some(&b"ann"[..]));
-    assert!(dead[0]
-        .header(weir::wire::ERROR_HEADER)
-        .is_some_and(|e| e.contains("cannot take the second event")));
+    let error = dead[0].header(weir::wire::ERROR_HEADER).unwrap_or_default();
+    assert!(error.contains("cannot take the second event"), "{error}");
+    if let Failure::Panic = failure {
+        assert!(error.contains("panicked"), "{error}");
+    }
     let record: Value = serde_json::from_slice(&dead[0].payload).unwrap();
     assert_eq!(record["key"], "ann");
     assert_eq!(record["fire"], 2);
+    assert_eq!(record["error"], error);
     assert_eq!(record["inputs"]["a"]["seq"], 2);
+    // Where the input came from, to find it again: the second message of `faulty.a`.
+    let sent = cluster.memory.messages("faulty.a");
+    let second = sent
+        .iter()
+        .find(|m| serde_json::from_slice::<Value>(&m.payload).unwrap()["seq"] == 2)
+        .unwrap();
+    assert_eq!(
+        record["positions"]["a"],
+        json!([{"partition": second.position.partition, "offset": second.position.offset}]),
+        "{record}"
+    );
     // Restarted from what was stored, the node fires nothing again.
     node.stop().await;
     let again = cluster.node("again");

@@ -108,15 +108,24 @@ pub trait JobHandler: Send + Sync {
     fn handle(&self, state: Value, event: &JobEvent) -> Result<Step, HandlerError>;
 }
 
-/// Runs `handler` on one event, refusing a state it returns nested deeper than weir reads
-/// JSON ([`crate::codec::json::MAX_DEPTH`]): such a state could be stored but never loaded
-/// back, and the job's partition would stop at every attempt to load it.
+/// Runs `handler` on one event. A handler that panics refuses the event, as one returning
+/// an error does: left to unwind the partition's task, it would be served again from the
+/// store and panic on the same message, over and over. A state it returns nested deeper
+/// than weir reads JSON ([`crate::codec::json::MAX_DEPTH`]) is refused too: it could be
+/// stored but never loaded back, and the job's partition would stop at every attempt to
+/// load it.
 pub fn run_handler(
     handler: &dyn JobHandler,
     state: Value,
     event: &JobEvent,
 ) -> Result<Step, HandlerError> {
-    let step = handler.handle(state, event)?;
+    let run = std::panic::AssertUnwindSafe(|| handler.handle(state, event));
+    let step = std::panic::catch_unwind(run).map_err(|panic| {
+        HandlerError::new(format!(
+            "it panicked: {}",
+            crate::accumulator::panic_message(panic.as_ref())
+        ))
+    })??;
     crate::codec::json::check_depth(&step.state)
         .map_err(|e| HandlerError::new(format!("the state it returned: {e}")))?;
     Ok(step)

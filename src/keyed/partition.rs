@@ -19,6 +19,7 @@ use super::store::{KeyedChanges, KeyedStore};
 use super::KeyedTopics;
 use crate::accumulator::Boundary;
 use crate::codec::CodecError;
+use crate::graph::dag::FireOutputs;
 use crate::graph::{FireInput, FireValues, GraphDeclaration, Keying};
 use crate::lease::Held;
 use crate::ownership::{PartitionError, PartitionWork};
@@ -525,23 +526,36 @@ impl<'a> Serving<'a> {
             )
             .with_key(key.clone()),
         );
-        let result = self.graph.decl.graph.run(input.clone()).await;
+        let mut result = Self::run_graph(&self.graph.decl.graph, &input).await;
+        let reactor = &self.graph.decl.reactor;
+        let mut retries = 0;
+        while let Err(reason) = &result {
+            if retries == reactor.node_retries {
+                break;
+            }
+            let delay = reactor.node_retry_backoff * 2u32.saturating_pow(retries);
+            retries += 1;
+            warn!(graph = %self.graph.graph, key = %key, fire, %reason, retry = retries, ?delay, "keyed fire failed; retrying");
+            tokio::select! {
+                _ = self.stopping.cancelled() => return Err(PartitionError::StoppedRetrying),
+                _ = tokio::time::sleep(delay) => {}
+            }
+            result = Self::run_graph(&self.graph.decl.graph, &input).await;
+        }
         // A node paused past its lease publishes nothing more, dead letters included.
         self.held.write_fence()?;
         let outputs = match result {
             Ok(outputs) => outputs,
-            Err(e) => {
-                // Kept for an operator, with what the fire saw; the key goes on.
-                let reason = format!("node {} failed: {}", e.node, e.error.0);
-                warn!(graph = %self.graph.graph, key = %key, fire, %reason, "keyed fire failed");
-                let record = serde_json::json!({
-                    "graph": &*self.graph.graph,
-                    "key": &**key,
-                    "fire": fire,
-                    "inputs": input.inputs_json(),
-                });
+            Err(reason) => {
+                // Kept for an operator, with what the fire saw and where it came from;
+                // the key goes on.
+                warn!(graph = %self.graph.graph, key = %key, fire, %reason, "keyed fire failed after its retries; dead-lettering its inputs");
+                let mut record = crate::reactor::run::fire_identity(&input);
+                record.insert("key".into(), Value::String(key.to_string()));
+                record.insert("error".into(), Value::String(reason.clone()));
+                record.insert("inputs".into(), input.inputs_json());
                 let topic = wire::dead_letter_topic(&self.graph.outputs[0]);
-                let mut message = Outbound::new(topic, record.to_string())
+                let mut message = Outbound::new(topic, Value::Object(record).to_string())
                     .header(wire::ERROR_HEADER, reason)
                     .header(wire::GRAPH_HEADER, self.graph.graph.to_string())
                     .header(wire::FIRE_HEADER, fire.to_string());
@@ -571,6 +585,24 @@ impl<'a> Serving<'a> {
             }
         }
         Ok(())
+    }
+
+    /// Runs the graph on one fire. A node that panics fails the fire like one returning
+    /// an error: left to unwind the partition's task, it would be served again from the
+    /// store and panic on the same input, over and over, repeating the outputs before it.
+    async fn run_graph(
+        graph: &crate::graph::CompiledGraph,
+        input: &Arc<FireInput>,
+    ) -> Result<FireOutputs, String> {
+        let run = std::panic::AssertUnwindSafe(graph.run(input.clone()));
+        match run.catch_unwind().await {
+            Ok(Ok(outputs)) => Ok(outputs),
+            Ok(Err(e)) => Err(format!("node {} failed: {}", e.node, e.error.0)),
+            Err(panic) => Err(format!(
+                "a node panicked: {}",
+                crate::accumulator::panic_message(panic.as_ref())
+            )),
+        }
     }
 
     fn output_message(&self, sent: &Sent, payload: Vec<u8>) -> Outbound {

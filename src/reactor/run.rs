@@ -932,7 +932,7 @@ fn undeliverable_output(
 
 /// What identifies a fire in a dead letter: the graph, the fire number and, per source,
 /// the positions of the input the fire saw.
-fn fire_identity(input: &FireInput) -> serde_json::Map<String, Value> {
+pub(crate) fn fire_identity(input: &FireInput) -> serde_json::Map<String, Value> {
     let positions: serde_json::Map<String, Value> = input
         .names
         .iter()
