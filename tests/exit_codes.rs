@@ -341,6 +341,20 @@ handler = "builtin::count"
     assert_eq!(out.status.code(), Some(1), "{err}");
 }
 
+/// A starting context nested deeper than weir reads JSON could be stored with the
+/// execution but never read back: refused with exit 2, saying why.
+#[test]
+fn a_workflow_context_nested_too_deep_exits_2() {
+    let file = config(
+        "[[workflow]]\nname = \"wf\"\n[[workflow.task]]\nid = \"a\"\nhandler = \"builtin::echo\"\n",
+    );
+    let deep = format!("{}1{}", "[".repeat(101), "]".repeat(101));
+    let out = weir(&["workflow", "run", "wf", "--context", &deep], &file);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("nested deeper than 100"), "says why: {err}");
+}
+
 /// `weir job get` and `list` of a type the config does not declare (a typo) say so, as
 /// put, send and rm do, instead of finding no job.
 #[test]

@@ -423,6 +423,69 @@ async fn a_result_too_large_to_publish_fails_its_task_and_is_dead_lettered(env: 
         .is_some_and(|e| e.contains("result cannot be published")));
 }
 
+/// Returns an output nested `depth` objects deep.
+struct Deep(usize);
+
+#[async_trait]
+impl TaskHandler for Deep {
+    async fn run(&self, _: TaskContext) -> TaskOutcome {
+        let mut output = json!(1);
+        for _ in 0..self.0 {
+            output = json!({ "a": output });
+        }
+        TaskOutcome::Completed(output)
+    }
+}
+
+/// An output or a starting context nested deeper than weir reads JSON would be stored in
+/// the execution, which could then never be loaded again and would stay running for
+/// good: the task fails instead, and such a context is refused at the start.
+async fn a_task_output_nested_too_deep_fails_its_task(env: &Env) {
+    let executor = env.name("deep");
+    let w = flow(
+        &env.name("deep"),
+        vec![TaskSpec {
+            max_attempts: 1,
+            ..task("nest", "deep")
+        }],
+    );
+    let workflows = [w.clone()];
+    let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    env.worker(
+        &executor,
+        4,
+        with(env.builtins(), "deep", Arc::new(Deep(101))),
+        &workflows,
+    );
+    let id = manager.start(&w.name, json!({})).await.unwrap();
+    let done = env.finished(&id, WAIT).await;
+    assert_eq!(done.status, RunStatus::Failed, "{}", done.summary());
+    let task = &done.summary()["tasks"]["nest"];
+    assert_eq!(task["status"], "failed");
+    assert!(
+        task["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("nested deeper than 100")),
+        "{task}"
+    );
+    let dead = env
+        .read(&format!("weir.tasks.{executor}.dlq"), 1, WAIT)
+        .await;
+    assert!(dead[0]
+        .header("weir-error")
+        .is_some_and(|e| e.contains("nested deeper than 100")));
+
+    let mut context = json!(1);
+    for _ in 0..101 {
+        context = json!({ "a": context });
+    }
+    let refused = manager.start(&w.name, context).await.unwrap_err();
+    assert!(
+        refused.to_string().contains("nested deeper than 100"),
+        "{refused}"
+    );
+}
+
 async fn a_workflow_running_past_its_timeout_fails(env: &Env) {
     let executor = env.name("slow");
     let w = flow(&env.name("slowflow"), vec![task("nap", "builtin::sleep")])
@@ -1264,6 +1327,10 @@ macro_rules! suite {
             a_result_too_large_to_publish_fails_its_task_and_is_dead_lettered(&$env).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn outputs_nested_too_deep() {
+            a_task_output_nested_too_deep_fails_its_task(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn timeouts() {
             a_workflow_running_past_its_timeout_fails(&$env).await;
         }
@@ -1340,6 +1407,142 @@ mod memory {
     }
 
     suite!(env());
+
+    /// Refuses, as an unreachable broker would, every publish to a dead-letter topic
+    /// while `down` is set; counts the refusals.
+    struct DeadLettersDown {
+        inner: Arc<dyn Broker>,
+        down: Arc<std::sync::atomic::AtomicBool>,
+        refused: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    #[async_trait]
+    impl Sink for DeadLettersDown {
+        async fn publish(&self, message: Outbound) -> Result<Position, TransportError> {
+            use std::sync::atomic::Ordering;
+            if message.topic.ends_with(".dlq") && self.down.load(Ordering::SeqCst) {
+                self.refused.fetch_add(1, Ordering::SeqCst);
+                return Err(TransportError::Publish {
+                    topic: message.topic,
+                    source: "broker unreachable".into(),
+                    retryable: true,
+                });
+            }
+            self.inner.sink().publish(message).await
+        }
+    }
+
+    /// The memory broker, its dead letters going through [`DeadLettersDown`].
+    struct WithDeadLettersDown(Arc<DeadLettersDown>);
+
+    #[async_trait]
+    impl Broker for WithDeadLettersDown {
+        fn kind(&self) -> &'static str {
+            self.0.inner.kind()
+        }
+
+        async fn subscribe(
+            &self,
+            subscription: &Subscription,
+        ) -> Result<Box<dyn weir::transport::Source>, TransportError> {
+            self.0.inner.subscribe(subscription).await
+        }
+
+        fn sink(&self) -> Arc<dyn Sink> {
+            self.0.clone()
+        }
+
+        async fn partitioned(
+            &self,
+            topic: &str,
+            partitions: u32,
+        ) -> Result<weir::transport::PartitionedTopic, TransportError> {
+            self.0.inner.partitioned(topic, partitions).await
+        }
+
+        async fn ping(&self) -> Result<(), TransportError> {
+            self.0.inner.ping().await
+        }
+
+        fn redelivery_wait(&self) -> Option<Duration> {
+            self.0.inner.redelivery_wait()
+        }
+    }
+
+    /// A worker stopped while the dead letter of a task's last failed attempt cannot be
+    /// published: the failure is not reported before its dead letter is out, so the next
+    /// worker runs the task again, dead-letters it and fails the workflow. Reported first,
+    /// the failure would make the next delivery find the task done, and no dead letter
+    /// would ever be written.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dead_letter_the_broker_refuses_is_written_by_the_next_worker() {
+        use std::sync::atomic::Ordering;
+        let env = env();
+        let down = Arc::new(DeadLettersDown {
+            inner: env.broker.clone(),
+            down: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+            refused: Arc::default(),
+        });
+        let executor = env.name("doomed");
+        let w = flow(
+            &env.name("doomed"),
+            vec![TaskSpec {
+                max_attempts: 1,
+                ..task("first", "builtin::fail")
+            }],
+        );
+        let workflows = [w.clone()];
+        let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+        let settings = || WorkerSettings {
+            executor: executor.clone(),
+            concurrency: 1,
+            worker_id: format!("{executor}-worker"),
+            results_topic: env.results_topic(),
+            tenant: None,
+        };
+        let first_stop = CancellationToken::new();
+        let first = Worker::new(
+            Arc::new(WithDeadLettersDown(down.clone())),
+            env.store.clone(),
+            env.builtins(),
+            workflows.to_vec(),
+            settings(),
+        );
+        let first = tokio::spawn(first.run(first_stop.clone()));
+        let id = manager
+            .start(&w.name, json!({"fail_times": 5}))
+            .await
+            .unwrap();
+        let deadline = Instant::now() + WAIT;
+        while down.refused.load(Ordering::SeqCst) == 0 {
+            assert!(Instant::now() < deadline, "no dead letter tried");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        first_stop.cancel();
+        let _ = first.await;
+        let execution = env
+            .store
+            .get_workflow_execution(&id)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            execution.status,
+            RunStatus::Running,
+            "{}",
+            execution.summary()
+        );
+
+        down.down.store(false, Ordering::SeqCst);
+        env.worker(&executor, 1, env.builtins(), &workflows);
+        let done = env.finished(&id, WAIT).await;
+        assert_eq!(done.status, RunStatus::Failed, "{}", done.summary());
+        let dead = env
+            .read(&format!("weir.tasks.{executor}.dlq"), 1, WAIT)
+            .await;
+        let event = decode::<TaskReadyEvent>(&dead[0].payload).unwrap();
+        assert_eq!(event.execution_id, id);
+    }
 }
 
 #[cfg(feature = "it")]

@@ -77,7 +77,9 @@ impl Error {
             | Self::Schedule(_)
             | Self::Cron(_) => 2,
             Self::Dispatch(
-                DispatchError::UnknownWorkflow(_) | DispatchError::UnknownExecution(_),
+                DispatchError::UnknownWorkflow(_)
+                | DispatchError::UnknownExecution(_)
+                | DispatchError::Codec(_),
             ) => 2,
             Self::Config(e) if !e.is_retryable() => 2,
             // A stored record that does not read back: no retry can help.

@@ -199,6 +199,9 @@ impl StateManager {
         let spec = self
             .workflow(workflow)
             .ok_or_else(|| DispatchError::UnknownWorkflow(workflow.to_string()))?;
+        // Stored in the execution, a context nested deeper than weir reads JSON could
+        // never be loaded back.
+        crate::codec::json::check_depth(&context)?;
         let (execution, ready) =
             WorkflowExecution::start(id, spec, context, origin, &self.inner.router, now_ms());
         if let Some(timeout) = spec.timeout {

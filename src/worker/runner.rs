@@ -354,16 +354,21 @@ impl Shared {
                     .is_ok();
             }
             let why = format!("{why} (delivered {deliveries} times)");
+            // Dead-lettered before the failure is reported: once the execution is failed,
+            // a delivery of the task again finds it done and would dead-letter nothing.
+            if !self.dead_letter(&alone(), &why, cancel).await {
+                return false;
+            }
             let report = self
                 .report(
                     &event,
                     event.attempt.max(1) as u32,
-                    Reported::Failed(why.clone()),
+                    Reported::Failed(why),
                     0,
                     cancel,
                 )
                 .await;
-            return report != Report::Stopped && self.dead_letter(&alone(), &why, cancel).await;
+            return report != Report::Stopped;
         };
         metrics
             .wait
@@ -396,6 +401,15 @@ impl Shared {
                     TaskOutcome::Failed(format!("timed out after {} ms", spec.timeout.as_millis()))
                 }
             };
+            // Stored in the execution's context, an output nested deeper than weir reads
+            // JSON could never be loaded back: the execution would stay running for good.
+            let outcome = match outcome {
+                TaskOutcome::Completed(output) => match crate::codec::json::check_depth(&output) {
+                    Ok(()) => TaskOutcome::Completed(output),
+                    Err(e) => TaskOutcome::Failed(format!("its output: {e}")),
+                },
+                other => other,
+            };
             metrics.in_use.decrement(1.0);
             drop(slot);
             let took = began.elapsed();
@@ -407,6 +421,15 @@ impl Shared {
                 TaskOutcome::Failed(e) => Reported::Failed(e),
             };
             let duration_ms = took.as_millis() as i64;
+            if let Reported::Failed(error) = &reported {
+                // Dead-lettered before the failure is reported, as above.
+                metrics.failed.increment(1);
+                metrics.dead_letters.increment(1);
+                let why = format!("failed after {attempt} attempts: {error}");
+                if !self.dead_letter(&alone(), &why, cancel).await {
+                    return false;
+                }
+            }
             match self
                 .report(&event, attempt, reported.clone(), duration_ms, cancel)
                 .await
@@ -417,18 +440,20 @@ impl Shared {
                     // The result itself can never be published (larger than the broker
                     // takes): the task fails, with a result small enough to go, and is
                     // dead-lettered rather than delivered again forever.
-                    metrics.failed.increment(1);
-                    metrics.dead_letters.increment(1);
                     let why = format!("its result cannot be published: {e}");
-                    let failed = Reported::Failed(why.clone());
-                    if self
+                    // A failure is dead-lettered already.
+                    if !matches!(reported, Reported::Failed(_)) {
+                        metrics.failed.increment(1);
+                        metrics.dead_letters.increment(1);
+                        if !self.dead_letter(&alone(), &why, cancel).await {
+                            return false;
+                        }
+                    }
+                    let failed = Reported::Failed(why);
+                    return self
                         .report(&event, attempt, failed, duration_ms, cancel)
                         .await
-                        == Report::Stopped
-                    {
-                        return false;
-                    }
-                    return self.dead_letter(&alone(), &why, cancel).await;
+                        != Report::Stopped;
                 }
             }
             match reported {
@@ -442,12 +467,7 @@ impl Shared {
                     }
                     attempt += 1;
                 }
-                Reported::Failed(error) => {
-                    metrics.failed.increment(1);
-                    metrics.dead_letters.increment(1);
-                    let why = format!("failed after {attempt} attempts: {error}");
-                    return self.dead_letter(&alone(), &why, cancel).await;
-                }
+                Reported::Failed(_) => return true,
                 Reported::Completed(_) | Reported::Skipped => {
                     metrics.completed.increment(1);
                     return true;
