@@ -1000,10 +1000,15 @@ mod cases {
             store.set_workflow_deadline("early", 1_000).await.unwrap();
             let due = |until| {
                 let store = store.clone();
-                async move { store.due_workflow_deadlines(until, 10).await.unwrap() }
+                async move { store.due_workflow_deadlines(until, 0, 10).await.unwrap() }
             };
             assert_eq!(due(1_500).await, ["early"]);
             assert_eq!(due(3_000).await, ["early", "late"]);
+            assert_eq!(
+                store.due_workflow_deadlines(3_000, 1, 10).await.unwrap(),
+                ["late"],
+                "after the first"
+            );
             store.clear_workflow_deadline("early").await.unwrap();
             assert_eq!(due(i64::MAX).await, ["late"]);
             store.clear_workflow_deadline("late").await.unwrap();

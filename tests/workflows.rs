@@ -486,6 +486,35 @@ async fn a_task_output_nested_too_deep_fails_its_task(env: &Env) {
     );
 }
 
+/// Deadlines of executions of a workflow this node does not declare stay in place for
+/// the nodes that do. More than a sweep's page of them, due first, must not hide the
+/// node's own: the sweep pages past them, and its own workflow still times out.
+async fn a_timeout_behind_a_page_of_other_nodes_deadlines_fires(env: &Env) {
+    let other = flow(&env.name("elsewhere"), vec![task("t", "builtin::echo")])
+        .with_timeout(Duration::from_secs(1));
+    let nobody = Router::new(Vec::new(), &env.name("nobody")).unwrap();
+    for n in 0..1_100 {
+        let id = env.name(&format!("other-{n}"));
+        let (execution, _) = WorkflowExecution::start(&id, &other, json!({}), None, &nobody, 0);
+        assert!(env
+            .store
+            .create_workflow_execution(&execution)
+            .await
+            .unwrap());
+        env.store.set_workflow_deadline(&id, n).await.unwrap();
+    }
+    a_workflow_running_past_its_timeout_fails(env).await;
+    // Still there for the nodes that declare that workflow.
+    assert_eq!(
+        env.store
+            .due_workflow_deadlines(i64::MAX, 0, 2_000)
+            .await
+            .unwrap()
+            .len(),
+        1_100
+    );
+}
+
 async fn a_workflow_running_past_its_timeout_fails(env: &Env) {
     let executor = env.name("slow");
     let w = flow(&env.name("slowflow"), vec![task("nap", "builtin::sleep")])
@@ -1329,6 +1358,10 @@ macro_rules! suite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn outputs_nested_too_deep() {
             a_task_output_nested_too_deep_fails_its_task(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn timeouts_behind_other_nodes_deadlines() {
+            a_timeout_behind_a_page_of_other_nodes_deadlines_fires(&$env).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn timeouts() {

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 
 use super::batch::{record_alone, Batcher};
 use super::execution::{CronOrigin, Reported, WorkflowExecution};
@@ -330,6 +330,18 @@ impl StateManager {
                 .await?;
             if applied.finished {
                 self.finished(&execution).await?;
+                if spec.timeout.is_some() {
+                    // Else the deadline sweep clears it once it falls due; a failure
+                    // here leaves it to that.
+                    if let Err(e) = self
+                        .inner
+                        .store
+                        .clear_workflow_deadline(&execution.id)
+                        .await
+                    {
+                        debug!(execution = %execution.id, error = %e, "deadline of a finished execution left to the sweep");
+                    }
+                }
             }
             return Ok(());
         }
@@ -604,44 +616,68 @@ impl StateManager {
                 _ = cancel.cancelled() => return,
                 _ = every.tick() => {}
             }
-            if let Err(e) = self.sweep_deadlines().await {
+            if let Err(e) = self.sweep_deadlines(&cancel).await {
                 warn!(error = %e, "workflow timeout sweep failed; trying again");
             }
         }
     }
 
-    async fn sweep_deadlines(&self) -> Result<(), DispatchError> {
+    /// Times out every execution due by now, a page at a time, until none is left: the
+    /// deadlines of executions that finished in time are cleared here too, and there can
+    /// be thousands a second. Entries this node leaves in place (another node's
+    /// workflows) are paged past rather than read again.
+    async fn sweep_deadlines(&self, cancel: &CancellationToken) -> Result<(), DispatchError> {
         let store = &self.inner.store;
-        for id in store
-            .due_workflow_deadlines(now_ms(), DEADLINES_PER_SWEEP)
-            .await?
-        {
-            let mut mine = true;
-            for _ in 0..MAX_CAS_ATTEMPTS {
-                let Some(mut execution) = store.get_workflow_execution(&id).await? else {
-                    break;
-                };
-                let Some(timeout) = self.workflow(&execution.workflow).and_then(|w| w.timeout)
-                else {
-                    // Another node's workflow: its state manager times it out.
-                    mine = false;
-                    break;
-                };
-                if !execution.time_out(timeout.as_millis(), now_ms()) {
-                    break;
-                }
-                if store.update_workflow_execution(&execution).await? {
-                    warn!(execution = %id, workflow = %execution.workflow, ?timeout, "workflow execution timed out");
-                    self.forget(&id);
-                    self.finished(&execution).await?;
-                    break;
+        let now = now_ms();
+        let mut left = 0;
+        loop {
+            let due = store
+                .due_workflow_deadlines(now, left, DEADLINES_PER_SWEEP)
+                .await?;
+            let page = due.len();
+            for id in due {
+                match self.time_out_if_overdue(&id).await {
+                    Ok(true) => store.clear_workflow_deadline(&id).await?,
+                    Ok(false) => left += 1,
+                    Err(e) if e.is_retryable() => return Err(e),
+                    Err(e) => {
+                        // An execution no node can read or write: no sweep will ever
+                        // time it out, and kept first in line it would hold up the rest.
+                        error!(execution = %id, error = %e, "cannot time out a workflow execution; its deadline is dropped");
+                        store.clear_workflow_deadline(&id).await?;
+                    }
                 }
             }
-            if mine {
-                store.clear_workflow_deadline(&id).await?;
+            if page < DEADLINES_PER_SWEEP || cancel.is_cancelled() {
+                return Ok(());
             }
         }
-        Ok(())
+    }
+
+    /// Fails the execution if it is still running past its workflow's timeout. Whether
+    /// its deadline is settled: false when the workflow is another node's, whose state
+    /// manager times it out, or when the execution changed under too many concurrent
+    /// updates to settle now (the next sweep looks again).
+    async fn time_out_if_overdue(&self, id: &str) -> Result<bool, DispatchError> {
+        let store = &self.inner.store;
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let Some(mut execution) = store.get_workflow_execution(id).await? else {
+                return Ok(true);
+            };
+            let Some(timeout) = self.workflow(&execution.workflow).and_then(|w| w.timeout) else {
+                return Ok(false);
+            };
+            if !execution.time_out(timeout.as_millis(), now_ms()) {
+                return Ok(true);
+            }
+            if store.update_workflow_execution(&execution).await? {
+                warn!(execution = %id, workflow = %execution.workflow, ?timeout, "workflow execution timed out");
+                self.forget(id);
+                self.finished(&execution).await?;
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// One execution per tick: the tick id is the execution id.

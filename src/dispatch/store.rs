@@ -46,10 +46,12 @@ pub trait WorkflowStore: Send + Sync {
         deadline_ms: i64,
     ) -> Result<(), StoreError>;
 
-    /// Executions whose deadline is at or before `until_ms`, earliest first.
+    /// Executions whose deadline is at or before `until_ms`, earliest first, after the
+    /// first `skip` of them.
     async fn due_workflow_deadlines(
         &self,
         until_ms: i64,
+        skip: usize,
         limit: usize,
     ) -> Result<Vec<String>, StoreError>;
 

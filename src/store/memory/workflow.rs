@@ -80,6 +80,7 @@ impl WorkflowStore for MemoryStore {
     async fn due_workflow_deadlines(
         &self,
         until_ms: i64,
+        skip: usize,
         limit: usize,
     ) -> Result<Vec<String>, StoreError> {
         Ok(self
@@ -87,6 +88,7 @@ impl WorkflowStore for MemoryStore {
             .deadlines
             .iter()
             .take_while(|(at, _)| *at <= until_ms)
+            .skip(skip)
             .take(limit)
             .map(|(_, id)| id.clone())
             .collect())

@@ -174,6 +174,7 @@ impl WorkflowStore for RedisStore {
     async fn due_workflow_deadlines(
         &self,
         until_ms: i64,
+        skip: usize,
         limit: usize,
     ) -> Result<Vec<String>, StoreError> {
         let mut c = self.connection.clone();
@@ -181,7 +182,7 @@ impl WorkflowStore for RedisStore {
             self.key(&["wf-deadlines"]),
             "-inf",
             until_ms,
-            0,
+            skip as isize,
             limit as isize,
         )
         .await
