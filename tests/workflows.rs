@@ -1623,6 +1623,45 @@ mod nats {
 
     suite!(env().await);
 
+    /// An execution stored in a form no node can read (written by something else, say)
+    /// and due first: its deadline is dropped with an error logged, instead of stopping
+    /// every sweep at it, and the node's own workflow still times out.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unreadable_execution_holds_up_no_timeout() {
+        let prefix = common::services::unique("weir-wf-");
+        let mut env = Env::new(
+            common::services::nats(true).await,
+            common::services::redis(&prefix).await,
+        );
+        env.cleanups = vec![
+            Box::new(common::services::cleanup(&prefix)),
+            Box::new(common::services::cleanup(&env.prefix)),
+        ];
+        let unreadable = env.name("unreadable");
+        let client = redis::Client::open(common::services::redis_url()).unwrap();
+        let mut redis = client.get_multiplexed_async_connection().await.unwrap();
+        redis::cmd("HSET")
+            .arg(format!("{prefix}:wf:{unreadable}"))
+            .arg("data")
+            .arg("not json")
+            .arg("v")
+            .arg(1)
+            .query_async::<()>(&mut redis)
+            .await
+            .unwrap();
+        env.store
+            .set_workflow_deadline(&unreadable, 0)
+            .await
+            .unwrap();
+        a_workflow_running_past_its_timeout_fails(&env).await;
+        let due = env
+            .store
+            .due_workflow_deadlines(i64::MAX, 0, 10)
+            .await
+            .unwrap();
+        assert!(!due.contains(&unreadable), "{due:?}");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn long_tasks_keep_their_read_ahead() {
         // More than both workers read ahead, so some wait in the client.
