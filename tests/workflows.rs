@@ -1441,6 +1441,78 @@ mod memory {
 
     suite!(env());
 
+    /// Refuses for good every message to one topic, keeping them; passes the rest on.
+    struct Refusing {
+        inner: Arc<dyn Sink>,
+        topic: String,
+        refused: Mutex<Vec<Outbound>>,
+    }
+
+    #[async_trait]
+    impl Sink for Refusing {
+        async fn publish(&self, message: Outbound) -> Result<Position, TransportError> {
+            if message.topic == self.topic {
+                let topic = message.topic.clone();
+                self.refused.lock().unwrap().push(message);
+                return Err(TransportError::Publish {
+                    topic,
+                    source: "not allowed".into(),
+                    retryable: false,
+                });
+            }
+            self.inner.publish(message).await
+        }
+    }
+
+    /// A start that stored its execution but could not publish its first tasks fails
+    /// the execution with the reason: started under a fresh id, nothing would publish
+    /// those tasks later, and it would stay running for good.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_start_whose_first_tasks_cannot_be_published_fails_its_execution() {
+        let env = env();
+        let executor = env.name("refused");
+        let w = flow(&env.name("refused"), vec![task("a", "builtin::echo")]);
+        let sink = Arc::new(Refusing {
+            inner: env.broker.sink(),
+            topic: format!("weir.tasks.{executor}"),
+            refused: Mutex::default(),
+        });
+        let manager = StateManager::new(
+            env.store.clone(),
+            sink.clone(),
+            vec![w.clone()],
+            Router::new(Vec::new(), &executor).unwrap(),
+            DispatchSettings {
+                results_topic: env.results_topic(),
+            },
+        );
+        let refused = manager.start(&w.name, json!({})).await.unwrap_err();
+        assert!(refused.to_string().contains("not allowed"), "{refused}");
+        let sent = sink.refused.lock().unwrap().clone();
+        let event = decode_one_or_batch::<TaskReadyEvent>(&sent[0].payload)
+            .unwrap()
+            .remove(0);
+        let execution = env
+            .store
+            .get_workflow_execution(&event.execution_id)
+            .await
+            .unwrap()
+            .expect("stored before its tasks were published");
+        assert_eq!(
+            execution.status,
+            RunStatus::Failed,
+            "{}",
+            execution.summary()
+        );
+        let task = &execution.summary()["tasks"]["a"];
+        assert!(
+            task["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("its start did not complete")),
+            "{task}"
+        );
+    }
+
     /// Refuses, as an unreachable broker would, every publish to a dead-letter topic
     /// while `down` is set; counts the refusals.
     struct DeadLettersDown {

@@ -117,14 +117,20 @@ impl WorkflowExecution {
     /// Ends a running execution that outlived its workflow's timeout: every task not
     /// yet done fails with the reason. False if it had ended already.
     pub fn time_out(&mut self, timeout_ms: u128, now_ms: i64) -> bool {
+        let reason = format!("the workflow execution timed out after {timeout_ms} ms");
+        self.fail_unfinished(&reason, now_ms)
+    }
+
+    /// Fails a running execution and every task of it not done yet, each with `reason`.
+    /// False if it was no longer running.
+    pub fn fail_unfinished(&mut self, reason: &str, now_ms: i64) -> bool {
         if self.status != RunStatus::Running {
             return false;
         }
-        let reason = format!("the workflow execution timed out after {timeout_ms} ms");
         for record in self.tasks.values_mut() {
             if !record.status.is_done() {
                 record.status = TaskStatus::Failed;
-                record.error = Some(reason.clone());
+                record.error = Some(reason.to_string());
             }
         }
         self.status = RunStatus::Failed;

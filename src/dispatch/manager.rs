@@ -167,12 +167,54 @@ impl StateManager {
         self.inner.workflows.values()
     }
 
-    /// Starts an execution with a fresh id, returned.
+    /// Starts an execution with a fresh id, returned. A start that fails after the
+    /// execution was stored (its first tasks not published) fails the execution too:
+    /// nothing would publish those tasks later, as a repeated start under a given id does,
+    /// and it would stay running for good.
     pub async fn start(&self, workflow: &str, context: Value) -> Result<String, DispatchError> {
         let id = format!("{:016x}", rand::random::<u64>());
-        self.start_execution(workflow, &id, context, None, Marks::NotNeeded)
-            .await?;
+        if let Err(e) = self
+            .start_execution(workflow, &id, context, None, Marks::NotNeeded)
+            .await
+        {
+            self.abandon(&id, &e).await;
+            return Err(e);
+        }
         Ok(id)
+    }
+
+    /// Fails the execution `id`, if it was stored, for a start that did not complete.
+    async fn abandon(&self, id: &str, why: &DispatchError) {
+        let store = &self.inner.store;
+        let reason = format!("its start did not complete: {why}");
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let mut execution = match store.get_workflow_execution(id).await {
+                Ok(Some(execution)) => execution,
+                Ok(None) => return,
+                Err(e) => {
+                    warn!(execution = %id, error = %e, "cannot fail an execution whose start did not complete");
+                    return;
+                }
+            };
+            if !execution.fail_unfinished(&reason, now_ms()) {
+                return;
+            }
+            match store.update_workflow_execution(&execution).await {
+                Ok(true) => {
+                    warn!(execution = %id, %reason, "workflow execution failed");
+                    self.forget(id);
+                    if let Err(e) = self.finished(&execution).await {
+                        warn!(execution = %id, error = %e, "cannot record a failed start's end");
+                    }
+                    return;
+                }
+                Ok(false) => continue,
+                Err(e) => {
+                    warn!(execution = %id, error = %e, "cannot fail an execution whose start did not complete");
+                    return;
+                }
+            }
+        }
     }
 
     /// Starts an execution under `id` unless one exists (then re-publishes its ready
