@@ -515,6 +515,68 @@ async fn a_timeout_behind_a_page_of_other_nodes_deadlines_fires(env: &Env) {
     );
 }
 
+/// Fails every run, counting them.
+#[derive(Default)]
+struct AlwaysFails {
+    runs: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait]
+impl TaskHandler for AlwaysFails {
+    async fn run(&self, _: TaskContext) -> TaskOutcome {
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        TaskOutcome::Failed("not today".into())
+    }
+}
+
+/// A task waiting out its retry backoff when its execution ends (here, timed out) is
+/// not run again: its next attempts would fail once more and dead-letter a task whose
+/// execution had already failed for another reason.
+async fn a_task_whose_execution_ended_during_its_backoff_is_not_run_again(env: &Env) {
+    use std::sync::atomic::Ordering;
+    let executor = env.name("late");
+    let w = flow(
+        &env.name("late"),
+        vec![TaskSpec {
+            max_attempts: 3,
+            backoff: Duration::from_secs(3),
+            ..task("first", "fails")
+        }],
+    )
+    .with_timeout(Duration::from_millis(500));
+    let warm_up = flow(&env.name("warm"), vec![task("w", "builtin::echo")]);
+    let workflows = [w.clone(), warm_up.clone()];
+    let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let fails = Arc::new(AlwaysFails::default());
+    env.worker(
+        &executor,
+        4,
+        with(env.builtins(), "fails", fails.clone()),
+        &workflows,
+    );
+    // Once the worker runs tasks (a Kafka group takes seconds to form), the task's
+    // first run comes well before its execution's timeout.
+    let warm = manager.start(&warm_up.name, json!({})).await.unwrap();
+    env.finished(&warm, WAIT).await;
+    let id = manager.start(&w.name, json!({})).await.unwrap();
+    let done = env.finished(&id, WAIT).await;
+    assert_eq!(done.status, RunStatus::Failed, "{}", done.summary());
+    assert!(
+        done.summary()["tasks"]["first"]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("timed out")),
+        "{}",
+        done.summary()
+    );
+    // Past the first backoff (3 s after the first run).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        fails.runs.load(Ordering::SeqCst),
+        1,
+        "run again after its end"
+    );
+}
+
 async fn a_workflow_running_past_its_timeout_fails(env: &Env) {
     let executor = env.name("slow");
     let w = flow(&env.name("slowflow"), vec![task("nap", "builtin::sleep")])
@@ -1362,6 +1424,10 @@ macro_rules! suite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn timeouts_behind_other_nodes_deadlines() {
             a_timeout_behind_a_page_of_other_nodes_deadlines_fires(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn ended_during_a_backoff() {
+            a_task_whose_execution_ended_during_its_backoff_is_not_run_again(&$env).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn timeouts() {

@@ -465,6 +465,13 @@ impl Shared {
                         _ = cancel.cancelled() => return false,
                         _ = tokio::time::sleep(delay) => {}
                     }
+                    // Its execution may have ended meanwhile (timed out, or failed by
+                    // another task): another attempt would only fail it again and
+                    // dead-letter a task whose execution is over.
+                    if !self.still_to_run(&event.execution_id, task_id).await {
+                        debug!(task = %event.task_execution_id, "its execution ended during the backoff; dropped");
+                        return true;
+                    }
                     attempt += 1;
                 }
                 Reported::Failed(_) => return true,
@@ -526,6 +533,24 @@ impl Shared {
                 warn!(executor = %self.settings.executor, error = %e, "result not published; the task will be delivered again");
                 Report::Stopped
             }
+        }
+    }
+
+    /// Whether the execution is still running with the task not done. A store that
+    /// cannot answer is taken for yes: the attempt runs and reports as it would have.
+    async fn still_to_run(&self, execution: &str, task: &str) -> bool {
+        match self.store.get_workflow_execution(execution).await {
+            Ok(Some(execution)) => {
+                execution.status == RunStatus::Running
+                    && execution.tasks.get(task).is_some_and(|record| {
+                        !matches!(
+                            record.status,
+                            TaskStatus::Completed | TaskStatus::Failed | TaskStatus::Skipped
+                        )
+                    })
+            }
+            Ok(None) => false,
+            Err(_) => true,
         }
     }
 
