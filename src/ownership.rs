@@ -172,9 +172,9 @@ pub enum PartitionError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Transport(#[from] crate::transport::TransportError),
-    /// Released or lost while waiting to run a failed fire again: the fire is left to
-    /// whoever serves the partition next, from the positions written.
-    #[error("stopped while waiting to run a failed fire again")]
+    /// Lost while waiting to run a failed fire again: the fire is left to whoever
+    /// serves the partition next, from the positions written.
+    #[error("lost the partition while waiting to run a failed fire again")]
     StoppedRetrying,
 }
 

@@ -632,6 +632,42 @@ async fn a_keyed_fire_failing_less_than_its_retries_publishes_its_output() {
     node.stop().await;
 }
 
+/// A partition let go (its node stopping) while a failed fire waits out its retry
+/// backoff finishes the retries, dead-letters the fire and writes what it applied
+/// before it lets go: the next owner repeats no output and no dead letter.
+#[tokio::test]
+async fn a_partition_let_go_during_a_retry_backoff_hands_over_what_it_applied() {
+    let mut decl = faulty_graph(Failure::Error);
+    decl.reactor.node_retry_backoff = Duration::from_millis(300);
+    let cluster = Cluster::new(decl).await;
+    // Both in the batch the failed fire holds up: event 1's output is out, its
+    // position not yet written.
+    cluster.send("a", "ann", 1).await;
+    cluster.send("a", "ann", 2).await;
+    let node = cluster.node("n");
+    cluster
+        .await_count("faulty.out", 1, Duration::from_secs(10))
+        .await;
+    // Within the first backoff of the fire of event 2.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    node.stop().await;
+    let again = cluster.node("again");
+    cluster.send("a", "ann", 3).await;
+    cluster
+        .await_count("faulty.out", 2, Duration::from_secs(10))
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let seqs: Vec<Value> = cluster
+        .memory
+        .messages("faulty.out")
+        .iter()
+        .map(|m| serde_json::from_slice::<Value>(&m.payload).unwrap()["seq"].clone())
+        .collect();
+    assert_eq!(seqs, [json!(1), json!(3)]);
+    assert_eq!(cluster.memory.messages("faulty.out.dlq").len(), 1);
+    again.stop().await;
+}
+
 async fn a_failing_fire_is_dead_lettered_and_the_key_goes_on(failure: Failure) {
     let cluster = Cluster::new(faulty_graph(failure)).await;
     let node = cluster.node("n");

@@ -126,7 +126,7 @@ impl PartitionWork for KeyedPartitions {
             &release,
             &lost,
             |stopping, _first| async move {
-                let mut serving = Serving::start(self, partition, held, &stopping).await?;
+                let mut serving = Serving::start(self, partition, held, &stopping, losing).await?;
                 serving.serve(releasing, losing).await
             },
         )
@@ -151,6 +151,9 @@ struct Serving<'a> {
     held: &'a Held,
     /// Cancelled on release or loss: ends a publish retried while the broker is away.
     stopping: CancellationToken,
+    /// Cancelled on loss only: ends the wait to run a failed fire again, which a release
+    /// lets finish, so that the hand-over writes what the partition applied.
+    lost: CancellationToken,
     /// The source read first next time: each in turn, so none starves the others.
     first_source: usize,
     fencing: HeaderValue,
@@ -207,6 +210,7 @@ impl<'a> Serving<'a> {
         partition: i32,
         held: &'a Held,
         stopping: &CancellationToken,
+        lost: &CancellationToken,
     ) -> Result<Serving<'a>, PartitionError> {
         let stored = graph.store.load_positions(&graph.graph, partition).await?;
         let mut sources = Vec::with_capacity(graph.names.len());
@@ -239,6 +243,7 @@ impl<'a> Serving<'a> {
             partition,
             held,
             stopping: stopping.clone(),
+            lost: lost.clone(),
             first_source: 0,
             fencing: HeaderValue::new(held.lease.token.to_string()),
             sources,
@@ -537,7 +542,7 @@ impl<'a> Serving<'a> {
             retries += 1;
             warn!(graph = %self.graph.graph, key = %key, fire, %reason, retry = retries, ?delay, "keyed fire failed; retrying");
             tokio::select! {
-                _ = self.stopping.cancelled() => return Err(PartitionError::StoppedRetrying),
+                _ = self.lost.cancelled() => return Err(PartitionError::StoppedRetrying),
                 _ = tokio::time::sleep(delay) => {}
             }
             result = Self::run_graph(&self.graph.decl.graph, &input).await;
