@@ -577,6 +577,53 @@ async fn a_task_whose_execution_ended_during_its_backoff_is_not_run_again(env: &
     );
 }
 
+/// Fails with an error larger than any broker takes.
+struct LoudFailure;
+
+#[async_trait]
+impl TaskHandler for LoudFailure {
+    async fn run(&self, _: TaskContext) -> TaskOutcome {
+        TaskOutcome::Failed("x".repeat(TOO_LARGE))
+    }
+}
+
+/// A task failing for good with an error too large for the broker: its dead letter,
+/// refused with that error in a header, goes again without its payload and with the
+/// error cut short, and the task fails its workflow rather than being run again on
+/// every delivery.
+async fn a_task_failing_with_an_error_too_large_to_publish_is_dead_lettered(env: &Env) {
+    let executor = env.name("loud");
+    let w = flow(
+        &env.name("loud"),
+        vec![TaskSpec {
+            max_attempts: 1,
+            ..task("shout", "loud")
+        }],
+    );
+    let workflows = [w.clone()];
+    let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    env.worker(
+        &executor,
+        4,
+        with(env.builtins(), "loud", Arc::new(LoudFailure)),
+        &workflows,
+    );
+    let id = manager.start(&w.name, json!({})).await.unwrap();
+    let done = env.finished(&id, WAIT).await;
+    assert_eq!(done.status, RunStatus::Failed, "{}", done.summary());
+    let dead = env
+        .read(&format!("weir.tasks.{executor}.dlq"), 1, WAIT)
+        .await;
+    let error = dead[0].header("weir-error").unwrap_or_default();
+    assert!(
+        error.contains("failed after 1 attempts"),
+        "{}",
+        &error[..200]
+    );
+    assert!(error.len() < 10_000, "{} bytes", error.len());
+    assert!(dead[0].header(weir::wire::PAYLOAD_OMITTED_HEADER).is_some());
+}
+
 async fn a_workflow_running_past_its_timeout_fails(env: &Env) {
     let executor = env.name("slow");
     let w = flow(&env.name("slowflow"), vec![task("nap", "builtin::sleep")])
@@ -1428,6 +1475,10 @@ macro_rules! suite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn ended_during_a_backoff() {
             a_task_whose_execution_ended_during_its_backoff_is_not_run_again(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn errors_too_large_to_publish() {
+            a_task_failing_with_an_error_too_large_to_publish_is_dead_lettered(&$env).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn timeouts() {

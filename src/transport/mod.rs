@@ -643,7 +643,10 @@ fn without_payload(mut letter: Outbound, refusal: &TransportError) -> Outbound {
         .iter_mut()
         .find(|(name, _)| name == crate::wire::ERROR_HEADER)
     {
-        Some((_, error)) => *error = HeaderValue::from(format!("{error}; {why}")),
+        Some((_, error)) => {
+            let kept = shortened(error.as_str(), REFUSED_LETTER_ERROR_LIMIT);
+            *error = HeaderValue::from(format!("{kept}; {why}"));
+        }
         None => letter
             .headers
             .push((crate::wire::ERROR_HEADER.into(), why.into())),
@@ -659,14 +662,25 @@ pub const QUOTED_KEY_LIMIT: usize = 128;
 /// `key` as an error message quotes it: whole when short, else its first bytes up to
 /// [`QUOTED_KEY_LIMIT`] (cut between characters) and its length.
 pub fn quoted_key(key: &str) -> Cow<'_, str> {
-    if key.len() <= QUOTED_KEY_LIMIT {
-        return Cow::Borrowed(key);
+    shortened(key, QUOTED_KEY_LIMIT)
+}
+
+/// The most of its error a dead letter sent again without its payload keeps. The error
+/// can be as long as what was refused (a task's failure quoting its input, say), and
+/// kept whole it would have the letter refused again.
+pub const REFUSED_LETTER_ERROR_LIMIT: usize = 4096;
+
+/// `text` whole when at most `limit` bytes, else its first bytes up to `limit` (cut
+/// between characters) and its length.
+fn shortened(text: &str, limit: usize) -> Cow<'_, str> {
+    if text.len() <= limit {
+        return Cow::Borrowed(text);
     }
-    let mut end = QUOTED_KEY_LIMIT;
-    while !key.is_char_boundary(end) {
+    let mut end = limit;
+    while !text.is_char_boundary(end) {
         end -= 1;
     }
-    Cow::Owned(format!("{}… ({} bytes)", &key[..end], key.len()))
+    Cow::Owned(format!("{}… ({} bytes)", &text[..end], text.len()))
 }
 
 /// The longest output key a dead letter carries; a longer one may be why the output was
