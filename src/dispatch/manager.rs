@@ -664,10 +664,10 @@ impl StateManager {
         }
     }
 
-    /// Times out every execution due by now, a page at a time, until none is left: the
-    /// deadlines of executions that finished in time are cleared here too, and there can
-    /// be thousands a second. Entries this node leaves in place (another node's
-    /// workflows) are paged past rather than read again.
+    /// Times out every execution due by now, a page at a time, until none is left; the
+    /// deadlines of executions that finished in time but could not clear theirs are
+    /// cleared here. Entries this node leaves in place (workflows it does not declare)
+    /// are paged past rather than read again in this sweep.
     async fn sweep_deadlines(&self, cancel: &CancellationToken) -> Result<(), DispatchError> {
         let store = &self.inner.store;
         let now = now_ms();
@@ -683,8 +683,8 @@ impl StateManager {
                     Ok(false) => left += 1,
                     Err(e) if e.is_retryable() => return Err(e),
                     Err(e) => {
-                        // An execution no node can read or write: no sweep will ever
-                        // time it out, and kept first in line it would hold up the rest.
+                        // An execution this node cannot read or write, and no retry
+                        // helps: kept first in line, it would hold up the rest.
                         error!(execution = %id, error = %e, "cannot time out a workflow execution; its deadline is dropped");
                         store.clear_workflow_deadline(&id).await?;
                     }
@@ -697,17 +697,21 @@ impl StateManager {
     }
 
     /// Fails the execution if it is still running past its workflow's timeout. Whether
-    /// its deadline is settled: false when the workflow is another node's, whose state
-    /// manager times it out, or when the execution changed under too many concurrent
-    /// updates to settle now (the next sweep looks again).
+    /// its deadline is settled: false when the workflow is not this node's (the nodes
+    /// declaring it time it out), or when the execution changed under too many
+    /// concurrent updates to settle now (the next sweep looks again). A workflow this
+    /// node declares without a timeout (one taken away since) settles it.
     async fn time_out_if_overdue(&self, id: &str) -> Result<bool, DispatchError> {
         let store = &self.inner.store;
         for _ in 0..MAX_CAS_ATTEMPTS {
             let Some(mut execution) = store.get_workflow_execution(id).await? else {
                 return Ok(true);
             };
-            let Some(timeout) = self.workflow(&execution.workflow).and_then(|w| w.timeout) else {
+            let Some(workflow) = self.workflow(&execution.workflow) else {
                 return Ok(false);
+            };
+            let Some(timeout) = workflow.timeout else {
+                return Ok(true);
             };
             if !execution.time_out(timeout.as_millis(), now_ms()) {
                 return Ok(true);
