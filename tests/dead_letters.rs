@@ -133,35 +133,12 @@ async fn an_event_nested_deeper_than_weir_keeps_goes_to_the_dead_letter_topic() 
     );
 }
 
-/// Refuses what goes to a dead-letter topic while `down` is set, as a broker that is
-/// away does (retryable), and counts what it refused.
-struct DeadLettersDown {
-    inner: Arc<dyn Sink>,
-    down: Arc<AtomicBool>,
-    refused: Arc<AtomicUsize>,
-}
-
-#[async_trait]
-impl Sink for DeadLettersDown {
-    async fn publish(&self, message: Outbound) -> Result<Position, TransportError> {
-        if message.topic.ends_with(".dlq") && self.down.load(Ordering::SeqCst) {
-            self.refused.fetch_add(1, Ordering::SeqCst);
-            return Err(TransportError::Publish {
-                topic: message.topic,
-                source: "broker unreachable".into(),
-                retryable: true,
-            });
-        }
-        self.inner.publish(message).await
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_failed_fires_inputs_stay_stored_until_its_dead_letter_is_acknowledged() {
     let h = Harness::new();
     let down = Arc::new(AtomicBool::new(true));
     let refused = Arc::new(AtomicUsize::new(0));
-    let sink = Arc::new(DeadLettersDown {
+    let sink = Arc::new(common::DeadLettersDown {
         inner: Arc::new(h.broker.clone()),
         down: down.clone(),
         refused: refused.clone(),

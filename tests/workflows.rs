@@ -1630,48 +1630,27 @@ mod memory {
         );
     }
 
-    /// Refuses, as an unreachable broker would, every publish to a dead-letter topic
-    /// while `down` is set; counts the refusals.
-    struct DeadLettersDown {
-        inner: Arc<dyn Broker>,
-        down: Arc<std::sync::atomic::AtomicBool>,
-        refused: Arc<std::sync::atomic::AtomicUsize>,
+    /// A broker whose dead letters go through [`common::DeadLettersDown`].
+    struct WithDeadLettersDown {
+        broker: Arc<dyn Broker>,
+        dead_letters: Arc<common::DeadLettersDown>,
     }
-
-    #[async_trait]
-    impl Sink for DeadLettersDown {
-        async fn publish(&self, message: Outbound) -> Result<Position, TransportError> {
-            use std::sync::atomic::Ordering;
-            if message.topic.ends_with(".dlq") && self.down.load(Ordering::SeqCst) {
-                self.refused.fetch_add(1, Ordering::SeqCst);
-                return Err(TransportError::Publish {
-                    topic: message.topic,
-                    source: "broker unreachable".into(),
-                    retryable: true,
-                });
-            }
-            self.inner.sink().publish(message).await
-        }
-    }
-
-    /// The memory broker, its dead letters going through [`DeadLettersDown`].
-    struct WithDeadLettersDown(Arc<DeadLettersDown>);
 
     #[async_trait]
     impl Broker for WithDeadLettersDown {
         fn kind(&self) -> &'static str {
-            self.0.inner.kind()
+            self.broker.kind()
         }
 
         async fn subscribe(
             &self,
             subscription: &Subscription,
         ) -> Result<Box<dyn weir::transport::Source>, TransportError> {
-            self.0.inner.subscribe(subscription).await
+            self.broker.subscribe(subscription).await
         }
 
         fn sink(&self) -> Arc<dyn Sink> {
-            self.0.clone()
+            self.dead_letters.clone()
         }
 
         async fn partitioned(
@@ -1679,15 +1658,15 @@ mod memory {
             topic: &str,
             partitions: u32,
         ) -> Result<weir::transport::PartitionedTopic, TransportError> {
-            self.0.inner.partitioned(topic, partitions).await
+            self.broker.partitioned(topic, partitions).await
         }
 
         async fn ping(&self) -> Result<(), TransportError> {
-            self.0.inner.ping().await
+            self.broker.ping().await
         }
 
         fn redelivery_wait(&self) -> Option<Duration> {
-            self.0.inner.redelivery_wait()
+            self.broker.redelivery_wait()
         }
     }
 
@@ -1700,8 +1679,8 @@ mod memory {
     async fn a_dead_letter_the_broker_refuses_is_written_by_the_next_worker() {
         use std::sync::atomic::Ordering;
         let env = env();
-        let down = Arc::new(DeadLettersDown {
-            inner: env.broker.clone(),
+        let down = Arc::new(common::DeadLettersDown {
+            inner: env.broker.sink(),
             down: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             refused: Arc::default(),
         });
@@ -1724,7 +1703,10 @@ mod memory {
         };
         let first_stop = CancellationToken::new();
         let first = Worker::new(
-            Arc::new(WithDeadLettersDown(down.clone())),
+            Arc::new(WithDeadLettersDown {
+                broker: env.broker.clone(),
+                dead_letters: down.clone(),
+            }),
             env.store.clone(),
             env.builtins(),
             workflows.to_vec(),

@@ -68,3 +68,30 @@ pub async fn work_off_past_ttl(
         started.elapsed()
     );
 }
+
+/// Refuses what goes to a dead-letter topic while `down` is set, as a broker that is
+/// away does (retryable), and counts what it refused; passes the rest on.
+pub struct DeadLettersDown {
+    pub inner: std::sync::Arc<dyn weir::transport::Sink>,
+    pub down: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    pub refused: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[async_trait::async_trait]
+impl weir::transport::Sink for DeadLettersDown {
+    async fn publish(
+        &self,
+        message: weir::transport::Outbound,
+    ) -> Result<weir::transport::Position, weir::transport::TransportError> {
+        use std::sync::atomic::Ordering;
+        if message.topic.ends_with(".dlq") && self.down.load(Ordering::SeqCst) {
+            self.refused.fetch_add(1, Ordering::SeqCst);
+            return Err(weir::transport::TransportError::Publish {
+                topic: message.topic,
+                source: "broker unreachable".into(),
+                retryable: true,
+            });
+        }
+        self.inner.publish(message).await
+    }
+}
