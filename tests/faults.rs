@@ -1246,8 +1246,19 @@ impl CutOffRedis {
         policy: SupervisionPolicy,
         cancel: &CancellationToken,
     ) -> Supervisor {
+        self.supervisor_on(self.broker.clone(), node_id, policy, cancel)
+    }
+
+    /// [`supervisor`](Self::supervisor) over `broker` rather than the memory broker.
+    fn supervisor_on(
+        &self,
+        broker: Arc<dyn Broker>,
+        node_id: &str,
+        policy: SupervisionPolicy,
+        cancel: &CancellationToken,
+    ) -> Supervisor {
         let runtime = Runtime {
-            broker: self.broker.clone(),
+            broker,
             store: self.store.clone(),
             node_id: node_id.into(),
         };
@@ -2284,7 +2295,6 @@ async fn a_reactor_failing_on_an_acknowledgement_while_pushes_wait_loses_no_push
 /// already holds: every input has exactly one output.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_delivered_again_while_redis_is_cut_off_fire_once() {
-    use common::servers::Proxy;
     let nats_server = Server::nats("");
     let broker: Arc<dyn Broker> = Arc::new(
         NatsBroker::connect(NatsSettings {
@@ -2297,29 +2307,16 @@ async fn messages_delivered_again_while_redis_is_cut_off_fire_once() {
         .await
         .expect("test nats-server reachable"),
     );
-    let redis_server = Server::redis();
-    let proxy = Proxy::start(redis_server.port).await;
-    let prefix = services::unique("faults");
-    let store = Arc::new(
-        weir::store::redis::RedisStore::connect(
-            &format!("redis://127.0.0.1:{}", proxy.port),
-            &prefix,
-        )
-        .await
-        .unwrap(),
-    );
-    let runtime = Runtime {
-        broker: broker.clone(),
-        store,
-        node_id: "faults".into(),
-    };
+    let cut = CutOffRedis::start().await;
     let cancel = CancellationToken::new();
-    let policy = SupervisionPolicy {
-        backoff_base: Duration::from_millis(200),
-        ..SupervisionPolicy::default()
-    };
-    let supervisor = Supervisor::new(runtime, policy, cancel.clone());
-    let graph = supervisor.spawn(padding_graph(&prefix)).unwrap();
+    let supervisor = cut.supervisor_on(
+        broker.clone(),
+        "faults",
+        SupervisionPolicy::default(),
+        &cancel,
+    );
+    let (proxy, prefix) = (&cut.proxy, &cut.prefix);
+    let graph = supervisor.spawn(padding_graph(prefix)).unwrap();
     graph.wait_for_state(weir::ReactorState::Live).await;
     let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
     publish_ids(&broker, &input, 0..50).await;

@@ -596,6 +596,16 @@ fn faulty_graph(failure: Failure) -> weir::GraphDeclaration {
         .unwrap()
 }
 
+/// The `seq` of each output of [`faulty_graph`], in order.
+fn faulty_outputs(cluster: &Cluster) -> Vec<Value> {
+    cluster
+        .memory
+        .messages("faulty.out")
+        .iter()
+        .map(|m| serde_json::from_slice::<Value>(&m.payload).unwrap()["seq"].clone())
+        .collect()
+}
+
 #[tokio::test]
 async fn a_failed_fire_is_dead_lettered_with_its_key_and_the_key_goes_on() {
     a_failing_fire_is_dead_lettered_and_the_key_goes_on(Failure::Error).await;
@@ -621,12 +631,7 @@ async fn a_keyed_fire_failing_less_than_its_retries_publishes_its_output() {
     cluster
         .await_count("faulty.out", 3, Duration::from_secs(10))
         .await;
-    let seqs: Vec<Value> = cluster
-        .memory
-        .messages("faulty.out")
-        .iter()
-        .map(|m| serde_json::from_slice::<Value>(&m.payload).unwrap()["seq"].clone())
-        .collect();
+    let seqs = faulty_outputs(&cluster);
     assert_eq!(seqs, [json!(1), json!(2), json!(3)]);
     assert!(cluster.memory.messages("faulty.out.dlq").is_empty());
     node.stop().await;
@@ -657,12 +662,7 @@ async fn a_partition_let_go_during_a_retry_backoff_hands_over_what_it_applied() 
         .await_count("faulty.out", 2, Duration::from_secs(10))
         .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let seqs: Vec<Value> = cluster
-        .memory
-        .messages("faulty.out")
-        .iter()
-        .map(|m| serde_json::from_slice::<Value>(&m.payload).unwrap()["seq"].clone())
-        .collect();
+    let seqs = faulty_outputs(&cluster);
     assert_eq!(seqs, [json!(1), json!(3)]);
     assert_eq!(cluster.memory.messages("faulty.out.dlq").len(), 1);
     again.stop().await;
