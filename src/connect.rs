@@ -28,6 +28,17 @@ impl Config {
         ))
     }
 
+    /// The admin API's state over a runtime, as every command serving it starts: its
+    /// tokens and origins, and the cron shards schedules are filed in.
+    pub fn admin_state(&self, runtime: &Runtime) -> crate::admin::AdminState {
+        crate::admin::AdminState::new()
+            .with_runtime(runtime)
+            .with_token(self.admin.token.as_ref().map(|t| t.expose().to_string()))
+            .with_tenant_tokens(self.admin.tenant_tokens())
+            .with_allowed_origins(self.admin.allowed_origins.clone())
+            .with_cron_shards(self.cron.shards)
+    }
+
     /// Connects to the configured broker and store.
     pub async fn runtime(&self) -> Result<Runtime, ConfigError> {
         let broker = self.connect_broker().await?;

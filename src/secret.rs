@@ -41,8 +41,51 @@ impl fmt::Display for Secret {
 
 impl<'de> Deserialize<'de> for Secret {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        String::deserialize(deserializer).map(Secret)
+        deserializer.deserialize_string(SecretVisitor)
     }
+}
+
+/// Takes text only, and names what else it was given without its value: serde's own
+/// messages quote the value (`invalid type: integer `123456``).
+struct SecretVisitor;
+
+impl serde::de::Visitor<'_> for SecretVisitor {
+    type Value = Secret;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a string")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Secret, E> {
+        Ok(Secret(text.to_string()))
+    }
+
+    fn visit_string<E: serde::de::Error>(self, text: String) -> Result<Secret, E> {
+        Ok(Secret(text))
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Secret, E> {
+        Err(not_text(&self))
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Secret, E> {
+        Err(not_text(&self))
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Secret, E> {
+        Err(not_text(&self))
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Secret, E> {
+        Err(not_text(&self))
+    }
+}
+
+fn not_text<E: serde::de::Error>(expected: &SecretVisitor) -> E {
+    E::invalid_type(
+        serde::de::Unexpected::Other("a value that is not text (not shown)"),
+        expected,
+    )
 }
 
 /// The credentials written into a URL's authority (`scheme://user:password@host`).

@@ -15,6 +15,14 @@ pub enum StoreError {
         #[source]
         source: BoxError,
     },
+    /// The client refused its settings (a malformed URL, a file it cannot read): no
+    /// retry helps until the config changes.
+    #[error("store {store} settings refused: {source}")]
+    Settings {
+        store: String,
+        #[source]
+        source: BoxError,
+    },
     #[error("store operation {operation} failed: {source}")]
     Operation {
         operation: &'static str,
@@ -36,6 +44,7 @@ pub enum StoreError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreErrorKind {
     Unreachable,
+    Settings,
     Operation,
     Corrupt,
     Fenced,
@@ -45,6 +54,7 @@ impl StoreError {
     pub fn kind(&self) -> StoreErrorKind {
         match self {
             Self::Unreachable { .. } => StoreErrorKind::Unreachable,
+            Self::Settings { .. } => StoreErrorKind::Settings,
             Self::Operation { .. } => StoreErrorKind::Operation,
             Self::Corrupt { .. } => StoreErrorKind::Corrupt,
             Self::Fenced { .. } => StoreErrorKind::Fenced,

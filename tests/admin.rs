@@ -1791,3 +1791,42 @@ async fn keyed_graphs_are_listed_with_the_owner_of_each_partition() {
         .expect("the node stops in time")
         .unwrap();
 }
+
+/// The admin API as a command serves it from its config finds schedules in whichever
+/// cron shard they are filed: before, `weir worker`'s looked in shard 0 only, showing
+/// the others with no next fire and filing a resumed one in the wrong shard.
+#[tokio::test]
+async fn the_admin_api_built_from_a_config_reads_schedules_in_every_cron_shard() {
+    const SHARDS: u32 = 4;
+    let id = (0..)
+        .map(|n| format!("every-minute-{n}"))
+        .find(|id| weir::cron::scheduler::shard_of(id, SHARDS) != 0)
+        .unwrap();
+    let text = format!(
+        "[cron]\nshards = {SHARDS}\n[[schedule]]\nid = \"{id}\"\ncron = \"* * * * *\"\ntopic = \"t.ticks\"\n"
+    );
+    let config = weir::config::Config::parse(&text, std::path::Path::new("weir.toml"), []).unwrap();
+    let runtime = config.runtime().await.unwrap();
+    for schedule in config.declared_schedules().unwrap() {
+        weir::cron::scheduler::register(runtime.store.as_ref(), &schedule, SHARDS)
+            .await
+            .unwrap();
+    }
+    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let listen = Listen {
+        admin: Some(any),
+        ..Default::default()
+    };
+    let cancel = CancellationToken::new();
+    let servers = weir::admin::serve(config.admin_state(&runtime), &listen, cancel.clone())
+        .await
+        .unwrap();
+    let url = |path: &str| format!("http://{}{path}", servers.admin.unwrap());
+    let (_, shown) = json_of("GET", &url(&format!("/schedules/{id}")), None, None).await;
+    assert!(shown["next_fire"].is_string(), "{shown}");
+    json_of("POST", &url(&format!("/schedules/{id}/pause")), None, None).await;
+    json_of("POST", &url(&format!("/schedules/{id}/resume")), None, None).await;
+    let (_, listed) = json_of("GET", &url("/schedules"), None, None).await;
+    assert!(listed[0]["next_fire"].is_string(), "{listed}");
+    cancel.cancel();
+}

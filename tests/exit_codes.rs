@@ -100,6 +100,38 @@ fn a_config_that_cannot_work_exits_2_naming_the_key() {
     assert!(err.contains("supervision.graph_lease_ttl_ms"), "{err}");
 }
 
+/// Settings a client refuses stay refused however often weir tries: bad input, not an
+/// outage, whether or not the server is up (here it is not).
+#[test]
+fn settings_the_broker_or_store_client_refuses_exit_2_naming_them() {
+    let port = closed_port();
+    let missing = "/nonexistent/weir-test";
+    let cases = [
+        (
+            format!("[broker]\nkind = \"kafka\"\nbrokers = \"127.0.0.1:{port}\"\n[broker.options]\n\"no.such.property\" = \"x\"\n"),
+            "no.such.property",
+        ),
+        (
+            format!("[broker]\nkind = \"kafka\"\nbrokers = \"127.0.0.1:{port}\"\n[broker.options]\n\"session.timeout.ms\" = \"soon\"\n"),
+            "session.timeout.ms",
+        ),
+        (
+            format!("[broker]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:{port}\"\ncredentials_file = \"{missing}.creds\"\n"),
+            "credentials_file",
+        ),
+        (
+            format!("[store]\nkind = \"redis\"\nurl = \"rediss://127.0.0.1:{port}\"\ntls_ca_file = \"{missing}.pem\"\n"),
+            "tls_ca_file",
+        ),
+    ];
+    for (settings, named) in cases {
+        let out = weir_run(&config(&format!("{settings}{GRAPH}topic = \"g.in\"\n")));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{settings}: {err}");
+        assert!(err.contains(named), "names {named}: {err}");
+    }
+}
+
 #[test]
 fn redis_down_at_start_exits_1_even_with_schedules_to_register() {
     redis_unreachable_at_start_exits_1_naming_it(closed_port());

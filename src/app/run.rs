@@ -9,7 +9,6 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use crate::app::error::Error;
-use weir::admin::AdminState;
 use weir::config::Config;
 use weir::graph::FunctionRegistry;
 use weir::jobs::{JobHandlers, JobsStore};
@@ -71,13 +70,9 @@ pub async fn run(
         cancel.clone(),
     ));
     let scheduler_alive = weir::admin::health::Watched::new("cron scheduler");
-    let mut admin = AdminState::new()
+    let mut admin = config
+        .admin_state(&runtime)
         .with_supervisor(supervisor.clone())
-        .with_runtime(&runtime)
-        .with_token(config.admin.token.as_ref().map(|t| t.expose().to_string()))
-        .with_tenant_tokens(config.admin.tenant_tokens())
-        .with_allowed_origins(config.admin.allowed_origins.clone())
-        .with_cron_shards(config.cron.shards)
         .with_keyed_graphs(
             keyed
                 .iter()

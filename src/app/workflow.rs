@@ -101,11 +101,7 @@ pub async fn worker(
         tenant,
     };
     // Health, readiness and metrics, before any metric handle exists.
-    let admin = weir::admin::AdminState::new()
-        .with_runtime(&runtime)
-        .with_token(config.admin.token.as_ref().map(|t| t.expose().to_string()))
-        .with_tenant_tokens(config.admin.tenant_tokens())
-        .with_allowed_origins(config.admin.allowed_origins.clone());
+    let admin = config.admin_state(&runtime);
     let servers = weir::admin::serve(admin, &config.listen(), cancel.clone()).await?;
     info!(%executor, tenant = ?settings.tenant, concurrency, broker = runtime.broker.kind(), "worker running");
     let worker = Worker::new(

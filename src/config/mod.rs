@@ -68,6 +68,11 @@ fn weir_variables(
 /// the clock, would overflow it.
 const MOST_MS: u64 = 100 * 365 * 24 * 60 * 60 * 1000;
 
+/// The shortest lease a node may hold: renewed every third of its length, a shorter
+/// one would expire between renewals (or renew in a busy loop).
+const LEAST_LEASE_TTL_MS: u64 = 1000;
+const LEASE_TOO_SHORT: &str = "must be at least 1000: a shorter lease expires between renewals";
+
 /// The most events a source's queue holds per key or graph: far beyond memory, and within
 /// what the queue's semaphore can count.
 const MOST_QUEUED: usize = 1 << 30;
@@ -99,10 +104,31 @@ pub enum ConfigError {
 }
 
 impl ConfigError {
-    /// Only a failed connection may succeed on a retry; bad config stays bad.
+    /// Only a failed connection may succeed on a retry; bad config stays bad, and so do
+    /// settings the broker's or the store's client refuses.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::Broker(_) | Self::Store(_))
+        match self {
+            Self::Broker(e) => e.is_retryable(),
+            Self::Store(e) => e.is_retryable(),
+            _ => false,
+        }
     }
+}
+
+/// Where the TOML went wrong and why, without the line itself: toml quotes the
+/// offending line, which may hold a password.
+fn syntax_error(text: &str, e: &toml::de::Error) -> String {
+    let Some(span) = e.span() else {
+        return e.message().to_string();
+    };
+    let before = &text[..span.start.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before
+        .rsplit('\n')
+        .next()
+        .map_or(0, |start| start.chars().count())
+        + 1;
+    format!("line {line}, column {column}: {}", e.message())
 }
 
 fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
@@ -832,7 +858,7 @@ impl Config {
             .map(toml::Value::Table)
             .map_err(|e| ConfigError::Syntax {
                 path: path.to_path_buf(),
-                message: e.to_string(),
+                message: syntax_error(text, &e),
             })?;
         let overrides: Vec<(String, String)> = env
             .into_iter()
@@ -860,13 +886,20 @@ impl Config {
                             continue;
                         }
                     }
+                    // serde quotes the value it could not take: a secret's stays out.
+                    let message = match key.strip_prefix("broker.options.") {
+                        Some(option) if crate::transport::kafka::is_secret_option(option) => {
+                            "must be text (the value is not shown: it is a secret)".into()
+                        }
+                        _ => e.into_inner().to_string(),
+                    };
                     return Err(invalid(
                         if key == "." {
                             "(top level)".into()
                         } else {
                             key
                         },
-                        e.into_inner().to_string(),
+                        message,
                     ));
                 }
             }
@@ -1033,8 +1066,8 @@ impl Config {
             if job.partitions == 0 {
                 errors.push(invalid(key("partitions"), "must be at least 1"));
             }
-            if job.lease_ttl_ms == 0 {
-                errors.push(invalid(key("lease_ttl_ms"), "must be more than 0"));
+            if job.lease_ttl_ms < LEAST_LEASE_TTL_MS {
+                errors.push(invalid(key("lease_ttl_ms"), LEASE_TOO_SHORT));
             }
             if job.max_jobs_in_memory == Some(0) {
                 errors.push(invalid(key("max_jobs_in_memory"), "must be at least 1"));
@@ -1077,7 +1110,6 @@ impl Config {
             ("supervision.healthy_reset_ms", s.healthy_reset_ms),
             ("supervision.shutdown_timeout_ms", s.shutdown_timeout_ms),
             ("supervision.failed_retry_ms", s.failed_retry_ms),
-            ("cron.lease_ttl_ms", self.cron.lease_ttl_ms),
             ("cron.orphan_after_ms", self.cron.orphan_after_ms),
             ("broker.ack_wait_ms", self.broker.ack_wait_ms),
         ] {
@@ -1174,11 +1206,27 @@ impl Config {
                 "must be at least backoff_base_ms",
             ));
         }
-        if (1..1000).contains(&s.graph_lease_ttl_ms) {
+        if (1..LEAST_LEASE_TTL_MS).contains(&s.graph_lease_ttl_ms) {
             errors.push(invalid(
                 "supervision.graph_lease_ttl_ms",
                 "must be 0 (no lease) or at least 1000: a shorter lease expires between renewals",
             ));
+        }
+        // Keyed graphs own their partitions through leases of this length: they have no
+        // lease-free mode.
+        if s.graph_lease_ttl_ms == 0 {
+            if let Some(i) = self.graphs.iter().position(|g| g.key.is_some()) {
+                errors.push(invalid(
+                    "supervision.graph_lease_ttl_ms",
+                    format!(
+                        "must be at least 1000 while a graph is keyed (graph[{i}].key): \
+                         keyed graphs own their partitions through leases of this length"
+                    ),
+                ));
+            }
+        }
+        if self.cron.lease_ttl_ms < LEAST_LEASE_TTL_MS {
+            errors.push(invalid("cron.lease_ttl_ms", LEASE_TOO_SHORT));
         }
         if self.cron.max_attempts == 0 {
             errors.push(invalid("cron.max_attempts", "must be at least 1"));
@@ -1600,6 +1648,7 @@ format = "json"
                 "supervision.graph_lease_ttl_ms",
             ),
             ("WEIR__CRON__LEASE_TTL_MS", "0", "cron.lease_ttl_ms"),
+            ("WEIR__CRON__LEASE_TTL_MS", "2", "cron.lease_ttl_ms"),
             ("WEIR__CRON__ORPHAN_AFTER_MS", "0", "cron.orphan_after_ms"),
             ("WEIR__CRON__MAX_ATTEMPTS", "0", "cron.max_attempts"),
             ("WEIR__BROKER__ACK_WAIT_MS", "0", "broker.ack_wait_ms"),
@@ -1615,6 +1664,56 @@ format = "json"
         let err = parse(&workflow, &[]).unwrap_err().to_string();
         assert!(err.contains("workflow[0].task[0].timeout_ms"), "{err}");
         assert!(err.contains("workflow[0].task[0].max_attempts"), "{err}");
+    }
+
+    #[test]
+    fn errors_never_show_a_secret() {
+        let cases = [
+            // A syntax error on a secret's line: toml would quote the line.
+            "[store]\nkind = \"redis\"\npassword = \"hunter2\\q\"\n",
+            "[admin]\ntoken = \"hunter2\"\ntoken = \"hunter2\"\n",
+            // A secret that is not text: serde would quote the value.
+            "[admin]\ntoken = 424242\n",
+            "[broker]\nkind = \"kafka\"\n[broker.options]\n\"sasl.password\" = 424242\n",
+        ];
+        for text in cases {
+            let err = parse(text, &[]).unwrap_err().to_string();
+            assert!(
+                !err.contains("hunter2") && !err.contains("424242"),
+                "{text}: {err}"
+            );
+        }
+        let err = parse(cases[0], &[]).unwrap_err().to_string();
+        assert!(err.contains("line 3, column"), "says where: {err}");
+        let err = parse(cases[2], &[]).unwrap_err().to_string();
+        assert!(
+            err.contains("admin.token") && err.contains("not text"),
+            "{err}"
+        );
+        let err = parse(cases[3], &[]).unwrap_err().to_string();
+        assert!(err.contains("sasl.password"), "{err}");
+        let err = parse("[broker]\npartitions = \"six\"\n", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("six"), "other values are shown: {err}");
+    }
+
+    #[test]
+    fn keyed_graphs_and_jobs_need_leases_long_enough_to_renew() {
+        let keyed = SAMPLE.replacen("[[graph]]\n", "[[graph]]\nkey = \"/user\"\n", 1);
+        assert_ne!(keyed, SAMPLE, "the sample declares a graph");
+        let err = parse(&keyed, &[("WEIR__SUPERVISION__GRAPH_LEASE_TTL_MS", "0")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("supervision.graph_lease_ttl_ms"), "{err}");
+        assert!(err.contains("graph[0].key"), "{err}");
+        assert!(parse(&keyed, &[]).is_ok());
+        let job = format!(
+            "{SAMPLE}[[job]]\ntype = \"counter\"\nhandler = \"builtin::count\"\nlease_ttl_ms = 2\n"
+        );
+        let err = parse(&job, &[]).unwrap_err().to_string();
+        assert!(err.contains("job[0].lease_ttl_ms"), "{err}");
+        assert!(parse(&job.replace("lease_ttl_ms = 2", "lease_ttl_ms = 1000"), &[]).is_ok());
     }
 
     #[test]

@@ -255,6 +255,15 @@ fn unreachable(brokers: &str, e: impl Into<BoxError>) -> TransportError {
     }
 }
 
+/// Making a librdkafka client waits on no network, so a client it refuses to make was
+/// refused for its settings.
+fn refused_settings(brokers: &str, e: impl Into<BoxError>) -> TransportError {
+    TransportError::Settings {
+        broker: format!("kafka {brokers}"),
+        source: e.into(),
+    }
+}
+
 impl KafkaBroker {
     pub fn connect(settings: KafkaSettings) -> Result<Self, TransportError> {
         let mut producer_config = ClientConfig::new();
@@ -272,10 +281,21 @@ impl KafkaBroker {
                 producer_config.set(k, v);
             }
         }
+        // Options only consumers take are otherwise first read at a subscribe, long
+        // after start: checked here, so a bad one is a config error at once.
+        let mut consumer_options = ClientConfig::new();
+        for (k, v) in &settings.options {
+            if is_consumer_option(k) {
+                consumer_options.set(k, v);
+            }
+        }
+        consumer_options
+            .create_native_config()
+            .map_err(|e| refused_settings(&settings.brokers, e))?;
         let errors = ClientErrors::default();
         let producer: FutureProducer<ClientErrors> = producer_config
             .create_with_context(errors.clone())
-            .map_err(|e| unreachable(&settings.brokers, e))?;
+            .map_err(|e| refused_settings(&settings.brokers, e))?;
         let mut admin_config = ClientConfig::new();
         admin_config.set("bootstrap.servers", &settings.brokers);
         for (k, v) in &settings.options {
@@ -285,7 +305,7 @@ impl KafkaBroker {
         }
         let admin: AdminClient<DefaultClientContext> = admin_config
             .create()
-            .map_err(|e| unreachable(&settings.brokers, e))?;
+            .map_err(|e| refused_settings(&settings.brokers, e))?;
         Ok(Self {
             inner: Arc::new(Inner {
                 settings,
@@ -490,7 +510,7 @@ impl Broker for KafkaBroker {
         let revoked = context.revoked.clone();
         let consumer: StreamConsumer<GroupContext> = config
             .create_with_context(context)
-            .map_err(|e| unreachable(&settings.brokers, e))?;
+            .map_err(|e| refused_settings(&settings.brokers, e))?;
         // Made at once, so that should setting the consumer up fail below, dropping the
         // source lets the consumer go off the async workers, as any source's does.
         let mut source = KafkaSource {

@@ -321,6 +321,14 @@ pub enum TransportError {
         #[source]
         source: BoxError,
     },
+    /// The client refused its settings (an unknown option, a file it cannot read):
+    /// no retry helps until the config changes.
+    #[error("broker {broker} settings refused: {source}")]
+    Settings {
+        broker: String,
+        #[source]
+        source: BoxError,
+    },
     #[error("publish to {topic} failed: {source}")]
     Publish {
         topic: String,
@@ -352,6 +360,7 @@ pub enum TransportError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TransportErrorKind {
     Unreachable,
+    Settings,
     Publish,
     Consume,
     Commit,
@@ -363,6 +372,7 @@ impl TransportError {
     pub fn kind(&self) -> TransportErrorKind {
         match self {
             Self::Unreachable { .. } => TransportErrorKind::Unreachable,
+            Self::Settings { .. } => TransportErrorKind::Settings,
             Self::Publish { .. } => TransportErrorKind::Publish,
             Self::Consume { .. } => TransportErrorKind::Consume,
             Self::Commit { .. } => TransportErrorKind::Commit,
@@ -376,7 +386,7 @@ impl TransportError {
         match self {
             Self::Unreachable { .. } | Self::Commit { .. } => true,
             Self::Publish { retryable, .. } | Self::Consume { retryable, .. } => *retryable,
-            Self::InvalidTopic { .. } | Self::Closed { .. } => false,
+            Self::Settings { .. } | Self::InvalidTopic { .. } | Self::Closed { .. } => false,
         }
     }
 }

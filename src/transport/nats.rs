@@ -219,7 +219,10 @@ impl NatsBroker {
             .auth
             .options(from_url)
             .await
-            .map_err(failed)?
+            .map_err(|reason| TransportError::Settings {
+                broker: format!("nats {shown}"),
+                source: scrub(&reason, &secrets.iter().collect::<Vec<_>>()).into(),
+            })?
             .connection_timeout(CONNECT_TIMEOUT)
             .connect(url.as_str())
             .await

@@ -240,9 +240,9 @@ impl RedisStore {
     /// by itself afterwards.
     pub async fn connect_with(settings: &RedisSettings, prefix: &str) -> Result<Self, StoreError> {
         let url = redact_url(&settings.url);
-        let client = settings.client().map_err(|reason| StoreError::Operation {
-            operation: "open",
-            source: format!("redis {url}: {reason}").into(),
+        let client = settings.client().map_err(|reason| StoreError::Settings {
+            store: format!("redis {url}"),
+            source: reason.into(),
         })?;
         let unreachable = |source: BoxError| StoreError::Unreachable {
             what: format!("redis {url}"),
