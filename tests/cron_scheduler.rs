@@ -853,6 +853,101 @@ async fn missed_times_after_downtime_follow_the_catch_up_policy() {
     }
 }
 
+/// A node declaring its schedules again at a restart keeps the times missed while down:
+/// they are caught up by the schedule's policy, as when nothing was declared again.
+#[tokio::test(start_paused = true)]
+async fn a_restart_declaring_its_schedules_again_keeps_the_missed_times_for_catch_up() {
+    use weir::cron::scheduler::{declare, register_at, Clock, TokioClock};
+    use weir::cron::CatchUp;
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:30:00Z")));
+    let mut schedule = Schedule::new("hourly", "0 * * * *", "UTC");
+    schedule.target = Target::Topic("hourly.ticks".into());
+    schedule.catchup = CatchUp::All { cap: 3 };
+    register_at(store.as_ref(), &schedule, 1, clock.now())
+        .await
+        .unwrap();
+    // Down until 05:10, when the node starts again and declares its schedule.
+    tokio::time::sleep(Duration::from_secs(4 * 3600 + 40 * 60)).await;
+    let declared = declare(store.as_ref(), &schedule, 1).await.unwrap();
+    assert_eq!(declared.next, Some(at("2026-01-01T01:00:00Z")));
+    assert!(!declared.kept_paused);
+    run_on_paused_clock(
+        store.clone(),
+        &broker,
+        clock.clone(),
+        Duration::from_secs(55 * 60),
+    )
+    .await;
+    let fired: Vec<String> = ticks(&broker, "hourly.ticks")
+        .iter()
+        .map(|t| {
+            weir::cron::format_instant(
+                chrono::DateTime::from_timestamp_millis(t.scheduled_time_ms).unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        fired,
+        [
+            "2026-01-01T03:00:00Z",
+            "2026-01-01T04:00:00Z",
+            "2026-01-01T05:00:00Z",
+            "2026-01-01T06:00:00Z",
+        ]
+    );
+}
+
+/// Declaring again: a changed definition starts from now, a pause made in the store
+/// outlasts the restart, and the config can pause.
+#[tokio::test]
+async fn declaring_a_schedule_again_keeps_a_pause_and_takes_a_new_definition() {
+    use weir::cron::scheduler::{declare, register, set_enabled};
+    let store = MemoryStore::new();
+    let schedule = Schedule::new("nightly", "0 2 * * *", "UTC");
+    let far = chrono::DateTime::parse_from_rfc3339("2000-01-01T02:00:00Z").unwrap();
+    register(&store, &schedule, 1).await.unwrap();
+    store
+        .set_next_fire(0, "nightly", Some(far.timestamp_millis()))
+        .await
+        .unwrap();
+    // Unchanged: the stored position stays.
+    let declared = declare(&store, &schedule, 1).await.unwrap();
+    assert_eq!(
+        declared.next.map(|t| t.timestamp_millis()),
+        Some(far.timestamp_millis())
+    );
+    // Changed: from now.
+    let mut changed = schedule.clone();
+    changed.cron = "0 3 * * *".into();
+    let declared = declare(&store, &changed, 1).await.unwrap();
+    assert!(declared.next.unwrap() > chrono::Utc::now());
+    assert_eq!(
+        store.get_schedule("nightly").await.unwrap(),
+        Some(changed.clone())
+    );
+    // Paused through the store: stays paused, changed or not.
+    assert!(set_enabled(&store, "nightly", false, 1).await.unwrap());
+    for declaring in [&changed, &schedule] {
+        let declared = declare(&store, declaring, 1).await.unwrap();
+        assert!(declared.kept_paused);
+        assert_eq!(declared.next, None);
+        let stored = store.get_schedule("nightly").await.unwrap().unwrap();
+        assert!(!stored.enabled);
+        assert_eq!(stored.cron, declaring.cron);
+        assert_eq!(store.next_fire(0, "nightly").await.unwrap(), None);
+    }
+    // Resumed, then paused by the config.
+    assert!(set_enabled(&store, "nightly", true, 1).await.unwrap());
+    let mut off = schedule.clone();
+    off.enabled = false;
+    let declared = declare(&store, &off, 1).await.unwrap();
+    assert!(!declared.kept_paused);
+    assert_eq!(declared.next, None);
+    assert_eq!(store.next_fire(0, "nightly").await.unwrap(), None);
+}
+
 /// Records the workflow executions of a schedule's ticks as running, as a state manager
 /// would once it started them, so the scheduler sees them in progress.
 async fn workflows_running(store: &MemoryStore, schedule: &str, minutes: &[i64]) {

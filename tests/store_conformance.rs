@@ -690,7 +690,14 @@ mod cases {
             );
             assert_eq!(store.earliest_fire(0).await.unwrap(), Some(5_000));
             assert_eq!(store.earliest_fire(1).await.unwrap(), None);
+            let late = 1_767_229_200_123; // a time in milliseconds reads back exactly
+            store.set_next_fire(0, "s", Some(late)).await.unwrap();
+            assert_eq!(store.next_fire(0, "s").await.unwrap(), Some(late));
+            assert_eq!(store.next_fire(1, "s").await.unwrap(), None);
+            assert_eq!(store.next_fire(0, "other").await.unwrap(), None);
+            store.set_next_fire(0, "s", Some(5_000)).await.unwrap();
             assert!(store.delete_schedule("s", 0).await.unwrap());
+            assert_eq!(store.next_fire(0, "s").await.unwrap(), None);
             assert!(!store.delete_schedule("s", 0).await.unwrap());
             assert_eq!(store.get_schedule("s").await.unwrap(), None);
             assert_eq!(store.earliest_fire(0).await.unwrap(), None);

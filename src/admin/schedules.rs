@@ -100,7 +100,12 @@ async fn show(
         .await?
         .filter(|s| scope.owns(s.tenant.as_deref()))
         .ok_or_else(|| not_found(&id))?;
-    let next = next_fires(store.as_ref(), [shard_of(&id, state.cron_shards())]).await?;
+    let next: HashMap<String, i64> = store
+        .next_fire(shard_of(&id, state.cron_shards()), &id)
+        .await?
+        .map(|at| (id.clone(), at))
+        .into_iter()
+        .collect();
     let mut value = entry(&schedule, &next);
     value["executions"] = to_json(&store.executions(&id, EXECUTIONS_SHOWN).await?);
     Ok(Json(value))

@@ -168,15 +168,11 @@ async fn next_fire(
     id: &str,
     shards: u32,
 ) -> Result<Option<DateTime<Utc>>, Error> {
-    let shard = shard_of(id, shards);
-    let due = store
-        .due_schedules(shard, i64::MAX, usize::MAX)
+    let next = store
+        .next_fire(shard_of(id, shards), id)
         .await
         .map_err(store_error)?;
-    Ok(due
-        .into_iter()
-        .find(|(s, _)| s == id)
-        .and_then(|(_, ms)| Utc.timestamp_millis_opt(ms).single()))
+    Ok(next.and_then(|ms| Utc.timestamp_millis_opt(ms).single()))
 }
 
 fn schedule_from_args(args: &CronAddArgs) -> Result<weir::cron::Schedule, Error> {

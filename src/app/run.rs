@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::app::error::Error;
 use weir::config::Config;
@@ -87,10 +87,13 @@ pub async fn run(
     let scheduler = if config.cron_enabled() {
         let settings = config.scheduler_config();
         for schedule in &schedules {
-            let next =
-                weir::cron::scheduler::register(runtime.store.as_ref(), schedule, settings.shards)
+            let declared =
+                weir::cron::scheduler::declare(runtime.store.as_ref(), schedule, settings.shards)
                     .await?;
-            info!(schedule = %schedule.id, next = ?next, "schedule registered");
+            if declared.kept_paused {
+                warn!(schedule = %schedule.id, "schedule stays paused as stored; `weir cron resume` resumes it");
+            }
+            info!(schedule = %schedule.id, next = ?declared.next, "schedule registered");
         }
         let scheduler = weir::cron::scheduler::Scheduler::new(
             runtime.store.clone(),

@@ -123,6 +123,9 @@ pub trait ScheduleStore: Send + Sync {
         at_ms: Option<i64>,
     ) -> Result<(), StoreError>;
 
+    /// A schedule's next fire time in a shard's sorted set, if it has one there.
+    async fn next_fire(&self, shard: u32, id: &str) -> Result<Option<i64>, StoreError>;
+
     /// Schedules of a shard due at or before `until_ms`, earliest first.
     async fn due_schedules(
         &self,

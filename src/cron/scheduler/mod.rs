@@ -35,7 +35,7 @@ use crate::codec::{CodecError, CronTick, PreparedTick};
 use crate::cron::store::{CronStore, Execution, ExecutionStatus, ScheduleChanges, ScheduleStore};
 use crate::lease::{Fence, Lease};
 use crate::metrics::LeaseRole;
-use crate::store_error::StoreError;
+use crate::store_error::{StoreError, StoreErrorKind};
 use crate::transport::{Outbound, Sink};
 
 /// Due schedules taken from the store per pass.
@@ -60,7 +60,7 @@ pub use clock::{Clock, SystemClock, TokioClock};
 pub use election::{shard_master, shard_of};
 use emit::{missed, ReadyTick};
 pub use guard::{TickGuard, TickVerdict};
-pub use register::{register, register_at, set_enabled, RegisterError};
+pub use register::{declare, register, register_at, set_enabled, Declared, RegisterError};
 
 /// Scheduler settings; defaults give failover within a few seconds.
 #[derive(Debug, Clone)]

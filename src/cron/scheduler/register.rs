@@ -43,6 +43,56 @@ pub async fn register_at(
     Ok(next)
 }
 
+/// Registers a schedule a node's config declares, as each node declaring it does at
+/// every start. A schedule stored as declared keeps its next fire time, so the times
+/// missed while no node ran are caught up by its policy rather than dropped at the
+/// restart; one whose definition changed starts again from now. The config may pause a
+/// schedule (`enabled = false`) but does not resume one paused in the store: a pause
+/// made through `weir cron pause` or the admin API outlasts restarts until resumed
+/// there.
+pub async fn declare(
+    store: &dyn ScheduleStore,
+    schedule: &Schedule,
+    shards: u32,
+) -> Result<Declared, RegisterError> {
+    schedule.validate()?;
+    let stored = match store.get_schedule(&schedule.id).await {
+        Ok(stored) => stored,
+        // A record that does not read back (another version wrote it) is replaced.
+        Err(e) if e.kind() == StoreErrorKind::Corrupt => None,
+        Err(e) => return Err(e.into()),
+    };
+    let shard = shard_of(&schedule.id, shards);
+    let mut declared = schedule.clone();
+    let mut kept_paused = false;
+    if let Some(stored) = &stored {
+        if !stored.enabled && declared.enabled {
+            declared.enabled = false;
+            kept_paused = true;
+        }
+        if *stored == declared {
+            let next = store.next_fire(shard, &declared.id).await?;
+            if next.is_some() || !declared.enabled {
+                return Ok(Declared {
+                    next: next.and_then(DateTime::from_timestamp_millis),
+                    kept_paused,
+                });
+            }
+        }
+    }
+    let next = register(store, &declared, shards).await?;
+    Ok(Declared { next, kept_paused })
+}
+
+/// What [`declare`] left in place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Declared {
+    /// The schedule's next fire time (none while paused).
+    pub next: Option<DateTime<Utc>>,
+    /// Whether the store holds the schedule paused though its config enables it.
+    pub kept_paused: bool,
+}
+
 /// Pauses or resumes a stored schedule. Returns false if there is no such schedule.
 pub async fn set_enabled(
     store: &dyn ScheduleStore,

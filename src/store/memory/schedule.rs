@@ -50,6 +50,14 @@ impl ScheduleStore for MemoryStore {
         Ok(())
     }
 
+    async fn next_fire(&self, shard: u32, id: &str) -> Result<Option<i64>, StoreError> {
+        Ok(self
+            .state()
+            .due
+            .get(&shard)
+            .and_then(|set| set.iter().find(|(_, s)| s == id).map(|(at, _)| *at)))
+    }
+
     async fn due_schedules(
         &self,
         shard: u32,

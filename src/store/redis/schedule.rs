@@ -158,6 +158,14 @@ impl ScheduleStore for RedisStore {
         .map_err(|e| store_error("ZADD", e))
     }
 
+    async fn next_fire(&self, shard: u32, id: &str) -> Result<Option<i64>, StoreError> {
+        let key = self.key(&["sched", "due", &shard.to_string()]);
+        let mut c = self.connection.clone();
+        c.zscore(key, id)
+            .await
+            .map_err(|e| store_error("ZSCORE", e))
+    }
+
     async fn due_schedules(
         &self,
         shard: u32,
