@@ -517,3 +517,196 @@ async fn partitions_added_while_a_graph_runs_are_read_and_survive_a_restart() {
         "nothing fired twice after the restart"
     );
 }
+
+/// A source that, when told, delivers again every message it delivered so far before
+/// going on, as JetStream does with what is not acknowledged within its ack wait.
+struct Redelivering {
+    inner: BrokerSource,
+    redeliver: Arc<Notify>,
+}
+
+#[async_trait]
+impl SourceFactory for Redelivering {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    async fn open(&self, resume_after: &[Position]) -> Result<Box<dyn Source>, TransportError> {
+        Ok(Box::new(RedeliveringSource {
+            inner: self.inner.open(resume_after).await?,
+            redeliver: self.redeliver.clone(),
+            delivered: Vec::new(),
+            again: std::collections::VecDeque::new(),
+        }))
+    }
+}
+
+struct RedeliveringSource {
+    inner: Box<dyn Source>,
+    redeliver: Arc<Notify>,
+    delivered: Vec<Message>,
+    again: std::collections::VecDeque<Message>,
+}
+
+#[async_trait]
+impl Source for RedeliveringSource {
+    async fn next(&mut self) -> Result<Message, TransportError> {
+        loop {
+            if let Some(message) = self.again.pop_front() {
+                return Ok(message);
+            }
+            tokio::select! {
+                biased;
+                _ = self.redeliver.notified() => self.again.extend(self.delivered.iter().cloned()),
+                message = self.inner.next() => {
+                    let message = message?;
+                    self.delivered.push(message.clone());
+                    return Ok(message);
+                }
+            }
+        }
+    }
+
+    async fn commit(&mut self, through: &[Position]) -> Result<(), TransportError> {
+        self.inner.commit(through).await
+    }
+}
+
+fn running_sum(name: &str) -> AccumulatorSpec {
+    AccumulatorSpec::stateful(name, json!(0), |state, event| {
+        let total = state.as_i64().unwrap_or(0) + event.as_i64().unwrap_or(0);
+        *state = json!(total);
+        Some(json!(total))
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn messages_delivered_again_before_their_commit_are_folded_into_a_state_once() {
+    let h = Harness::new();
+    let mut subscription = Subscription::new("again.in", "weir.again");
+    subscription.assignment = Assignment::All;
+    let redeliver = Arc::new(Notify::new());
+    let source = Arc::new(Redelivering {
+        inner: BrokerSource {
+            broker: Arc::new(h.broker.clone()),
+            subscription,
+        },
+        redeliver: redeliver.clone(),
+    });
+    // Nothing is durable, so nothing committed, until a snapshot on command.
+    let g = h.spawn(graph_snapshotting_on_command(
+        "again",
+        running_sum("a").source(source),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    publish_all(&h, "again.in", &[json!(1), json!(2), json!(3)]).await;
+    eventually("three fires", || async {
+        h.outputs("again.out").len() == 3
+    })
+    .await;
+    redeliver.notify_one();
+    publish_all(&h, "again.in", &[json!(4)]).await;
+    eventually("the fourth fire", || async {
+        h.outputs("again.out").len() >= 4
+    })
+    .await;
+    settle().await;
+    let sums: Vec<Value> = h
+        .outputs("again.out")
+        .iter()
+        .map(|o| o["inputs"]["a"].clone())
+        .collect();
+    assert_eq!(sums, [json!(1), json!(3), json!(6), json!(10)]);
+}
+
+/// A source that always has a message at hand, each worth 1: an accumulator reading it
+/// emits for ever, so boundaries are always pending when some become durable.
+struct Endless;
+
+#[async_trait]
+impl SourceFactory for Endless {
+    fn describe(&self) -> String {
+        "endless".into()
+    }
+
+    async fn open(&self, resume_after: &[Position]) -> Result<Box<dyn Source>, TransportError> {
+        let next = resume_after.first().map_or(0, |p| p.offset + 1);
+        Ok(Box::new(EndlessSource { next }))
+    }
+}
+
+struct EndlessSource {
+    next: i64,
+}
+
+impl EndlessSource {
+    fn message(&mut self) -> Message {
+        let offset = self.next;
+        self.next += 1;
+        Message {
+            topic: Arc::from("endless"),
+            position: Position {
+                partition: 0,
+                offset,
+            },
+            key: None,
+            payload: bytes::Bytes::from_static(b"1"),
+            headers: Default::default(),
+            timestamp_ms: 0,
+        }
+    }
+}
+
+#[async_trait]
+impl Source for EndlessSource {
+    async fn next(&mut self) -> Result<Message, TransportError> {
+        // Spent as a read from a broker client is, so the reader yields in turn.
+        tokio::task::consume_budget().await;
+        Ok(self.message())
+    }
+
+    fn ready(&mut self) -> Option<Result<Message, TransportError>> {
+        Some(Ok(self.message()))
+    }
+
+    async fn commit(&mut self, _through: &[Position]) -> Result<(), TransportError> {
+        Ok(())
+    }
+}
+
+/// A stateful accumulator whose boundaries never stop coming still checkpoints, with
+/// the state as it stood at the positions committed: its checkpoint could only follow
+/// a moment when none was pending, which under steady input never comes. In real time
+/// on two threads, so reader and reactor overlap as they do in production.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stateful_accumulator_under_steady_input_checkpoints_the_state_at_its_positions() {
+    use weir::store::prelude::*;
+    let h = Harness::new();
+    let g = h.spawn(graph_spacing_checkpoints(
+        "steady",
+        running_sum("a").source(Arc::new(Endless)),
+        Duration::from_millis(10),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    eventually("a checkpoint past the first thousand inputs", || async {
+        h.store
+            .load_checkpoint("steady", "a")
+            .await
+            .unwrap()
+            .is_some_and(|c| c.positions.iter().any(|p| p.offset >= 1000))
+    })
+    .await;
+    for _ in 0..5 {
+        let checkpoint = h
+            .store
+            .load_checkpoint("steady", "a")
+            .await
+            .unwrap()
+            .unwrap();
+        let offset = checkpoint.positions.iter().map(|p| p.offset).max().unwrap();
+        // Offsets from 0 to `offset`, each worth 1.
+        assert_eq!(checkpoint.state, Some(json!(offset + 1)), "{checkpoint:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    h.cancel.cancel();
+}

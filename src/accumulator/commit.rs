@@ -5,12 +5,25 @@
 //! acknowledged). For a stateless
 //! accumulator that is "everything before the oldest non-durable boundary", per
 //! partition. A stateful accumulator's state mixes all events it has seen, so its
-//! positions are committed only when nothing it emitted is pending.
+//! positions are committed with the state as it stood at them: the current state once
+//! nothing it emitted is pending, or, while boundaries keep coming, a state set aside
+//! earlier ([`CommitTracker::stand`]) once the boundaries emitted before it are durable.
 
 use std::collections::{BTreeMap, VecDeque};
 
+use serde_json::Value;
+
 use super::Positions;
 use crate::transport::Position;
+
+/// A stateful accumulator's state set aside with the positions it stands for and the
+/// last boundary emitted before it.
+#[derive(Debug)]
+struct Standing {
+    sequence: u64,
+    processed: BTreeMap<i32, i64>,
+    state: Value,
+}
 
 #[derive(Debug, Default)]
 pub struct CommitTracker {
@@ -24,12 +37,17 @@ pub struct CommitTracker {
     /// by partition: what the next boundary covers. Handed over whole at each emission,
     /// so kept in the form the boundary holds it.
     uncovered: Positions,
+    standing: Option<Standing>,
 }
 
 /// Positions to commit now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CommitPoint {
     pub positions: Vec<Position>,
+    /// A stateful accumulator's state as it stood at these positions, when it has moved
+    /// on since (set aside by [`CommitTracker::stand`]); `None` when the current state
+    /// stands for them.
+    pub state_then: Option<Value>,
 }
 
 impl CommitTracker {
@@ -51,15 +69,19 @@ impl CommitTracker {
             committed: offsets.clone(),
             processed: offsets,
             pending: VecDeque::new(),
+            standing: None,
         }
     }
 
-    /// Whether a position is at or before the committed one: a redelivery of something
-    /// already covered by the checkpoint, to be skipped.
-    pub fn covered(&self, position: Position) -> bool {
-        self.committed
+    /// Whether a position is at or before the last one taken in from its partition: a
+    /// redelivery (JetStream delivers again what is not acknowledged in time) of what
+    /// this run, or the checkpoint it started from, already holds, to be skipped. A
+    /// source reads each partition in order and a run ends with its source, so nothing
+    /// before that position is new.
+    pub fn seen(&self, position: Position) -> bool {
+        self.processed
             .get(&position.partition)
-            .is_some_and(|&c| position.offset <= c)
+            .is_some_and(|&p| position.offset <= p)
     }
 
     /// Records an event taken in, whether or not it produced a boundary.
@@ -96,14 +118,40 @@ impl CommitTracker {
         self.pending.len()
     }
 
+    /// Whether a stateful accumulator should set its state aside ([`Self::stand`]): it
+    /// has boundaries pending, so its current state cannot be committed, and none is
+    /// set aside yet.
+    pub fn wants_standing(&self) -> bool {
+        self.standing.is_none() && !self.pending.is_empty()
+    }
+
+    /// Sets aside a stateful accumulator's current state, standing for every event
+    /// taken in so far: committed once the boundaries emitted up to now are durable,
+    /// though later ones are still pending.
+    pub fn stand(&mut self, state: Value) {
+        if let Some(&(sequence, _)) = self.pending.back() {
+            self.standing = Some(Standing {
+                sequence,
+                processed: self.processed.clone(),
+                state,
+            });
+        }
+    }
+
     /// Everything up to `sequence` is durable. Returns what may be committed now, if it
     /// moves any partition forward.
     pub fn durable(&mut self, sequence: u64, stateful: bool) -> Option<CommitPoint> {
         while self.pending.front().is_some_and(|(s, _)| *s <= sequence) {
             self.pending.pop_front();
         }
-        if stateful && !self.pending.is_empty() {
-            return None;
+        if stateful {
+            if self.pending.is_empty() {
+                // The current state stands for everything: what was set aside is older.
+                self.standing = None;
+            } else {
+                let standing = self.standing.take_if(|s| s.sequence <= sequence)?;
+                return self.commit_through(&standing.processed, Some(standing.state));
+            }
         }
         let mut oldest_pending: BTreeMap<i32, i64> = BTreeMap::new();
         for (_, position) in &self.pending {
@@ -111,12 +159,27 @@ impl CommitTracker {
                 oldest_pending.entry(p.partition).or_insert(p.offset);
             }
         }
+        let safe: BTreeMap<i32, i64> = self
+            .processed
+            .iter()
+            .map(
+                |(&partition, &processed)| match oldest_pending.get(&partition) {
+                    Some(&oldest) => (partition, oldest - 1),
+                    None => (partition, processed),
+                },
+            )
+            .collect();
+        self.commit_through(&safe, None)
+    }
+
+    /// Commits each partition through its offset in `safe`, where that moves it forward.
+    fn commit_through(
+        &mut self,
+        safe: &BTreeMap<i32, i64>,
+        state_then: Option<Value>,
+    ) -> Option<CommitPoint> {
         let mut positions = Vec::new();
-        for (&partition, &processed) in &self.processed {
-            let safe = match oldest_pending.get(&partition) {
-                Some(&oldest) => oldest - 1,
-                None => processed,
-            };
+        for (&partition, &safe) in safe {
             let committed = self.committed.get(&partition).copied().unwrap_or(i64::MIN);
             if safe > committed && safe >= 0 {
                 positions.push(Position {
@@ -131,7 +194,10 @@ impl CommitTracker {
         for p in &positions {
             self.committed.insert(p.partition, p.offset);
         }
-        Some(CommitPoint { positions })
+        Some(CommitPoint {
+            positions,
+            state_then,
+        })
     }
 }
 
@@ -153,7 +219,8 @@ mod tests {
         assert_eq!(
             t.durable(1, false),
             Some(CommitPoint {
-                positions: vec![pos(0, 0)]
+                positions: vec![pos(0, 0)],
+                state_then: None,
             })
         );
         // Nothing new becomes safe.
@@ -161,7 +228,8 @@ mod tests {
         assert_eq!(
             t.durable(3, false),
             Some(CommitPoint {
-                positions: vec![pos(0, 2)]
+                positions: vec![pos(0, 2)],
+                state_then: None,
             })
         );
     }
@@ -204,18 +272,56 @@ mod tests {
         assert_eq!(
             t.durable(12, true),
             Some(CommitPoint {
-                positions: vec![pos(0, 102)]
+                positions: vec![pos(0, 102)],
+                state_then: None,
             })
         );
     }
 
     #[test]
-    fn redeliveries_of_checkpointed_positions_are_covered() {
-        let t = CommitTracker::new(&[pos(0, 7)], false);
-        assert!(t.covered(pos(0, 7)));
-        assert!(t.covered(pos(0, 3)));
-        assert!(!t.covered(pos(0, 8)));
-        assert!(!t.covered(pos(1, 0)));
+    fn stateful_commits_a_state_set_aside_while_boundaries_keep_coming() {
+        let mut t = CommitTracker::new(&[], false);
+        t.processed(pos(0, 0));
+        let _ = t.emitted(1, Some(pos(0, 0)));
+        t.processed(pos(0, 1)); // folded, nothing emitted
+        assert!(t.wants_standing());
+        t.stand(serde_json::json!({"sum": 2}));
+        assert!(!t.wants_standing(), "one at a time");
+        t.processed(pos(0, 2));
+        let _ = t.emitted(2, Some(pos(0, 2)));
+        // Boundary 2 is still pending: only the state set aside after boundary 1 stands.
+        assert_eq!(
+            t.durable(1, true),
+            Some(CommitPoint {
+                positions: vec![pos(0, 1)],
+                state_then: Some(serde_json::json!({"sum": 2})),
+            })
+        );
+        assert_eq!(t.durable(1, true), None);
+        t.stand(serde_json::json!({"sum": 5}));
+        t.processed(pos(0, 3));
+        let _ = t.emitted(3, Some(pos(0, 3)));
+        // Nothing pending any more: the current state stands, and what was set aside
+        // is dropped.
+        assert_eq!(t.durable(3, true).unwrap().state_then, None);
+        assert!(!t.wants_standing());
+        t.processed(pos(0, 4));
+        let _ = t.emitted(4, Some(pos(0, 4)));
+        assert_eq!(t.durable(4, true).unwrap().positions, vec![pos(0, 4)]);
+    }
+
+    #[test]
+    fn redeliveries_of_what_was_taken_in_are_seen() {
+        let mut t = CommitTracker::new(&[pos(0, 7)], false);
+        assert!(t.seen(pos(0, 7)));
+        assert!(t.seen(pos(0, 3)));
+        assert!(!t.seen(pos(0, 8)));
+        assert!(!t.seen(pos(1, 0)));
+        t.processed(pos(0, 8));
+        t.processed(pos(1, 2));
+        assert!(t.seen(pos(0, 8)), "taken in, not yet committed");
+        assert!(t.seen(pos(1, 0)));
+        assert!(!t.seen(pos(1, 3)));
     }
 
     #[test]
