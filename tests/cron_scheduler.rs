@@ -999,6 +999,33 @@ async fn overlap_skip_drops_firings_while_the_previous_one_runs() {
     }
 }
 
+/// A run longer than ten firings: the firings it made skip fill the newest records, and
+/// the running one is still found behind them.
+#[tokio::test(start_paused = true)]
+async fn overlap_skip_holds_through_more_skipped_firings_than_it_reads_at_first() {
+    use weir::cron::scheduler::{register_at, Clock, TokioClock};
+    use weir::cron::Overlap;
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
+    let mut schedule = Schedule::new("long", "* * * * *", "UTC");
+    schedule.target = Target::Workflow("report".into());
+    schedule.overlap = Overlap::Skip;
+    register_at(store.as_ref(), &schedule, 1, clock.now())
+        .await
+        .unwrap();
+    // Minute 1's workflow runs throughout.
+    workflows_running(&store, "long", &[1]).await;
+    run_on_paused_clock(store.clone(), &broker, clock, Duration::from_secs(14 * 60)).await;
+    assert_eq!(ticks(&broker, "weir.workflows.report.start").len(), 1);
+    let history = store.executions("long", 100).await.unwrap();
+    let skipped = history
+        .iter()
+        .filter(|e| e.status == ExecutionStatus::Skipped)
+        .count();
+    assert_eq!(skipped, 13);
+}
+
 #[tokio::test(start_paused = true)]
 async fn overlap_buffer_one_holds_one_firing_until_the_running_one_ends() {
     use weir::cron::scheduler::{register_at, Clock, TokioClock};

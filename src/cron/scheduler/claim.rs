@@ -117,7 +117,7 @@ impl Scheduler {
                 .single()
                 .unwrap_or(now);
             let running = if plan::overlap_matters(schedule) {
-                match self.bounded(self.store.executions(&id, 10)).await {
+                match self.recent_executions(&id).await {
                     Ok(recent) => plan::Running::from_recent(&recent),
                     // Its history unreadable (another version's records): fired as if
                     // nothing ran, rather than never again.

@@ -42,6 +42,10 @@ use crate::transport::{Outbound, Sink};
 const DUE_BATCH: usize = 10_000;
 /// How long a stored schedule that cannot be read waits before it is read again.
 const UNREADABLE_RETRY: Duration = Duration::from_secs(60);
+/// Executions of a schedule read to tell whether one runs; more when those are all held
+/// back or dropped by the overlap policy, up to as many as the stores keep per schedule.
+const RECENT_EXECUTIONS: usize = 10;
+const EXECUTIONS_KEPT: usize = 1000;
 /// How far ahead of their time due ticks are planned and claimed.
 const LOOKAHEAD: Duration = Duration::from_millis(250);
 /// Schedule loads in flight at once.
@@ -304,6 +308,27 @@ impl Scheduler {
         call: impl std::future::Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         within(self.config.lease_ttl / 3, call).await
+    }
+
+    /// A schedule's newest executions, enough of them to include the one running if any:
+    /// the newest few, or, when those are all firings the overlap policy held back or
+    /// dropped (so something ran when they were due), as many as the store keeps.
+    async fn recent_executions(&self, id: &str) -> Result<Vec<Execution>, StoreError> {
+        let recent = self
+            .bounded(self.store.executions(id, RECENT_EXECUTIONS))
+            .await?;
+        let held_back = |e: &Execution| {
+            matches!(
+                e.status,
+                ExecutionStatus::Skipped | ExecutionStatus::Buffered
+            )
+        };
+        if recent.len() == RECENT_EXECUTIONS && recent.iter().all(held_back) {
+            return self
+                .bounded(self.store.executions(id, EXECUTIONS_KEPT))
+                .await;
+        }
+        Ok(recent)
     }
 
     /// Whether this node surely holds the shard's lease: before its deadline.

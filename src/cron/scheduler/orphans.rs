@@ -58,7 +58,7 @@ impl Scheduler {
                 }
                 found => found?,
             };
-            let recent = self.bounded(self.store.executions(&id, 10)).await?;
+            let recent = self.recent_executions(&id).await?;
             let mut running = recent.iter().any(|e| e.status == ExecutionStatus::Running);
             for scheduled_ms in times {
                 let Some(mut execution) = self
