@@ -5,25 +5,12 @@
 //! acknowledged). For a stateless
 //! accumulator that is "everything before the oldest non-durable boundary", per
 //! partition. A stateful accumulator's state mixes all events it has seen, so its
-//! positions are committed with the state as it stood at them: the current state once
-//! nothing it emitted is pending, or, while boundaries keep coming, a state set aside
-//! earlier ([`CommitTracker::stand`]) once the boundaries emitted before it are durable.
+//! positions are committed only when nothing it emitted is pending.
 
 use std::collections::{BTreeMap, VecDeque};
 
-use serde_json::Value;
-
 use super::Positions;
 use crate::transport::Position;
-
-/// A stateful accumulator's state set aside with the positions it stands for and the
-/// last boundary emitted before it.
-#[derive(Debug)]
-struct Standing {
-    sequence: u64,
-    processed: BTreeMap<i32, i64>,
-    state: Value,
-}
 
 #[derive(Debug, Default)]
 pub struct CommitTracker {
@@ -37,17 +24,12 @@ pub struct CommitTracker {
     /// by partition: what the next boundary covers. Handed over whole at each emission,
     /// so kept in the form the boundary holds it.
     uncovered: Positions,
-    standing: Option<Standing>,
 }
 
 /// Positions to commit now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CommitPoint {
     pub positions: Vec<Position>,
-    /// A stateful accumulator's state as it stood at these positions, when it has moved
-    /// on since (set aside by [`CommitTracker::stand`]); `None` when the current state
-    /// stands for them.
-    pub state_then: Option<Value>,
 }
 
 impl CommitTracker {
@@ -69,7 +51,6 @@ impl CommitTracker {
             committed: offsets.clone(),
             processed: offsets,
             pending: VecDeque::new(),
-            standing: None,
         }
     }
 
@@ -118,40 +99,14 @@ impl CommitTracker {
         self.pending.len()
     }
 
-    /// Whether a stateful accumulator should set its state aside ([`Self::stand`]): it
-    /// has boundaries pending, so its current state cannot be committed, and none is
-    /// set aside yet.
-    pub fn wants_standing(&self) -> bool {
-        self.standing.is_none() && !self.pending.is_empty()
-    }
-
-    /// Sets aside a stateful accumulator's current state, standing for every event
-    /// taken in so far: committed once the boundaries emitted up to now are durable,
-    /// though later ones are still pending.
-    pub fn stand(&mut self, state: Value) {
-        if let Some(&(sequence, _)) = self.pending.back() {
-            self.standing = Some(Standing {
-                sequence,
-                processed: self.processed.clone(),
-                state,
-            });
-        }
-    }
-
     /// Everything up to `sequence` is durable. Returns what may be committed now, if it
     /// moves any partition forward.
     pub fn durable(&mut self, sequence: u64, stateful: bool) -> Option<CommitPoint> {
         while self.pending.front().is_some_and(|(s, _)| *s <= sequence) {
             self.pending.pop_front();
         }
-        if stateful {
-            if self.pending.is_empty() {
-                // The current state stands for everything: what was set aside is older.
-                self.standing = None;
-            } else {
-                let standing = self.standing.take_if(|s| s.sequence <= sequence)?;
-                return self.commit_through(&standing.processed, Some(standing.state));
-            }
+        if stateful && !self.pending.is_empty() {
+            return None;
         }
         let mut oldest_pending: BTreeMap<i32, i64> = BTreeMap::new();
         for (_, position) in &self.pending {
@@ -159,27 +114,12 @@ impl CommitTracker {
                 oldest_pending.entry(p.partition).or_insert(p.offset);
             }
         }
-        let safe: BTreeMap<i32, i64> = self
-            .processed
-            .iter()
-            .map(
-                |(&partition, &processed)| match oldest_pending.get(&partition) {
-                    Some(&oldest) => (partition, oldest - 1),
-                    None => (partition, processed),
-                },
-            )
-            .collect();
-        self.commit_through(&safe, None)
-    }
-
-    /// Commits each partition through its offset in `safe`, where that moves it forward.
-    fn commit_through(
-        &mut self,
-        safe: &BTreeMap<i32, i64>,
-        state_then: Option<Value>,
-    ) -> Option<CommitPoint> {
         let mut positions = Vec::new();
-        for (&partition, &safe) in safe {
+        for (&partition, &processed) in &self.processed {
+            let safe = match oldest_pending.get(&partition) {
+                Some(&oldest) => oldest - 1,
+                None => processed,
+            };
             let committed = self.committed.get(&partition).copied().unwrap_or(i64::MIN);
             if safe > committed && safe >= 0 {
                 positions.push(Position {
@@ -194,10 +134,7 @@ impl CommitTracker {
         for p in &positions {
             self.committed.insert(p.partition, p.offset);
         }
-        Some(CommitPoint {
-            positions,
-            state_then,
-        })
+        Some(CommitPoint { positions })
     }
 }
 
@@ -219,8 +156,7 @@ mod tests {
         assert_eq!(
             t.durable(1, false),
             Some(CommitPoint {
-                positions: vec![pos(0, 0)],
-                state_then: None,
+                positions: vec![pos(0, 0)]
             })
         );
         // Nothing new becomes safe.
@@ -228,8 +164,7 @@ mod tests {
         assert_eq!(
             t.durable(3, false),
             Some(CommitPoint {
-                positions: vec![pos(0, 2)],
-                state_then: None,
+                positions: vec![pos(0, 2)]
             })
         );
     }
@@ -272,42 +207,9 @@ mod tests {
         assert_eq!(
             t.durable(12, true),
             Some(CommitPoint {
-                positions: vec![pos(0, 102)],
-                state_then: None,
+                positions: vec![pos(0, 102)]
             })
         );
-    }
-
-    #[test]
-    fn stateful_commits_a_state_set_aside_while_boundaries_keep_coming() {
-        let mut t = CommitTracker::new(&[], false);
-        t.processed(pos(0, 0));
-        let _ = t.emitted(1, Some(pos(0, 0)));
-        t.processed(pos(0, 1)); // folded, nothing emitted
-        assert!(t.wants_standing());
-        t.stand(serde_json::json!({"sum": 2}));
-        assert!(!t.wants_standing(), "one at a time");
-        t.processed(pos(0, 2));
-        let _ = t.emitted(2, Some(pos(0, 2)));
-        // Boundary 2 is still pending: only the state set aside after boundary 1 stands.
-        assert_eq!(
-            t.durable(1, true),
-            Some(CommitPoint {
-                positions: vec![pos(0, 1)],
-                state_then: Some(serde_json::json!({"sum": 2})),
-            })
-        );
-        assert_eq!(t.durable(1, true), None);
-        t.stand(serde_json::json!({"sum": 5}));
-        t.processed(pos(0, 3));
-        let _ = t.emitted(3, Some(pos(0, 3)));
-        // Nothing pending any more: the current state stands, and what was set aside
-        // is dropped.
-        assert_eq!(t.durable(3, true).unwrap().state_then, None);
-        assert!(!t.wants_standing());
-        t.processed(pos(0, 4));
-        let _ = t.emitted(4, Some(pos(0, 4)));
-        assert_eq!(t.durable(4, true).unwrap().positions, vec![pos(0, 4)]);
     }
 
     #[test]

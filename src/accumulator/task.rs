@@ -472,6 +472,7 @@ impl AccumulatorTask {
             // The broker delivered again what this run or its checkpoint already holds
             // (its commit lagged, or JetStream's ack wait ran out): taken in again, it
             // would be folded into a state twice.
+            self.stats.duplicate_dropped();
             return Ok(true);
         }
         let value = match self.spec.format.decode(&message.payload) {
@@ -658,13 +659,6 @@ impl AccumulatorTask {
     /// changed, since pushes are never replayed.
     fn commit(&self, run: &mut Running, has_source: bool, durable: u64) {
         let Some(point) = run.tracker.durable(durable, run.stateful) else {
-            if run.stateful && run.tracker.wants_standing() {
-                // Boundaries keep coming, so one is always pending: the state set
-                // aside now is committed once those emitted so far are durable.
-                if let Some(state) = run.accumulator.checkpoint() {
-                    run.tracker.stand(state);
-                }
-            }
             return;
         };
         if !has_source && !run.stateful {
@@ -675,7 +669,7 @@ impl AccumulatorTask {
         let checkpoint = Checkpoint {
             positions: run.tracker.committed(),
             state: if run.stateful {
-                point.state_then.or_else(|| run.accumulator.checkpoint())
+                run.accumulator.checkpoint()
             } else {
                 None
             },

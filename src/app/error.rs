@@ -84,8 +84,15 @@ impl Error {
             Self::Config(e) if !e.is_retryable() => 2,
             // A stored record that does not read back: no retry can help.
             Self::Store(e) if e.kind() == weir::store_error::StoreErrorKind::Corrupt => 2,
-            // A name the broker cannot take, or a setup that cannot serve it.
-            Self::Transport(e) if e.kind() == weir::transport::TransportErrorKind::InvalidTopic => {
+            // A name the broker cannot take, or a setup that cannot serve it; settings
+            // the broker's client refuses.
+            Self::Transport(e)
+                if matches!(
+                    e.kind(),
+                    weir::transport::TransportErrorKind::InvalidTopic
+                        | weir::transport::TransportErrorKind::Settings
+                ) =>
+            {
                 2
             }
             // A message the broker refuses for good (too large, not allowed): trying

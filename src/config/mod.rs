@@ -121,7 +121,7 @@ fn syntax_error(text: &str, e: &toml::de::Error) -> String {
     let Some(span) = e.span() else {
         return e.message().to_string();
     };
-    let before = &text[..span.start.min(text.len())];
+    let before = text.get(..span.start).unwrap_or(text);
     let line = before.matches('\n').count() + 1;
     let column = before
         .rsplit('\n')

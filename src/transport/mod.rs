@@ -391,7 +391,8 @@ impl TransportError {
     }
 }
 
-/// A consumer on one topic or subject.
+/// A consumer on one topic or subject. It delivers each partition in order: a position
+/// at or before one already delivered is taken for a redelivery and dropped.
 #[async_trait]
 pub trait Source: Send {
     /// The next message, waiting for one if none is available.
