@@ -87,11 +87,9 @@ pub async fn tail(
     };
     let mut source = broker.subscribe(&subscription).await?;
     let mut printed = 0;
-    // Printed since the source was opened: a reader that fails after printing some
-    // (a JetStream reader finding deliveries lost with a broken connection) is opened
-    // again after the last one printed; one that fails before printing any ends the
-    // command with its error.
-    let mut printed_here = 0;
+    // Reopens in a row with nothing printed in between: a reader failing again and again
+    // (the broker gone, not a connection that broke once) ends the command.
+    let mut failed_in_a_row = 0;
     let mut last_printed = std::collections::BTreeMap::new();
     while args.count.is_none_or(|n| printed < n) {
         let message = tokio::select! {
@@ -100,22 +98,58 @@ pub async fn tail(
         };
         let message = match message {
             Ok(message) => message,
-            Err(e) if e.is_retryable() && printed_here > 0 => {
+            // A reader that fails for a reason that may pass (a JetStream reader finding
+            // deliveries lost with a broken connection) is opened again right after the
+            // last message printed, so nothing is skipped and nothing printed twice. A
+            // reader from the latest message that printed nothing has no such position
+            // and ends the command: opening it again could skip what came meanwhile.
+            Err(e) if e.is_retryable() && (printed > 0 || args.from_beginning) => {
+                failed_in_a_row += 1;
+                if failed_in_a_row > TAIL_REOPENS {
+                    return Err(e.into());
+                }
                 warn!(topic = %args.topic, error = %e, "reading again after the last message printed");
                 subscription.resume_after = last_printed.values().copied().collect();
-                source = broker.subscribe(&subscription).await?;
-                printed_here = 0;
+                source = reopen(&*broker, &subscription, &cancel, &mut failed_in_a_row).await?;
                 continue;
             }
             Err(e) => return Err(e.into()),
         };
+        failed_in_a_row = 0;
         last_printed.insert(message.position.partition, message.position);
         writeln!(out, "{}", render(&message.payload))?;
         out.flush()?;
         printed += 1;
-        printed_here += 1;
     }
     Ok(())
+}
+
+/// Times in a row `weir tail` opens its reader again without printing a message between.
+const TAIL_REOPENS: u32 = 10;
+
+/// Opens the tail's reader again after a pause that grows with each failure in a row,
+/// itself tried again while it fails for a reason that may pass, up to [`TAIL_REOPENS`].
+async fn reopen(
+    broker: &dyn Broker,
+    subscription: &Subscription,
+    cancel: &CancellationToken,
+    failed_in_a_row: &mut u32,
+) -> Result<Box<dyn weir::transport::Source>, Error> {
+    loop {
+        let pause = std::time::Duration::from_millis(50 * u64::from(*failed_in_a_row));
+        tokio::select! {
+            _ = cancel.cancelled() => {}
+            _ = tokio::time::sleep(pause) => {}
+        }
+        match broker.subscribe(subscription).await {
+            Ok(source) => return Ok(source),
+            Err(e) if e.is_retryable() && *failed_in_a_row < TAIL_REOPENS => {
+                warn!(topic = %subscription.topic, error = %e, "opening the reader again");
+                *failed_in_a_row += 1;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// One line for a payload: weir's Avro records and JSON as compact JSON, anything else
