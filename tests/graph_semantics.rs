@@ -582,6 +582,69 @@ async fn accumulator_restart_keeps_the_reactor_and_drops_replayed_duplicates() {
     .await;
 }
 
+/// Passes events through, panicking on every "poison".
+struct AlwaysPanicsOnPoison;
+
+impl weir::Accumulator for AlwaysPanicsOnPoison {
+    fn process(
+        &mut self,
+        event: weir::Event,
+    ) -> Result<Option<Value>, weir::accumulator::AccumulatorError> {
+        if event.value == json!("poison") {
+            panic!("cannot digest poison");
+        }
+        Ok(Some(event.value))
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn messages_an_accumulator_always_panics_on_are_dead_lettered_and_the_rest_flow() {
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "poisoned",
+        vec![AccumulatorSpec::custom("a", || AlwaysPanicsOnPoison).topic("poisoned.in")],
+        config(Criteria::WhenAny, Strategy::Sequential),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    // More poisoned messages than the failures that fail a graph.
+    let mut sent = Vec::new();
+    for i in 0..7 {
+        sent.push(json!(i));
+        sent.push(json!("poison"));
+    }
+    sent.push(json!(7));
+    for value in &sent {
+        h.pipe_bytes("poisoned.in", value.to_string().as_bytes())
+            .await;
+    }
+    eventually("every good message fired", || async {
+        h.outputs("poisoned.out").len() == 8
+    })
+    .await;
+    assert_eq!(
+        inputs(&h.outputs("poisoned.out"), "a"),
+        (0..8).map(|i| json!(i)).collect::<Vec<_>>()
+    );
+    let dead = h.broker.messages("poisoned.in.dlq");
+    assert_eq!(dead.len(), 7, "each poisoned message once");
+    for message in &dead {
+        assert_eq!(&message.payload[..], b"\"poison\"");
+        let error = message
+            .headers
+            .iter()
+            .find(|(k, _)| k == "weir-error")
+            .unwrap();
+        assert!(error.1.contains("panicked on it 2 times"), "{}", error.1);
+        assert!(error.1.contains("cannot digest poison"), "{}", error.1);
+    }
+    assert_eq!(g.stats().dead_letters, 7);
+    assert_eq!(g.status(), weir::supervisor::GraphStatus::Running);
+    eventually("all committed", || async {
+        h.broker.committed("poisoned.in", "weir.poisoned") == vec![sent.len() as i64]
+    })
+    .await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn pushes_taken_before_an_accumulator_panics_still_fire() {
     let h = Harness::new();

@@ -98,10 +98,18 @@ pub enum AccumulatorError {
     },
     #[error("store failed: {0}")]
     Store(#[from] crate::store_error::StoreError),
-    /// The accumulator's own code panicked while processing an event; a new instance
-    /// takes over.
+    /// The accumulator's own code panicked while processing a pushed event; a new
+    /// instance takes over.
     #[error("panicked: {0}")]
     Panicked(String),
+    /// The accumulator's own code panicked on a source message. A new instance takes
+    /// over and reads the message again; one panicked on twice is dead-lettered, so a
+    /// message that always panics never stops its source.
+    #[error("panicked on the message at partition {} offset {}: {reason}", position.partition, position.offset)]
+    PanickedOnMessage {
+        position: crate::transport::Position,
+        reason: String,
+    },
 }
 
 /// What a caught panic says, as far as it says anything.
@@ -118,7 +126,8 @@ impl AccumulatorError {
     pub fn is_retryable(&self) -> bool {
         match self {
             Self::Rejected(_) | Self::BadCheckpoint(_) | Self::Panicked(_) => false,
-            Self::Source { .. } | Self::DeadLetter { .. } => true,
+            // Retried, a message panicked on goes to the dead-letter topic.
+            Self::Source { .. } | Self::DeadLetter { .. } | Self::PanickedOnMessage { .. } => true,
             Self::Store(e) => e.is_retryable(),
         }
     }

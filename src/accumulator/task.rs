@@ -2,8 +2,8 @@
 //! socket and source paths, emits boundaries, and commits positions once the reactor
 //! reports them durable.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -86,25 +86,46 @@ const LAST_CHECKPOINT_WAIT: std::time::Duration = std::time::Duration::from_secs
 /// Of that, what is kept for storing the checkpoint, however long the reactor takes.
 const LAST_CHECKPOINT_STORE: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Numbers one source's accumulator incarnations share for the life of a reactor, so
-/// a restarted accumulator carries on where its predecessor stopped. Only the incarnation
-/// holding the socket path's lock hands numbers out, so there is one writer at a time
-/// (the lock orders one incarnation's numbers before the next's): each number costs a
-/// load and a store, not a locked read-modify-write.
+/// Times an accumulator may panic on one source message; met again after that, the
+/// message goes to the dead-letter topic instead. Twice, so a panic that passes (a
+/// resource briefly missing) costs no message.
+const PANICS_BEFORE_DEAD_LETTER: u32 = 2;
+
+/// What became of a source message an accumulator incarnation panicked on. The next
+/// incarnation reads it again from its checkpoint.
+#[derive(Debug, Clone)]
+enum Poisoned {
+    /// Panicked on this many times, the last time with this message; at
+    /// [`PANICS_BEFORE_DEAD_LETTER`] it goes to the dead-letter topic.
+    Panicked { times: u32, reason: String },
+    /// Dead-lettered: an incarnation reading it again (its checkpoint older) passes it by.
+    DeadLettered,
+}
+
+/// What one source's accumulator incarnations share for the life of a reactor: the
+/// numbers they hand out, so a restarted accumulator carries on where its predecessor
+/// stopped, and the messages they panicked on. Only the incarnation holding the socket
+/// path's lock hands numbers out, so there is one writer at a time (the lock orders one
+/// incarnation's numbers before the next's): each number costs a load and a store, not
+/// a locked read-modify-write.
 #[derive(Debug, Default)]
 pub(crate) struct SourceCounters {
     /// Last boundary sequence emitted.
     sequence: AtomicU64,
     /// Last push id given out.
     push: AtomicI64,
+    /// Source messages an incarnation panicked on, until a checkpoint covers them.
+    panics: std::sync::Mutex<HashMap<Position, Poisoned>>,
+    /// Whether `panics` holds any, read on every message without taking the lock.
+    any_panics: AtomicBool,
 }
 
 impl SourceCounters {
     /// Starts push ids after the highest one the reactor has taken.
     pub(crate) fn after_push(push: i64) -> Self {
         Self {
-            sequence: AtomicU64::new(0),
             push: AtomicI64::new(push),
+            ..Self::default()
         }
     }
 
@@ -121,6 +142,55 @@ impl SourceCounters {
         let id = (self.push.load(Ordering::Relaxed) + 1).max(now_us);
         self.push.store(id, Ordering::Relaxed);
         id
+    }
+
+    fn poisoned(&self) -> std::sync::MutexGuard<'_, HashMap<Position, Poisoned>> {
+        self.panics.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records a panic on the message at `position`.
+    fn panicked_on(&self, position: Position, reason: &str) {
+        let mut panics = self.poisoned();
+        let times = match panics.get(&position) {
+            Some(Poisoned::Panicked { times, .. }) => times + 1,
+            _ => 1,
+        };
+        let reason = reason.to_string();
+        panics.insert(position, Poisoned::Panicked { times, reason });
+        self.any_panics.store(true, Ordering::Release);
+    }
+
+    /// What became of the message at `position`, if an incarnation panicked on it.
+    fn poisoned_at(&self, position: Position) -> Option<Poisoned> {
+        if !self.any_panics.load(Ordering::Acquire) {
+            return None;
+        }
+        self.poisoned().get(&position).cloned()
+    }
+
+    fn dead_lettered(&self, position: Position) {
+        self.poisoned().insert(position, Poisoned::DeadLettered);
+    }
+
+    /// Forgets a message handled since without a panic.
+    fn forget_panics(&self, position: Position) {
+        let mut panics = self.poisoned();
+        panics.remove(&position);
+        self.any_panics.store(!panics.is_empty(), Ordering::Release);
+    }
+
+    /// Forgets the messages a checkpoint covers: they are not read again.
+    fn forget_panics_through(&self, checkpoint: &[Position]) {
+        if !self.any_panics.load(Ordering::Acquire) {
+            return;
+        }
+        let mut panics = self.poisoned();
+        panics.retain(|message, _| {
+            !checkpoint
+                .iter()
+                .any(|p| p.partition == message.partition && p.offset >= message.offset)
+        });
+        self.any_panics.store(!panics.is_empty(), Ordering::Release);
     }
 
     fn next_sequence(&self) -> u64 {
@@ -257,6 +327,7 @@ impl AccumulatorTask {
         if let Some(push) = pushes.first() {
             self.counters.push_at_least(push.offset);
         }
+        self.counters.forget_panics_through(&source_positions);
 
         let mut source: Option<Box<dyn Source>> = None;
         if let Some(factory) = self.source.clone() {
@@ -475,6 +546,21 @@ impl AccumulatorTask {
             self.stats.duplicate_dropped();
             return Ok(true);
         }
+        let poisoned = self.counters.poisoned_at(position);
+        match &poisoned {
+            Some(Poisoned::DeadLettered) => {
+                run.tracker.processed(position);
+                return Ok(true);
+            }
+            Some(Poisoned::Panicked { times, reason }) if *times >= PANICS_BEFORE_DEAD_LETTER => {
+                let reason = format!("the accumulator panicked on it {times} times: {reason}");
+                self.dead_letter(&message, &reason).await?;
+                self.counters.dead_lettered(position);
+                run.tracker.processed(position);
+                return Ok(true);
+            }
+            _ => {}
+        }
         let value = match self.spec.format.decode(&message.payload) {
             Ok(value) => value,
             Err(e) => {
@@ -488,7 +574,11 @@ impl AccumulatorTask {
             position: Some(position),
             time_ms: message.timestamp_ms,
         };
-        self.handle(run, event, position, Some(&message)).await
+        let handled = self.handle(run, event, position, Some(&message)).await;
+        if poisoned.is_some() && handled.is_ok() {
+            self.counters.forget_panics(position);
+        }
+        handled
     }
 
     /// Takes one event in; `position` is its source position or its push id.
@@ -505,11 +595,28 @@ impl AccumulatorTask {
         run.events_uncounted += 1;
         let time_ms = event.time_ms;
         // Caught, so what this run emitted before still reaches the reactor: pushes
-        // are never replayed. The supervisor then starts a new instance.
+        // are never replayed. The supervisor then starts a new instance, from the
+        // last checkpoint: the state this one holds may be half changed. It reads a
+        // source message again, and dead-letters it if it panicked on it before.
         let accumulator = &mut run.accumulator;
-        let outcome =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| accumulator.process(event)))
-                .map_err(|panic| AccumulatorError::Panicked(super::panic_message(panic.as_ref())))?;
+        let outcome = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            accumulator.process(event)
+        })) {
+            Ok(outcome) => outcome,
+            Err(panic) => {
+                let reason = super::panic_message(panic.as_ref());
+                return Err(match message {
+                    Some(m) => {
+                        self.counters.panicked_on(m.position, &reason);
+                        AccumulatorError::PanickedOnMessage {
+                            position: m.position,
+                            reason,
+                        }
+                    }
+                    None => AccumulatorError::Panicked(reason),
+                });
+            }
+        };
         run.tracker.processed(position);
         match outcome {
             Ok(Some(value)) => Ok(self.emit(run, value, Some(position), time_ms).await),

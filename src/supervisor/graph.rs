@@ -297,21 +297,9 @@ impl SupervisedGraph {
         } else {
             action
         };
-        let event = RecoveryEvent {
-            graph: self.decl.key(),
-            component: component.to_string(),
-            action,
-            attempt: failures.count,
-            error: error.to_string(),
-            at_ms: now_ms(),
-            node_id: self.runtime.node_id.clone(),
-        };
-        if let Err(e) = self.runtime.store.record_recovery(&event).await {
-            warn!(graph = %event.graph, error = %e, "recovery event not recorded");
-        }
-        crate::metrics::recovery_recorded(&event.graph, action.as_str());
+        self.record(component, action, failures.count, error).await;
         if failed {
-            error!(graph = %event.graph, %component, failures = failures.count, %error, "graph failed");
+            error!(graph = %self.decl.key(), %component, failures = failures.count, %error, "graph failed");
             self.status.send_replace(GraphStatus::Failed {
                 error: format!("{component}: {error}"),
             });
@@ -322,8 +310,25 @@ impl SupervisedGraph {
         } else {
             self.policy.backoff(failures.count)
         };
-        warn!(graph = %event.graph, %component, failures = failures.count, retryable, ?delay, %error, "restarting after failure");
+        warn!(graph = %self.decl.key(), %component, failures = failures.count, retryable, ?delay, %error, "restarting after failure");
         Some(delay)
+    }
+
+    /// Stores a recovery event and counts it in the metrics.
+    async fn record(&self, component: &str, action: RecoveryAction, attempt: u32, error: &str) {
+        let event = RecoveryEvent {
+            graph: self.decl.key(),
+            component: component.to_string(),
+            action,
+            attempt,
+            error: error.to_string(),
+            at_ms: now_ms(),
+            node_id: self.runtime.node_id.clone(),
+        };
+        if let Err(e) = self.runtime.store.record_recovery(&event).await {
+            warn!(graph = %event.graph, error = %e, "recovery event not recorded");
+        }
+        crate::metrics::recovery_recorded(&event.graph, action.as_str());
     }
 
     /// Nested in the graph's span, so an accumulator's logs carry `graph` and `source`.
@@ -430,26 +435,39 @@ impl SupervisedGraph {
                     if self.cancel.is_cancelled() {
                         break Ended::Cancelled;
                     }
-                    let (id, error, retryable) = match result {
+                    let (id, error, retryable, poisoned) = match result {
                         // Its reactor is gone: the reactor's end is what counts, once.
                         Ok((id, Ok(()))) if wiring.inputs.is_closed() => {
                             ids.remove(&id);
                             continue;
                         }
-                        Ok((id, Ok(()))) => (id, "accumulator exited".to_string(), false),
-                        Ok((id, Err(e))) => (id, e.to_string(), e.is_retryable()),
-                        Err(e) => (e.id(), describe_join_error(e), false),
+                        Ok((id, Ok(()))) => (id, "accumulator exited".to_string(), false, false),
+                        Ok((id, Err(e))) => {
+                            let poisoned = matches!(e, crate::accumulator::AccumulatorError::PanickedOnMessage { .. });
+                            (id, e.to_string(), e.is_retryable(), poisoned)
+                        }
+                        Err(e) => (e.id(), describe_join_error(e), false, false),
                     };
                     let Some(index) = ids.remove(&id) else { continue };
                     let name = self.decl.accumulators[index].name.clone();
                     self.health[index].send_replace(Health::Disconnected);
                     self.stats.health_changed(index, Health::Disconnected);
                     let _ = wiring.inputs.send(ReactorInput::Health { source: index, health: Health::Disconnected }).await;
-                    let Some(delay) = self
-                        .failure(failures, &name, RecoveryAction::AccumulatorRestarted, &error, retryable)
-                        .await
-                    else {
-                        break Ended::Failed;
+                    // A panic on one message is that message's fault, not the graph's:
+                    // the successor starts at once and dead-letters it if it panics
+                    // on it again, so poisoned messages never fail the graph.
+                    let delay = if poisoned {
+                        warn!(graph = %self.decl.key(), component = %name, %error, "restarting the accumulator");
+                        self.record(&name, RecoveryAction::AccumulatorRestarted, failures.count, &error).await;
+                        std::time::Duration::ZERO
+                    } else {
+                        let Some(delay) = self
+                            .failure(failures, &name, RecoveryAction::AccumulatorRestarted, &error, retryable)
+                            .await
+                        else {
+                            break Ended::Failed;
+                        };
+                        delay
                     };
                     let task = self.accumulator_task(index, &wiring, &lease, &cancel);
                     let restart_cancel = cancel.clone();
