@@ -456,6 +456,41 @@ async fn every_route_answers_and_protected_ones_need_the_token() {
     assert_eq!(status, 400);
 }
 
+/// The errors axum answers by itself carry the same JSON body as weir's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_the_framework_answers_carry_the_json_error_body() {
+    let admin = Admin::start(Some(TOKEN)).await;
+    admin.graph("routed").await;
+    let t = Some(TOKEN);
+    let oversized = format!(r#"{{"a": "{}"}}"#, "x".repeat(2 * 1024 * 1024));
+    let cases = [
+        // A method the route does not take.
+        ("DELETE", "/graphs/routed", None, 405),
+        // A path segment that is not UTF-8 once decoded.
+        ("GET", "/graphs/%FF", None, 400),
+        // A body over the limit.
+        (
+            "POST",
+            "/graphs/routed/fire-with",
+            Some(oversized.as_str()),
+            413,
+        ),
+        // A WebSocket route asked without the upgrade.
+        ("GET", "/ws", None, 400),
+    ];
+    for (method, path, body, expected) in cases {
+        let (status, text) = http(method, &admin.url(path), t, body).await;
+        assert_eq!(status, expected, "{method} {path}: {text}");
+        let error: Value = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("{method} {path} answered {text:?}, not JSON: {e}"));
+        assert!(
+            error["error"].as_str().is_some_and(|e| !e.is_empty()),
+            "{method} {path}: {error}"
+        );
+        assert_eq!(error["retryable"], false, "{method} {path}: {error}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cross_site_form_cannot_change_state() {
     let admin = Admin::start(None).await;

@@ -1,7 +1,8 @@
 //! What a route answers when it cannot do what was asked: a status code and
 //! `{"error": "...", "retryable": bool}`.
 
-use axum::http::{header, StatusCode};
+use axum::body::Body;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
@@ -97,4 +98,47 @@ impl IntoResponse for ApiError {
         }
         response
     }
+}
+
+/// The most of a plain-text error answer kept as its message.
+const PLAIN_ERROR_LIMIT: usize = 16 * 1024;
+
+/// Gives the answers axum makes on its own (a method a route does not take, a path that
+/// is not UTF-8, a body over the size limit, a WebSocket request without its upgrade
+/// headers) the JSON body every error carries, with their text as the message, so a
+/// client reads each error the same way.
+pub(super) async fn json_errors(response: Response) -> Response {
+    let status = response.status();
+    if !(status.is_client_error() || status.is_server_error()) {
+        return response;
+    }
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if is_json {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    let text = axum::body::to_bytes(body, PLAIN_ERROR_LIMIT)
+        .await
+        .map(|bytes| String::from_utf8_lossy(&bytes).trim().to_string())
+        .unwrap_or_default();
+    let error = if text.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_lowercase()
+    } else {
+        text
+    };
+    let retryable = matches!(
+        status,
+        StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
+    );
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    let body = json!({"error": error, "retryable": retryable}).to_string();
+    Response::from_parts(parts, Body::from(body))
 }

@@ -11,8 +11,13 @@ use axum::routing::get;
 use axum::Extension;
 use axum::{Json, Router};
 
+use futures::{StreamExt, TryStreamExt};
+
 use super::{AdminState, ApiError, Scope};
 use crate::keyed::KeyView;
+
+/// Partition owners looked up at once for `/partitions`.
+const OWNER_LOOKUPS_AT_ONCE: usize = 32;
 
 pub(super) fn routes() -> Router<AdminState> {
     Router::new()
@@ -37,14 +42,22 @@ async fn partitions(
     let partitions = keyed(&state, &graph)?;
     let store = state.require_store()?;
     let group = crate::keyed::ownership_group(&graph);
-    let mut owners = Vec::with_capacity(partitions as usize);
-    for partition in 0..partitions as i32 {
-        let owner = store
-            .current_lease(&crate::ownership::partition_lease(&group, partition))
-            .await?
-            .map(|l| crate::lease::holder_node(&l.holder).to_string());
-        owners.push(serde_json::json!({"partition": partition, "owner": owner}));
-    }
+    let store = store.as_ref();
+    let group = &group;
+    // Looked up several at a time: one after another, a graph of many partitions would
+    // take as many round trips.
+    let owners: Vec<serde_json::Value> = futures::stream::iter(0..partitions as i32)
+        .map(|partition| async move {
+            let lease = crate::ownership::partition_lease(group, partition);
+            let owner = store
+                .current_lease(&lease)
+                .await?
+                .map(|l| crate::lease::holder_node(&l.holder).to_string());
+            Ok::<_, ApiError>(serde_json::json!({"partition": partition, "owner": owner}))
+        })
+        .buffered(OWNER_LOOKUPS_AT_ONCE)
+        .try_collect()
+        .await?;
     Ok(Json(
         serde_json::json!({"graph": graph, "partitions": owners}),
     ))

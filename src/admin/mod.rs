@@ -336,6 +336,7 @@ pub fn router(state: AdminState) -> Router {
         .merge(health::routes())
         .merge(protected)
         .fallback(|| async { ApiError::NoRoute })
+        .layer(axum::middleware::map_response(error::json_errors))
         .with_state(state)
 }
 

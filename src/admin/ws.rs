@@ -31,6 +31,10 @@ struct WsRequest {
     request: GraphRequest,
 }
 
+/// The largest request a WebSocket takes, as for an HTTP body: a command is small, and
+/// the library's own limit (64 MiB) would let one caller hold that much per socket.
+const WS_MESSAGE_LIMIT: usize = 2 * 1024 * 1024;
+
 pub(super) fn routes() -> Router<AdminState> {
     Router::new().route("/ws", get(upgrade))
 }
@@ -40,7 +44,9 @@ async fn upgrade(
     Extension(scope): Extension<Scope>,
     ws: WebSocketUpgrade,
 ) -> Response {
-    ws.on_upgrade(move |socket| session(socket, state, scope))
+    ws.max_message_size(WS_MESSAGE_LIMIT)
+        .max_frame_size(WS_MESSAGE_LIMIT)
+        .on_upgrade(move |socket| session(socket, state, scope))
 }
 
 async fn session(mut socket: WebSocket, state: AdminState, scope: Scope) {
