@@ -77,6 +77,24 @@ const LEASE_TOO_SHORT: &str = "must be at least 1000: a shorter lease expires be
 /// what the queue's semaphore can count.
 const MOST_QUEUED: usize = 1 << 30;
 
+/// The most cron shards: each is a lease every node keeps trying for and a due set its
+/// master reads, so thousands would keep Redis busy with nothing due.
+const MOST_CRON_SHARDS: u32 = 1024;
+
+/// What keeps an admin token from ever matching a request, if anything: a request
+/// header carries printable ASCII, without whitespace at its ends.
+fn token_problem(token: &str) -> Option<&'static str> {
+    if token.trim().is_empty() {
+        Some("must not be empty (omit it for no auth)")
+    } else if token.trim() != token {
+        Some("must not start or end with whitespace: a request header cannot carry it, so no request would match")
+    } else if !token.chars().all(|c| (' '..='~').contains(&c)) {
+        Some("must be printable ASCII: a request header cannot carry other characters, so no request would match")
+    } else {
+        None
+    }
+}
+
 /// Milliseconds of a default duration, for keys written in milliseconds.
 fn ms(duration: Duration) -> u64 {
     duration.as_millis() as u64
@@ -1078,20 +1096,22 @@ impl Config {
         }
         if self.cron.shards == 0 {
             errors.push(invalid("cron.shards", "must be at least 1"));
+        } else if self.cron.shards > MOST_CRON_SHARDS {
+            errors.push(invalid(
+                "cron.shards",
+                format!(
+                    "must be at most {MOST_CRON_SHARDS}: each shard is a lease every node \
+                     keeps trying for and a due set it reads"
+                ),
+            ));
         }
         if self.broker.partitions < 1 {
             errors.push(invalid("broker.partitions", "must be at least 1"));
         }
-        if self
-            .admin
-            .token
-            .as_ref()
-            .is_some_and(|t| t.expose().trim().is_empty())
-        {
-            errors.push(invalid(
-                "admin.token",
-                "must not be empty (omit it for no auth)",
-            ));
+        if let Some(token) = &self.admin.token {
+            if let Some(problem) = token_problem(token.expose()) {
+                errors.push(invalid("admin.token", problem));
+            }
         }
         if self.admin.listen.is_some() && self.admin.listen == self.metrics.listen {
             errors.push(invalid(
@@ -1276,8 +1296,8 @@ impl Config {
             if let Err(e) = crate::tenant::check(&entry.tenant) {
                 errors.push(invalid(key("tenant"), e));
             }
-            if entry.token.expose().trim().is_empty() {
-                errors.push(invalid(key("token"), "must not be empty"));
+            if let Some(problem) = token_problem(entry.token.expose()) {
+                errors.push(invalid(key("token"), problem));
             } else if admin_tokens.contains(&entry.token.expose()) {
                 errors.push(invalid(key("token"), "is already another token"));
             }
@@ -1962,6 +1982,20 @@ backoff_ms = 10
         assert!(err.to_string().contains("admin.listen"), "{err}");
         let err = parse("[admin]\ntoken = \"\"", &[]).unwrap_err();
         assert!(err.to_string().contains("admin.token"), "{err}");
+        // A token no request header can carry would lock every client out.
+        for token in ["s3cret\\n", " s3cret", "s3cret ", "sécret"] {
+            let toml = format!("[admin]\ntoken = \"{token}\"");
+            let err = parse(&toml, &[]).unwrap_err().to_string();
+            assert!(err.contains("admin.token"), "{token:?}: {err}");
+            assert!(!err.contains("s3cret") && !err.contains("sécret"), "{err}");
+            let toml = format!("[[admin.tokens]]\ntenant = \"acme\"\ntoken = \"{token}\"");
+            let err = parse(&toml, &[]).unwrap_err().to_string();
+            assert!(err.contains("admin.tokens[0].token"), "{token:?}: {err}");
+        }
+        assert!(parse("[admin]\ntoken = \"s3 cr~t\"", &[]).is_ok());
+        let err = parse("[cron]\nshards = 5000", &[]).unwrap_err();
+        assert!(err.to_string().contains("cron.shards"), "{err}");
+        assert!(parse("[cron]\nshards = 1024", &[]).is_ok());
         let same = "[admin]\nlisten = \"127.0.0.1:9\"\n[metrics]\nlisten = \"127.0.0.1:9\"";
         let err = parse(same, &[]).unwrap_err();
         assert!(err.to_string().contains("metrics.listen"), "{err}");
