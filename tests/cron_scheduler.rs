@@ -83,6 +83,38 @@ async fn fires_each_scheduled_time_once_with_a_stable_tick_id() {
         .all(|e| e.status == ExecutionStatus::Completed));
 }
 
+/// A stored schedule this version finds invalid (a zone its time zone data lacks, as
+/// a newer version's may have) is not fired, and stays due for a later look.
+#[tokio::test]
+async fn a_stored_schedule_found_invalid_is_kept_for_later() {
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    register(store.as_ref(), &every_second("valid", "vticks"), 1)
+        .await
+        .unwrap();
+    register(store.as_ref(), &every_second("later", "lticks"), 1)
+        .await
+        .unwrap();
+    let mut newer = every_second("later", "lticks");
+    newer.timezone = "Mars/Olympus_Mons".into();
+    store.put_schedule(&newer).await.unwrap();
+    let cancel = CancellationToken::new();
+    let node = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), config("a", 0)).run(cancel.clone()),
+    );
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    cancel.cancel();
+    let _ = node.await;
+    assert!(!ticks(&broker, "vticks").is_empty());
+    assert!(ticks(&broker, "lticks").is_empty());
+    let due = store.next_fire(0, "later").await.unwrap();
+    let now_ms = chrono::Utc::now().timestamp_millis();
+    assert!(
+        due.is_some_and(|due| due > now_ms + 30_000),
+        "kept, due again later: {due:?}"
+    );
+}
+
 #[tokio::test]
 async fn paused_schedules_do_not_fire_and_resume_later() {
     let store = Arc::new(MemoryStore::new());
@@ -365,6 +397,63 @@ mod failover {
         assert_eq!(emitted, ["orph@1000"]);
         let waiting = store.get_execution("bad", 1_000).await.unwrap().unwrap();
         assert_eq!(waiting.status, ExecutionStatus::Scheduled, "left as it was");
+    }
+
+    /// An execution record this version cannot read leaves it waiting; the sweep goes
+    /// on to the schedule's other executions and to the other schedules'.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn an_unreadable_execution_record_leaves_the_rest_of_the_orphan_sweep_going() {
+        let prefix = services::unique("cronexec");
+        let _cleanup_prefix = services::cleanup(&prefix);
+        let store = Arc::new(
+            weir::store::redis::RedisStore::connect(&services::redis_url(), &prefix)
+                .await
+                .unwrap(),
+        );
+        // Ids in the order the sweep takes them: the one with the unreadable record first.
+        for id in ["bad", "orph"] {
+            let mut schedule = every_second(id, "oticks");
+            schedule.cron = "0 0 1 1 *".into();
+            schedule.delivery = Delivery::AtLeastOnce;
+            register(store.as_ref(), &schedule, 1).await.unwrap();
+            store.claim_execution(&unemitted(id, 1_000)).await.unwrap();
+        }
+        store
+            .claim_execution(&unemitted("bad", 2_000))
+            .await
+            .unwrap();
+        let client = redis::Client::open(services::redis_url()).unwrap();
+        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+        redis::cmd("SET")
+            .arg(format!("{prefix}:exec:bad:1000"))
+            .arg(r#"{"schedule_id": "bad", "status": 7}"#)
+            .query_async::<()>(&mut connection)
+            .await
+            .unwrap();
+        let broker = MemoryBroker::default();
+        let cancel = CancellationToken::new();
+        let cfg = SchedulerConfig {
+            orphan_after: Duration::from_millis(200),
+            ..config("a", 0)
+        };
+        let scheduler = tokio::spawn(
+            Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+        );
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        cancel.cancel();
+        let _ = scheduler.await;
+        let mut emitted: Vec<String> = ticks(&broker, "oticks")
+            .into_iter()
+            .map(|t| t.tick_id)
+            .collect();
+        emitted.sort();
+        assert_eq!(emitted, ["bad@2000", "orph@1000"]);
+        let raw: String = redis::cmd("GET")
+            .arg(format!("{prefix}:exec:bad:1000"))
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        assert!(raw.contains("\"status\": 7"), "left as it was: {raw}");
     }
 
     /// A config with two schedules ticking every second, `amo` at most once and `alo` at

@@ -70,8 +70,8 @@ impl Scheduler {
             .buffer_unordered(CONCURRENCY)
             .collect::<Vec<(String, Result<Option<Schedule>, StoreError>)>>();
         let loaded = self.bounded(async { Ok(loading.await) }).await?;
-        // Unreadable (written by another version, say): one such schedule must not stop
-        // the rest of its shard, nor be dropped from it. It stays out of the cache, so it
+        // Unreadable or invalid (written by another version, say): one such schedule
+        // must not stop the rest of its shard, nor be dropped from it. It stays out of the cache, so it
         // is not fired, and is looked at again a while later.
         let mut unreadable = std::collections::HashSet::new();
         for (id, found) in loaded {
@@ -88,8 +88,12 @@ impl Scheduler {
                     Ok((expr, tz)) => {
                         self.cache.insert(id, (Cached { schedule, expr, tz }, None));
                     }
+                    // Invalid here (a zone this version's time zone data lacks, say),
+                    // perhaps valid for the version that stored it: kept, and read
+                    // again a while later, like an unreadable one.
                     Err(e) => {
-                        warn!(schedule = %id, error = %e, "stored schedule is invalid; not firing it")
+                        warn!(schedule = %id, error = %e, retry_in = ?UNREADABLE_RETRY, "stored schedule is invalid; not firing it");
+                        unreadable.insert(id);
                     }
                 }
             }

@@ -58,14 +58,30 @@ impl Scheduler {
                 }
                 found => found?,
             };
-            let recent = self.recent_executions(&id).await?;
-            let mut running = recent.iter().any(|e| e.status == ExecutionStatus::Running);
+            // Whether one of the schedule's executions runs, for its buffered one; not
+            // known while one of its records cannot be read, and the buffered one waits.
+            let mut running = match self.recent_executions(&id).await {
+                Ok(recent) => Some(recent.iter().any(|e| e.status == ExecutionStatus::Running)),
+                Err(e) if !e.is_retryable() => {
+                    warn!(schedule = %id, error = %e, "the schedule's executions cannot all be read; a buffered tick of it waits for a later sweep");
+                    None
+                }
+                Err(e) => return Err(e),
+            };
             for scheduled_ms in times {
-                let Some(mut execution) = self
+                // Unreadable (written by another version, say): it waits, and the rest
+                // of the sweep goes on.
+                let mut execution = match self
                     .bounded(self.store.get_execution(&id, scheduled_ms))
-                    .await?
-                else {
-                    continue;
+                    .await
+                {
+                    Ok(Some(execution)) => execution,
+                    Ok(None) => continue,
+                    Err(e) if !e.is_retryable() => {
+                        warn!(schedule = %id, scheduled_ms, error = %e, "stored execution cannot be read; left for a later sweep");
+                        continue;
+                    }
+                    Err(e) => return Err(e),
                 };
                 let Some(schedule) = &schedule else {
                     execution.status = ExecutionStatus::Failed;
@@ -76,14 +92,14 @@ impl Scheduler {
                     continue;
                 };
                 if execution.status == ExecutionStatus::Buffered {
-                    if running {
+                    if running != Some(false) {
                         continue;
                     }
                     // The running execution ended: the buffered one goes now.
                     execution.fencing_token = lease.token;
                     if self.publish(schedule, &execution).await.is_ok() {
                         execution.status = ExecutionStatus::Running;
-                        running = true;
+                        running = Some(true);
                     }
                     execution.updated_ms = self.config.clock.now().timestamp_millis();
                     self.bounded(self.store.put_execution(&execution, Some(&fence)))
@@ -94,8 +110,17 @@ impl Scheduler {
                     continue;
                 }
                 if execution.status == ExecutionStatus::Running {
-                    if !self.settle_running(schedule, &mut execution).await? {
-                        continue;
+                    match self
+                        .bounded(self.settle_running(schedule, &mut execution))
+                        .await
+                    {
+                        Ok(true) => {}
+                        Ok(false) => continue,
+                        Err(e) if !e.is_retryable() => {
+                            warn!(schedule = %id, tick = %execution.tick_id, error = %e, "the tick's workflow execution cannot be read; left for a later sweep");
+                            continue;
+                        }
+                        Err(e) => return Err(e),
                     }
                     if execution.status != ExecutionStatus::Scheduled {
                         self.bounded(self.store.put_execution(&execution, Some(&fence)))
