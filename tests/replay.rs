@@ -283,6 +283,85 @@ async fn an_interval_batch_across_a_restart_loses_nothing() {
     .await;
 }
 
+/// A batch its interval flushed leaves the stored state too, though no position moved
+/// with it: restarted, the accumulator does not send its events again with the next batch.
+#[tokio::test(start_paused = true)]
+async fn a_batch_its_interval_flushed_is_not_sent_again_after_a_restart() {
+    let h = Harness::new();
+    let interval = Duration::from_secs(30);
+    let batch = || AccumulatorSpec::batch("a", 3, interval).topic("flushed.in");
+    let g = h.spawn(graph("flushed", batch()));
+    g.wait_for_state(ReactorState::Live).await;
+    // Paused, so 4 and 5 are held when the first batch becomes durable and are stored
+    // with its checkpoint.
+    g.reactor().pause().await.unwrap();
+    publish_all(
+        &h,
+        "flushed.in",
+        &(1..=5).map(|v| json!(v)).collect::<Vec<_>>(),
+    )
+    .await;
+    eventually("taken in", || async { g.stats().boundaries == 1 }).await;
+    g.reactor().resume().await.unwrap();
+    eventually("held events checkpointed", || async {
+        stored_state(&h, "flushed").await == Some(json!([4, 5]))
+    })
+    .await;
+    // The interval sends 4 and 5 on.
+    tokio::time::sleep(interval).await;
+    eventually("flushed batch fired", || async {
+        h.outputs("flushed.out").len() == 2
+    })
+    .await;
+    eventually("emptied state stored", || async {
+        stored_state(&h, "flushed").await == Some(json!([]))
+    })
+    .await;
+    let h = h.restart().await;
+    let g = h.spawn(graph("flushed", batch()));
+    g.wait_for_state(ReactorState::Live).await;
+    publish_all(&h, "flushed.in", &[json!(6), json!(7), json!(8)]).await;
+    eventually("third batch fired", || async {
+        h.outputs("flushed.out").len() == 3
+    })
+    .await;
+    let batches: Vec<Value> = h
+        .outputs("flushed.out")
+        .iter()
+        .map(|o| o["inputs"]["a"].clone())
+        .collect();
+    assert_eq!(batches, [json!([1, 2, 3]), json!([4, 5]), json!([6, 7, 8])]);
+}
+
+/// A source whose connection breaks now and then, each time after running a while, is
+/// reopened after the shortest backoff each time, not after one grown by every break.
+#[tokio::test(start_paused = true)]
+async fn a_source_breaking_now_and_then_is_reopened_after_the_shortest_backoff() {
+    let h = Harness::new();
+    let (source, fail) = Breakable::new(&h, "blips.in", "weir.blips");
+    let opens = source.opens.clone();
+    let g = h.spawn(graph(
+        "blips",
+        AccumulatorSpec::passthrough("a").source(source),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    for k in 0..8 {
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        fail.notify_one();
+        eventually("reopened", || async {
+            opens.load(Ordering::SeqCst) == k + 2
+        })
+        .await;
+        publish_all(&h, "blips.in", &[json!(k)]).await;
+        // Within the 10 s `eventually` waits: a backoff doubled at each break would
+        // be 16 s by the fifth.
+        eventually("read after the break", || async {
+            h.outputs("blips.out").len() == k + 1
+        })
+        .await;
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_push_only_batch_keeps_what_it_holds_across_a_restart() {
     let h = Harness::new();

@@ -101,10 +101,17 @@ impl CommitTracker {
 
     /// Everything up to `sequence` is durable. Returns what may be committed now, if it
     /// moves any partition forward.
+    ///
+    /// A stateful accumulator whose last pending boundaries just became durable gets a
+    /// commit point even when no position moves: emitting changed its state (an interval
+    /// flush emptied its batch), and the stored state, still holding what was emitted,
+    /// would be emitted again after a restart.
     pub fn durable(&mut self, sequence: u64, stateful: bool) -> Option<CommitPoint> {
+        let pending_before = self.pending.len();
         while self.pending.front().is_some_and(|(s, _)| *s <= sequence) {
             self.pending.pop_front();
         }
+        let drained = self.pending.len() < pending_before;
         if stateful && !self.pending.is_empty() {
             return None;
         }
@@ -129,7 +136,9 @@ impl CommitTracker {
             }
         }
         if positions.is_empty() {
-            return None;
+            return (stateful && drained).then(|| CommitPoint {
+                positions: Vec::new(),
+            });
         }
         for p in &positions {
             self.committed.insert(p.partition, p.offset);
@@ -210,6 +219,24 @@ mod tests {
                 positions: vec![pos(0, 102)]
             })
         );
+    }
+
+    #[test]
+    fn stateful_state_is_stored_when_an_emission_without_new_positions_is_durable() {
+        let mut t = CommitTracker::new(&[], true);
+        t.processed(pos(0, 1));
+        t.processed(pos(0, 2));
+        let _ = t.emitted(1, None);
+        assert_eq!(t.durable(1, true).unwrap().positions, vec![pos(0, 2)]);
+        // An interval flush: no new position, but the state it emptied must be stored.
+        let _ = t.emitted(2, None);
+        assert_eq!(t.durable(2, true).unwrap().positions, vec![]);
+        // Nothing became durable: nothing to store.
+        assert_eq!(t.durable(2, true), None);
+        // A stateless accumulator's positions say everything.
+        let mut t = CommitTracker::new(&[pos(0, 2)], false);
+        let _ = t.emitted(1, None);
+        assert_eq!(t.durable(1, false), None);
     }
 
     #[test]

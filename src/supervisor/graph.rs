@@ -83,6 +83,11 @@ pub(super) struct SupervisedGraph {
     pub(super) restart: Arc<Notify>,
 }
 
+/// How long an accumulator restarted after an outage runs before an outage it meets
+/// counts as a new one, its backoff starting over: a connection that breaks now and
+/// then is reopened after a second each time, not after a backoff grown by all of them.
+const NEW_OUTAGE_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Consecutive failures, with the healthy-time reset. Waits on unreachable
 /// infrastructure are counted apart: they set the backoff, never the failure budget.
 #[derive(Default)]
@@ -407,6 +412,9 @@ impl SupervisedGraph {
         );
         let mut accumulators = JoinSet::new();
         let mut ids: HashMap<Id, usize> = HashMap::new();
+        // When each accumulator (re)started: one that ran a while before failing again
+        // met a new outage, not the one it was restarted after.
+        let mut started = vec![Instant::now(); self.decl.accumulators.len()];
         for index in 0..self.decl.accumulators.len() {
             let task = self.accumulator_task(index, &wiring, &lease, &cancel);
             let handle = accumulators.spawn(task.run().instrument(self.source_span(index)));
@@ -456,6 +464,9 @@ impl SupervisedGraph {
                     // A panic on one message is that message's fault, not the graph's:
                     // the successor starts at once and dead-letters it if it panics
                     // on it again, so poisoned messages never fail the graph.
+                    if retryable && started[index].elapsed() >= NEW_OUTAGE_AFTER {
+                        failures.outages = 0;
+                    }
                     let delay = if poisoned {
                         warn!(graph = %self.decl.key(), component = %name, %error, "restarting the accumulator");
                         self.record(&name, RecoveryAction::AccumulatorRestarted, failures.count, &error).await;
@@ -469,6 +480,7 @@ impl SupervisedGraph {
                         };
                         delay
                     };
+                    started[index] = Instant::now() + delay;
                     let task = self.accumulator_task(index, &wiring, &lease, &cancel);
                     let restart_cancel = cancel.clone();
                     let handle = accumulators.spawn(async move {
