@@ -341,7 +341,8 @@ pub struct CronAddArgs {
     #[arg(long, default_value = "skip")]
     pub catchup: String,
     /// Most missed times fired with `--catchup all`.
-    #[arg(long, default_value_t = weir::config::defaults::CATCHUP_CAP)]
+    #[arg(long, default_value_t = weir::config::defaults::CATCHUP_CAP,
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(weir::cron::MOST_CAUGHT_UP)))]
     pub catchup_cap: u32,
     /// allow | skip | buffer_one
     #[arg(long, default_value = "skip")]

@@ -529,6 +529,15 @@ impl ScheduleConfig {
             delivery: self.delivery,
             tenant: self.tenant.clone(),
         };
+        if self.catchup_cap > crate::cron::MOST_CAUGHT_UP {
+            return Err(invalid(
+                key("catchup_cap"),
+                format!(
+                    "must be at most {}: a schedule keeps its newest 1000 executions",
+                    crate::cron::MOST_CAUGHT_UP
+                ),
+            ));
+        }
         schedule.validate().map_err(|e| match e {
             crate::cron::ScheduleError::Cron { .. } => invalid(key("cron"), e.to_string()),
             crate::cron::ScheduleError::UnknownZone { .. } => {
@@ -1993,6 +2002,10 @@ backoff_ms = 10
             assert!(err.contains("admin.tokens[0].token"), "{token:?}: {err}");
         }
         assert!(parse("[admin]\ntoken = \"s3 cr~t\"", &[]).is_ok());
+        let many =
+            "[[schedule]]\nid = \"s\"\ncron = \"* * * * *\"\ncatchup = \"all\"\ncatchup_cap = 501";
+        let err = parse(many, &[]).unwrap_err();
+        assert!(err.to_string().contains("schedule[0].catchup_cap"), "{err}");
         let err = parse("[cron]\nshards = 5000", &[]).unwrap_err();
         assert!(err.to_string().contains("cron.shards"), "{err}");
         assert!(parse("[cron]\nshards = 1024", &[]).is_ok());

@@ -47,10 +47,13 @@ impl CronExpr {
             }
         };
         let wildcard = fields[1].starts_with('*') || fields[2].starts_with('*');
+        // As in Vixie cron, a day field starting with `*` (`*/2` too) is not a
+        // restriction that widens the other: the two are then both required.
+        let unrestricted = |f: &str| f.starts_with('*') || f == "?";
+        let either_day = !unrestricted(&fields[3]) && !unrestricted(&fields[5]);
         fields[4] = months(&fields[4]).map_err(err)?;
         fields[5] = unix_days_of_week(&fields[5]).map_err(err)?;
-        let unrestricted = |f: &str| f == "*" || f == "?";
-        let variants: Vec<Vec<String>> = if !unrestricted(&fields[3]) && !unrestricted(&fields[5]) {
+        let variants: Vec<Vec<String>> = if either_day {
             let mut by_month_day = fields.clone();
             by_month_day[5] = "*".into();
             let mut by_week_day = fields.clone();
@@ -248,6 +251,23 @@ mod tests {
         assert_eq!(
             e.next_local(at(2026, 1, 30, 0, 0)),
             Some(at(2026, 2, 1, 0, 0))
+        );
+    }
+
+    #[test]
+    fn a_day_field_starting_with_a_star_is_required_with_the_other() {
+        // Odd days of the month that are Fridays (Vixie): 2026-01-09 is one; the 2nd
+        // is a Friday on an even day, the 3rd an odd day that is a Saturday.
+        let e = CronExpr::parse("0 0 */2 * 5").unwrap();
+        assert_eq!(
+            e.next_local(at(2026, 1, 1, 0, 0)),
+            Some(at(2026, 1, 9, 0, 0))
+        );
+        let e = CronExpr::parse("0 0 13 * */3").unwrap();
+        // The 13th on a Sunday, Wednesday or Saturday: 2026-05-13 is a Wednesday.
+        assert_eq!(
+            e.next_local(at(2026, 1, 1, 0, 0)),
+            Some(at(2026, 5, 13, 0, 0))
         );
     }
 

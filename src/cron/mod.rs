@@ -12,7 +12,7 @@ pub mod store;
 
 pub use expr::{CronError, CronExpr};
 pub use next::{format_instant, next_fire, preview};
-pub use schedule::{CatchUp, Delivery, Overlap, Schedule, ScheduleError, Target};
+pub use schedule::{CatchUp, Delivery, Overlap, Schedule, ScheduleError, Target, MOST_CAUGHT_UP};
 pub use store::{
     CronStore, Execution, ExecutionStatus, ScheduleList, ScheduleStore, UnreadableSchedule,
 };

@@ -8,6 +8,11 @@ use serde::{Deserialize, Serialize};
 use super::expr::CronExpr;
 use super::next::next_fire;
 
+/// The most missed times `CatchUp::All` fires in one go. A schedule keeps its newest
+/// 1000 execution records, and the times caught up are claimed together with the late
+/// ones beside them: more would push the first of them out before they are sent.
+pub const MOST_CAUGHT_UP: u32 = 500;
+
 /// Missed fire times after downtime.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "policy")]
@@ -234,7 +239,8 @@ impl Schedule {
         let cap = match self.catchup {
             CatchUp::Skip => 0,
             CatchUp::Latest => 1,
-            CatchUp::All { cap } => cap as usize,
+            // A stored schedule from before the limit may ask for more.
+            CatchUp::All { cap } => cap.min(MOST_CAUGHT_UP) as usize,
         };
         // Times at or before `boundary` are older, missed; after it, late.
         let boundary = now.checked_sub_signed(recent).unwrap_or(last).max(last);
@@ -462,6 +468,12 @@ mod tests {
                 utc("2026-01-01T05:00:00Z")
             ]
         );
+        // A cap over the limit (stored before it) catches up as many as the limit.
+        s.catchup = CatchUp::All { cap: 5000 };
+        let a_month_later = utc("2026-02-01T00:30:00Z");
+        let due = s.due(&expr, tz, last, a_month_later);
+        assert_eq!(due.len(), MOST_CAUGHT_UP as usize);
+        assert_eq!(due.last(), Some(&utc("2026-02-01T00:00:00Z")));
         s.catchup = CatchUp::Skip;
         let on_time = utc("2026-01-01T05:00:00.200Z");
         assert_eq!(
