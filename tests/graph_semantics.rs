@@ -645,6 +645,28 @@ async fn messages_an_accumulator_always_panics_on_are_dead_lettered_and_the_rest
     .await;
 }
 
+/// An accumulator panicking on message after message, with none handled between, is
+/// taken to be at fault itself: past a run of dead letters its panics fail the graph
+/// rather than send the whole stream to the dead-letter topic.
+#[tokio::test(start_paused = true)]
+async fn an_accumulator_panicking_on_every_message_fails_its_graph() {
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "rotten",
+        vec![AccumulatorSpec::custom("a", || AlwaysPanicsOnPoison).topic("rotten.in")],
+        config(Criteria::WhenAny, Strategy::Sequential),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    for _ in 0..40 {
+        h.pipe_bytes("rotten.in", b"\"poison\"").await;
+    }
+    let failed = g.wait_for_status(|s| matches!(s, weir::supervisor::GraphStatus::Failed { .. }));
+    tokio::time::timeout(Duration::from_secs(600), failed)
+        .await
+        .expect("the graph fails");
+    assert_eq!(h.broker.messages("rotten.in.dlq").len(), 20);
+}
+
 #[tokio::test(start_paused = true)]
 async fn pushes_taken_before_an_accumulator_panics_still_fire() {
     let h = Harness::new();

@@ -86,6 +86,11 @@ const LAST_CHECKPOINT_WAIT: std::time::Duration = std::time::Duration::from_secs
 /// Of that, what is kept for storing the checkpoint, however long the reactor takes.
 const LAST_CHECKPOINT_STORE: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// Messages dead-lettered in a row for making the accumulator panic before a panic
+/// counts as a failure of the graph: a state that makes every message panic would
+/// otherwise send the whole stream to the dead-letter topic.
+const POISONED_IN_A_ROW: u32 = 20;
+
 /// Times an accumulator may panic on one source message; met again after that, the
 /// message goes to the dead-letter topic instead. Twice, so a panic that passes (a
 /// resource briefly missing) costs no message.
@@ -114,10 +119,24 @@ pub(crate) struct SourceCounters {
     sequence: AtomicU64,
     /// Last push id given out.
     push: AtomicI64,
-    /// Source messages an incarnation panicked on, until a checkpoint covers them.
-    panics: std::sync::Mutex<HashMap<Position, Poisoned>>,
+    /// Source messages incarnations panicked on.
+    panics: std::sync::Mutex<Panics>,
     /// Whether `panics` holds any, read on every message without taking the lock.
     any_panics: AtomicBool,
+    /// Since when the current incarnation's source has been open (none while it is
+    /// not): the supervisor tells a new outage from the one it restarted it after by it.
+    live_since: std::sync::Mutex<Option<tokio::time::Instant>>,
+}
+
+/// Source messages incarnations panicked on, until a checkpoint covers them.
+#[derive(Debug, Default)]
+struct Panics {
+    by_position: HashMap<Position, Poisoned>,
+    /// Messages dead-lettered for panics with no message after the last of them
+    /// handled since: past [`POISONED_IN_A_ROW`], the state rather than the messages is
+    /// taken to be at fault, and the panics count as failures of the graph.
+    in_a_row: u32,
+    last_dead_lettered: Option<Position>,
 }
 
 impl SourceCounters {
@@ -144,20 +163,28 @@ impl SourceCounters {
         id
     }
 
-    fn poisoned(&self) -> std::sync::MutexGuard<'_, HashMap<Position, Poisoned>> {
+    fn poisoned(&self) -> std::sync::MutexGuard<'_, Panics> {
         self.panics.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Records a panic on the message at `position`.
-    fn panicked_on(&self, position: Position, reason: &str) {
+    /// Records a panic on the message at `position`. False when too many messages in a
+    /// row were dead-lettered for panics: this one is not recorded, and the panic is a
+    /// failure of the graph.
+    fn panicked_on(&self, position: Position, reason: &str) -> bool {
         let mut panics = self.poisoned();
-        let times = match panics.get(&position) {
+        if panics.in_a_row >= POISONED_IN_A_ROW {
+            return false;
+        }
+        let times = match panics.by_position.get(&position) {
             Some(Poisoned::Panicked { times, .. }) => times + 1,
             _ => 1,
         };
         let reason = reason.to_string();
-        panics.insert(position, Poisoned::Panicked { times, reason });
+        panics
+            .by_position
+            .insert(position, Poisoned::Panicked { times, reason });
         self.any_panics.store(true, Ordering::Release);
+        true
     }
 
     /// What became of the message at `position`, if an incarnation panicked on it.
@@ -165,18 +192,38 @@ impl SourceCounters {
         if !self.any_panics.load(Ordering::Acquire) {
             return None;
         }
-        self.poisoned().get(&position).cloned()
+        self.poisoned().by_position.get(&position).cloned()
     }
 
     fn dead_lettered(&self, position: Position) {
-        self.poisoned().insert(position, Poisoned::DeadLettered);
+        let mut panics = self.poisoned();
+        panics.by_position.insert(position, Poisoned::DeadLettered);
+        panics.in_a_row += 1;
+        panics.last_dead_lettered = Some(position);
     }
 
-    /// Forgets a message handled since without a panic.
-    fn forget_panics(&self, position: Position) {
+    /// A message handled without a panic: forgets its own panics, and ends a run of
+    /// dead-lettered ones if it comes after them.
+    fn handled(&self, position: Position) {
+        if !self.any_panics.load(Ordering::Acquire) {
+            return;
+        }
         let mut panics = self.poisoned();
-        panics.remove(&position);
-        self.any_panics.store(!panics.is_empty(), Ordering::Release);
+        if matches!(
+            panics.by_position.get(&position),
+            Some(Poisoned::Panicked { .. })
+        ) {
+            panics.by_position.remove(&position);
+        }
+        if panics
+            .last_dead_lettered
+            .is_some_and(|d| d.partition == position.partition && d.offset < position.offset)
+        {
+            panics.in_a_row = 0;
+            panics.last_dead_lettered = None;
+        }
+        let any = !panics.by_position.is_empty() || panics.last_dead_lettered.is_some();
+        self.any_panics.store(any, Ordering::Release);
     }
 
     /// Forgets the messages a checkpoint covers: they are not read again.
@@ -185,12 +232,27 @@ impl SourceCounters {
             return;
         }
         let mut panics = self.poisoned();
-        panics.retain(|message, _| {
+        panics.by_position.retain(|message, _| {
             !checkpoint
                 .iter()
                 .any(|p| p.partition == message.partition && p.offset >= message.offset)
         });
-        self.any_panics.store(!panics.is_empty(), Ordering::Release);
+        let any = !panics.by_position.is_empty() || panics.last_dead_lettered.is_some();
+        self.any_panics.store(any, Ordering::Release);
+    }
+
+    fn set_live(&self, live: bool) {
+        let since = live.then(tokio::time::Instant::now);
+        *self.live_since.lock().unwrap_or_else(|e| e.into_inner()) = since;
+    }
+
+    /// How long the current incarnation's source has been open.
+    pub(crate) fn live_for(&self) -> std::time::Duration {
+        self.live_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .map(|since| since.elapsed())
+            .unwrap_or_default()
     }
 
     fn next_sequence(&self) -> u64 {
@@ -328,6 +390,7 @@ impl AccumulatorTask {
             self.counters.push_at_least(push.offset);
         }
         self.counters.forget_panics_through(&source_positions);
+        self.counters.set_live(false);
 
         let mut source: Option<Box<dyn Source>> = None;
         if let Some(factory) = self.source.clone() {
@@ -351,6 +414,7 @@ impl AccumulatorTask {
                 }
             }
             self.set_health(Health::Live).await;
+            self.counters.set_live(true);
         } else {
             self.set_health(Health::SocketOnly).await;
         }
@@ -575,8 +639,8 @@ impl AccumulatorTask {
             time_ms: message.timestamp_ms,
         };
         let handled = self.handle(run, event, position, Some(&message)).await;
-        if poisoned.is_some() && handled.is_ok() {
-            self.counters.forget_panics(position);
+        if handled.is_ok() {
+            self.counters.handled(position);
         }
         handled
     }
@@ -606,13 +670,15 @@ impl AccumulatorTask {
             Err(panic) => {
                 let reason = super::panic_message(panic.as_ref());
                 return Err(match message {
-                    Some(m) => {
-                        self.counters.panicked_on(m.position, &reason);
+                    Some(m) if self.counters.panicked_on(m.position, &reason) => {
                         AccumulatorError::PanickedOnMessage {
                             position: m.position,
                             reason,
                         }
                     }
+                    Some(_) => AccumulatorError::Panicked(format!(
+                        "{reason} (after {POISONED_IN_A_ROW} messages in a row dead-lettered for panics, the state is taken to be at fault)"
+                    )),
                     None => AccumulatorError::Panicked(reason),
                 });
             }

@@ -83,9 +83,9 @@ pub(super) struct SupervisedGraph {
     pub(super) restart: Arc<Notify>,
 }
 
-/// How long an accumulator restarted after an outage runs before an outage it meets
-/// counts as a new one, its backoff starting over: a connection that breaks now and
-/// then is reopened after a second each time, not after a backoff grown by all of them.
+/// How long an accumulator's source runs before an outage it meets counts as a new one,
+/// its backoff starting over: a connection that breaks now and then is reopened after a
+/// second each time, not after a backoff grown by all of them.
 const NEW_OUTAGE_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Consecutive failures, with the healthy-time reset. Waits on unreachable
@@ -412,9 +412,10 @@ impl SupervisedGraph {
         );
         let mut accumulators = JoinSet::new();
         let mut ids: HashMap<Id, usize> = HashMap::new();
-        // When each accumulator (re)started: one that ran a while before failing again
-        // met a new outage, not the one it was restarted after.
-        let mut started = vec![Instant::now(); self.decl.accumulators.len()];
+        // Outages met by each accumulator since its source last ran a while: they set
+        // its restart backoff, so one source breaking now and then does not cut short
+        // another's backoff through a long outage.
+        let mut source_outages = vec![0u32; self.decl.accumulators.len()];
         for index in 0..self.decl.accumulators.len() {
             let task = self.accumulator_task(index, &wiring, &lease, &cancel);
             let handle = accumulators.spawn(task.run().instrument(self.source_span(index)));
@@ -461,12 +462,17 @@ impl SupervisedGraph {
                     self.health[index].send_replace(Health::Disconnected);
                     self.stats.health_changed(index, Health::Disconnected);
                     let _ = wiring.inputs.send(ReactorInput::Health { source: index, health: Health::Disconnected }).await;
+                    if retryable && !poisoned {
+                        // Its source ran a while before it broke: a new outage, not the
+                        // one it was restarted after.
+                        if wiring.counters[index].live_for() >= NEW_OUTAGE_AFTER {
+                            source_outages[index] = 0;
+                        }
+                        source_outages[index] += 1;
+                    }
                     // A panic on one message is that message's fault, not the graph's:
                     // the successor starts at once and dead-letters it if it panics
-                    // on it again, so poisoned messages never fail the graph.
-                    if retryable && started[index].elapsed() >= NEW_OUTAGE_AFTER {
-                        failures.outages = 0;
-                    }
+                    // on it again.
                     let delay = if poisoned {
                         warn!(graph = %self.decl.key(), component = %name, %error, "restarting the accumulator");
                         self.record(&name, RecoveryAction::AccumulatorRestarted, failures.count, &error).await;
@@ -478,9 +484,12 @@ impl SupervisedGraph {
                         else {
                             break Ended::Failed;
                         };
-                        delay
+                        if retryable {
+                            self.policy.backoff(source_outages[index])
+                        } else {
+                            delay
+                        }
                     };
-                    started[index] = Instant::now() + delay;
                     let task = self.accumulator_task(index, &wiring, &lease, &cancel);
                     let restart_cancel = cancel.clone();
                     let handle = accumulators.spawn(async move {
