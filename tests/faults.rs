@@ -2069,15 +2069,15 @@ async fn weir_tail_through_a_connection_closing_mid_delivery_prints_each_message
             .output()
             .unwrap()
     });
-    // Each cut is followed closely by a second one, which meets the reader opened
-    // again after the first.
+    // Cuts come in bursts, the later ones while the reader is being opened again after
+    // the first and just after it is.
     let cutting = tokio::spawn(async move {
         loop {
             tokio::time::sleep(Duration::from_millis(100)).await;
-            for _ in 0..2 {
+            for pause_ms in [15, 80, 0] {
                 proxy.cut();
                 proxy.heal();
-                tokio::time::sleep(Duration::from_millis(15)).await;
+                tokio::time::sleep(Duration::from_millis(pause_ms)).await;
             }
         }
     });

@@ -87,9 +87,11 @@ pub async fn tail(
     };
     let mut source = broker.subscribe(&subscription).await?;
     let mut printed = 0;
-    // Reopens in a row with nothing printed in between: a reader failing again and again
-    // (the broker gone, not a connection that broke once) ends the command.
+    // Reopens in a row, each reader failing soon with nothing printed: a reader failing
+    // again and again (the broker gone, not a connection that broke once) ends the
+    // command. One that ran a while before failing starts the count again.
     let mut failed_in_a_row = 0;
+    let mut opened_at = tokio::time::Instant::now();
     let mut last_printed = std::collections::BTreeMap::new();
     while args.count.is_none_or(|n| printed < n) {
         let message = tokio::select! {
@@ -100,17 +102,26 @@ pub async fn tail(
             Ok(message) => message,
             // A reader that fails for a reason that may pass (a JetStream reader finding
             // deliveries lost with a broken connection) is opened again right after the
-            // last message printed, so nothing is skipped and nothing printed twice. A
-            // reader from the latest message that printed nothing has no such position
-            // and ends the command: opening it again could skip what came meanwhile.
+            // last message printed of each partition, so nothing printed is printed
+            // twice. A partition nothing was printed from is read again from where the
+            // command started: its beginning, or, reading from the latest message, the
+            // latest again, which may skip what came meanwhile; so a reader from the
+            // latest message that printed nothing at all ends the command instead.
             Err(e) if e.is_retryable() && (printed > 0 || args.from_beginning) => {
+                if opened_at.elapsed() >= TAIL_RAN_A_WHILE {
+                    failed_in_a_row = 0;
+                }
                 failed_in_a_row += 1;
                 if failed_in_a_row > TAIL_REOPENS {
                     return Err(e.into());
                 }
                 warn!(topic = %args.topic, error = %e, "reading again after the last message printed");
                 subscription.resume_after = last_printed.values().copied().collect();
-                source = reopen(&*broker, &subscription, &cancel, &mut failed_in_a_row).await?;
+                match reopen(&*broker, &subscription, &cancel, &mut failed_in_a_row).await? {
+                    Some(reopened) => source = reopened,
+                    None => break,
+                }
+                opened_at = tokio::time::Instant::now();
                 continue;
             }
             Err(e) => return Err(e.into()),
@@ -124,25 +135,28 @@ pub async fn tail(
     Ok(())
 }
 
-/// Times in a row `weir tail` opens its reader again without printing a message between.
+/// Times in a row `weir tail` opens its reader again, each failing soon.
 const TAIL_REOPENS: u32 = 10;
+/// How long a reader runs before its failure no longer counts as one in a row.
+const TAIL_RAN_A_WHILE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Opens the tail's reader again after a pause that grows with each failure in a row,
 /// itself tried again while it fails for a reason that may pass, up to [`TAIL_REOPENS`].
+/// None once cancelled.
 async fn reopen(
     broker: &dyn Broker,
     subscription: &Subscription,
     cancel: &CancellationToken,
     failed_in_a_row: &mut u32,
-) -> Result<Box<dyn weir::transport::Source>, Error> {
+) -> Result<Option<Box<dyn weir::transport::Source>>, Error> {
     loop {
         let pause = std::time::Duration::from_millis(50 * u64::from(*failed_in_a_row));
         tokio::select! {
-            _ = cancel.cancelled() => {}
+            _ = cancel.cancelled() => return Ok(None),
             _ = tokio::time::sleep(pause) => {}
         }
         match broker.subscribe(subscription).await {
-            Ok(source) => return Ok(source),
+            Ok(source) => return Ok(Some(source)),
             Err(e) if e.is_retryable() && *failed_in_a_row < TAIL_REOPENS => {
                 warn!(topic = %subscription.topic, error = %e, "opening the reader again");
                 *failed_in_a_row += 1;
