@@ -115,6 +115,43 @@ async fn a_stored_schedule_found_invalid_is_kept_for_later() {
     );
 }
 
+/// Lowering `[cron] shards` leaves schedules in shards no master reads any more; they
+/// are moved into the shard their id maps to now and fire from there.
+#[tokio::test]
+async fn schedules_of_shards_past_a_lowered_count_move_and_fire() {
+    use weir::cron::scheduler::shard_of;
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    // Filed among 8 shards, in one past the 2 the nodes now run.
+    let id = (0..)
+        .map(|i| format!("moved{i}"))
+        .find(|id| shard_of(id, 8) >= 2)
+        .unwrap();
+    let old = shard_of(&id, 8);
+    register(store.as_ref(), &every_second(&id, "mticks"), 8)
+        .await
+        .unwrap();
+    let cfg = SchedulerConfig {
+        shards: 2,
+        orphan_after: Duration::from_millis(200),
+        ..config("a", 0)
+    };
+    let cancel = CancellationToken::new();
+    let node = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+    );
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    cancel.cancel();
+    let _ = node.await;
+    assert!(!ticks(&broker, "mticks").is_empty(), "it fires");
+    assert_eq!(store.next_fire(old, &id).await.unwrap(), None);
+    assert!(store
+        .next_fire(shard_of(&id, 2), &id)
+        .await
+        .unwrap()
+        .is_some());
+}
+
 #[tokio::test]
 async fn paused_schedules_do_not_fire_and_resume_later() {
     let store = Arc::new(MemoryStore::new());

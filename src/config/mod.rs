@@ -13,6 +13,7 @@ use serde::Deserialize;
 
 use crate::accumulator::{AccumulatorSpec, EventFormat};
 use crate::codec::AvroCodec;
+use crate::cron::scheduler::MOST_SHARDS;
 use crate::graph::{FunctionRegistry, GraphBuilder, GraphDeclaration};
 use crate::reactor::{Criteria, ReactorConfig, Strategy};
 use crate::secret::Secret;
@@ -76,10 +77,6 @@ const LEASE_TOO_SHORT: &str = "must be at least 1000: a shorter lease expires be
 /// The most events a source's queue holds per key or graph: far beyond memory, and within
 /// what the queue's semaphore can count.
 const MOST_QUEUED: usize = 1 << 30;
-
-/// The most cron shards: each is a lease every node keeps trying for and a due set its
-/// master reads, so thousands would keep Redis busy with nothing due.
-const MOST_CRON_SHARDS: u32 = 1024;
 
 /// What keeps an admin token from ever matching a request, if anything: a request
 /// header carries printable ASCII, without whitespace at its ends.
@@ -529,7 +526,9 @@ impl ScheduleConfig {
             delivery: self.delivery,
             tenant: self.tenant.clone(),
         };
-        if self.catchup_cap > crate::cron::MOST_CAUGHT_UP {
+        if matches!(self.catchup, CatchUpKind::All)
+            && self.catchup_cap > crate::cron::MOST_CAUGHT_UP
+        {
             return Err(invalid(
                 key("catchup_cap"),
                 format!(
@@ -1105,11 +1104,11 @@ impl Config {
         }
         if self.cron.shards == 0 {
             errors.push(invalid("cron.shards", "must be at least 1"));
-        } else if self.cron.shards > MOST_CRON_SHARDS {
+        } else if self.cron.shards > MOST_SHARDS {
             errors.push(invalid(
                 "cron.shards",
                 format!(
-                    "must be at most {MOST_CRON_SHARDS}: each shard is a lease every node \
+                    "must be at most {MOST_SHARDS}: each shard is a lease every node \
                      keeps trying for and a due set it reads"
                 ),
             ));

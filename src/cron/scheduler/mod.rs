@@ -15,7 +15,8 @@
 //! `plan` (which due times fire, and how: a pure function), `claim` (what is due,
 //! claimed in the store or fired from local state), `emit`
 //! (ticks handed to the broker), `orphans` (claims never emitted, workflows never
-//! started) and `guard` (the consumers' [`TickGuard`]).
+//! started), `stranded` (schedules left in shards past a lowered shard count) and
+//! `guard` (the consumers' [`TickGuard`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -46,6 +47,9 @@ const UNREADABLE_RETRY: Duration = Duration::from_secs(60);
 /// back or dropped by the overlap policy, up to as many as the stores keep per schedule.
 const RECENT_EXECUTIONS: usize = 10;
 const EXECUTIONS_KEPT: usize = 1000;
+/// The most shards a config may set: each is a lease every node keeps trying for and a
+/// due set its master reads.
+pub const MOST_SHARDS: u32 = 1024;
 /// How far ahead of their time due ticks are planned and claimed.
 const LOOKAHEAD: Duration = Duration::from_millis(250);
 /// Schedule loads in flight at once.
@@ -59,6 +63,7 @@ mod guard;
 mod orphans;
 mod plan;
 mod register;
+mod stranded;
 
 pub use clock::{Clock, SystemClock, TokioClock};
 pub use election::{shard_master, shard_of};
@@ -197,6 +202,9 @@ pub struct Scheduler {
     cache: HashMap<String, (Cached, Option<DateTime<Utc>>)>,
     /// Where in the index of unfinished executions the next orphan sweep starts.
     sweep_from: usize,
+    /// The first shard past the configured count the next look for stranded
+    /// schedules reads.
+    stranded_from: u32,
 }
 
 impl Scheduler {
@@ -207,6 +215,7 @@ impl Scheduler {
         Self {
             store,
             sink,
+            stranded_from: config.shards.max(1),
             config,
             shards,
             cache: HashMap::new(),
@@ -251,6 +260,9 @@ impl Scheduler {
             if Instant::now() >= next_sweep {
                 if let Err(e) = self.recover_orphans().await {
                     warn!(error = %e, "orphan recovery failed");
+                }
+                if let Err(e) = self.move_stranded().await {
+                    warn!(error = %e, "moving schedules out of shards past [cron] shards failed");
                 }
                 next_sweep = Instant::now() + sweep_every;
             }
