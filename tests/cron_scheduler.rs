@@ -395,18 +395,15 @@ mod failover {
         );
     }
 
-    /// An unreadable schedule with unfinished executions of its own leaves them waiting;
-    /// the orphan sweep goes on to the other schedules' executions.
-    #[tokio::test(flavor = "multi_thread")]
-    async fn an_unreadable_schedule_leaves_the_rest_of_the_orphan_sweep_going() {
-        let prefix = services::unique("cronorph");
-        let _cleanup_prefix = services::cleanup(&prefix);
+    /// A Redis store under `prefix` with schedules `bad` and `orph`, never due in a test,
+    /// each with a tick claimed at 1000 ms by a node that died before emitting it.
+    async fn two_orphaned(prefix: &str) -> Arc<weir::store::redis::RedisStore> {
         let store = Arc::new(
-            weir::store::redis::RedisStore::connect(&services::redis_url(), &prefix)
+            weir::store::redis::RedisStore::connect(&services::redis_url(), prefix)
                 .await
                 .unwrap(),
         );
-        // Ids in the order the sweep takes them: the unreadable one first.
+        // Ids in the order the sweep takes them: `bad` first.
         for id in ["bad", "orph"] {
             let mut schedule = every_second(id, "oticks");
             schedule.cron = "0 0 1 1 *".into();
@@ -414,24 +411,39 @@ mod failover {
             register(store.as_ref(), &schedule, 1).await.unwrap();
             store.claim_execution(&unemitted(id, 1_000)).await.unwrap();
         }
-        make_unreadable(&prefix, "bad").await;
+        store
+    }
+
+    /// The tick ids one node emits, sorted, sweeping `store` for orphans a while.
+    async fn swept(store: Arc<weir::store::redis::RedisStore>) -> Vec<String> {
         let broker = MemoryBroker::default();
         let cancel = CancellationToken::new();
         let cfg = SchedulerConfig {
             orphan_after: Duration::from_millis(200),
             ..config("a", 0)
         };
-        let scheduler = tokio::spawn(
-            Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
-        );
+        let scheduler =
+            tokio::spawn(Scheduler::new(store, Arc::new(broker.clone()), cfg).run(cancel.clone()));
         tokio::time::sleep(Duration::from_millis(1500)).await;
         cancel.cancel();
         let _ = scheduler.await;
-        let emitted: Vec<String> = ticks(&broker, "oticks")
+        let mut emitted: Vec<String> = ticks(&broker, "oticks")
             .into_iter()
             .map(|t| t.tick_id)
             .collect();
-        assert_eq!(emitted, ["orph@1000"]);
+        emitted.sort();
+        emitted
+    }
+
+    /// An unreadable schedule with unfinished executions of its own leaves them waiting;
+    /// the orphan sweep goes on to the other schedules' executions.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn an_unreadable_schedule_leaves_the_rest_of_the_orphan_sweep_going() {
+        let prefix = services::unique("cronorph");
+        let _cleanup_prefix = services::cleanup(&prefix);
+        let store = two_orphaned(&prefix).await;
+        make_unreadable(&prefix, "bad").await;
+        assert_eq!(swept(store.clone()).await, ["orph@1000"]);
         let waiting = store.get_execution("bad", 1_000).await.unwrap().unwrap();
         assert_eq!(waiting.status, ExecutionStatus::Scheduled, "left as it was");
     }
@@ -442,19 +454,7 @@ mod failover {
     async fn an_unreadable_execution_record_leaves_the_rest_of_the_orphan_sweep_going() {
         let prefix = services::unique("cronexec");
         let _cleanup_prefix = services::cleanup(&prefix);
-        let store = Arc::new(
-            weir::store::redis::RedisStore::connect(&services::redis_url(), &prefix)
-                .await
-                .unwrap(),
-        );
-        // Ids in the order the sweep takes them: the one with the unreadable record first.
-        for id in ["bad", "orph"] {
-            let mut schedule = every_second(id, "oticks");
-            schedule.cron = "0 0 1 1 *".into();
-            schedule.delivery = Delivery::AtLeastOnce;
-            register(store.as_ref(), &schedule, 1).await.unwrap();
-            store.claim_execution(&unemitted(id, 1_000)).await.unwrap();
-        }
+        let store = two_orphaned(&prefix).await;
         store
             .claim_execution(&unemitted("bad", 2_000))
             .await
@@ -467,24 +467,7 @@ mod failover {
             .query_async::<()>(&mut connection)
             .await
             .unwrap();
-        let broker = MemoryBroker::default();
-        let cancel = CancellationToken::new();
-        let cfg = SchedulerConfig {
-            orphan_after: Duration::from_millis(200),
-            ..config("a", 0)
-        };
-        let scheduler = tokio::spawn(
-            Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
-        );
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        cancel.cancel();
-        let _ = scheduler.await;
-        let mut emitted: Vec<String> = ticks(&broker, "oticks")
-            .into_iter()
-            .map(|t| t.tick_id)
-            .collect();
-        emitted.sort();
-        assert_eq!(emitted, ["bad@2000", "orph@1000"]);
+        assert_eq!(swept(store).await, ["bad@2000", "orph@1000"]);
         let raw: String = redis::cmd("GET")
             .arg(format!("{prefix}:exec:bad:1000"))
             .query_async(&mut connection)
