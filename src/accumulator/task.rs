@@ -132,8 +132,8 @@ pub(crate) struct SourceCounters {
 #[derive(Debug, Default)]
 struct Panics {
     by_position: HashMap<Position, Poisoned>,
-    /// Messages dead-lettered for panics with no message after the last of them
-    /// handled since: past [`POISONED_IN_A_ROW`], the state rather than the messages is
+    /// Messages dead-lettered for panics with no message handled since, after the last
+    /// of them or from another partition: past [`POISONED_IN_A_ROW`], the state rather than the messages is
     /// taken to be at fault, and the panics count as failures of the graph.
     in_a_row: u32,
     last_dead_lettered: Option<Position>,
@@ -203,7 +203,7 @@ impl SourceCounters {
     }
 
     /// A message handled without a panic: forgets its own panics, and ends a run of
-    /// dead-lettered ones if it comes after them.
+    /// dead-lettered ones if it comes after them or from another partition.
     fn handled(&self, position: Position) {
         if !self.any_panics.load(Ordering::Acquire) {
             return;
@@ -215,9 +215,10 @@ impl SourceCounters {
         ) {
             panics.by_position.remove(&position);
         }
+        // Not one the run re-reads from its checkpoint before it.
         if panics
             .last_dead_lettered
-            .is_some_and(|d| d.partition == position.partition && d.offset < position.offset)
+            .is_some_and(|d| d.partition != position.partition || d.offset < position.offset)
         {
             panics.in_a_row = 0;
             panics.last_dead_lettered = None;
@@ -334,6 +335,8 @@ impl Drop for QueueSlots {
 
 impl AccumulatorTask {
     pub(crate) async fn run(mut self) -> Result<(), AccumulatorError> {
+        // Whatever fails from here, before the source is open, is no new outage.
+        self.counters.set_live(false);
         self.set_health(Health::Starting).await;
         let checkpoint = self
             .store
@@ -390,7 +393,6 @@ impl AccumulatorTask {
             self.counters.push_at_least(push.offset);
         }
         self.counters.forget_panics_through(&source_positions);
-        self.counters.set_live(false);
 
         let mut source: Option<Box<dyn Source>> = None;
         if let Some(factory) = self.source.clone() {
