@@ -155,7 +155,11 @@ async fn reopen(
             _ = cancel.cancelled() => return Ok(None),
             _ = tokio::time::sleep(pause) => {}
         }
-        match broker.subscribe(subscription).await {
+        let subscribed = tokio::select! {
+            _ = cancel.cancelled() => return Ok(None),
+            subscribed = broker.subscribe(subscription) => subscribed,
+        };
+        match subscribed {
             Ok(source) => return Ok(Some(source)),
             Err(e) if e.is_retryable() && *failed_in_a_row < TAIL_REOPENS => {
                 warn!(topic = %subscription.topic, error = %e, "opening the reader again");
