@@ -1,13 +1,16 @@
 //! Schedules left in shards past `[cron] shards` once it was lowered: no master reads
 //! those shards any more, so the master of shard 0 moves their schedules into the shard
 //! their id maps to now, with their next fire time kept (times missed meanwhile are
-//! then caught up by each schedule's policy).
+//! then caught up by each schedule's policy) unless a config declared it there again.
 
 use super::*;
 
 /// Shards past the configured count read per sweep: every one up to [`MOST_SHARDS`]
 /// within a few minutes, at one cheap read each.
 const STRANDED_SHARDS_PER_SWEEP: u32 = 64;
+/// Schedules moved per sweep, at three store calls each: the sweep runs between
+/// firings, which must not wait long for it.
+const STRANDED_MOVES_PER_SWEEP: usize = 200;
 
 impl Scheduler {
     pub(super) async fn move_stranded(&mut self) -> Result<(), StoreError> {
@@ -18,23 +21,31 @@ impl Scheduler {
         let from = self.stranded_from.clamp(shards, MOST_SHARDS - 1);
         let to = (from + STRANDED_SHARDS_PER_SWEEP).min(MOST_SHARDS);
         self.stranded_from = if to >= MOST_SHARDS { shards } else { to };
+        let mut moves_left = STRANDED_MOVES_PER_SWEEP;
         for old in from..to {
             let stranded = self
-                .bounded(self.store.due_schedules(old, i64::MAX, DUE_BATCH))
+                .bounded(self.store.due_schedules(old, i64::MAX, moves_left))
                 .await?;
             for (id, next_ms) in stranded {
                 let shard = shard_of(&id, shards);
-                // Declared again at a start, it may have a next fire time there already:
-                // the earlier one is kept, so missed times are caught up.
+                // Declared again by a config at a start, it has a next fire time there
+                // already, which wins: a changed definition starts from now.
                 let there = self.bounded(self.store.next_fire(shard, &id)).await?;
-                let next_ms = there.map_or(next_ms, |t| t.min(next_ms));
-                // Added before it is removed: a failure between leaves it in both, and
-                // its executions' claims keep a time from firing twice.
-                self.bounded(self.store.set_next_fire(shard, &id, Some(next_ms)))
-                    .await?;
+                if there.is_none() {
+                    // Added before it is removed: a failure between leaves it in both,
+                    // and its executions' claims keep a time from firing twice.
+                    self.bounded(self.store.set_next_fire(shard, &id, Some(next_ms)))
+                        .await?;
+                }
                 self.bounded(self.store.set_next_fire(old, &id, None))
                     .await?;
                 info!(schedule = %id, from = old, to = shard, "schedule moved out of a shard past [cron] shards");
+                moves_left -= 1;
+            }
+            if moves_left == 0 {
+                // This shard may hold more: the next sweep starts with it.
+                self.stranded_from = old;
+                break;
             }
         }
         Ok(())
