@@ -390,7 +390,7 @@ const EXECUTIONS: usize = 4;
 
 /// Chained workflows under way: a state manager (process 0), one worker with eight
 /// task slots (process 1), and `EXECUTIONS` clients each running a workflow of
-/// one-second tasks and waiting for it, in a guard of their own so that they are killed
+/// two-second tasks and waiting for it, in a guard of their own so that they are killed
 /// too if the test fails part way.
 async fn chained_under_way(
     kafka: bool,
@@ -421,7 +421,7 @@ async fn chained_under_way(
                         "run",
                         &workflow,
                         "--context",
-                        r#"{"sleep_ms": 1000}"#,
+                        r#"{"sleep_ms": 2000}"#,
                         "--wait",
                     ],
                 )
@@ -443,7 +443,7 @@ async fn chained_workflows_ride_out_a_broker_restart(
     let file = config_on(&broker, &prefix, true);
     let kafka = broker.contains("\"kafka\"");
     let (_processes, mut waiting) = chained_under_way(kafka, &file, &prefix).await;
-    // Two steps in: each execution is part way through its six.
+    // A step or two in: each execution is part way through its six.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let _server = tokio::task::spawn_blocking(move || {
         server.restart();
@@ -497,7 +497,8 @@ async fn a_killed_state_manager_leaves_no_workflow_stuck(kafka: bool) {
             .expect("results while the workflows run")
             .unwrap();
     }
-    // Six one-second steps each: the executions are still running at the kill.
+    // Six two-second steps each: the executions are still running at the kill, however
+    // long the results reader took to join its group.
     assert!(
         waiting
             .0
