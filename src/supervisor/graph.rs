@@ -245,6 +245,7 @@ impl SupervisedGraph {
                             RecoveryAction::GraphRespawned,
                             &error,
                             retryable,
+                            None,
                         )
                         .await
                     else {
@@ -270,7 +271,8 @@ impl SupervisedGraph {
 
     /// Counts a failure and records it. Returns the backoff before the restart, or `None`
     /// when the graph is now Failed. A `retryable` failure (store or broker unreachable)
-    /// is waited out with backoff and never counts toward Failed.
+    /// is waited out with backoff and never counts toward Failed; the backoff follows
+    /// `own_outages`, the outages of a component that counts its own, or else the graph's.
     pub(super) async fn failure(
         &self,
         failures: &mut FailureCount,
@@ -278,6 +280,7 @@ impl SupervisedGraph {
         action: RecoveryAction,
         error: &str,
         retryable: bool,
+        own_outages: Option<u32>,
     ) -> Option<std::time::Duration> {
         let now = Instant::now();
         let reset = |last: Option<Instant>| {
@@ -311,7 +314,7 @@ impl SupervisedGraph {
             return None;
         }
         let delay = if retryable {
-            self.policy.backoff(failures.outages)
+            self.policy.backoff(own_outages.unwrap_or(failures.outages))
         } else {
             self.policy.backoff(failures.count)
         };
@@ -478,17 +481,14 @@ impl SupervisedGraph {
                         self.record(&name, RecoveryAction::AccumulatorRestarted, failures.count, &error).await;
                         std::time::Duration::ZERO
                     } else {
+                        let own_outages = Some(source_outages[index]);
                         let Some(delay) = self
-                            .failure(failures, &name, RecoveryAction::AccumulatorRestarted, &error, retryable)
+                            .failure(failures, &name, RecoveryAction::AccumulatorRestarted, &error, retryable, own_outages)
                             .await
                         else {
                             break Ended::Failed;
                         };
-                        if retryable {
-                            self.policy.backoff(source_outages[index])
-                        } else {
-                            delay
-                        }
+                        delay
                     };
                     let task = self.accumulator_task(index, &wiring, &lease, &cancel);
                     let restart_cancel = cancel.clone();
