@@ -114,7 +114,7 @@ enum Poisoned {
 /// incarnation's numbers before the next's): each number costs a load and a store, not
 /// a locked read-modify-write.
 #[derive(Debug, Default)]
-pub(crate) struct SourceCounters {
+pub(crate) struct SourceShared {
     /// Last boundary sequence emitted.
     sequence: AtomicU64,
     /// Last push id given out.
@@ -139,7 +139,7 @@ struct Panics {
     last_dead_lettered: Option<Position>,
 }
 
-impl SourceCounters {
+impl SourceShared {
     /// Starts push ids after the highest one the reactor has taken.
     pub(crate) fn after_push(push: i64) -> Self {
         Self {
@@ -276,7 +276,7 @@ pub(crate) struct AccumulatorTask {
     pub socket: SocketReceiver,
     pub to_reactor: mpsc::Sender<ReactorInput>,
     pub permits: Option<Arc<Semaphore>>,
-    pub counters: Arc<SourceCounters>,
+    pub shared: Arc<SourceShared>,
     /// The graph's lease, when it runs under one: checkpoints carry its fence and stop
     /// at its deadline.
     pub lease: Option<crate::lease::Held>,
@@ -336,7 +336,7 @@ impl Drop for QueueSlots {
 impl AccumulatorTask {
     pub(crate) async fn run(mut self) -> Result<(), AccumulatorError> {
         // Whatever fails from here, before the source is open, is no new outage.
-        self.counters.set_live(false);
+        self.shared.set_live(false);
         self.set_health(Health::Starting).await;
         let checkpoint = self
             .store
@@ -390,9 +390,9 @@ impl AccumulatorTask {
         let mut socket = socket.lock_owned().await;
         // Under the socket's lock, as every change to the push ids is.
         if let Some(push) = pushes.first() {
-            self.counters.push_at_least(push.offset);
+            self.shared.push_at_least(push.offset);
         }
-        self.counters.forget_panics_through(&source_positions);
+        self.shared.forget_panics_through(&source_positions);
 
         let mut source: Option<Box<dyn Source>> = None;
         if let Some(factory) = self.source.clone() {
@@ -416,7 +416,7 @@ impl AccumulatorTask {
                 }
             }
             self.set_health(Health::Live).await;
-            self.counters.set_live(true);
+            self.shared.set_live(true);
         } else {
             self.set_health(Health::SocketOnly).await;
         }
@@ -584,7 +584,7 @@ impl AccumulatorTask {
         value: Value,
         now_us: i64,
     ) -> Result<bool, AccumulatorError> {
-        let id = self.counters.next_push(now_us);
+        let id = self.shared.next_push(now_us);
         let pushed_at_ms = now_us.div_euclid(1000);
         let push = Position {
             partition: PUSH_PARTITION,
@@ -612,7 +612,7 @@ impl AccumulatorTask {
             self.stats.duplicate_dropped();
             return Ok(true);
         }
-        let poisoned = self.counters.poisoned_at(position);
+        let poisoned = self.shared.poisoned_at(position);
         match &poisoned {
             Some(Poisoned::DeadLettered) => {
                 run.tracker.processed(position);
@@ -621,7 +621,7 @@ impl AccumulatorTask {
             Some(Poisoned::Panicked { times, reason }) if *times >= PANICS_BEFORE_DEAD_LETTER => {
                 let reason = format!("the accumulator panicked on it {times} times: {reason}");
                 self.dead_letter(&message, &reason).await?;
-                self.counters.dead_lettered(position);
+                self.shared.dead_lettered(position);
                 run.tracker.processed(position);
                 return Ok(true);
             }
@@ -642,7 +642,7 @@ impl AccumulatorTask {
         };
         let handled = self.handle(run, event, position, Some(&message)).await;
         if handled.is_ok() {
-            self.counters.handled(position);
+            self.shared.handled(position);
         }
         handled
     }
@@ -672,7 +672,7 @@ impl AccumulatorTask {
             Err(panic) => {
                 let reason = super::panic_message(panic.as_ref());
                 return Err(match message {
-                    Some(m) if self.counters.panicked_on(m.position, &reason) => {
+                    Some(m) if self.shared.panicked_on(m.position, &reason) => {
                         AccumulatorError::PanickedOnMessage {
                             position: m.position,
                             reason,
@@ -758,7 +758,7 @@ impl AccumulatorTask {
         if self.permits.is_some() {
             run.slots.held -= 1;
         }
-        let sequence = self.counters.next_sequence();
+        let sequence = self.shared.next_sequence();
         let positions = run.tracker.emitted(sequence, position);
         let from_source = position.is_some_and(|p| p.partition != PUSH_PARTITION);
         run.unsent.push(Boundary {

@@ -20,7 +20,7 @@ use super::{
     Command, CommandError, FireReason, FireReport, ReactorConfig, ReactorInput, ReactorState,
     ReactorStatus, SourceStatus, Strategy,
 };
-use crate::accumulator::task::{SourceCounters, HANDOFF};
+use crate::accumulator::task::{SourceShared, HANDOFF};
 use crate::accumulator::{Boundary, Health, Positions, PUSH_PARTITION};
 use crate::graph::{CompiledGraph, FireInput, FireValues, GraphDeclaration};
 use crate::stats::{FireClock, GraphStats};
@@ -69,7 +69,7 @@ pub(crate) struct Wiring {
     pub durable: Vec<watch::Receiver<u64>>,
     /// Queue slots per source (sequential strategy only).
     pub permits: Vec<Option<Arc<Semaphore>>>,
-    pub counters: Vec<Arc<SourceCounters>>,
+    pub shared: Vec<Arc<SourceShared>>,
 }
 
 pub(crate) struct Reactor {
@@ -161,7 +161,7 @@ impl Reactor {
         let mut durable = Vec::with_capacity(names.len());
         let mut durable_rx = Vec::with_capacity(names.len());
         let mut permits = Vec::with_capacity(names.len());
-        let mut counters = Vec::with_capacity(names.len());
+        let mut shared = Vec::with_capacity(names.len());
         for (i, _) in names.iter().enumerate() {
             let (tx, rx) = watch::channel(0);
             let last_push = cache
@@ -169,7 +169,7 @@ impl Reactor {
                 .iter()
                 .find(|p| p.partition == PUSH_PARTITION)
                 .map_or(0, |p| p.offset);
-            counters.push(Arc::new(SourceCounters::after_push(last_push)));
+            shared.push(Arc::new(SourceShared::after_push(last_push)));
             durable.push(tx);
             durable_rx.push(rx);
             permits.push(match decl.reactor.strategy {
@@ -243,7 +243,7 @@ impl Reactor {
             inputs: inputs_tx,
             durable: durable_rx,
             permits,
-            counters,
+            shared,
         };
         Ok((reactor, wiring))
     }

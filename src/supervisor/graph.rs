@@ -363,7 +363,7 @@ impl SupervisedGraph {
             socket: self.sockets[index].clone(),
             to_reactor: wiring.inputs.clone(),
             permits: wiring.permits[index].clone(),
-            counters: wiring.counters[index].clone(),
+            shared: wiring.shared[index].clone(),
             lease: lease.clone(),
             durable: wiring.durable[index].clone(),
             health: self.health[index].clone(),
@@ -468,7 +468,7 @@ impl SupervisedGraph {
                     if retryable && !poisoned {
                         // Its source ran a while before it broke: a new outage, not the
                         // one it was restarted after.
-                        if wiring.counters[index].live_for() >= NEW_OUTAGE_AFTER {
+                        if wiring.shared[index].live_for() >= NEW_OUTAGE_AFTER {
                             source_outages[index] = 0;
                         }
                         source_outages[index] += 1;
