@@ -362,6 +362,44 @@ async fn a_source_breaking_now_and_then_is_reopened_after_the_shortest_backoff()
     }
 }
 
+/// Through a store outage nothing becomes durable: the source is read up to a bound of
+/// boundaries awaiting it, not for as long as the broker delivers, and once the store
+/// answers again the rest flows and every position is committed.
+#[tokio::test(start_paused = true)]
+async fn a_store_outage_holds_the_reader_at_its_bound_and_loses_nothing() {
+    use weir::accumulator::MOST_PENDING_BOUNDARIES;
+    let h = Harness::new();
+    let g = h.spawn(graph(
+        "outage",
+        AccumulatorSpec::passthrough("a").topic("outage.in"),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    h.store.set_reachable(false);
+    let total = MOST_PENDING_BOUNDARIES as u64 + 5_000;
+    for n in 0..total {
+        h.pipe_bytes("outage.in", n.to_string().as_bytes()).await;
+    }
+    eventually("read up to the bound", || async {
+        g.stats().boundaries >= MOST_PENDING_BOUNDARIES as u64
+    })
+    .await;
+    h.advance(Duration::from_secs(5)).await;
+    let read = g.stats().boundaries;
+    assert!(read < total, "{read} of {total} read with nothing durable");
+    h.store.set_reachable(true);
+    eventually("every input fired", || async { g.stats().outputs == total }).await;
+    eventually("every position committed", || async {
+        h.broker.committed("outage.in", "weir.outage") == vec![total as i64]
+    })
+    .await;
+    let fired: BTreeSet<String> = h
+        .outputs("outage.out")
+        .iter()
+        .map(|o| o["inputs"]["a"].to_string())
+        .collect();
+    assert_eq!(fired.len() as u64, total);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_push_only_batch_keeps_what_it_holds_across_a_restart() {
     let h = Harness::new();

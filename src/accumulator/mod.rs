@@ -21,6 +21,7 @@ use crate::transport::{Position, SourceFactory, StartFrom};
 pub use crate::stats::Health;
 pub use checkpoint::{Checkpoint, CheckpointStore};
 pub use kinds::{Batch, Passthrough, PollSource, Stateful};
+pub use task::MOST_PENDING_BOUNDARIES;
 
 /// Events pushed through the socket path sit in this pseudo-partition of their
 /// accumulator, at offsets that are their push ids: increasing, never reused, never

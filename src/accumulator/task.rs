@@ -79,6 +79,12 @@ pub(crate) const PUSH_BATCH: usize = 256;
 pub(crate) const HANDOFF: usize = 256;
 /// Messages a source has ready taken in one go, before other work gets a turn.
 const MESSAGE_BATCH: usize = 256;
+/// Boundaries emitted and not yet durable past which the source is not read: each holds
+/// its position until the reactor's snapshot is stored, and through a store outage the
+/// list would otherwise grow with everything the broker delivers. Twice the inputs
+/// after which the reactor snapshots however long its interval, so a graph whose store
+/// answers never waits here.
+pub const MOST_PENDING_BOUNDARIES: usize = 100_000;
 
 /// How long a stopping accumulator waits for what its reactor makes durable as it stops,
 /// and then for that checkpoint to be stored: within the supervisor's default stop limit.
@@ -466,7 +472,8 @@ impl AccumulatorTask {
                     // The supervisor keeps a sender for the graph's lifetime.
                     false => break,
                 },
-                message = next_message(&mut source) => match message {
+                message = next_message(&mut source),
+                    if run.tracker.pending() < MOST_PENDING_BOUNDARIES => match message {
                     Ok(message) => {
                         let taken = self
                             .take_messages(&mut run, source.as_deref_mut(), message)

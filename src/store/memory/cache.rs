@@ -5,7 +5,7 @@ use super::*;
 #[async_trait]
 impl CacheStore for MemoryStore {
     async fn load_cache(&self, graph: &str) -> Result<Option<CacheSnapshot>, StoreError> {
-        Ok(self.state().caches.get(graph).cloned())
+        Ok(self.state()?.caches.get(graph).cloned())
     }
 
     async fn save_cache(
@@ -14,7 +14,7 @@ impl CacheStore for MemoryStore {
         snapshot: &CacheSnapshot,
         fence: Option<&Fence>,
     ) -> Result<(), StoreError> {
-        let mut state = self.state();
+        let mut state = self.state()?;
         check_fence(&state, fence)?;
         state.caches.insert(graph.to_string(), snapshot.clone());
         Ok(())

@@ -10,7 +10,7 @@ impl CheckpointStore for MemoryStore {
         accumulator: &str,
     ) -> Result<Option<Checkpoint>, StoreError> {
         Ok(self
-            .state()
+            .state()?
             .checkpoints
             .get(&(graph.to_string(), accumulator.to_string()))
             .cloned())
@@ -23,7 +23,7 @@ impl CheckpointStore for MemoryStore {
         checkpoint: &Checkpoint,
         fence: Option<&Fence>,
     ) -> Result<(), StoreError> {
-        let mut state = self.state();
+        let mut state = self.state()?;
         check_fence(&state, fence)?;
         state.checkpoints.insert(
             (graph.to_string(), accumulator.to_string()),

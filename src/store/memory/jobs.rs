@@ -9,7 +9,7 @@ impl JobStore for MemoryStore {
         job_type: &str,
         ids: &[String],
     ) -> Result<Vec<Option<JobRecord>>, StoreError> {
-        let state = self.state();
+        let state = self.state()?;
         Ok(ids
             .iter()
             .map(|id| state.jobs.get(&(job_type.to_string(), id.clone())).cloned())
@@ -21,7 +21,7 @@ impl JobStore for MemoryStore {
         job_type: &str,
         partition: i32,
     ) -> Result<PartitionSnapshot, StoreError> {
-        let state = self.state();
+        let state = self.state()?;
         let key = (job_type.to_string(), partition);
         let partition = state.job_partitions.get(&key);
         Ok(PartitionSnapshot {
@@ -48,7 +48,7 @@ impl JobStore for MemoryStore {
         changes: &PartitionChanges,
         fence: &Fence,
     ) -> Result<(), StoreError> {
-        let mut state = self.state();
+        let mut state = self.state()?;
         check_fence(&state, Some(fence))?;
         let state = &mut *state;
         let stored = state
@@ -78,7 +78,7 @@ impl JobStore for MemoryStore {
     }
 
     async fn list_jobs(&self, job_type: &str) -> Result<Vec<String>, StoreError> {
-        let state = self.state();
+        let state = self.state()?;
         let mut ids: Vec<String> = state
             .jobs
             .keys()

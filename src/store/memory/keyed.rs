@@ -10,7 +10,7 @@ impl KeyedStore for MemoryStore {
         partition: i32,
         keys: &[String],
     ) -> Result<Vec<Option<CacheSnapshot>>, StoreError> {
-        let state = self.state();
+        let state = self.state()?;
         let stored = state.keyed.get(&(graph.to_string(), partition));
         Ok(keys
             .iter()
@@ -23,7 +23,7 @@ impl KeyedStore for MemoryStore {
         graph: &str,
         partition: i32,
     ) -> Result<BTreeMap<String, i64>, StoreError> {
-        let state = self.state();
+        let state = self.state()?;
         Ok(state
             .keyed
             .get(&(graph.to_string(), partition))
@@ -36,7 +36,7 @@ impl KeyedStore for MemoryStore {
         graph: &str,
         partition: i32,
     ) -> Result<Option<(u64, i64)>, StoreError> {
-        let state = self.state();
+        let state = self.state()?;
         Ok(state
             .keyed
             .get(&(graph.to_string(), partition))
@@ -44,11 +44,11 @@ impl KeyedStore for MemoryStore {
     }
 
     async fn load_paused(&self, graph: &str) -> Result<bool, StoreError> {
-        Ok(self.state().keyed_paused.contains(graph))
+        Ok(self.state()?.keyed_paused.contains(graph))
     }
 
     async fn save_paused(&self, graph: &str, paused: bool) -> Result<(), StoreError> {
-        let mut state = self.state();
+        let mut state = self.state()?;
         if paused {
             state.keyed_paused.insert(graph.to_string());
         } else {
@@ -64,7 +64,7 @@ impl KeyedStore for MemoryStore {
         changes: KeyedChanges,
         fence: &Fence,
     ) -> Result<(), StoreError> {
-        let mut state = self.state();
+        let mut state = self.state()?;
         check_fence(&state, Some(fence))?;
         let stored = state
             .keyed

@@ -11,7 +11,7 @@ impl LeaseStore for MemoryStore {
         ttl: Duration,
     ) -> Result<Option<Lease>, StoreError> {
         let now = Instant::now();
-        let mut state = self.state();
+        let mut state = self.state()?;
         if let Some(held) = state.leases.get(name) {
             if held.expires > now && held.holder != holder {
                 return Ok(None);
@@ -46,7 +46,7 @@ impl LeaseStore for MemoryStore {
 
     async fn renew_lease(&self, lease: &Lease, ttl: Duration) -> Result<bool, StoreError> {
         let now = Instant::now();
-        let mut state = self.state();
+        let mut state = self.state()?;
         match state.leases.get_mut(&lease.name) {
             Some(held) if held.holder == lease.holder && held.token == lease.token => {
                 if held.expires <= now {
@@ -60,7 +60,7 @@ impl LeaseStore for MemoryStore {
     }
 
     async fn current_lease(&self, name: &str) -> Result<Option<Lease>, StoreError> {
-        let state = self.state();
+        let state = self.state()?;
         Ok(state
             .leases
             .get(name)
@@ -73,7 +73,7 @@ impl LeaseStore for MemoryStore {
     }
 
     async fn release_lease(&self, lease: &Lease) -> Result<bool, StoreError> {
-        let mut state = self.state();
+        let mut state = self.state()?;
         match state.leases.get(&lease.name) {
             Some(held) if held.holder == lease.holder && held.token == lease.token => {
                 state.leases.remove(&lease.name);

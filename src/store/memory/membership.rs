@@ -5,7 +5,7 @@ use super::*;
 #[async_trait]
 impl MembershipStore for MemoryStore {
     async fn join_group(&self, group: &str, member: &str, ttl: Duration) -> Result<(), StoreError> {
-        self.state()
+        self.state()?
             .members
             .entry(group.to_string())
             .or_default()
@@ -14,7 +14,7 @@ impl MembershipStore for MemoryStore {
     }
 
     async fn leave_group(&self, group: &str, member: &str) -> Result<(), StoreError> {
-        if let Some(members) = self.state().members.get_mut(group) {
+        if let Some(members) = self.state()?.members.get_mut(group) {
             members.remove(member);
         }
         Ok(())
@@ -22,7 +22,7 @@ impl MembershipStore for MemoryStore {
 
     async fn group_members(&self, group: &str) -> Result<Vec<String>, StoreError> {
         let now = Instant::now();
-        let mut state = self.state();
+        let mut state = self.state()?;
         let Some(members) = state.members.get_mut(group) else {
             return Ok(Vec::new());
         };
@@ -38,7 +38,7 @@ impl MembershipStore for MemoryStore {
         partitions: u32,
     ) -> Result<u32, StoreError> {
         Ok(*self
-            .state()
+            .state()?
             .partition_counts
             .entry(group.to_string())
             .or_insert(partitions))

@@ -11,6 +11,7 @@ mod schedule;
 mod workflow;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -36,6 +37,7 @@ const RECOVERY_EVENTS_KEPT: usize = 10_000;
 #[derive(Default)]
 pub struct MemoryStore {
     state: Mutex<State>,
+    unreachable: AtomicBool,
     watchers: Mutex<Vec<tokio::sync::mpsc::Sender<()>>>,
 }
 
@@ -111,8 +113,20 @@ impl MemoryStore {
         Self::default()
     }
 
-    fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    /// Makes every call fail as an unreachable store's would, or answer again: a store
+    /// outage, for tests of what a node does through one.
+    pub fn set_reachable(&self, reachable: bool) {
+        self.unreachable.store(!reachable, Ordering::SeqCst);
+    }
+
+    fn state(&self) -> Result<MutexGuard<'_, State>, StoreError> {
+        if self.unreachable.load(Ordering::SeqCst) {
+            return Err(StoreError::Unreachable {
+                what: "memory store".into(),
+                source: "set unreachable".into(),
+            });
+        }
+        Ok(self.state.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     fn notify_watchers(&self) {
@@ -132,7 +146,7 @@ impl Backend for MemoryStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        Ok(())
+        self.state().map(|_| ())
     }
 }
 

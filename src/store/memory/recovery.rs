@@ -5,7 +5,7 @@ use super::*;
 #[async_trait]
 impl RecoveryLog for MemoryStore {
     async fn record_recovery(&self, event: &RecoveryEvent) -> Result<(), StoreError> {
-        let mut guard = self.state();
+        let mut guard = self.state()?;
         // Through the guard once, so the two lists borrow apart.
         let state = &mut *guard;
         let tenant_list = crate::tenant::of_key(&event.graph).map(|tenant| {
@@ -29,7 +29,7 @@ impl RecoveryLog for MemoryStore {
         limit: usize,
     ) -> Result<Vec<RecoveryEvent>, StoreError> {
         Ok(self
-            .state()
+            .state()?
             .recoveries
             .iter()
             .rev()
@@ -45,7 +45,7 @@ impl RecoveryLog for MemoryStore {
         limit: usize,
     ) -> Result<Vec<RecoveryEvent>, StoreError> {
         Ok(self
-            .state()
+            .state()?
             .tenant_recoveries
             .get(tenant)
             .map(|list| list.iter().rev().take(limit).cloned().collect())

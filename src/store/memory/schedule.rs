@@ -5,7 +5,7 @@ use super::*;
 #[async_trait]
 impl ScheduleStore for MemoryStore {
     async fn put_schedule(&self, schedule: &Schedule) -> Result<(), StoreError> {
-        self.state()
+        self.state()?
             .schedules
             .insert(schedule.id.clone(), schedule.clone());
         self.notify_watchers();
@@ -13,19 +13,19 @@ impl ScheduleStore for MemoryStore {
     }
 
     async fn get_schedule(&self, id: &str) -> Result<Option<Schedule>, StoreError> {
-        Ok(self.state().schedules.get(id).cloned())
+        Ok(self.state()?.schedules.get(id).cloned())
     }
 
     async fn list_schedules(&self) -> Result<ScheduleList, StoreError> {
         Ok(ScheduleList {
-            schedules: self.state().schedules.values().cloned().collect(),
+            schedules: self.state()?.schedules.values().cloned().collect(),
             unreadable: Vec::new(),
         })
     }
 
     async fn delete_schedule(&self, id: &str, shard: u32) -> Result<bool, StoreError> {
         let existed = {
-            let mut state = self.state();
+            let mut state = self.state()?;
             if let Some(set) = state.due.get_mut(&shard) {
                 set.retain(|(_, s)| s != id);
             }
@@ -41,7 +41,7 @@ impl ScheduleStore for MemoryStore {
         id: &str,
         at_ms: Option<i64>,
     ) -> Result<(), StoreError> {
-        let mut state = self.state();
+        let mut state = self.state()?;
         let set = state.due.entry(shard).or_default();
         set.retain(|(_, s)| s != id);
         if let Some(at) = at_ms {
@@ -52,7 +52,7 @@ impl ScheduleStore for MemoryStore {
 
     async fn next_fire(&self, shard: u32, id: &str) -> Result<Option<i64>, StoreError> {
         Ok(self
-            .state()
+            .state()?
             .due
             .get(&shard)
             .and_then(|set| set.iter().find(|(_, s)| s == id).map(|(at, _)| *at)))
@@ -64,7 +64,7 @@ impl ScheduleStore for MemoryStore {
         until_ms: i64,
         limit: usize,
     ) -> Result<Vec<(String, i64)>, StoreError> {
-        let state = self.state();
+        let state = self.state()?;
         Ok(state
             .due
             .get(&shard)
@@ -80,14 +80,14 @@ impl ScheduleStore for MemoryStore {
 
     async fn earliest_fire(&self, shard: u32) -> Result<Option<i64>, StoreError> {
         Ok(self
-            .state()
+            .state()?
             .due
             .get(&shard)
             .and_then(|set| set.first().map(|(at, _)| *at)))
     }
 
     async fn claim_execution(&self, execution: &Execution) -> Result<bool, StoreError> {
-        let mut state = self.state();
+        let mut state = self.state()?;
         let list = state
             .executions
             .entry(execution.schedule_id.clone())
@@ -116,7 +116,7 @@ impl ScheduleStore for MemoryStore {
         executions: &[Execution],
         fence: Option<&Fence>,
     ) -> Result<Vec<bool>, StoreError> {
-        check_fence(&self.state(), fence)?;
+        check_fence(&*self.state()?, fence)?;
         let mut claimed = Vec::with_capacity(executions.len());
         for e in executions {
             claimed.push(self.claim_execution(e).await?);
@@ -131,7 +131,7 @@ impl ScheduleStore for MemoryStore {
         next_fires: &[(String, Option<i64>)],
         fence: &Fence,
     ) -> Result<(), StoreError> {
-        check_fence(&self.state(), Some(fence))?;
+        check_fence(&*self.state()?, Some(fence))?;
         for e in executions {
             self.put_execution(e, Some(fence)).await?;
         }
@@ -146,7 +146,7 @@ impl ScheduleStore for MemoryStore {
         execution: &Execution,
         fence: Option<&Fence>,
     ) -> Result<(), StoreError> {
-        let mut state = self.state();
+        let mut state = self.state()?;
         check_fence(&state, fence)?;
         let list = state
             .executions
@@ -173,7 +173,7 @@ impl ScheduleStore for MemoryStore {
         skip: usize,
         limit: usize,
     ) -> Result<Vec<(String, i64)>, StoreError> {
-        let state = self.state();
+        let state = self.state()?;
         let mut open: Vec<(i64, &(String, i64))> = state
             .open
             .iter()
@@ -195,7 +195,7 @@ impl ScheduleStore for MemoryStore {
         scheduled_ms: i64,
     ) -> Result<Option<Execution>, StoreError> {
         Ok(self
-            .state()
+            .state()?
             .executions
             .get(schedule_id)
             .and_then(|l| l.iter().find(|e| e.scheduled_ms == scheduled_ms).cloned()))
@@ -206,7 +206,7 @@ impl ScheduleStore for MemoryStore {
         schedule_id: &str,
         limit: usize,
     ) -> Result<Vec<Execution>, StoreError> {
-        let state = self.state();
+        let state = self.state()?;
         let mut list: Vec<Execution> = state
             .executions
             .get(schedule_id)
@@ -223,7 +223,7 @@ impl ScheduleStore for MemoryStore {
         priority: i64,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        self.state()
+        self.state()?
             .nodes
             .insert(node.to_string(), (priority, Instant::now() + ttl));
         Ok(())
@@ -231,7 +231,7 @@ impl ScheduleStore for MemoryStore {
 
     async fn live_nodes(&self) -> Result<Vec<(String, i64)>, StoreError> {
         let now = Instant::now();
-        let mut state = self.state();
+        let mut state = self.state()?;
         state.nodes.retain(|_, (_, expires)| *expires > now);
         Ok(state
             .nodes

@@ -8,7 +8,7 @@ impl WorkflowStore for MemoryStore {
         &self,
         execution: &WorkflowExecution,
     ) -> Result<bool, StoreError> {
-        let mut state = self.state();
+        let mut state = self.state()?;
         if state.workflows.contains_key(&execution.id) {
             return Ok(false);
         }
@@ -22,14 +22,14 @@ impl WorkflowStore for MemoryStore {
         &self,
         id: &str,
     ) -> Result<Option<WorkflowExecution>, StoreError> {
-        Ok(self.state().workflows.get(id).cloned())
+        Ok(self.state()?.workflows.get(id).cloned())
     }
 
     async fn update_workflow_execution(
         &self,
         execution: &WorkflowExecution,
     ) -> Result<bool, StoreError> {
-        let mut state = self.state();
+        let mut state = self.state()?;
         match state.workflows.get_mut(&execution.id) {
             Some(stored) if stored.version + 1 == execution.version => {
                 *stored = execution.clone();
@@ -44,7 +44,7 @@ impl WorkflowStore for MemoryStore {
         execution: &str,
         tasks: &[String],
     ) -> Result<(), StoreError> {
-        self.state()
+        self.state()?
             .published
             .entry(execution.to_string())
             .or_default()
@@ -57,7 +57,7 @@ impl WorkflowStore for MemoryStore {
         execution: &str,
     ) -> Result<std::collections::BTreeSet<String>, StoreError> {
         Ok(self
-            .state()
+            .state()?
             .published
             .get(execution)
             .cloned()
@@ -69,7 +69,7 @@ impl WorkflowStore for MemoryStore {
         execution: &str,
         deadline_ms: i64,
     ) -> Result<(), StoreError> {
-        let mut state = self.state();
+        let mut state = self.state()?;
         if let Some(old) = state.deadline_of.insert(execution.to_string(), deadline_ms) {
             state.deadlines.remove(&(old, execution.to_string()));
         }
@@ -84,7 +84,7 @@ impl WorkflowStore for MemoryStore {
         limit: usize,
     ) -> Result<Vec<String>, StoreError> {
         Ok(self
-            .state()
+            .state()?
             .deadlines
             .iter()
             .take_while(|(at, _)| *at <= until_ms)
@@ -95,7 +95,7 @@ impl WorkflowStore for MemoryStore {
     }
 
     async fn clear_workflow_deadline(&self, execution: &str) -> Result<(), StoreError> {
-        let mut state = self.state();
+        let mut state = self.state()?;
         if let Some(at) = state.deadline_of.remove(execution) {
             state.deadlines.remove(&(at, execution.to_string()));
         }
