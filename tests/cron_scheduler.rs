@@ -1159,6 +1159,93 @@ async fn overlap_buffer_one_holds_one_firing_until_the_running_one_ends() {
     assert_eq!(sent, vec![minute(1), minute(2)]);
 }
 
+/// Hands ticks to the broker, and takes shard 0's lease from its master as the tick
+/// scheduled at `depose_at` goes out, so the master's record of the emission is refused.
+struct DeposingOnSend {
+    broker: MemoryBroker,
+    store: Arc<MemoryStore>,
+    depose_at: i64,
+}
+
+#[async_trait::async_trait]
+impl weir::transport::Sink for DeposingOnSend {
+    async fn publish(
+        &self,
+        message: weir::transport::Outbound,
+    ) -> Result<weir::transport::Position, weir::transport::TransportError> {
+        let tick: CronTick = decode(&message.payload).expect("ticks are Avro CronTick records");
+        if tick.scheduled_time_ms == self.depose_at {
+            let held = self.store.current_lease("cron:shard:0").await.unwrap();
+            self.store.release_lease(&held.unwrap()).await.unwrap();
+            let usurper = self
+                .store
+                .acquire_lease("cron:shard:0", "usurper", Duration::from_secs(1))
+                .await
+                .unwrap();
+            assert!(usurper.is_some());
+        }
+        self.broker.publish(message).await
+    }
+}
+
+/// A buffered `at_most_once` tick sent by a master deposed before it could record the
+/// sending is not sent again by the next master.
+#[tokio::test(start_paused = true)]
+async fn a_buffered_at_most_once_tick_whose_record_failed_is_not_sent_again() {
+    use weir::cron::scheduler::{register_at, Clock, TokioClock};
+    use weir::cron::Overlap;
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
+    let mut schedule = Schedule::new("bufamo", "* * * * *", "UTC");
+    schedule.target = Target::Workflow("report".into());
+    schedule.overlap = Overlap::BufferOne;
+    assert_eq!(schedule.delivery, Delivery::AtMostOnce);
+    register_at(store.as_ref(), &schedule, 1, clock.now())
+        .await
+        .unwrap();
+    workflows_running(&store, "bufamo", &[1, 2]).await;
+    let minute = |m: i64| at("2026-01-01T00:00:00Z").timestamp_millis() + m * 60_000;
+    let sink = DeposingOnSend {
+        broker: broker.clone(),
+        store: store.clone(),
+        depose_at: minute(2),
+    };
+    let cfg = SchedulerConfig {
+        clock: clock.clone(),
+        orphan_after: Duration::from_secs(2),
+        ..config("a", 0)
+    };
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(Scheduler::new(store.clone(), Arc::new(sink), cfg).run(cancel.clone()));
+    // 00:01 fires and 00:02 is buffered behind it.
+    tokio::time::sleep(Duration::from_secs(100)).await;
+    let mut first = store
+        .get_execution("bufamo", minute(1))
+        .await
+        .unwrap()
+        .unwrap();
+    first.status = ExecutionStatus::Completed;
+    store.put_execution(&first, None).await.unwrap();
+    // The buffered tick goes out as its master is deposed; the master takes its shard
+    // back once the usurper's lease lapses, and sweeps again.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    cancel.cancel();
+    let _ = task.await;
+    let sent: Vec<i64> = ticks(&broker, "weir.workflows.report.start")
+        .iter()
+        .map(|t| t.scheduled_time_ms)
+        .filter(|&t| t <= minute(2))
+        .collect();
+    assert_eq!(sent, vec![minute(1), minute(2)]);
+    let buffered = store
+        .get_execution("bufamo", minute(2))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(buffered.status, ExecutionStatus::Missed);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_workflow_tick_whose_execution_never_started_is_emitted_again() {
     use weir::cron::scheduler::{register_at, Clock, TokioClock};

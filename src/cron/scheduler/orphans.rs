@@ -97,9 +97,30 @@ impl Scheduler {
                     }
                     // The running execution ended: the buffered one goes now.
                     execution.fencing_token = lease.token;
-                    if self.publish(schedule, &execution).await.is_ok() {
-                        execution.status = ExecutionStatus::Running;
-                        running = Some(true);
+                    let at_most_once = schedule.delivery == Delivery::AtMostOnce;
+                    if at_most_once {
+                        // Recorded as claimed before it goes out: should the record of
+                        // its emission fail, a later sweep finds it `scheduled` and gives
+                        // it up, where a `buffered` one would be sent a second time.
+                        execution.status = ExecutionStatus::Scheduled;
+                        execution.updated_ms = self.config.clock.now().timestamp_millis();
+                        self.bounded(self.store.put_execution(&execution, Some(&fence)))
+                            .await?;
+                    }
+                    match self.publish(schedule, &execution).await {
+                        Ok(()) => {
+                            execution.status = ExecutionStatus::Running;
+                            running = Some(true);
+                        }
+                        // It may have reached the broker all the same.
+                        Err(reason) if at_most_once => {
+                            warn!(schedule = %id, tick = %execution.tick_id, %reason, "buffered tick not published");
+                            execution.error = Some(reason);
+                            missed(&mut execution);
+                        }
+                        Err(reason) => {
+                            warn!(schedule = %id, tick = %execution.tick_id, %reason, "buffered tick not published; sent again by a later sweep");
+                        }
                     }
                     execution.updated_ms = self.config.clock.now().timestamp_millis();
                     self.bounded(self.store.put_execution(&execution, Some(&fence)))
