@@ -1021,6 +1021,31 @@ async fn declaring_a_schedule_again_keeps_a_pause_and_takes_a_new_definition() {
     assert_eq!(store.next_fire(0, "nightly").await.unwrap(), None);
 }
 
+/// A pause the config made is the config's to lift: declared enabled again, the schedule
+/// fires from now. An operator's pause made meanwhile is not.
+#[tokio::test]
+async fn a_schedule_the_config_paused_resumes_when_the_config_enables_it() {
+    use weir::cron::scheduler::{declare, set_enabled};
+    let store = MemoryStore::new();
+    let schedule = Schedule::new("weekly", "0 2 * * 1", "UTC");
+    let mut off = schedule.clone();
+    off.enabled = false;
+    let declared = declare(&store, &off, 1).await.unwrap();
+    assert_eq!(declared.next, None);
+    let declared = declare(&store, &schedule, 1).await.unwrap();
+    assert!(!declared.kept_paused);
+    assert!(declared.next.unwrap() > chrono::Utc::now());
+    assert!(store.get_schedule("weekly").await.unwrap().unwrap().enabled);
+    // Paused by the config, then by an operator: the config no longer lifts it.
+    declare(&store, &off, 1).await.unwrap();
+    assert!(set_enabled(&store, "weekly", false, 1).await.unwrap());
+    for declaring in [&off, &schedule] {
+        declare(&store, declaring, 1).await.unwrap();
+    }
+    assert!(!store.get_schedule("weekly").await.unwrap().unwrap().enabled);
+    assert_eq!(store.next_fire(0, "weekly").await.unwrap(), None);
+}
+
 /// Records the workflow executions of a schedule's ticks as running, as a state manager
 /// would once it started them, so the scheduler sees them in progress.
 async fn workflows_running(store: &MemoryStore, schedule: &str, minutes: &[i64]) {

@@ -511,6 +511,7 @@ impl ScheduleConfig {
             cron: self.cron.clone(),
             timezone: self.timezone.clone(),
             enabled: self.enabled,
+            paused_by_config: !self.enabled,
             start: instant("start", &self.start)?,
             end: instant("end", &self.end)?,
             target,

@@ -69,6 +69,11 @@ pub struct Schedule {
     pub cron: String,
     pub timezone: String,
     pub enabled: bool,
+    /// Paused because a node's config declared it `enabled = false`, not by an operator:
+    /// a config that enables it again resumes it. Absent from records older versions
+    /// wrote, whose pauses are kept as an operator's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused_by_config: bool,
     pub start: Option<DateTime<Utc>>,
     pub end: Option<DateTime<Utc>>,
     pub target: Target,
@@ -118,6 +123,7 @@ impl Schedule {
             cron: cron.into(),
             timezone: timezone.into(),
             enabled: true,
+            paused_by_config: false,
             start: None,
             end: None,
             target: Target::Topic(crate::wire::TICK_TOPIC.into()),

@@ -47,9 +47,9 @@ pub async fn register_at(
 /// every start. A schedule stored as declared keeps its next fire time, so the times
 /// missed while no node ran are caught up by its policy rather than dropped at the
 /// restart; one whose definition changed starts again from now. The config may pause a
-/// schedule (`enabled = false`) but does not resume one paused in the store: a pause
+/// schedule (`enabled = false`) and, enabling it again, resume what it paused; a pause
 /// made through `weir cron pause` or the admin API outlasts restarts until resumed
-/// there.
+/// there, whatever the config says.
 pub async fn declare(
     store: &dyn ScheduleStore,
     schedule: &Schedule,
@@ -64,11 +64,14 @@ pub async fn declare(
     };
     let shard = shard_of(&schedule.id, shards);
     let mut declared = schedule.clone();
+    declared.paused_by_config = !declared.enabled;
     let mut kept_paused = false;
     if let Some(stored) = &stored {
-        if !stored.enabled && declared.enabled {
+        let paused_by_operator = !stored.enabled && !stored.paused_by_config;
+        if paused_by_operator {
+            kept_paused = declared.enabled;
             declared.enabled = false;
-            kept_paused = true;
+            declared.paused_by_config = false;
         }
         if *stored == declared {
             let next = store.next_fire(shard, &declared.id).await?;
@@ -104,6 +107,8 @@ pub async fn set_enabled(
         return Ok(false);
     };
     schedule.enabled = enabled;
+    // The operator's pause or resume, whatever the config had said.
+    schedule.paused_by_config = false;
     register(store, &schedule, shards).await?;
     Ok(true)
 }
