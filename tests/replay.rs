@@ -425,6 +425,53 @@ async fn a_push_only_batch_keeps_what_it_holds_across_a_restart() {
     assert_eq!(h.outputs("held.out")[0]["inputs"]["a"], json!([1, 2, 3, 4]));
 }
 
+/// Pushes the accumulator handed over while the reactor was busy firing are not lost
+/// when the graph stops before the reactor takes them in: the last snapshot holds them,
+/// and the next run fires them.
+#[tokio::test(start_paused = true)]
+async fn pushes_waiting_for_a_busy_reactor_at_a_stop_fire_after_the_restart() {
+    let slow_echo = || {
+        GraphBuilder::new("busy")
+            .reactor(ReactorConfig {
+                criteria: Criteria::WhenAny,
+                strategy: Strategy::Sequential,
+                ..ReactorConfig::default()
+            })
+            .accumulator(AccumulatorSpec::passthrough("a"))
+            .node("slow", ["a"], |ctx: weir::NodeContext| async move {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let a: Value = ctx.get("a")?.unwrap_or_default();
+                Ok(Some(json!({ "a": a })))
+            })
+            .output("slow", "busy.out")
+            .build()
+            .expect("valid graph")
+    };
+    let h = Harness::new();
+    let g = h.spawn(slow_echo());
+    g.wait_for_state(ReactorState::Live).await;
+    let pushed: Vec<Value> = (0..20).map(|n| json!(n)).collect();
+    g.push("a", pushed[0].clone()).await.unwrap();
+    // The first fire is under way; the rest wait for the reactor.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for v in &pushed[1..] {
+        g.push("a", v.clone()).await.unwrap();
+    }
+    settle().await;
+    let h = h.restart().await;
+    let g = h.spawn(slow_echo());
+    g.wait_for_state(ReactorState::Live).await;
+    eventually("every push fired", || async {
+        let fired: BTreeSet<String> = h
+            .outputs("busy.out")
+            .iter()
+            .map(|o| o["a"].to_string())
+            .collect();
+        fired == expected(&pushed)
+    })
+    .await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_push_only_stateful_accumulator_keeps_its_state_across_a_restart() {
     let h = Harness::new();

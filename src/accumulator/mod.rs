@@ -75,6 +75,12 @@ pub(crate) enum ReactorInput {
         source: usize,
         health: Health,
     },
+    /// The accumulator stopped with its graph: it hands over nothing more, so a
+    /// stopping reactor has everything it will get once each running accumulator has
+    /// said so.
+    Stopped {
+        source: usize,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]

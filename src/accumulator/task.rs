@@ -91,6 +91,9 @@ pub const MOST_PENDING_BOUNDARIES: usize = 100_000;
 const LAST_CHECKPOINT_WAIT: std::time::Duration = std::time::Duration::from_secs(4);
 /// Of that, what is kept for storing the checkpoint, however long the reactor takes.
 const LAST_CHECKPOINT_STORE: std::time::Duration = std::time::Duration::from_secs(1);
+/// How long a stopping reactor waits for the accumulators' last hand-overs, and an
+/// accumulator for room in the reactor's channel to say it stopped.
+pub(crate) const LAST_INPUTS_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Messages dead-lettered in a row for making the accumulator panic before a panic
 /// counts as a failure of the graph: a state that makes every message panic would
@@ -503,6 +506,12 @@ impl AccumulatorTask {
                     }
                 }
             }
+        }
+        if self.cancel.is_cancelled() {
+            // Behind everything this incarnation handed over: the stopping reactor takes
+            // all of it into the snapshot it stores last (pushes are never replayed).
+            let stopped = ReactorInput::Stopped { source: self.index };
+            let _ = tokio::time::timeout(LAST_INPUTS_WAIT, self.to_reactor.send(stopped)).await;
         }
         // Stopping, or the reactor is gone: what it made durable is checkpointed first.
         self.store_last_checkpoint(&mut run, source.as_deref_mut(), &mut durable_changes)

@@ -20,7 +20,7 @@ use super::{
     Command, CommandError, FireReason, FireReport, ReactorConfig, ReactorInput, ReactorState,
     ReactorStatus, SourceStatus, Strategy,
 };
-use crate::accumulator::task::{SourceShared, HANDOFF};
+use crate::accumulator::task::{SourceShared, HANDOFF, LAST_INPUTS_WAIT};
 use crate::accumulator::{Boundary, Health, Positions, PUSH_PARTITION};
 use crate::graph::{CompiledGraph, FireInput, FireValues, GraphDeclaration};
 use crate::stats::{FireClock, GraphStats};
@@ -86,6 +86,8 @@ pub(crate) struct Reactor {
     unstored: VecDeque<(u64, Vec<u64>)>,
     cache: InputCache,
     health: Vec<Health>,
+    /// Per source, whether its accumulator said it stopped with the graph.
+    stopped: Vec<bool>,
     durable: Vec<watch::Sender<u64>>,
     /// Durable sequence per source not yet told to its accumulator: published once per
     /// loop turn, not once per fire.
@@ -217,6 +219,7 @@ impl Reactor {
             unstored: VecDeque::new(),
             cache,
             health: vec![Health::Starting; names.len()],
+            stopped: vec![false; names.len()],
             durable_pending: durable.iter().map(|d| *d.borrow()).collect(),
             durable_told: durable.iter().map(|d| *d.borrow()).collect(),
             durable,
@@ -327,6 +330,9 @@ impl Reactor {
             self.store_last_snapshot().await;
             return Err(e);
         }
+        if cancel.is_cancelled() {
+            self.take_last_inputs().await;
+        }
         // Let acknowledged output count before the final snapshot; the supervisor bounds
         // how long this may take.
         while let Some(done) = self.in_flight.next().await {
@@ -408,6 +414,32 @@ impl Reactor {
                 self.health[source] = health;
                 self.update_state();
                 1
+            }
+            ReactorInput::Stopped { source } => {
+                self.stopped[source] = true;
+                1
+            }
+        }
+    }
+
+    /// Stopping: what the accumulators handed over before they stopped is taken into the
+    /// cache, for the last snapshot to hold and the next run to fire. Left in the channel
+    /// it would be lost where it cannot be replayed (pushes). Waits, at most
+    /// [`LAST_INPUTS_WAIT`], for each accumulator still running (its source not reported
+    /// down, which an incarnation does after its last hand-over) to say it stopped.
+    async fn take_last_inputs(&mut self) {
+        let deadline = Instant::now() + LAST_INPUTS_WAIT;
+        while self
+            .health
+            .iter()
+            .zip(&self.stopped)
+            .any(|(health, stopped)| !stopped && *health != Health::Disconnected)
+        {
+            match tokio::time::timeout_at(deadline, self.inputs.recv()).await {
+                Ok(Some(input)) => {
+                    self.apply(input);
+                }
+                Ok(None) | Err(_) => break,
             }
         }
     }
