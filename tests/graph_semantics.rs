@@ -667,6 +667,37 @@ async fn an_accumulator_panicking_on_every_message_fails_its_graph() {
     assert_eq!(h.broker.messages("rotten.in.dlq").len(), 20);
 }
 
+/// A Failed graph retried over the same state is not let off the run of dead letters
+/// it already sent: its panics go on counting as failures, and no more messages go to
+/// the dead-letter topic.
+#[tokio::test(start_paused = true)]
+async fn a_failed_graph_retried_over_the_same_panics_dead_letters_no_more() {
+    use weir::supervisor::GraphStatus;
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "rotten_again",
+        vec![AccumulatorSpec::custom("a", || AlwaysPanicsOnPoison).topic("rotten_again.in")],
+        config(Criteria::WhenAny, Strategy::Sequential),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    for _ in 0..60 {
+        h.pipe_bytes("rotten_again.in", b"\"poison\"").await;
+    }
+    let failed = || g.wait_for_status(|s| matches!(s, GraphStatus::Failed { .. }));
+    tokio::time::timeout(Duration::from_secs(600), failed())
+        .await
+        .expect("the graph fails");
+    assert_eq!(h.broker.messages("rotten_again.in.dlq").len(), 20);
+    let retried = g.wait_for_status(|s| !matches!(s, GraphStatus::Failed { .. }));
+    tokio::time::timeout(Duration::from_secs(3600), retried)
+        .await
+        .expect("the failed graph is retried");
+    tokio::time::timeout(Duration::from_secs(600), failed())
+        .await
+        .expect("the graph fails again");
+    assert_eq!(h.broker.messages("rotten_again.in.dlq").len(), 20);
+}
+
 #[tokio::test(start_paused = true)]
 async fn pushes_taken_before_an_accumulator_panics_still_fire() {
     let h = Harness::new();

@@ -172,6 +172,17 @@ impl SourceShared {
         id
     }
 
+    /// Takes over what the graph's previous run learnt of the messages its accumulator
+    /// panicked on: a graph run again (Failed and retried, say) over a state that makes
+    /// every message panic would otherwise send another run of them to the dead-letter
+    /// topic, and those it dead-lettered are passed by when read again.
+    pub(crate) fn inherit_panics(&self, earlier: &SourceShared) {
+        let panics = std::mem::take(&mut *earlier.poisoned());
+        let any = !panics.by_position.is_empty() || panics.last_dead_lettered.is_some();
+        *self.poisoned() = panics;
+        self.any_panics.store(any, Ordering::Release);
+    }
+
     fn poisoned(&self) -> std::sync::MutexGuard<'_, Panics> {
         self.panics.lock().unwrap_or_else(|e| e.into_inner())
     }

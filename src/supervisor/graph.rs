@@ -81,6 +81,9 @@ pub(super) struct SupervisedGraph {
     pub(super) status: watch::Sender<GraphStatus>,
     pub(super) state: watch::Sender<ReactorState>,
     pub(super) restart: Arc<Notify>,
+    /// What the accumulators of the last incarnation shared, for the next to take over
+    /// what outlasts an incarnation (the messages they panicked on).
+    pub(super) last_shared: Mutex<Vec<Arc<SourceShared>>>,
 }
 
 /// How long an accumulator's source runs before an outage it meets counts as a new one,
@@ -404,6 +407,13 @@ impl SupervisedGraph {
                 }
             }
         };
+        {
+            let mut last = self.last_shared.lock().unwrap_or_else(|e| e.into_inner());
+            for (shared, earlier) in wiring.shared.iter().zip(last.iter()) {
+                shared.inherit_panics(earlier);
+            }
+            *last = wiring.shared.clone();
+        }
         let commands = self.commands.clone();
         let reactor_cancel = cancel.clone();
         let mut reactor_task: JoinHandle<Result<(), ReactorError>> = tokio::spawn(

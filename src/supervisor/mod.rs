@@ -29,7 +29,7 @@ use graph::{GraphWiring, SupervisedGraph};
 pub use handle::GraphHandle;
 pub use runtime::{default_node_id, Runtime};
 
-use crate::accumulator::task::{AccumulatorTask, Socket, SocketReceiver, PUSH_BATCH};
+use crate::accumulator::task::{AccumulatorTask, Socket, SocketReceiver, SourceShared, PUSH_BATCH};
 use crate::accumulator::{Health, SourceSpec};
 use crate::graph::GraphDeclaration;
 use crate::metrics::LeaseRole;
@@ -217,6 +217,7 @@ impl Supervisor {
             status: status_tx,
             state: state_tx,
             restart: handle.restart.clone(),
+            last_shared: Mutex::new(Vec::new()),
         };
         let span = info_span!("graph", graph = %handle.name);
         self.tasks.spawn(graph.supervise().instrument(span));
