@@ -362,6 +362,44 @@ async fn a_source_breaking_now_and_then_is_reopened_after_the_shortest_backoff()
     }
 }
 
+/// A source's outages set its own backoff alone: after a run of them, a store outage
+/// that stops the graph's reactor from restoring is retried after the shortest backoff.
+#[tokio::test(start_paused = true)]
+async fn a_flaky_source_does_not_lengthen_the_reactors_backoff() {
+    use weir::supervisor::GraphStatus;
+    let h = Harness::new();
+    let (source, fail) = Breakable::new(&h, "flaky.in", "weir.flaky");
+    let opens = source.opens.clone();
+    let g = h.spawn(graph(
+        "flaky",
+        AccumulatorSpec::passthrough("a").source(source),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    // Each after the source ran a while (its own backoff starts over), each within a
+    // minute of the last (the graph's would not).
+    for k in 0..6 {
+        tokio::time::sleep(Duration::from_secs(15)).await;
+        fail.notify_one();
+        eventually("reopened", || async {
+            opens.load(Ordering::SeqCst) == k + 2
+        })
+        .await;
+    }
+    h.store.set_reachable(false);
+    g.restart();
+    let restarting = g.wait_for_status(|s| matches!(s, GraphStatus::Restarting { .. }));
+    tokio::time::timeout(Duration::from_secs(30), restarting)
+        .await
+        .expect("the reactor cannot restore its cache");
+    h.store.set_reachable(true);
+    // Within the 10 s `eventually` waits: six outages counted for the graph would
+    // make it a minute.
+    eventually("running again", || async {
+        matches!(g.status(), GraphStatus::Running) && g.state() == ReactorState::Live
+    })
+    .await;
+}
+
 /// Through a store outage nothing becomes durable: the source is read up to a bound of
 /// boundaries awaiting it, not for as long as the broker delivers, and once the store
 /// answers again the rest flows and every position is committed.

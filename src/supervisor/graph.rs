@@ -296,8 +296,12 @@ impl SupervisedGraph {
             failures.outages = 0;
         }
         if retryable {
-            failures.outages += 1;
-            failures.last_outage = Some(now);
+            // An accumulator's outages set its own backoff alone: a source that breaks
+            // now and then must not lengthen the reactor's after a store outage.
+            if own_outages.is_none() {
+                failures.outages += 1;
+                failures.last_outage = Some(now);
+            }
         } else {
             failures.count += 1;
             failures.last = Some(now);
