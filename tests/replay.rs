@@ -362,6 +362,35 @@ async fn a_source_breaking_now_and_then_is_reopened_after_the_shortest_backoff()
     }
 }
 
+/// A source that breaks often, but delivers something new between breaks, is reopened
+/// after the shortest backoff each time rather than one grown by every break.
+#[tokio::test(start_paused = true)]
+async fn a_source_breaking_often_between_new_messages_is_reopened_after_the_shortest_backoff() {
+    let h = Harness::new();
+    let (source, fail) = Breakable::new(&h, "choppy.in", "weir.choppy");
+    let opens = source.opens.clone();
+    let g = h.spawn(graph(
+        "choppy",
+        AccumulatorSpec::passthrough("a").source(source),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    for k in 0..8 {
+        publish_all(&h, "choppy.in", &[json!(k)]).await;
+        eventually("read before the break", || async {
+            h.outputs("choppy.out").len() == k + 1
+        })
+        .await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        fail.notify_one();
+        // Within the 10 s `eventually` waits: a backoff doubled at each break would
+        // be 16 s by the fifth.
+        eventually("reopened", || async {
+            opens.load(Ordering::SeqCst) == k + 2
+        })
+        .await;
+    }
+}
+
 /// A source's outages set its own backoff alone: after a run of them, a store outage
 /// that stops the graph's reactor from restoring is retried after the shortest backoff.
 #[tokio::test(start_paused = true)]

@@ -135,6 +135,9 @@ pub(crate) struct SourceShared {
     /// Since when the current incarnation's source has been open (none while it is
     /// not): the supervisor tells a new outage from the one it restarted it after by it.
     live_since: std::sync::Mutex<Option<tokio::time::Instant>>,
+    /// Whether the current incarnation's source delivered a message no earlier one had
+    /// taken in: it got somewhere before it broke, whatever came before it.
+    delivered_new: AtomicBool,
 }
 
 /// Source messages incarnations panicked on, until a checkpoint covers them.
@@ -265,6 +268,15 @@ impl SourceShared {
     fn set_live(&self, live: bool) {
         let since = live.then(tokio::time::Instant::now);
         *self.live_since.lock().unwrap_or_else(|e| e.into_inner()) = since;
+        if !live {
+            self.delivered_new.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the current incarnation's source delivered a message no earlier one had
+    /// taken in (a replay of what the checkpoint holds does not count).
+    pub(crate) fn delivered_new(&self) -> bool {
+        self.delivered_new.load(Ordering::Relaxed)
     }
 
     /// How long the current incarnation's source has been open.
@@ -333,6 +345,8 @@ struct Running {
     received_ms: i64,
     /// A push changed the state since the last checkpoint handed over.
     pushes_unstored: bool,
+    /// The source delivered a message new to this run (told to [`SourceShared`] once).
+    delivered_new: bool,
     /// Events taken in and not yet added to the graph's count: added at each hand-over.
     events_uncounted: u64,
     slots: QueueSlots,
@@ -399,6 +413,7 @@ impl AccumulatorTask {
             unsent: Vec::new(),
             received_ms: 0,
             pushes_unstored: false,
+            delivered_new: false,
             events_uncounted: 0,
             slots: QueueSlots {
                 permits: self.permits.clone(),
@@ -638,6 +653,10 @@ impl AccumulatorTask {
             // would be folded into a state twice.
             self.stats.duplicate_dropped();
             return Ok(true);
+        }
+        if !run.delivered_new {
+            run.delivered_new = true;
+            self.shared.delivered_new.store(true, Ordering::Relaxed);
         }
         let poisoned = self.shared.poisoned_at(position);
         match &poisoned {

@@ -87,8 +87,9 @@ pub(super) struct SupervisedGraph {
 }
 
 /// How long an accumulator's source runs before an outage it meets counts as a new one,
-/// its backoff starting over: a connection that breaks now and then is reopened after a
-/// second each time, not after a backoff grown by all of them.
+/// its backoff starting over (as it does once the source delivered a message new to
+/// it): a connection that breaks now and then is reopened after a second each time, not
+/// after a backoff grown by all of them.
 const NEW_OUTAGE_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Consecutive failures, with the healthy-time reset. Waits on unreachable
@@ -480,9 +481,10 @@ impl SupervisedGraph {
                     self.stats.health_changed(index, Health::Disconnected);
                     let _ = wiring.inputs.send(ReactorInput::Health { source: index, health: Health::Disconnected }).await;
                     if retryable && !poisoned {
-                        // Its source ran a while before it broke: a new outage, not the
-                        // one it was restarted after.
-                        if wiring.shared[index].live_for() >= NEW_OUTAGE_AFTER {
+                        // Its source ran a while, or got somewhere, before it broke: a new
+                        // outage, not the one it was restarted after.
+                        let shared = &wiring.shared[index];
+                        if shared.live_for() >= NEW_OUTAGE_AFTER || shared.delivered_new() {
                             source_outages[index] = 0;
                         }
                         source_outages[index] += 1;
