@@ -362,6 +362,74 @@ async fn a_source_breaking_now_and_then_is_reopened_after_the_shortest_backoff()
     }
 }
 
+/// A topic of the harness's broker read as a core NATS subject is: what goes unread is
+/// lost, so the reader must never be held back.
+struct KeepsNothingUnread(BrokerSource);
+
+#[async_trait]
+impl SourceFactory for KeepsNothingUnread {
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+
+    async fn open(&self, resume_after: &[Position]) -> Result<Box<dyn Source>, TransportError> {
+        Ok(Box::new(KeepsNothingUnreadSource(
+            self.0.open(resume_after).await?,
+        )))
+    }
+}
+
+struct KeepsNothingUnreadSource(Box<dyn Source>);
+
+#[async_trait]
+impl Source for KeepsNothingUnreadSource {
+    async fn next(&mut self) -> Result<Message, TransportError> {
+        self.0.next().await
+    }
+
+    fn ready(&mut self) -> Option<Result<Message, TransportError>> {
+        self.0.ready()
+    }
+
+    async fn commit(&mut self, through: &[Position]) -> Result<(), TransportError> {
+        self.0.commit(through).await
+    }
+
+    fn keeps_unread(&self) -> bool {
+        false
+    }
+}
+
+/// A source that loses what goes unread (core NATS) is read through a store outage
+/// whatever waits for a stored snapshot: holding it back would lose messages.
+#[tokio::test(start_paused = true)]
+async fn a_source_that_keeps_nothing_unread_is_read_through_a_store_outage() {
+    use weir::accumulator::MOST_PENDING_BOUNDARIES;
+    let h = Harness::new();
+    let mut subscription = Subscription::new("lossy.in", "weir.lossy");
+    subscription.assignment = Assignment::All;
+    let source = KeepsNothingUnread(BrokerSource {
+        broker: Arc::new(h.broker.clone()),
+        subscription,
+    });
+    let g = h.spawn(graph(
+        "lossy",
+        AccumulatorSpec::passthrough("a").source(Arc::new(source)),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    h.store.set_reachable(false);
+    let total = MOST_PENDING_BOUNDARIES as u64 + 5_000;
+    for n in 0..total {
+        h.pipe_bytes("lossy.in", n.to_string().as_bytes()).await;
+    }
+    eventually("everything read with nothing durable", || async {
+        g.stats().boundaries == total
+    })
+    .await;
+    h.store.set_reachable(true);
+    eventually("every input fired", || async { g.stats().outputs == total }).await;
+}
+
 /// A source that breaks often, but delivers something new between breaks, is reopened
 /// after the shortest backoff each time rather than one grown by every break.
 #[tokio::test(start_paused = true)]

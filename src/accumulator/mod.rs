@@ -75,9 +75,9 @@ pub(crate) enum ReactorInput {
         source: usize,
         health: Health,
     },
-    /// The accumulator stopped with its graph: it hands over nothing more, so a
-    /// stopping reactor has everything it will get once each running accumulator has
-    /// said so.
+    /// The accumulator's incarnation hands over nothing more (it stopped with its graph,
+    /// or ended on an error), so a stopping reactor has everything it will get once each
+    /// running accumulator has said so.
     Stopped {
         source: usize,
     },

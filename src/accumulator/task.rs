@@ -79,15 +79,16 @@ pub(crate) const PUSH_BATCH: usize = 256;
 pub(crate) const HANDOFF: usize = 256;
 /// Messages a source has ready taken in one go, before other work gets a turn.
 const MESSAGE_BATCH: usize = 256;
-/// Boundaries emitted and not yet durable past which the source is not read: each holds
-/// its position until the reactor's snapshot is stored, and through a store outage the
-/// list would otherwise grow with everything the broker delivers. Twice the inputs
+/// Boundaries emitted and not yet durable past which the source is held, not read: each
+/// holds its position until the reactor's snapshot is stored, and through a store outage
+/// the list would otherwise grow with everything the broker delivers. Twice the inputs
 /// after which the reactor snapshots however long its interval, so a graph whose store
-/// answers never waits here.
+/// answers never waits here. Core NATS, which keeps nothing unread, is read regardless.
 pub const MOST_PENDING_BOUNDARIES: usize = 100_000;
 
-/// How long a stopping accumulator waits for what its reactor makes durable as it stops,
-/// and then for that checkpoint to be stored: within the supervisor's default stop limit.
+/// How long a stopping accumulator takes to say it stopped, wait for what its reactor
+/// makes durable as it stops, and store that checkpoint: within the supervisor's default
+/// stop limit.
 const LAST_CHECKPOINT_WAIT: std::time::Duration = std::time::Duration::from_secs(4);
 /// Of that, what is kept for storing the checkpoint, however long the reactor takes.
 const LAST_CHECKPOINT_STORE: std::time::Duration = std::time::Duration::from_secs(1);
@@ -369,6 +370,18 @@ impl Drop for QueueSlots {
 
 impl AccumulatorTask {
     pub(crate) async fn run(mut self) -> Result<(), AccumulatorError> {
+        let ended = self.incarnation().await;
+        if ended.is_err() {
+            // It hands over nothing more: a reactor stopping before the supervisor has
+            // heard of the failure need not wait for it. Its successor starts anew.
+            let _ = self
+                .to_reactor
+                .try_send(ReactorInput::Stopped { source: self.index });
+        }
+        ended
+    }
+
+    async fn incarnation(&mut self) -> Result<(), AccumulatorError> {
         // Whatever fails from here, before the source is open, is no new outage.
         self.shared.set_live(false);
         self.set_health(Health::Starting).await;
@@ -470,6 +483,10 @@ impl AccumulatorTask {
         let mut stored = Box::pin(run.checkpoints.stored_versions());
 
         loop {
+            // Enough waits for a stored snapshot: the source is held (a Kafka consumer
+            // paused and polled, so it stays in its group) until some of it is durable.
+            let at_bound = run.tracker.pending() >= MOST_PENDING_BOUNDARIES
+                && source.as_ref().is_some_and(|s| s.keeps_unread());
             tokio::select! {
                 biased;
                 _ = &mut stopping => break,
@@ -501,9 +518,10 @@ impl AccumulatorTask {
                     // The supervisor keeps a sender for the graph's lifetime.
                     false => break,
                 },
-                message = next_message(&mut source),
-                    if run.tracker.pending() < MOST_PENDING_BOUNDARIES => match message {
-                    Ok(message) => {
+                read = read_or_hold(&mut source, at_bound) => match read {
+                    // Held while at the bound: looked at again.
+                    None => {}
+                    Some(Ok(message)) => {
                         let taken = self
                             .take_messages(&mut run, source.as_deref_mut(), message)
                             .await;
@@ -516,7 +534,7 @@ impl AccumulatorTask {
                             Taken::SourceFailed(e) => return Err(self.source_failed(e).await),
                         }
                     }
-                    Err(e) => return Err(self.source_failed(e).await),
+                    Some(Err(e)) => return Err(self.source_failed(e).await),
                 },
                 _ = tick(&mut flush) => {
                     // Held before the flush empties the state, as for an event.
@@ -533,6 +551,7 @@ impl AccumulatorTask {
                 }
             }
         }
+        let deadline = tokio::time::Instant::now() + LAST_CHECKPOINT_WAIT;
         if self.cancel.is_cancelled() {
             // Behind everything this incarnation handed over: the stopping reactor takes
             // all of it into the snapshot it stores last (pushes are never replayed).
@@ -540,8 +559,13 @@ impl AccumulatorTask {
             let _ = tokio::time::timeout(LAST_INPUTS_WAIT, self.to_reactor.send(stopped)).await;
         }
         // Stopping, or the reactor is gone: what it made durable is checkpointed first.
-        self.store_last_checkpoint(&mut run, source.as_deref_mut(), &mut durable_changes)
-            .await;
+        self.store_last_checkpoint(
+            &mut run,
+            source.as_deref_mut(),
+            &mut durable_changes,
+            deadline,
+        )
+        .await;
         Ok(())
     }
 
@@ -919,9 +943,9 @@ impl AccumulatorTask {
         run: &mut Running,
         source: Option<&mut (dyn Source + '_)>,
         durable_changes: &mut (impl futures::Stream<Item = u64> + Unpin),
+        deadline: tokio::time::Instant,
     ) {
         let has_source = source.is_some();
-        let deadline = tokio::time::Instant::now() + LAST_CHECKPOINT_WAIT;
         // The reactor's durable positions end with its run.
         let followed = tokio::time::timeout_at(deadline - LAST_CHECKPOINT_STORE, async {
             while let Some(durable) = durable_changes.next().await {
@@ -973,6 +997,18 @@ impl AccumulatorTask {
                 warn!(graph = %self.graph, accumulator = %self.spec.name, error = %e, "commit failed");
             }
         }
+    }
+}
+
+/// The next message, or, with `held`, none: the source is held until it has something
+/// to say (a Kafka consumer polls, paused), and `None` returned to look again.
+async fn read_or_hold(
+    source: &mut Option<Box<dyn Source>>,
+    held: bool,
+) -> Option<Result<Message, crate::transport::TransportError>> {
+    match source {
+        Some(s) if held => s.hold().await.err().map(Err),
+        _ => Some(next_message(source).await),
     }
 }
 

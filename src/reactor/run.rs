@@ -86,7 +86,8 @@ pub(crate) struct Reactor {
     unstored: VecDeque<(u64, Vec<u64>)>,
     cache: InputCache,
     health: Vec<Health>,
-    /// Per source, whether its accumulator said it stopped with the graph.
+    /// Per source, whether its accumulator's incarnation said it hands over nothing more
+    /// (it stopped with the graph, or ended on an error).
     stopped: Vec<bool>,
     durable: Vec<watch::Sender<u64>>,
     /// Durable sequence per source not yet told to its accumulator: published once per
@@ -412,6 +413,10 @@ impl Reactor {
             }
             ReactorInput::Health { source, health } => {
                 self.health[source] = health;
+                if health == Health::Starting {
+                    // A new incarnation: it will say when it stops.
+                    self.stopped[source] = false;
+                }
                 self.update_state();
                 1
             }

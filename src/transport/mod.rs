@@ -424,6 +424,13 @@ pub trait Source: Send {
     async fn hold(&mut self) -> Result<(), TransportError> {
         std::future::pending().await
     }
+
+    /// Whether what arrives while the source goes unread waits for it (a broker keeps
+    /// it). False for core NATS, whose client drops what a subscriber does not take in
+    /// time: such a source is read on whatever is pending.
+    fn keeps_unread(&self) -> bool {
+        true
+    }
 }
 
 /// The acknowledgement of a message already handed to the broker client.

@@ -1131,6 +1131,10 @@ struct CoreSource {
 
 #[async_trait]
 impl Source for CoreSource {
+    fn keeps_unread(&self) -> bool {
+        false
+    }
+
     fn ready(&mut self) -> Option<Result<Message, TransportError>> {
         // A read dropped before it completes loses nothing.
         futures::FutureExt::now_or_never(self.next())
