@@ -511,7 +511,9 @@ impl ScheduleConfig {
             cron: self.cron.clone(),
             timezone: self.timezone.clone(),
             enabled: self.enabled,
-            paused_by_config: !self.enabled,
+            // Set by `declare`, which alone registers what a node's config declares;
+            // `weir cron add --paused` builds its schedule here too, as an operator.
+            paused_by_config: false,
             start: instant("start", &self.start)?,
             end: instant("end", &self.end)?,
             target,
