@@ -828,6 +828,37 @@ async fn an_at_most_once_tick_of_a_dead_master_is_missed_not_re_emitted() {
         .is_empty());
 }
 
+/// An at_most_once workflow tick a dead master claimed and did emit has started its
+/// workflow execution: the record takes the workflow's status rather than `missed`, so
+/// the overlap policy sees it running, and it is not emitted again.
+#[tokio::test(start_paused = true)]
+async fn an_at_most_once_workflow_tick_of_a_dead_master_that_went_out_takes_its_workflows_status() {
+    use weir::cron::scheduler::{register_at, TokioClock};
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
+    let mut schedule = Schedule::new("wf", "0 0 1 1 *", "UTC");
+    schedule.target = Target::Workflow("report".into());
+    assert_eq!(schedule.delivery, Delivery::AtMostOnce);
+    register_at(store.as_ref(), &schedule, 1, at("2026-01-01T00:00:30Z"))
+        .await
+        .unwrap();
+    let minute = at("2026-01-01T00:01:00Z").timestamp_millis();
+    store
+        .claim_execution(&unemitted("wf", minute))
+        .await
+        .unwrap();
+    workflows_running(&store, "wf", &[1]).await;
+    let cfg = SchedulerConfig {
+        clock,
+        ..config("a", 0)
+    };
+    sweep_a_while(&store, &broker, cfg).await;
+    assert!(ticks(&broker, "weir.workflows.report.start").is_empty());
+    let record = store.get_execution("wf", minute).await.unwrap().unwrap();
+    assert_eq!(record.status, ExecutionStatus::Running);
+}
+
 /// Takes nothing: every acknowledgement fails, as when the broker went away mid-send.
 struct Unacknowledged;
 
@@ -1263,12 +1294,13 @@ async fn a_buffered_at_most_once_tick_whose_record_failed_is_not_sent_again() {
         .filter(|&t| t <= minute(2))
         .collect();
     assert_eq!(sent, vec![minute(1), minute(2)]);
+    // Its workflow execution (made running above) shows it went out.
     let buffered = store
         .get_execution("bufamo", minute(2))
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(buffered.status, ExecutionStatus::Missed);
+    assert_eq!(buffered.status, ExecutionStatus::Running);
 }
 
 #[tokio::test(start_paused = true)]

@@ -154,9 +154,26 @@ impl Scheduler {
                 }
                 if schedule.delivery == Delivery::AtMostOnce {
                     // Claimed and perhaps emitted by a master that died before recording
-                    // it: emitting it now could deliver it twice.
-                    warn!(schedule = %id, tick = %execution.tick_id, "at_most_once tick of a dead master marked missed");
-                    missed(&mut execution);
+                    // it: emitting it now could deliver it twice. A workflow tick that
+                    // did go out has started its workflow execution, which says so.
+                    match self
+                        .bounded(self.started_workflow(schedule, &execution))
+                        .await
+                    {
+                        Ok(Some(status)) => {
+                            info!(schedule = %id, tick = %execution.tick_id, ?status, "at_most_once tick of a dead master went out; its workflow tells how it went");
+                            execution.status = status;
+                        }
+                        Ok(None) => {
+                            warn!(schedule = %id, tick = %execution.tick_id, "at_most_once tick of a dead master marked missed");
+                            missed(&mut execution);
+                        }
+                        Err(e) if !e.is_retryable() => {
+                            warn!(schedule = %id, tick = %execution.tick_id, error = %e, "at_most_once tick of a dead master marked missed; its workflow execution cannot be read");
+                            missed(&mut execution);
+                        }
+                        Err(e) => return Err(e),
+                    }
                 } else if execution.attempt >= execution.max_attempts {
                     warn!(schedule = %id, tick = %execution.tick_id, attempts = execution.attempt, "execution failed: never emitted");
                     execution.status = ExecutionStatus::Failed;
@@ -195,14 +212,9 @@ impl Scheduler {
         if !matches!(schedule.target, Target::Workflow(_)) {
             return Ok(false);
         }
-        let run = self
-            .store
-            .get_workflow_execution(&execution.tick_id)
-            .await?;
-        execution.status = match run.map(|r| r.status) {
-            Some(crate::dispatch::RunStatus::Running) => return Ok(false),
-            Some(crate::dispatch::RunStatus::Completed) => ExecutionStatus::Completed,
-            Some(crate::dispatch::RunStatus::Failed) => ExecutionStatus::Failed,
+        execution.status = match self.started_workflow(schedule, execution).await? {
+            Some(ExecutionStatus::Running) => return Ok(false),
+            Some(ended) => ended,
             None => {
                 info!(schedule = %schedule.id, tick = %execution.tick_id, "workflow tick never started its execution");
                 ExecutionStatus::Scheduled
@@ -210,5 +222,27 @@ impl Scheduler {
         };
         execution.updated_ms = self.config.clock.now().timestamp_millis();
         Ok(true)
+    }
+
+    /// What the workflow execution a workflow tick started (its id is the tick id) says
+    /// of the tick: `running`, `completed` or `failed`. None when the schedule targets
+    /// no workflow, or the tick started none.
+    async fn started_workflow(
+        &self,
+        schedule: &Schedule,
+        execution: &Execution,
+    ) -> Result<Option<ExecutionStatus>, StoreError> {
+        if !matches!(schedule.target, Target::Workflow(_)) {
+            return Ok(None);
+        }
+        let run = self
+            .store
+            .get_workflow_execution(&execution.tick_id)
+            .await?;
+        Ok(run.map(|r| match r.status {
+            crate::dispatch::RunStatus::Running => ExecutionStatus::Running,
+            crate::dispatch::RunStatus::Completed => ExecutionStatus::Completed,
+            crate::dispatch::RunStatus::Failed => ExecutionStatus::Failed,
+        }))
     }
 }
