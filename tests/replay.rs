@@ -459,6 +459,36 @@ async fn a_source_breaking_often_between_new_messages_is_reopened_after_the_shor
     }
 }
 
+/// What a reopened source re-reads from an older checkpoint is no progress: a source
+/// that breaks again and again with nothing new between waits longer each time.
+#[tokio::test(start_paused = true)]
+async fn a_source_breaking_again_with_nothing_new_waits_longer_each_time() {
+    let h = Harness::new();
+    let (source, fail) = Breakable::new(&h, "stuck.in", "weir.stuck");
+    let opens = source.opens.clone();
+    // Nothing is durable, so nothing is checkpointed: each reopening reads the same
+    // messages again.
+    let g = h.spawn(graph_snapshotting_on_command(
+        "stuck",
+        AccumulatorSpec::passthrough("a").source(source),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    publish_all(&h, "stuck.in", &[json!(1), json!(2), json!(3)]).await;
+    eventually("read", || async { h.outputs("stuck.out").len() == 3 }).await;
+    let mut waits = Vec::new();
+    for k in 0..5 {
+        settle().await;
+        let broke = tokio::time::Instant::now();
+        fail.notify_one();
+        while opens.load(Ordering::SeqCst) < k + 2 {
+            assert!(broke.elapsed() < Duration::from_secs(120), "never reopened");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        waits.push(broke.elapsed().as_secs());
+    }
+    assert!(waits[4] >= 8, "backoffs {waits:?} did not grow");
+}
+
 /// A source's outages set its own backoff alone: after a run of them, a store outage
 /// that stops the graph's reactor from restoring is retried after the shortest backoff.
 #[tokio::test(start_paused = true)]

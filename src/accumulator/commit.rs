@@ -95,6 +95,11 @@ impl CommitTracker {
             .collect()
     }
 
+    /// The highest offset taken in per partition (the checkpoint's to begin with).
+    pub fn processed_offsets(&self) -> &BTreeMap<i32, i64> {
+        &self.processed
+    }
+
     pub fn pending(&self) -> usize {
         self.pending.len()
     }

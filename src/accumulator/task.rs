@@ -2,7 +2,7 @@
 //! socket and source paths, emits boundaries, and commits positions once the reactor
 //! reports them durable.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -139,6 +139,9 @@ pub(crate) struct SourceShared {
     /// Whether the current incarnation's source delivered a message no earlier one had
     /// taken in: it got somewhere before it broke, whatever came before it.
     delivered_new: AtomicBool,
+    /// The highest offset per partition an incarnation took in, merged as each ends:
+    /// what its successor re-reads from an older checkpoint is no progress.
+    reached: std::sync::Mutex<BTreeMap<i32, i64>>,
 }
 
 /// Source messages incarnations panicked on, until a checkpoint covers them.
@@ -275,9 +278,13 @@ impl SourceShared {
     }
 
     /// Whether the current incarnation's source delivered a message no earlier one had
-    /// taken in (a replay of what the checkpoint holds does not count).
+    /// taken in (what it re-reads from its checkpoint does not count).
     pub(crate) fn delivered_new(&self) -> bool {
         self.delivered_new.load(Ordering::Relaxed)
+    }
+
+    fn reached(&self) -> std::sync::MutexGuard<'_, BTreeMap<i32, i64>> {
+        self.reached.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// How long the current incarnation's source has been open.
@@ -346,11 +353,26 @@ struct Running {
     received_ms: i64,
     /// A push changed the state since the last checkpoint handed over.
     pushes_unstored: bool,
-    /// The source delivered a message new to this run (told to [`SourceShared`] once).
+    /// The source delivered a message no incarnation had taken in (told to
+    /// [`SourceShared`] once).
     delivered_new: bool,
+    /// What earlier incarnations took in, per partition, as this one started.
+    reached: BTreeMap<i32, i64>,
     /// Events taken in and not yet added to the graph's count: added at each hand-over.
     events_uncounted: u64,
     slots: QueueSlots,
+    /// Where what this run took in is merged when it ends.
+    shared: Arc<SourceShared>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let mut reached = self.shared.reached();
+        for (&partition, &offset) in self.tracker.processed_offsets() {
+            let highest = reached.entry(partition).or_insert(offset);
+            *highest = (*highest).max(offset);
+        }
+    }
 }
 
 /// Queue slots this accumulator has taken and not yet given a boundary: given back when
@@ -427,11 +449,13 @@ impl AccumulatorTask {
             received_ms: 0,
             pushes_unstored: false,
             delivered_new: false,
+            reached: self.shared.reached().clone(),
             events_uncounted: 0,
             slots: QueueSlots {
                 permits: self.permits.clone(),
                 held: 0,
             },
+            shared: self.shared.clone(),
         };
         // The previous incarnation's guard was dropped when it ended.
         let socket = self.socket.clone();
@@ -601,21 +625,40 @@ impl AccumulatorTask {
         first: Message,
     ) -> Result<Taken, AccumulatorError> {
         run.received_ms = now_ms();
+        let position = first.position;
         if !self.handle_message(run, first).await? {
             return Ok(Taken::ReactorGone);
         }
+        self.note_progress(run, position);
         for _ in 1..MESSAGE_BATCH {
             match source.as_mut().and_then(|s| s.ready()) {
                 Some(Ok(message)) => {
+                    let position = message.position;
                     if !self.handle_message(run, message).await? {
                         return Ok(Taken::ReactorGone);
                     }
+                    self.note_progress(run, position);
                 }
                 Some(Err(e)) => return Ok(Taken::SourceFailed(e)),
                 None => break,
             }
         }
         Ok(Taken::All)
+    }
+
+    /// A message handled: progress, if no incarnation had taken it in before. Looked at
+    /// only until the first such message of the run.
+    fn note_progress(&self, run: &mut Running, position: Position) {
+        if run.delivered_new
+            || run
+                .reached
+                .get(&position.partition)
+                .is_some_and(|&reached| position.offset <= reached)
+        {
+            return;
+        }
+        run.delivered_new = true;
+        self.shared.delivered_new.store(true, Ordering::Relaxed);
     }
 
     /// The source failed: marked disconnected, and the error to end this run with.
@@ -677,10 +720,6 @@ impl AccumulatorTask {
             // would be folded into a state twice.
             self.stats.duplicate_dropped();
             return Ok(true);
-        }
-        if !run.delivered_new {
-            run.delivered_new = true;
-            self.shared.delivered_new.store(true, Ordering::Relaxed);
         }
         let poisoned = self.shared.poisoned_at(position);
         match &poisoned {
