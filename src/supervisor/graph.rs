@@ -177,11 +177,24 @@ impl SupervisedGraph {
                         }
                         _ = self.restart.notified() => {
                             info!(graph = %name, "restarting the failed graph on request");
+                            // The operator's call: its panics are looked at afresh.
+                            self.last_shared
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .clear();
                         }
                     }
                     failures = FailureCount::default();
                 }
-                Outcome::Standby => warn!(graph = %name, "graph lease lost; standing by"),
+                Outcome::Standby => {
+                    warn!(graph = %name, "graph lease lost; standing by");
+                    // Another node runs it meanwhile: what this one learnt of its
+                    // messages is stale by the time it runs it again.
+                    self.last_shared
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .clear();
+                }
             }
         }
         self.status.send_replace(GraphStatus::Stopped);
