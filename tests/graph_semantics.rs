@@ -698,6 +698,37 @@ async fn a_failed_graph_retried_over_the_same_panics_dead_letters_no_more() {
     assert_eq!(h.broker.messages("rotten_again.in.dlq").len(), 20);
 }
 
+/// An operator restarting a Failed graph has it look at its panics afresh: another run
+/// of dead letters before its panics count as failures again.
+#[tokio::test(start_paused = true)]
+async fn an_operator_restart_of_a_failed_graph_looks_at_its_panics_afresh() {
+    use weir::supervisor::GraphStatus;
+    let h = Harness::new();
+    let g = h.spawn(snapshot_graph(
+        "rotten_restarted",
+        vec![AccumulatorSpec::custom("a", || AlwaysPanicsOnPoison).topic("rotten_restarted.in")],
+        config(Criteria::WhenAny, Strategy::Sequential),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    for _ in 0..60 {
+        h.pipe_bytes("rotten_restarted.in", b"\"poison\"").await;
+    }
+    let failed = || g.wait_for_status(|s| matches!(s, GraphStatus::Failed { .. }));
+    tokio::time::timeout(Duration::from_secs(600), failed())
+        .await
+        .expect("the graph fails");
+    assert_eq!(h.broker.messages("rotten_restarted.in.dlq").len(), 20);
+    g.restart();
+    let restarted = g.wait_for_status(|s| !matches!(s, GraphStatus::Failed { .. }));
+    tokio::time::timeout(Duration::from_secs(10), restarted)
+        .await
+        .expect("the graph restarts at once");
+    tokio::time::timeout(Duration::from_secs(600), failed())
+        .await
+        .expect("the graph fails again");
+    assert_eq!(h.broker.messages("rotten_restarted.in.dlq").len(), 40);
+}
+
 #[tokio::test(start_paused = true)]
 async fn pushes_taken_before_an_accumulator_panics_still_fire() {
     let h = Harness::new();
