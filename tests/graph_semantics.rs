@@ -667,6 +667,32 @@ async fn an_accumulator_panicking_on_every_message_fails_its_graph() {
     assert_eq!(h.broker.messages("rotten.in.dlq").len(), 20);
 }
 
+/// A graph whose accumulator panics on every message, fed 60 of them and waited on
+/// until it is Failed, after its one run of 20 dead letters.
+async fn failed_over_a_rotten_state(h: &Harness, name: &str) -> weir::supervisor::GraphHandle {
+    let topic = format!("{name}.in");
+    let g = h.spawn(snapshot_graph(
+        name,
+        vec![AccumulatorSpec::custom("a", || AlwaysPanicsOnPoison).topic(topic.as_str())],
+        config(Criteria::WhenAny, Strategy::Sequential),
+    ));
+    g.wait_for_state(ReactorState::Live).await;
+    for _ in 0..60 {
+        h.pipe_bytes(&topic, b"\"poison\"").await;
+    }
+    failed_within(&g, Duration::from_secs(600)).await;
+    assert_eq!(h.broker.messages(&format!("{topic}.dlq")).len(), 20);
+    g
+}
+
+async fn failed_within(g: &weir::supervisor::GraphHandle, limit: Duration) {
+    use weir::supervisor::GraphStatus;
+    let failed = g.wait_for_status(|s| matches!(s, GraphStatus::Failed { .. }));
+    tokio::time::timeout(limit, failed)
+        .await
+        .expect("the graph fails");
+}
+
 /// A Failed graph retried over the same state is not let off the run of dead letters
 /// it already sent: its panics go on counting as failures, and no more messages go to
 /// the dead-letter topic.
@@ -674,27 +700,12 @@ async fn an_accumulator_panicking_on_every_message_fails_its_graph() {
 async fn a_failed_graph_retried_over_the_same_panics_dead_letters_no_more() {
     use weir::supervisor::GraphStatus;
     let h = Harness::new();
-    let g = h.spawn(snapshot_graph(
-        "rotten_again",
-        vec![AccumulatorSpec::custom("a", || AlwaysPanicsOnPoison).topic("rotten_again.in")],
-        config(Criteria::WhenAny, Strategy::Sequential),
-    ));
-    g.wait_for_state(ReactorState::Live).await;
-    for _ in 0..60 {
-        h.pipe_bytes("rotten_again.in", b"\"poison\"").await;
-    }
-    let failed = || g.wait_for_status(|s| matches!(s, GraphStatus::Failed { .. }));
-    tokio::time::timeout(Duration::from_secs(600), failed())
-        .await
-        .expect("the graph fails");
-    assert_eq!(h.broker.messages("rotten_again.in.dlq").len(), 20);
+    let g = failed_over_a_rotten_state(&h, "rotten_again").await;
     let retried = g.wait_for_status(|s| !matches!(s, GraphStatus::Failed { .. }));
     tokio::time::timeout(Duration::from_secs(3600), retried)
         .await
         .expect("the failed graph is retried");
-    tokio::time::timeout(Duration::from_secs(600), failed())
-        .await
-        .expect("the graph fails again");
+    failed_within(&g, Duration::from_secs(600)).await;
     assert_eq!(h.broker.messages("rotten_again.in.dlq").len(), 20);
 }
 
@@ -704,28 +715,13 @@ async fn a_failed_graph_retried_over_the_same_panics_dead_letters_no_more() {
 async fn an_operator_restart_of_a_failed_graph_looks_at_its_panics_afresh() {
     use weir::supervisor::GraphStatus;
     let h = Harness::new();
-    let g = h.spawn(snapshot_graph(
-        "rotten_restarted",
-        vec![AccumulatorSpec::custom("a", || AlwaysPanicsOnPoison).topic("rotten_restarted.in")],
-        config(Criteria::WhenAny, Strategy::Sequential),
-    ));
-    g.wait_for_state(ReactorState::Live).await;
-    for _ in 0..60 {
-        h.pipe_bytes("rotten_restarted.in", b"\"poison\"").await;
-    }
-    let failed = || g.wait_for_status(|s| matches!(s, GraphStatus::Failed { .. }));
-    tokio::time::timeout(Duration::from_secs(600), failed())
-        .await
-        .expect("the graph fails");
-    assert_eq!(h.broker.messages("rotten_restarted.in.dlq").len(), 20);
+    let g = failed_over_a_rotten_state(&h, "rotten_restarted").await;
     g.restart();
     let restarted = g.wait_for_status(|s| !matches!(s, GraphStatus::Failed { .. }));
     tokio::time::timeout(Duration::from_secs(10), restarted)
         .await
         .expect("the graph restarts at once");
-    tokio::time::timeout(Duration::from_secs(600), failed())
-        .await
-        .expect("the graph fails again");
+    failed_within(&g, Duration::from_secs(600)).await;
     assert_eq!(h.broker.messages("rotten_restarted.in.dlq").len(), 40);
 }
 
