@@ -178,10 +178,7 @@ impl SupervisedGraph {
                         _ = self.restart.notified() => {
                             info!(graph = %name, "restarting the failed graph on request");
                             // The operator's call: its panics are looked at afresh.
-                            self.last_shared
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .clear();
+                            self.forget_last_run();
                         }
                     }
                     failures = FailureCount::default();
@@ -190,15 +187,21 @@ impl SupervisedGraph {
                     warn!(graph = %name, "graph lease lost; standing by");
                     // Another node runs it meanwhile: what this one learnt of its
                     // messages is stale by the time it runs it again.
-                    self.last_shared
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .clear();
+                    self.forget_last_run();
                 }
             }
         }
         self.status.send_replace(GraphStatus::Stopped);
         info!(graph = %name, "graph stopped");
+    }
+
+    /// Drops what the last incarnation's accumulators shared, so the next takes over
+    /// nothing of it.
+    fn forget_last_run(&self) {
+        self.last_shared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
     }
 
     /// Waits until this process holds the graph's lease; `None` if cancelled first.
