@@ -138,6 +138,14 @@ impl AccumulatorError {
             Self::Store(e) => e.is_retryable(),
         }
     }
+
+    /// Whether the run it ended left its state as it was before the failing step, so the
+    /// next incarnation may carry that run on: a broker that failed to deliver or to take
+    /// a dead letter changed nothing, while a panic may have left the state half changed
+    /// and the accumulator's own errors say nothing of it.
+    pub(crate) fn leaves_the_run_whole(&self) -> bool {
+        matches!(self, Self::Source { .. } | Self::DeadLetter { .. })
+    }
 }
 
 /// Turns events into boundary values. Implementations are plain synchronous state

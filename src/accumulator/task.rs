@@ -303,6 +303,27 @@ impl SourceShared {
     }
 }
 
+/// A run its source's failure ended, kept for the accumulator's next incarnation to
+/// carry on. Its state holds what pushes added since the last stored checkpoint, which a
+/// restart from that checkpoint would lose (pushes are never replayed), and it knows what
+/// it took in, so the source reopens after that instead of delivering it again. Kept for
+/// the life of one reactor incarnation: a new reactor holds none of its boundaries.
+#[derive(Default)]
+pub(crate) struct CarriedRun(std::sync::Mutex<Option<Running>>);
+
+impl CarriedRun {
+    fn put(&self, run: Running) {
+        // What it took in counts as reached, as when a run ends: its successor's
+        // redeliveries of it are no progress.
+        run.merge_reached();
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(run);
+    }
+
+    fn take(&self) -> Option<Running> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
 /// Everything one incarnation of an accumulator is wired to.
 pub(crate) struct AccumulatorTask {
     pub graph: Arc<str>,
@@ -317,6 +338,8 @@ pub(crate) struct AccumulatorTask {
     pub to_reactor: mpsc::Sender<ReactorInput>,
     pub permits: Option<Arc<Semaphore>>,
     pub shared: Arc<SourceShared>,
+    /// Where a run a source failure ended waits for the next incarnation.
+    pub carried: Arc<CarriedRun>,
     /// The graph's lease, when it runs under one: checkpoints carry its fence and stop
     /// at its deadline.
     pub lease: Option<crate::lease::Held>,
@@ -365,13 +388,30 @@ struct Running {
     shared: Arc<SourceShared>,
 }
 
-impl Drop for Running {
-    fn drop(&mut self) {
+impl Running {
+    /// Merges what this run took in into what the graph's run reached.
+    fn merge_reached(&self) {
         let mut reached = self.shared.reached();
         for (&partition, &offset) in self.tracker.processed_offsets() {
             let highest = reached.entry(partition).or_insert(offset);
             *highest = (*highest).max(offset);
         }
+    }
+
+    /// Where its source resumes: after the last message taken in from each partition.
+    fn resume_after(&self) -> Vec<Position> {
+        self.tracker
+            .processed_offsets()
+            .iter()
+            .filter(|(&partition, _)| partition != PUSH_PARTITION)
+            .map(|(&partition, &offset)| Position { partition, offset })
+            .collect()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.merge_reached();
     }
 }
 
@@ -395,7 +435,8 @@ impl AccumulatorTask {
         let ended = self.incarnation().await;
         if ended.is_err() {
             // It hands over nothing more: a reactor stopping before the supervisor has
-            // heard of the failure need not wait for it. Its successor starts anew.
+            // heard of the failure need not wait for it. Its successor says when it
+            // starts, whether it carries this run on or starts from the checkpoint.
             let _ = self
                 .to_reactor
                 .try_send(ReactorInput::Stopped { source: self.index });
@@ -403,10 +444,121 @@ impl AccumulatorTask {
         ended
     }
 
+    /// Runs after `delay`, the backoff after a failure. Stopped meanwhile, it stores the
+    /// checkpoint of the run it would have carried on, as a running one does at a stop.
+    pub(crate) async fn run_after(
+        self,
+        delay: std::time::Duration,
+    ) -> Result<(), AccumulatorError> {
+        tokio::select! {
+            _ = self.cancel.cancelled() => {
+                self.store_carried().await;
+                Ok(())
+            }
+            _ = tokio::time::sleep(delay) => self.run().await,
+        }
+    }
+
+    async fn store_carried(&self) {
+        let Some(mut run) = self.carried.take() else {
+            return;
+        };
+        let deadline = tokio::time::Instant::now() + LAST_CHECKPOINT_WAIT;
+        let mut durable_changes = Box::pin(changes(self.durable.clone()));
+        self.store_last_checkpoint(&mut run, None, &mut durable_changes, deadline)
+            .await;
+    }
+
     async fn incarnation(&mut self) -> Result<(), AccumulatorError> {
         // Whatever fails from here, before the source is open, is no new outage.
         self.shared.set_live(false);
         self.set_health(Health::Starting).await;
+        let (mut run, restored) = match self.carried.take() {
+            Some(mut run) => {
+                run.reached = self.shared.reached().clone();
+                run.delivered_new = false;
+                (run, None)
+            }
+            None => {
+                let (run, checkpoint) = self.start_run().await?;
+                (run, Some(checkpoint))
+            }
+        };
+        // The previous incarnation's guard was dropped when it ended.
+        let socket = self.socket.clone();
+        let mut socket = socket.lock_owned().await;
+        if let Some(checkpoint) = restored {
+            // Under the socket's lock, as every change to the push ids is.
+            if let Some(push) = checkpoint
+                .positions
+                .iter()
+                .find(|p| p.partition == PUSH_PARTITION)
+            {
+                self.shared.push_at_least(push.offset);
+            }
+            self.shared.forget_panics_through(&run.resume_after());
+        }
+
+        let mut source: Option<Box<dyn Source>> = None;
+        if let Some(factory) = self.source.clone() {
+            self.set_health(Health::Connecting).await;
+            let resume_after = run.resume_after();
+            let opened = match &self.lease {
+                Some(held) => factory.open_fenced(&resume_after, held.lease.token).await,
+                None => factory.open(&resume_after).await,
+            };
+            match opened {
+                Ok(s) => source = Some(s),
+                Err(e) => {
+                    self.set_health(Health::Disconnected).await;
+                    self.carried.put(run);
+                    return Err(AccumulatorError::Source {
+                        source_name: factory.describe(),
+                        source: e,
+                    });
+                }
+            }
+            self.set_health(Health::Live).await;
+            self.shared.set_live(true);
+        } else {
+            self.set_health(Health::SocketOnly).await;
+        }
+        // What the reactor made durable while a carried run waited counts now.
+        let durable = *self.durable.borrow_and_update();
+        self.commit(&mut run, durable);
+        let mut durable_changes = Box::pin(changes(self.durable.clone()));
+        match self
+            .read(&mut run, &mut source, &mut socket, &mut durable_changes)
+            .await
+        {
+            Ok(()) => {}
+            Err(e) if e.leaves_the_run_whole() => {
+                drop(source);
+                self.carried.put(run);
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        }
+        let deadline = tokio::time::Instant::now() + LAST_CHECKPOINT_WAIT;
+        if self.cancel.is_cancelled() {
+            // Behind everything this incarnation handed over: the stopping reactor takes
+            // all of it into the snapshot it stores last (pushes are never replayed).
+            let stopped = ReactorInput::Stopped { source: self.index };
+            let _ = tokio::time::timeout(LAST_INPUTS_WAIT, self.to_reactor.send(stopped)).await;
+        }
+        // Stopping, or the reactor is gone: what it made durable is checkpointed first.
+        self.store_last_checkpoint(
+            &mut run,
+            source.as_deref_mut(),
+            &mut durable_changes,
+            deadline,
+        )
+        .await;
+        Ok(())
+    }
+
+    /// A run from the stored checkpoint, and that checkpoint.
+    async fn start_run(&self) -> Result<(Running, Checkpoint), AccumulatorError> {
         let checkpoint = self
             .store
             .load_checkpoint(&self.key, &self.spec.name)
@@ -416,10 +568,6 @@ impl AccumulatorTask {
         let state_restored = checkpoint.state.is_some();
         accumulator.init(checkpoint.state.clone())?;
         let stateful = accumulator.checkpoint().is_some();
-        let (pushes, source_positions): (Vec<Position>, Vec<Position>) = checkpoint
-            .positions
-            .iter()
-            .partition(|p| p.partition == PUSH_PARTITION);
         let checkpoints = {
             let (store, graph, name) =
                 (self.store.clone(), self.key.clone(), self.spec.name.clone());
@@ -438,7 +586,7 @@ impl AccumulatorTask {
                 }
             })
         };
-        let mut run = Running {
+        let run = Running {
             source_name: Arc::from(self.spec.name.as_str()),
             accumulator,
             stateful,
@@ -457,53 +605,28 @@ impl AccumulatorTask {
             },
             shared: self.shared.clone(),
         };
-        // The previous incarnation's guard was dropped when it ended.
-        let socket = self.socket.clone();
-        let mut socket = socket.lock_owned().await;
-        // Under the socket's lock, as every change to the push ids is.
-        if let Some(push) = pushes.first() {
-            self.shared.push_at_least(push.offset);
-        }
-        self.shared.forget_panics_through(&source_positions);
+        Ok((run, checkpoint))
+    }
 
-        let mut source: Option<Box<dyn Source>> = None;
-        if let Some(factory) = self.source.clone() {
-            self.set_health(Health::Connecting).await;
-            let opened = match &self.lease {
-                Some(held) => {
-                    factory
-                        .open_fenced(&source_positions, held.lease.token)
-                        .await
-                }
-                None => factory.open(&source_positions).await,
-            };
-            match opened {
-                Ok(s) => source = Some(s),
-                Err(e) => {
-                    self.set_health(Health::Disconnected).await;
-                    return Err(AccumulatorError::Source {
-                        source_name: factory.describe(),
-                        source: e,
-                    });
-                }
-            }
-            self.set_health(Health::Live).await;
-            self.shared.set_live(true);
-        } else {
-            self.set_health(Health::SocketOnly).await;
-        }
+    /// Reads the socket path and the source until the accumulator stops or the reactor
+    /// goes away (`Ok`), or until something fails.
+    async fn read(
+        &self,
+        run: &mut Running,
+        source: &mut Option<Box<dyn Source>>,
+        socket: &mut Socket,
+        durable_changes: &mut (impl futures::Stream<Item = u64> + Unpin),
+    ) -> Result<(), AccumulatorError> {
         let mut flush = run.accumulator.flush_interval().map(|period| {
             let mut interval =
                 tokio::time::interval_at(tokio::time::Instant::now() + period, period);
             interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             interval
         });
-        self.durable.borrow_and_update();
         // Made once, not per turn of the loop: each would register a waiter afresh.
         let cancel = self.cancel.clone();
         let stopping = cancel.cancelled();
         tokio::pin!(stopping);
-        let mut durable_changes = Box::pin(changes(self.durable.clone()));
         let mut stored = Box::pin(run.checkpoints.stored_versions());
 
         loop {
@@ -513,22 +636,22 @@ impl AccumulatorTask {
                 && source.as_ref().is_some_and(|s| s.keeps_unread());
             tokio::select! {
                 biased;
-                _ = &mut stopping => break,
+                _ = &mut stopping => return Ok(()),
                 durable = durable_changes.next() => match durable {
-                    Some(durable) => self.commit(&mut run, source.is_some(), durable),
-                    None => break,
+                    Some(durable) => self.commit(run, durable),
+                    None => return Ok(()),
                 },
                 Some(version) = stored.next() => {
-                    self.checkpoint_stored(&mut run, source.as_deref_mut(), version).await;
+                    self.checkpoint_stored(run, source.as_deref_mut(), version).await;
                 }
                 pushed = socket.ready() => match pushed {
                     true => {
-                        let taken = self.take_pushes(&mut run, &mut socket).await;
+                        let taken = self.take_pushes(run, socket).await;
                         // Handed over even when a push failed: pushes are never replayed,
                         // and each boundary held has taken a slot in its queue.
-                        let handed = self.hand_over(&mut run).await;
+                        let handed = self.hand_over(run).await;
                         if !taken? || !handed {
-                            break;
+                            return Ok(());
                         }
                         if run.stateful {
                             // Pushes are never replayed: what they left in the state is
@@ -536,25 +659,25 @@ impl AccumulatorTask {
                             // waiting out the checkpoint interval.
                             run.pushes_unstored = true;
                             let durable = *self.durable.borrow();
-                            self.commit(&mut run, source.is_some(), durable);
+                            self.commit(run, durable);
                         }
                     }
                     // The supervisor keeps a sender for the graph's lifetime.
-                    false => break,
+                    false => return Ok(()),
                 },
-                read = read_or_hold(&mut source, at_bound) => match read {
+                read = read_or_hold(source, at_bound) => match read {
                     // Held while at the bound: looked at again.
                     None => {}
                     Some(Ok(message)) => {
                         let taken = self
-                            .take_messages(&mut run, source.as_deref_mut(), message)
+                            .take_messages(run, source.as_deref_mut(), message)
                             .await;
                         // Handed over before any error ends this run, and before the
                         // reactor hears the source is down.
-                        let handed = self.hand_over(&mut run).await;
+                        let handed = self.hand_over(run).await;
                         match taken? {
                             Taken::All if handed => {}
-                            Taken::All | Taken::ReactorGone => break,
+                            Taken::All | Taken::ReactorGone => return Ok(()),
                             Taken::SourceFailed(e) => return Err(self.source_failed(e).await),
                         }
                     }
@@ -562,35 +685,19 @@ impl AccumulatorTask {
                 },
                 _ = tick(&mut flush) => {
                     // Held before the flush empties the state, as for an event.
-                    if !self.hold_slot(&mut run).await {
-                        break;
+                    if !self.hold_slot(run).await {
+                        return Ok(());
                     }
                     if let Some(value) = run.accumulator.flush() {
-                        if !self.emit(&mut run, value, None, now_ms()).await
-                            || !self.hand_over(&mut run).await
+                        if !self.emit(run, value, None, now_ms()).await
+                            || !self.hand_over(run).await
                         {
-                            break;
+                            return Ok(());
                         }
                     }
                 }
             }
         }
-        let deadline = tokio::time::Instant::now() + LAST_CHECKPOINT_WAIT;
-        if self.cancel.is_cancelled() {
-            // Behind everything this incarnation handed over: the stopping reactor takes
-            // all of it into the snapshot it stores last (pushes are never replayed).
-            let stopped = ReactorInput::Stopped { source: self.index };
-            let _ = tokio::time::timeout(LAST_INPUTS_WAIT, self.to_reactor.send(stopped)).await;
-        }
-        // Stopping, or the reactor is gone: what it made durable is checkpointed first.
-        self.store_last_checkpoint(
-            &mut run,
-            source.as_deref_mut(),
-            &mut durable_changes,
-            deadline,
-        )
-        .await;
-        Ok(())
     }
 
     /// Takes the burst of pushes at hand. Returns false when the reactor is gone.
@@ -941,11 +1048,11 @@ impl AccumulatorTask {
     /// Hands the checkpoint that what is durable allows to the store's writer: at once,
     /// without the spacing between checkpoint writes, when it holds a state pushes
     /// changed, since pushes are never replayed.
-    fn commit(&self, run: &mut Running, has_source: bool, durable: u64) {
+    fn commit(&self, run: &mut Running, durable: u64) {
         let Some(point) = run.tracker.durable(durable, run.stateful) else {
             return;
         };
-        if !has_source && !run.stateful {
+        if self.source.is_none() && !run.stateful {
             // Push-only and stateless: nothing to resume from, since pushes are never
             // replayed and push ids are kept above the reactor's.
             return;
@@ -984,18 +1091,17 @@ impl AccumulatorTask {
         durable_changes: &mut (impl futures::Stream<Item = u64> + Unpin),
         deadline: tokio::time::Instant,
     ) {
-        let has_source = source.is_some();
         // The reactor's durable positions end with its run.
         let followed = tokio::time::timeout_at(deadline - LAST_CHECKPOINT_STORE, async {
             while let Some(durable) = durable_changes.next().await {
-                self.commit(run, has_source, durable);
+                self.commit(run, durable);
             }
         })
         .await;
         if followed.is_err() {
             // Whatever it reported so far still counts.
             let durable = *self.durable.borrow();
-            self.commit(run, has_source, durable);
+            self.commit(run, durable);
         }
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         if !run.checkpoints.flush(left).await {

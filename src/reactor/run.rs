@@ -20,7 +20,7 @@ use super::{
     Command, CommandError, FireReason, FireReport, ReactorConfig, ReactorInput, ReactorState,
     ReactorStatus, SourceStatus, Strategy,
 };
-use crate::accumulator::task::{SourceShared, HANDOFF, LAST_INPUTS_WAIT};
+use crate::accumulator::task::{CarriedRun, SourceShared, HANDOFF, LAST_INPUTS_WAIT};
 use crate::accumulator::{Boundary, Health, Positions, PUSH_PARTITION};
 use crate::graph::{CompiledGraph, FireInput, FireValues, GraphDeclaration};
 use crate::stats::{FireClock, GraphStats};
@@ -70,6 +70,8 @@ pub(crate) struct Wiring {
     /// Queue slots per source (sequential strategy only).
     pub permits: Vec<Option<Arc<Semaphore>>>,
     pub shared: Vec<Arc<SourceShared>>,
+    /// Per source, where a run its source's failure ended waits for the next incarnation.
+    pub carried: Vec<Arc<CarriedRun>>,
 }
 
 pub(crate) struct Reactor {
@@ -247,6 +249,7 @@ impl Reactor {
             inputs: inputs_tx,
             durable: durable_rx,
             permits,
+            carried: shared.iter().map(|_| Arc::default()).collect(),
             shared,
         };
         Ok((reactor, wiring))

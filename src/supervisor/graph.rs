@@ -388,6 +388,7 @@ impl SupervisedGraph {
             to_reactor: wiring.inputs.clone(),
             permits: wiring.permits[index].clone(),
             shared: wiring.shared[index].clone(),
+            carried: wiring.carried[index].clone(),
             lease: lease.clone(),
             durable: wiring.durable[index].clone(),
             health: self.health[index].clone(),
@@ -523,13 +524,8 @@ impl SupervisedGraph {
                         delay
                     };
                     let task = self.accumulator_task(index, &wiring, &lease, &cancel);
-                    let restart_cancel = cancel.clone();
-                    let handle = accumulators.spawn(async move {
-                        tokio::select! {
-                            _ = restart_cancel.cancelled() => Ok(()),
-                            _ = tokio::time::sleep(delay) => task.run().await,
-                        }
-                    }.instrument(self.source_span(index)));
+                    let handle = accumulators
+                        .spawn(task.run_after(delay).instrument(self.source_span(index)));
                     ids.insert(handle.id(), index);
                 }
             }
