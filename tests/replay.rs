@@ -814,6 +814,43 @@ async fn a_push_only_stateful_accumulator_keeps_its_state_across_a_restart() {
     assert_eq!(h.outputs("total.out")[3]["inputs"]["a"], json!(10));
 }
 
+/// A stateful accumulator under a steady stream always has boundaries waiting for a
+/// stored snapshot when one is stored, yet its state is checkpointed as it goes, with
+/// exactly the positions folded into it: a crash replays from there, not from before
+/// the stream began.
+#[tokio::test(start_paused = true)]
+async fn a_stateful_accumulator_under_a_steady_stream_checkpoints_as_it_goes() {
+    let h = Harness::new();
+    // Each snapshot write outlasts the gap between two messages.
+    h.store.set_cache_write_latency(Duration::from_millis(50));
+    let g = h.spawn(graph("stream", sum("a").topic("stream.in")));
+    g.wait_for_state(ReactorState::Live).await;
+    for _ in 0..200 {
+        publish_all(&h, "stream.in", &[json!(1)]).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The stream has not stopped: the last message's boundary waits for its snapshot.
+    use weir::store::prelude::*;
+    let checkpoint = h
+        .store
+        .load_checkpoint("stream", "a")
+        .await
+        .unwrap()
+        .expect("a checkpoint while the stream flows");
+    let through = checkpoint
+        .positions
+        .iter()
+        .find(|p| p.partition == 0)
+        .expect("a position")
+        .offset;
+    assert!(through > 100, "checkpointed as it went: through {through}");
+    assert_eq!(
+        checkpoint.state,
+        Some(json!(through + 1)),
+        "the state holds exactly the messages up to its position"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn state_left_by_pushes_is_stored_without_waiting_out_the_checkpoint_interval() {
     let h = Harness::new();

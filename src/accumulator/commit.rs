@@ -5,9 +5,14 @@
 //! acknowledged). For a stateless
 //! accumulator that is "everything before the oldest non-durable boundary", per
 //! partition. A stateful accumulator's state mixes all events it has seen, so its
-//! positions are committed only when nothing it emitted is pending.
+//! positions are committed only together with a state that every pending boundary came
+//! before: its state when nothing it emitted is pending, or one marked earlier, once
+//! what it had emitted then is durable (under a steady backlog something always is
+//! pending).
 
 use std::collections::{BTreeMap, VecDeque};
+
+use serde_json::Value;
 
 use super::Positions;
 use crate::transport::Position;
@@ -24,12 +29,26 @@ pub struct CommitTracker {
     /// by partition: what the next boundary covers. Handed over whole at each emission,
     /// so kept in the form the boundary holds it.
     uncovered: Positions,
+    /// A stateful accumulator's mark: the last boundary emitted when its state was
+    /// marked, the highest offset per partition folded into that state, and the state.
+    mark: Option<(u64, BTreeMap<i32, i64>, Option<Value>)>,
 }
 
 /// Positions to commit now.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct CommitPoint {
     pub positions: Vec<Position>,
+    /// The state they go with, for a stateful accumulator.
+    pub state: PointState,
+}
+
+/// Which state a stateful accumulator's commit point goes with.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PointState {
+    /// The state as it is now.
+    Current,
+    /// The state [`CommitTracker::mark`] was given.
+    Marked(Option<Value>),
 }
 
 impl CommitTracker {
@@ -51,6 +70,7 @@ impl CommitTracker {
             committed: offsets.clone(),
             processed: offsets,
             pending: VecDeque::new(),
+            mark: None,
         }
     }
 
@@ -104,13 +124,30 @@ impl CommitTracker {
         self.pending.len()
     }
 
+    /// Marks where a stateful accumulator's state stands now, while boundaries it
+    /// emitted are pending: once they are durable, [`CommitTracker::durable`] commits
+    /// the positions folded into it with `state()`, however many boundaries are pending
+    /// by then. False, and `state` not called, when a mark waits already or nothing is
+    /// pending (the state as it is then can be committed whole).
+    pub fn mark(&mut self, state: impl FnOnce() -> Option<Value>) -> bool {
+        if self.mark.is_some() {
+            return false;
+        }
+        let Some(&(sequence, _)) = self.pending.back() else {
+            return false;
+        };
+        self.mark = Some((sequence, self.processed.clone(), state()));
+        true
+    }
+
     /// Everything up to `sequence` is durable. Returns what may be committed now, if it
     /// moves any partition forward.
     ///
     /// A stateful accumulator whose last pending boundaries just became durable gets a
     /// commit point even when no position moves: emitting changed its state (an interval
     /// flush emptied its batch), and the stored state, still holding what was emitted,
-    /// would be emitted again after a restart.
+    /// would be emitted again after a restart. So does one whose mark's boundaries just
+    /// became durable while later ones are pending.
     pub fn durable(&mut self, sequence: u64, stateful: bool) -> Option<CommitPoint> {
         let pending_before = self.pending.len();
         while self.pending.front().is_some_and(|(s, _)| *s <= sequence) {
@@ -118,8 +155,22 @@ impl CommitTracker {
         }
         let drained = self.pending.len() < pending_before;
         if stateful && !self.pending.is_empty() {
-            return None;
+            let (_, folded, state) = self.mark.take_if(|(marked, ..)| *marked <= sequence)?;
+            let mut positions = Vec::new();
+            for (partition, offset) in folded {
+                let committed = self.committed.entry(partition).or_insert(i64::MIN);
+                if offset > *committed {
+                    *committed = offset;
+                    positions.push(Position { partition, offset });
+                }
+            }
+            return Some(CommitPoint {
+                positions,
+                state: PointState::Marked(state),
+            });
         }
+        // The state as it is now, if stateful, supersedes a mark.
+        self.mark = None;
         let mut oldest_pending: BTreeMap<i32, i64> = BTreeMap::new();
         for (_, position) in &self.pending {
             if let Some(p) = position {
@@ -143,12 +194,16 @@ impl CommitTracker {
         if positions.is_empty() {
             return (stateful && drained).then(|| CommitPoint {
                 positions: Vec::new(),
+                state: PointState::Current,
             });
         }
         for p in &positions {
             self.committed.insert(p.partition, p.offset);
         }
-        Some(CommitPoint { positions })
+        Some(CommitPoint {
+            positions,
+            state: PointState::Current,
+        })
     }
 }
 
@@ -170,7 +225,8 @@ mod tests {
         assert_eq!(
             t.durable(1, false),
             Some(CommitPoint {
-                positions: vec![pos(0, 0)]
+                positions: vec![pos(0, 0)],
+                state: PointState::Current,
             })
         );
         // Nothing new becomes safe.
@@ -178,7 +234,8 @@ mod tests {
         assert_eq!(
             t.durable(3, false),
             Some(CommitPoint {
-                positions: vec![pos(0, 2)]
+                positions: vec![pos(0, 2)],
+                state: PointState::Current,
             })
         );
     }
@@ -221,7 +278,52 @@ mod tests {
         assert_eq!(
             t.durable(12, true),
             Some(CommitPoint {
-                positions: vec![pos(0, 102)]
+                positions: vec![pos(0, 102)],
+                state: PointState::Current,
+            })
+        );
+    }
+
+    #[test]
+    fn a_stateful_mark_commits_once_its_boundaries_are_durable_though_later_ones_are_not() {
+        let mut t = CommitTracker::new(&[pos(0, 9)], true);
+        assert!(
+            !t.mark(|| unreachable!()),
+            "nothing pending: the state is committed whole"
+        );
+        t.processed(pos(0, 10));
+        let _ = t.emitted(1, Some(pos(0, 10)));
+        t.processed(pos(0, 11)); // folded in, nothing emitted yet
+        assert!(t.mark(|| Some(Value::from(11))));
+        assert!(!t.mark(|| unreachable!()), "one mark at a time");
+        t.processed(pos(0, 12));
+        let _ = t.emitted(2, Some(pos(0, 12)));
+        t.processed(pos(1, 3));
+        let _ = t.emitted(3, Some(pos(1, 3)));
+        assert_eq!(
+            t.durable(0, true),
+            None,
+            "the mark's boundary is not durable"
+        );
+        assert_eq!(
+            t.durable(2, true),
+            Some(CommitPoint {
+                positions: vec![pos(0, 11)],
+                state: PointState::Marked(Some(Value::from(11))),
+            }),
+            "what the marked state had folded in, not what came after"
+        );
+        assert_eq!(t.durable(2, true), None, "the mark is used");
+        assert_eq!(t.committed(), vec![pos(0, 11)]);
+        // Nothing pending any more: the state as it is now, superseding a mark.
+        t.processed(pos(0, 13));
+        let _ = t.emitted(4, Some(pos(0, 13)));
+        assert!(t.mark(|| None));
+        assert_eq!(
+            t.durable(4, true),
+            Some(CommitPoint {
+                positions: vec![pos(0, 13), pos(1, 3)],
+                state: PointState::Current,
             })
         );
     }

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::checkpoint::{Checkpoint, CheckpointStore};
-use super::commit::CommitTracker;
+use super::commit::{CommitTracker, PointState};
 use super::ReactorInput;
 use super::{
     Accumulator, AccumulatorError, AccumulatorSpec, Boundary, Event, Health, PUSH_PARTITION,
@@ -374,8 +374,12 @@ struct Running {
     /// When the burst of source messages being taken was read: their boundaries' emit
     /// time. One clock reading per burst, since its messages are read a moment apart.
     received_ms: i64,
-    /// A push changed the state since the last checkpoint handed over.
+    /// A push changed the state since the last checkpoint handed over or the last mark.
     pushes_unstored: bool,
+    /// A push changed the state the tracker's mark holds.
+    pushes_marked: bool,
+    /// When the state was last marked.
+    last_mark: tokio::time::Instant,
     /// The source delivered a message no incarnation had taken in (told to
     /// [`SourceShared`] once).
     delivered_new: bool,
@@ -596,6 +600,8 @@ impl AccumulatorTask {
             unsent: Vec::new(),
             received_ms: 0,
             pushes_unstored: false,
+            pushes_marked: false,
+            last_mark: tokio::time::Instant::now(),
             delivered_new: false,
             reached: self.shared.reached().clone(),
             events_uncounted: 0,
@@ -1050,6 +1056,9 @@ impl AccumulatorTask {
     /// changed, since pushes are never replayed.
     fn commit(&self, run: &mut Running, durable: u64) {
         let Some(point) = run.tracker.durable(durable, run.stateful) else {
+            if run.stateful {
+                self.mark(run);
+            }
             return;
         };
         if self.source.is_none() && !run.stateful {
@@ -1057,13 +1066,21 @@ impl AccumulatorTask {
             // replayed and push ids are kept above the reactor's.
             return;
         }
+        let (state, pushes) = match point.state {
+            PointState::Marked(state) => (state, std::mem::take(&mut run.pushes_marked)),
+            // Taken after the mark, the state holds what the marked one held.
+            PointState::Current => (
+                if run.stateful {
+                    run.accumulator.checkpoint()
+                } else {
+                    None
+                },
+                std::mem::take(&mut run.pushes_unstored) | std::mem::take(&mut run.pushes_marked),
+            ),
+        };
         let checkpoint = Checkpoint {
             positions: run.tracker.committed(),
-            state: if run.stateful {
-                run.accumulator.checkpoint()
-            } else {
-                None
-            },
+            state,
             token: self.lease.as_ref().map(|held| held.lease.token),
         };
         debug!(graph = %self.graph, accumulator = %self.spec.name, positions = ?checkpoint.positions, "checkpoint");
@@ -1072,12 +1089,31 @@ impl AccumulatorTask {
             .into_iter()
             .filter(|p| p.partition != PUSH_PARTITION)
             .collect();
-        let version = if std::mem::take(&mut run.pushes_unstored) {
+        let version = if pushes {
             run.checkpoints.submit_at_once(checkpoint)
         } else {
             run.checkpoints.submit(checkpoint)
         };
         run.unstored.push_back((version, broker_positions));
+        if run.stateful {
+            self.mark(run);
+        }
+    }
+
+    /// Marks the state of a stateful accumulator whose boundaries are pending, for a
+    /// checkpoint once they are durable: under a steady backlog some always are, and
+    /// the state as it is would never be stored. Marked at most once per checkpoint
+    /// interval, since it costs a copy of the state, except when pushes changed it,
+    /// which are never replayed.
+    fn mark(&self, run: &mut Running) {
+        if !run.pushes_unstored && run.last_mark.elapsed() < self.checkpoint_interval {
+            return;
+        }
+        let accumulator = &run.accumulator;
+        if run.tracker.mark(|| accumulator.checkpoint()) {
+            run.last_mark = tokio::time::Instant::now();
+            run.pushes_marked = std::mem::take(&mut run.pushes_unstored);
+        }
     }
 
     /// Stopping: the positions the reactor makes durable as it stops (through its last

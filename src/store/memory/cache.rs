@@ -14,6 +14,10 @@ impl CacheStore for MemoryStore {
         snapshot: &CacheSnapshot,
         fence: Option<&Fence>,
     ) -> Result<(), StoreError> {
+        let latency = self.cache_write_latency.load(Ordering::SeqCst);
+        if latency > 0 {
+            tokio::time::sleep(Duration::from_micros(latency)).await;
+        }
         let mut state = self.state()?;
         check_fence(&state, fence)?;
         state.caches.insert(graph.to_string(), snapshot.clone());

@@ -11,7 +11,7 @@ mod schedule;
 mod workflow;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -38,6 +38,8 @@ const RECOVERY_EVENTS_KEPT: usize = 10_000;
 pub struct MemoryStore {
     state: Mutex<State>,
     unreachable: AtomicBool,
+    /// How long each cache snapshot write takes, in microseconds.
+    cache_write_latency: AtomicU64,
     watchers: Mutex<Vec<tokio::sync::mpsc::Sender<()>>>,
 }
 
@@ -117,6 +119,13 @@ impl MemoryStore {
     /// outage, for tests of what a node does through one.
     pub fn set_reachable(&self, reachable: bool) {
         self.unreachable.store(!reachable, Ordering::SeqCst);
+    }
+
+    /// Makes each cache snapshot write take `latency`, as a store across a network
+    /// does: for tests of what happens while one is under way.
+    pub fn set_cache_write_latency(&self, latency: Duration) {
+        let micros = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
+        self.cache_write_latency.store(micros, Ordering::SeqCst);
     }
 
     fn state(&self) -> Result<MutexGuard<'_, State>, StoreError> {
