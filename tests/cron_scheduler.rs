@@ -1586,3 +1586,48 @@ async fn at_least_once_ticks_due_during_a_failover_are_all_emitted() {
         );
     }
 }
+
+/// A stored schedule invalid here for a while (written with a time zone this version's
+/// data lacks, say) is looked at again a minute later; once it reads back, the times it
+/// missed meanwhile are caught up as its policy says, not dropped.
+#[tokio::test(start_paused = true)]
+async fn a_schedule_invalid_for_a_while_catches_up_the_times_it_missed() {
+    use weir::cron::scheduler::{register_at, Clock, TokioClock};
+    use weir::cron::CatchUp;
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
+    let mut schedule = Schedule::new("minutely", "* * * * *", "UTC");
+    schedule.target = Target::Topic("minutely.ticks".into());
+    schedule.catchup = CatchUp::All { cap: 10 };
+    register_at(store.as_ref(), &schedule, 1, clock.now())
+        .await
+        .unwrap();
+    let mut invalid = schedule.clone();
+    invalid.timezone = "Nowhere/Atlantis".into();
+    store.put_schedule(&invalid).await.unwrap();
+    let cfg = SchedulerConfig {
+        clock: clock.clone(),
+        ..config("a", 0)
+    };
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+    );
+    // Invalid until 00:03:40, looked at again each minute meanwhile.
+    tokio::time::sleep(Duration::from_secs(190)).await;
+    assert!(ticks(&broker, "minutely.ticks").is_empty());
+    store.put_schedule(&schedule).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(180)).await;
+    cancel.cancel();
+    let _ = task.await;
+    let mut fired: Vec<i64> = ticks(&broker, "minutely.ticks")
+        .iter()
+        .map(|t| t.scheduled_time_ms)
+        .collect();
+    fired.sort();
+    let every_minute: Vec<i64> = (1..=6)
+        .map(|m| at(&format!("2026-01-01T00:0{m}:00Z")).timestamp_millis())
+        .collect();
+    assert_eq!(fired, every_minute);
+}

@@ -74,10 +74,18 @@ impl Scheduler {
         // must not stop the rest of its shard, nor be dropped from it. It stays out of the cache, so it
         // is not fired, and is looked at again a while later.
         let mut unreadable = std::collections::HashSet::new();
+        let due_at: HashMap<&str, i64> = due.iter().map(|(id, ms)| (id.as_str(), *ms)).collect();
         for (id, found) in loaded {
+            let due_ms = due_at.get(id.as_str()).copied().unwrap_or(i64::MAX);
             let found = match found {
                 Err(e) if !e.is_retryable() => {
-                    warn!(schedule = %id, error = %e, retry_in = ?UNREADABLE_RETRY, "stored schedule cannot be read; not firing it");
+                    self.hold_back(
+                        &id,
+                        due_ms,
+                        lease.token,
+                        "stored schedule cannot be read; not firing it",
+                        e.to_string(),
+                    );
                     unreadable.insert(id);
                     continue;
                 }
@@ -92,7 +100,13 @@ impl Scheduler {
                     // perhaps valid for the version that stored it: kept, and read
                     // again a while later, like an unreadable one.
                     Err(e) => {
-                        warn!(schedule = %id, error = %e, retry_in = ?UNREADABLE_RETRY, "stored schedule is invalid; not firing it");
+                        self.hold_back(
+                            &id,
+                            due_ms,
+                            lease.token,
+                            "stored schedule is invalid; not firing it",
+                            e.to_string(),
+                        );
                         unreadable.insert(id);
                     }
                 }
@@ -116,8 +130,13 @@ impl Scheduler {
                 next_fires.push((id, None));
                 continue;
             }
+            // Held back a while, it catches up from when it was first due.
+            let first_due_ms = match self.held_back.remove(&id) {
+                Some(held) if held.token == lease.token => held.due_ms.min(next_ms),
+                _ => next_ms,
+            };
             let last = Utc
-                .timestamp_millis_opt(next_ms - 1)
+                .timestamp_millis_opt(first_due_ms - 1)
                 .single()
                 .unwrap_or(now);
             let running = if plan::overlap_matters(schedule) {
@@ -228,6 +247,30 @@ impl Scheduler {
         }
         let earliest = self.bounded(self.store.earliest_fire(shard)).await?;
         Ok(earliest.and_then(|ms| Utc.timestamp_millis_opt(ms).single()))
+    }
+
+    /// Leaves a stored schedule unfired until a later look, remembering when it was
+    /// first due. Warns when it first does, or when the reason changes: a schedule
+    /// invalid for good would otherwise warn at every look.
+    fn hold_back(&mut self, id: &str, due_ms: i64, token: u64, what: &str, error: String) {
+        match self.held_back.get_mut(id) {
+            Some(held) if held.token == token && held.error == error => {
+                debug!(schedule = %id, %error, retry_in = ?UNREADABLE_RETRY, "{what}");
+            }
+            Some(held) if held.token == token => {
+                warn!(schedule = %id, %error, retry_in = ?UNREADABLE_RETRY, "{what}");
+                held.error = error;
+            }
+            _ => {
+                warn!(schedule = %id, %error, retry_in = ?UNREADABLE_RETRY, "{what}");
+                let held = HeldBack {
+                    due_ms,
+                    error,
+                    token,
+                };
+                self.held_back.insert(id.to_string(), held);
+            }
+        }
     }
 
     /// The store is unreachable: fire `at_least_once` schedules this node knows.

@@ -192,6 +192,15 @@ struct Cached {
     tz: Tz,
 }
 
+/// A stored schedule this node could not read or found invalid.
+struct HeldBack {
+    due_ms: i64,
+    error: String,
+    /// The shard lease it was held back under: under another, a master in between may
+    /// have fired or given up the times since.
+    token: u64,
+}
+
 pub struct Scheduler {
     store: Arc<dyn CronStore>,
     sink: Arc<dyn Sink>,
@@ -200,6 +209,11 @@ pub struct Scheduler {
     /// Schedules seen while the store was reachable, with their next fire time: what
     /// `at_least_once` keeps firing from when it is not.
     cache: HashMap<String, (Cached, Option<DateTime<Utc>>)>,
+    /// Stored schedules this node could not read or found invalid, looked at again
+    /// [`UNREADABLE_RETRY`] later: the fire time each was first due at, so the times it
+    /// missed meanwhile are caught up (as its catch-up policy says) once it reads back,
+    /// and why it did not read, warned of again only when that changes.
+    held_back: HashMap<String, HeldBack>,
     /// Where in the index of unfinished executions the next orphan sweep starts.
     sweep_from: usize,
     /// The first shard past the configured count the next look for stranded
@@ -219,6 +233,7 @@ impl Scheduler {
             config,
             shards,
             cache: HashMap::new(),
+            held_back: HashMap::new(),
             sweep_from: 0,
         }
     }
