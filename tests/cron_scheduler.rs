@@ -1631,3 +1631,54 @@ async fn a_schedule_invalid_for_a_while_catches_up_the_times_it_missed() {
         .collect();
     assert_eq!(fired, every_minute);
 }
+
+/// A schedule held back while invalid that reads back paused forgets when it was first
+/// due: resumed later, it fires from its resumption on, not the times of its pause.
+#[tokio::test(start_paused = true)]
+async fn a_schedule_invalid_then_paused_does_not_catch_up_its_pause_when_resumed() {
+    use weir::cron::scheduler::{register_at, Clock, TokioClock};
+    use weir::cron::CatchUp;
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
+    let mut schedule = Schedule::new("resumed", "* * * * *", "UTC");
+    schedule.target = Target::Topic("resumed.ticks".into());
+    schedule.catchup = CatchUp::All { cap: 10 };
+    register_at(store.as_ref(), &schedule, 1, clock.now())
+        .await
+        .unwrap();
+    let mut invalid = schedule.clone();
+    invalid.timezone = "Nowhere/Atlantis".into();
+    store.put_schedule(&invalid).await.unwrap();
+    let cfg = SchedulerConfig {
+        clock: clock.clone(),
+        ..config("a", 0)
+    };
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+    );
+    // Invalid from 00:01:00, read back paused at the next look (00:03:00).
+    tokio::time::sleep(Duration::from_secs(100)).await;
+    let mut paused = schedule.clone();
+    paused.enabled = false;
+    store.put_schedule(&paused).await.unwrap();
+    // Resumed at 00:05:10.
+    tokio::time::sleep(Duration::from_secs(180)).await;
+    register_at(store.as_ref(), &schedule, 1, clock.now())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(150)).await;
+    cancel.cancel();
+    let _ = task.await;
+    let mut fired: Vec<i64> = ticks(&broker, "resumed.ticks")
+        .iter()
+        .map(|t| t.scheduled_time_ms)
+        .collect();
+    fired.sort();
+    let since_resumed: Vec<i64> = ["2026-01-01T00:06:00Z", "2026-01-01T00:07:00Z"]
+        .iter()
+        .map(|t| at(t).timestamp_millis())
+        .collect();
+    assert_eq!(fired, since_resumed);
+}

@@ -43,6 +43,13 @@ impl Scheduler {
         shard: u32,
         lease: &Lease,
     ) -> Result<Option<DateTime<Utc>>, StoreError> {
+        // What this shard held back under an earlier lease is no guide: a master in
+        // between may have fired or given up the times since.
+        if !self.held_back.is_empty() {
+            let shards = self.config.shards;
+            self.held_back
+                .retain(|id, held| held.token == lease.token || shard_of(id, shards) != shard);
+        }
         // Plan and claim a little ahead, so at the due instant only the publish remains.
         let now = self.config.clock.now();
         let horizon = now + chrono::Duration::from_std(LOOKAHEAD).unwrap_or_default();
@@ -116,6 +123,9 @@ impl Scheduler {
         // concurrently, then record statuses and next fire times in one more.
         let mut next_fires = Vec::with_capacity(due.len());
         let mut planned: Vec<(String, Execution)> = Vec::new();
+        // Held back before and read now: forgotten once this pass is recorded (a pass
+        // that fails to record is planned again from the same first due time).
+        let mut read_back = Vec::new();
         for (id, next_ms) in due {
             let Some((cached, _)) = self.cache.get(&id) else {
                 let retry = unreadable.contains(&id).then(|| {
@@ -126,12 +136,18 @@ impl Scheduler {
                 continue;
             };
             let schedule = &cached.schedule;
+            let held = (!self.held_back.is_empty())
+                .then(|| self.held_back.get(&id))
+                .flatten();
+            if held.is_some() {
+                read_back.push(id.clone());
+            }
             if !schedule.enabled {
                 next_fires.push((id, None));
                 continue;
             }
             // Held back a while, it catches up from when it was first due.
-            let first_due_ms = match self.held_back.remove(&id) {
+            let first_due_ms = match held {
                 Some(held) if held.token == lease.token => held.due_ms.min(next_ms),
                 _ => next_ms,
             };
@@ -240,6 +256,9 @@ impl Scheduler {
         }
         self.bounded(self.store.record_fires(shard, &fired, &next_fires, &fence))
             .await?;
+        for id in read_back {
+            self.held_back.remove(&id);
+        }
         for (id, next) in next_fires {
             if let Some(entry) = self.cache.get_mut(&id) {
                 entry.1 = next.and_then(|ms| Utc.timestamp_millis_opt(ms).single());
