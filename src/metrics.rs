@@ -34,6 +34,10 @@ pub const REACTOR_STATE: &str = "weir_reactor_state";
 pub const ACCUMULATOR_HEALTH: &str = "weir_accumulator_health";
 /// Boundaries waiting in a reactor's input cache, per graph and source.
 pub const QUEUE_DEPTH: &str = "weir_queue_depth";
+/// Boundaries an accumulator emitted that no stored snapshot holds yet, per graph and
+/// source: each holds its source position back from the checkpoint. Grows through a
+/// store outage, up to the bound at which the source is held.
+pub const PENDING_BOUNDARIES: &str = "weir_pending_boundaries";
 /// 1 while this node holds a lease of the role (`graph`, `cron`), else 0.
 pub const LEASE_HELD: &str = "weir_lease_held";
 /// Times this node gained a lease, per role: a fast-growing count means flapping.
@@ -86,6 +90,7 @@ pub const ALL: &[&str] = &[
     REACTOR_STATE,
     ACCUMULATOR_HEALTH,
     QUEUE_DEPTH,
+    PENDING_BOUNDARIES,
     LEASE_HELD,
     LEASE_ACQUISITIONS_TOTAL,
     WORKFLOWS_STARTED_TOTAL,

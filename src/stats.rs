@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::metrics::{
     ACCUMULATOR_HEALTH, BOUNDARIES_TOTAL, CACHE_SNAPSHOTS_TOTAL, CHECKPOINTS_TOTAL,
     DEAD_LETTERS_TOTAL, DUPLICATES_DROPPED_TOTAL, EVENTS_TOTAL, FIRES_TOTAL, FIRE_DURATION_SECONDS,
-    FIRE_FAILURES_TOTAL, OUTPUTS_TOTAL, QUEUE_DEPTH, REACTOR_STATE,
+    FIRE_FAILURES_TOTAL, OUTPUTS_TOTAL, PENDING_BOUNDARIES, QUEUE_DEPTH, REACTOR_STATE,
 };
 
 /// Health of one accumulator, as the reactor and the supervisor see it.
@@ -189,6 +189,8 @@ struct SourceMetrics {
     /// Indexed like [`Health::ALL`].
     health: [Gauge; 5],
     queue_depth: Gauge,
+    pending: AtomicU64,
+    pending_metric: Gauge,
 }
 
 /// A point-in-time copy of [`GraphStats`].
@@ -201,6 +203,9 @@ pub struct StatsSnapshot {
     pub dead_letters: u64,
     pub duplicates: u64,
     pub fire_failures: u64,
+    /// Boundaries emitted and not yet held in a stored snapshot, over all sources, as
+    /// last reported.
+    pub pending_boundaries: u64,
 }
 
 impl GraphStats {
@@ -215,7 +220,9 @@ impl GraphStats {
                     health: Health::ALL.map(|h| {
                         gauge!(ACCUMULATOR_HEALTH, "graph" => g.clone(), "source" => s.clone(), "health" => h.as_str())
                     }),
-                    queue_depth: gauge!(QUEUE_DEPTH, "graph" => g.clone(), "source" => s),
+                    queue_depth: gauge!(QUEUE_DEPTH, "graph" => g.clone(), "source" => s.clone()),
+                    pending: AtomicU64::new(0),
+                    pending_metric: gauge!(PENDING_BOUNDARIES, "graph" => g.clone(), "source" => s),
                 }
             })
             .collect();
@@ -259,6 +266,7 @@ impl GraphStats {
             dead_letters: get(&self.dead_letters),
             duplicates: get(&self.duplicates),
             fire_failures: get(&self.fire_failures),
+            pending_boundaries: self.sources.iter().map(|s| get(&s.pending)).sum(),
         }
     }
 
@@ -318,6 +326,13 @@ impl GraphStats {
             for (gauge, h) in metrics.health.iter().zip(Health::ALL) {
                 gauge.set(if h == health { 1.0 } else { 0.0 });
             }
+        }
+    }
+
+    pub(crate) fn pending_boundaries(&self, source: usize, pending: usize) {
+        if let Some(metrics) = self.sources.get(source) {
+            metrics.pending.store(pending as u64, Ordering::Relaxed);
+            metrics.pending_metric.set(pending as f64);
         }
     }
 

@@ -345,6 +345,89 @@ async fn a_stop_while_the_source_is_down_stores_what_pushes_added_to_the_state()
     .await;
 }
 
+/// Passes events through, rejecting the string "bad".
+struct RejectsBad;
+
+impl Accumulator for RejectsBad {
+    fn process(&mut self, event: Event) -> Result<Option<Value>, AccumulatorError> {
+        if event.value == json!("bad") {
+            return Err(AccumulatorError::Rejected("a bad quote".into()));
+        }
+        Ok(Some(event.value))
+    }
+}
+
+/// A rejected message is taken in only once its dead letter is out: stopped while its
+/// dead letter cannot go out, the graph dead-letters it after the restart rather than
+/// passing it by.
+#[tokio::test(start_paused = true)]
+async fn a_rejected_message_whose_dead_letter_a_stop_cut_short_is_dead_lettered_after_the_restart()
+{
+    let h = Harness::new();
+    let dead_letters = Arc::new(common::DeadLettersDown {
+        inner: Arc::new(h.broker.clone()),
+        down: Arc::new(AtomicBool::new(true)),
+        refused: Arc::default(),
+    });
+    let node = || {
+        let runtime = weir::Runtime {
+            broker: Arc::new(common::WithDeadLettersDown {
+                broker: Arc::new(h.broker.clone()),
+                dead_letters: dead_letters.clone(),
+            }),
+            store: h.store.clone(),
+            node_id: "test-node".into(),
+        };
+        weir::Supervisor::new(
+            runtime,
+            weir::SupervisionPolicy::default(),
+            tokio_util::sync::CancellationToken::new(),
+        )
+    };
+    let picky = || {
+        graph(
+            "picky",
+            AccumulatorSpec::custom("a", || RejectsBad).topic("picky.in"),
+        )
+    };
+    let first = node();
+    let g = first.spawn(picky()).unwrap();
+    g.wait_for_state(ReactorState::Live).await;
+    publish_all(
+        &h,
+        "picky.in",
+        &[json!("good"), json!("bad"), json!("later")],
+    )
+    .await;
+    eventually("the dead letter tried", || async {
+        dead_letters.refused.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    // The good one waits with the dead letter's burst; the stop hands it over.
+    assert!(first.shutdown().await, "stopped in time");
+    assert!(h.broker.messages("picky.in.dlq").is_empty());
+
+    dead_letters.down.store(false, Ordering::SeqCst);
+    let second = node();
+    let _g = second.spawn(picky()).unwrap();
+    eventually("the later one fired", || async {
+        h.outputs("picky.out")
+            .iter()
+            .any(|o| o["inputs"]["a"] == json!("later"))
+    })
+    .await;
+    let fired: Vec<Value> = h
+        .outputs("picky.out")
+        .iter()
+        .map(|o| o["inputs"]["a"].clone())
+        .collect();
+    assert_eq!(fired, [json!("good"), json!("later")]);
+    let dead = h.broker.messages("picky.in.dlq");
+    assert_eq!(dead.len(), 1, "the rejected message dead-lettered once");
+    assert_eq!(dead[0].payload, json!("bad").to_string().as_bytes());
+    assert!(second.shutdown().await, "stopped in time");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_replay_of_three_partitions_in_another_order_loses_nothing() {
     // Unkeyed messages go round-robin: partitions 1, 2, 0, 1, ...
@@ -373,7 +456,8 @@ async fn a_replay_of_three_partitions_in_another_order_loses_nothing() {
     publish_all(&h, "multi.in", &[json!("m2")]).await; // partition 2, taken, not durable
     eventually("m2 cached", || async { g.stats().boundaries == 2 }).await;
     armed.store(true, Ordering::SeqCst);
-    // The accumulator panics on m3: the next one replays from the checkpoint, reading
+    // The accumulator panics on the first of m3 and m4 it takes in: the next one
+    // replays from the checkpoint, reading
     // partition 1 (m4) before partition 2 (m2, a repeat) and partition 0 (m3).
     publish_all(&h, "multi.in", &[json!("m3"), json!("m4")]).await;
     eventually("replay read", || async { g.stats().boundaries >= 4 }).await;
@@ -569,8 +653,19 @@ async fn a_source_that_keeps_nothing_unread_is_read_through_a_store_outage() {
         g.stats().boundaries == total
     })
     .await;
+    // What it cannot hold it does not keep either: the oldest pending boundaries past
+    // the bound are given up, so the list stops growing.
+    let pending = g.stats().pending_boundaries;
+    assert!(
+        pending <= MOST_PENDING_BOUNDARIES as u64,
+        "{pending} boundaries pending past the bound"
+    );
     h.store.set_reachable(true);
     eventually("every input fired", || async { g.stats().outputs == total }).await;
+    eventually("nothing left pending", || async {
+        g.stats().pending_boundaries == 0
+    })
+    .await;
 }
 
 /// A source that breaks often, but delivers something new between breaks, is reopened

@@ -1630,46 +1630,6 @@ mod memory {
         );
     }
 
-    /// A broker whose dead letters go through [`common::DeadLettersDown`].
-    struct WithDeadLettersDown {
-        broker: Arc<dyn Broker>,
-        dead_letters: Arc<common::DeadLettersDown>,
-    }
-
-    #[async_trait]
-    impl Broker for WithDeadLettersDown {
-        fn kind(&self) -> &'static str {
-            self.broker.kind()
-        }
-
-        async fn subscribe(
-            &self,
-            subscription: &Subscription,
-        ) -> Result<Box<dyn weir::transport::Source>, TransportError> {
-            self.broker.subscribe(subscription).await
-        }
-
-        fn sink(&self) -> Arc<dyn Sink> {
-            self.dead_letters.clone()
-        }
-
-        async fn partitioned(
-            &self,
-            topic: &str,
-            partitions: u32,
-        ) -> Result<weir::transport::PartitionedTopic, TransportError> {
-            self.broker.partitioned(topic, partitions).await
-        }
-
-        async fn ping(&self) -> Result<(), TransportError> {
-            self.broker.ping().await
-        }
-
-        fn redelivery_wait(&self) -> Option<Duration> {
-            self.broker.redelivery_wait()
-        }
-    }
-
     /// A worker stopped while the dead letter of a task's last failed attempt cannot be
     /// published: the failure is not reported before its dead letter is out, so the next
     /// worker runs the task again, dead-letters it and fails the workflow. Reported first,
@@ -1703,7 +1663,7 @@ mod memory {
         };
         let first_stop = CancellationToken::new();
         let first = Worker::new(
-            Arc::new(WithDeadLettersDown {
+            Arc::new(common::WithDeadLettersDown {
                 broker: env.broker.clone(),
                 dead_letters: down.clone(),
             }),

@@ -77,8 +77,8 @@ impl CommitTracker {
     /// Whether a position is at or before the last one taken in from its partition: a
     /// redelivery (JetStream delivers again what is not acknowledged in time) of what
     /// this run, or the checkpoint it started from, already holds, to be skipped. A
-    /// source reads each partition in order and a run ends with its source, so nothing
-    /// before that position is new.
+    /// source reads each partition in order, and one reopened for a run carried on
+    /// starts after what the run took in, so nothing before that position is new.
     pub fn seen(&self, position: Position) -> bool {
         self.processed
             .get(&position.partition)
@@ -122,6 +122,15 @@ impl CommitTracker {
 
     pub fn pending(&self) -> usize {
         self.pending.len()
+    }
+
+    /// Gives up the oldest pending boundaries past `most`: their positions no longer
+    /// hold commits back. For a source that keeps nothing unread, which cannot be held
+    /// and whose positions cannot be read again, so that through a store outage the
+    /// list does not grow with everything it delivers.
+    pub fn forget_pending_past(&mut self, most: usize) {
+        let excess = self.pending.len().saturating_sub(most);
+        self.pending.drain(..excess);
     }
 
     /// Marks where a stateful accumulator's state stands now, while boundaries it
@@ -344,6 +353,22 @@ mod tests {
         let mut t = CommitTracker::new(&[pos(0, 2)], false);
         let _ = t.emitted(1, None);
         assert_eq!(t.durable(1, false), None);
+    }
+
+    #[test]
+    fn pending_boundaries_given_up_past_a_bound_hold_nothing_back() {
+        let mut t = CommitTracker::new(&[], false);
+        for offset in 0..5 {
+            t.processed(pos(0, offset));
+            let _ = t.emitted(offset as u64 + 1, Some(pos(0, offset)));
+        }
+        t.forget_pending_past(2);
+        assert_eq!(t.pending(), 2);
+        // Boundaries 4 and 5 (offsets 3 and 4) are left: offsets before 3 may go.
+        assert_eq!(t.durable(0, false).unwrap().positions, vec![pos(0, 2)]);
+        t.forget_pending_past(2);
+        assert_eq!(t.pending(), 2, "nothing past the bound");
+        assert_eq!(t.durable(5, false).unwrap().positions, vec![pos(0, 4)]);
     }
 
     #[test]

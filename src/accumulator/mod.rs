@@ -140,9 +140,11 @@ impl AccumulatorError {
     }
 
     /// Whether the run it ended left its state as it was before the failing step, so the
-    /// next incarnation may carry that run on: a broker that failed to deliver or to take
-    /// a dead letter changed nothing, while a panic may have left the state half changed
-    /// and the accumulator's own errors say nothing of it.
+    /// next incarnation may carry that run on: a broker that failed to deliver changed
+    /// nothing, nor did one that failed to take a dead letter (a message is taken in
+    /// only once its dead letter is out, so the carried run reads it again), while a
+    /// panic may have left the state half changed and the accumulator's own errors say
+    /// nothing of it.
     pub(crate) fn leaves_the_run_whole(&self) -> bool {
         matches!(self, Self::Source { .. } | Self::DeadLetter { .. })
     }

@@ -83,7 +83,8 @@ const MESSAGE_BATCH: usize = 256;
 /// holds its position until the reactor's snapshot is stored, and through a store outage
 /// the list would otherwise grow with everything the broker delivers. Twice the inputs
 /// after which the reactor snapshots however long its interval, so a graph whose store
-/// answers never waits here. Core NATS, which keeps nothing unread, is read regardless.
+/// answers never waits here. Core NATS, which keeps nothing unread, is read regardless,
+/// and its oldest pending boundaries past the bound are given up.
 pub const MOST_PENDING_BOUNDARIES: usize = 100_000;
 
 /// How long a stopping accumulator takes to say it stopped, wait for what its reactor
@@ -322,6 +323,11 @@ impl CarriedRun {
     fn take(&self) -> Option<Running> {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
+
+    /// Whether a run waits to be carried on.
+    pub(crate) fn is_waiting(&self) -> bool {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
 }
 
 /// Everything one incarnation of an accumulator is wired to.
@@ -387,6 +393,9 @@ struct Running {
     reached: BTreeMap<i32, i64>,
     /// Events taken in and not yet added to the graph's count: added at each hand-over.
     events_uncounted: u64,
+    /// Its source keeps nothing unread (core NATS): it cannot be held at the pending
+    /// bound, so the oldest pending boundaries past it are given up instead.
+    keeps_nothing_unread: bool,
     slots: QueueSlots,
     /// Where what this run took in is merged when it ends.
     shared: Arc<SourceShared>,
@@ -444,6 +453,11 @@ impl AccumulatorTask {
             let _ = self
                 .to_reactor
                 .try_send(ReactorInput::Stopped { source: self.index });
+            if self.cancel.is_cancelled() {
+                // Stopped as it failed (its source's open or a dead letter cut short):
+                // no successor carries the run on, so its checkpoint is stored now.
+                self.store_carried().await;
+            }
         }
         ended
     }
@@ -455,6 +469,9 @@ impl AccumulatorTask {
         delay: std::time::Duration,
     ) -> Result<(), AccumulatorError> {
         tokio::select! {
+            // A stop and the end of the delay at once: the stop, so a stopping graph
+            // does not open the source again.
+            biased;
             _ = self.cancel.cancelled() => {
                 self.store_carried().await;
                 Ok(())
@@ -463,10 +480,16 @@ impl AccumulatorTask {
         }
     }
 
-    async fn store_carried(&self) {
+    /// Stores the checkpoint of the run waiting to be carried on, if one is, as a
+    /// running accumulator does at a stop: what the reactor made durable, and what pushes
+    /// added to the state since.
+    pub(crate) async fn store_carried(&self) {
         let Some(mut run) = self.carried.take() else {
             return;
         };
+        // What the reactor made durable so far counts, though it may have ended.
+        let durable = *self.durable.borrow();
+        self.commit(&mut run, durable);
         let deadline = tokio::time::Instant::now() + LAST_CHECKPOINT_WAIT;
         let mut durable_changes = Box::pin(changes(self.durable.clone()));
         self.store_last_checkpoint(&mut run, None, &mut durable_changes, deadline)
@@ -503,6 +526,11 @@ impl AccumulatorTask {
             self.shared.forget_panics_through(&run.resume_after());
         }
 
+        // What the reactor made durable while a carried run waited counts now, and is
+        // checkpointed whether or not the source opens: a long outage does not hold
+        // back the checkpoint of what its run had made durable.
+        let durable = *self.durable.borrow_and_update();
+        self.commit(&mut run, durable);
         let mut source: Option<Box<dyn Source>> = None;
         if let Some(factory) = self.source.clone() {
             self.set_health(Health::Connecting).await;
@@ -512,7 +540,10 @@ impl AccumulatorTask {
                 None => factory.open(&resume_after).await,
             };
             match opened {
-                Ok(s) => source = Some(s),
+                Ok(s) => {
+                    run.keeps_nothing_unread = !s.keeps_unread();
+                    source = Some(s);
+                }
                 Err(e) => {
                     self.set_health(Health::Disconnected).await;
                     self.carried.put(run);
@@ -527,9 +558,10 @@ impl AccumulatorTask {
         } else {
             self.set_health(Health::SocketOnly).await;
         }
-        // What the reactor made durable while a carried run waited counts now.
-        let durable = *self.durable.borrow_and_update();
-        self.commit(&mut run, durable);
+        // Checkpoints stored while a carried run waited go to the broker now.
+        let written = run.checkpoints.written();
+        self.checkpoint_stored(&mut run, source.as_deref_mut(), written)
+            .await;
         let mut durable_changes = Box::pin(changes(self.durable.clone()));
         match self
             .read(&mut run, &mut source, &mut socket, &mut durable_changes)
@@ -605,6 +637,7 @@ impl AccumulatorTask {
             delivered_new: false,
             reached: self.shared.reached().clone(),
             events_uncounted: 0,
+            keeps_nothing_unread: false,
             slots: QueueSlots {
                 permits: self.permits.clone(),
                 held: 0,
@@ -639,7 +672,8 @@ impl AccumulatorTask {
             // Enough waits for a stored snapshot: the source is held (a Kafka consumer
             // paused and polled, so it stays in its group) until some of it is durable.
             let at_bound = run.tracker.pending() >= MOST_PENDING_BOUNDARIES
-                && source.as_ref().is_some_and(|s| s.keeps_unread());
+                && source.is_some()
+                && !run.keeps_nothing_unread;
             tokio::select! {
                 biased;
                 _ = &mut stopping => return Ok(()),
@@ -907,17 +941,20 @@ impl AccumulatorTask {
                 });
             }
         };
+        if let (Err(AccumulatorError::Rejected(reason)), Some(m)) = (&outcome, message) {
+            // Taken in only once its dead letter is out: a run carried past a failed
+            // dead-letter publish reopens its source after what it took in, and would
+            // otherwise never read this message again.
+            self.dead_letter(m, reason).await?;
+        }
         run.tracker.processed(position);
         match outcome {
             Ok(Some(value)) => Ok(self.emit(run, value, Some(position), time_ms).await),
             Ok(None) => Ok(true),
             Err(AccumulatorError::Rejected(reason)) => {
-                match message {
-                    Some(m) => self.dead_letter(m, &reason).await?,
-                    None => {
-                        warn!(graph = %self.graph, accumulator = %self.spec.name, %reason, "pushed event rejected");
-                        self.stats.dead_lettered();
-                    }
+                if message.is_none() {
+                    warn!(graph = %self.graph, accumulator = %self.spec.name, %reason, "pushed event rejected");
+                    self.stats.dead_lettered();
                 }
                 Ok(true)
             }
@@ -1007,6 +1044,11 @@ impl AccumulatorTask {
         if run.events_uncounted > 0 {
             self.stats
                 .events_received(std::mem::take(&mut run.events_uncounted));
+            if run.keeps_nothing_unread {
+                run.tracker.forget_pending_past(MOST_PENDING_BOUNDARIES);
+            }
+            self.stats
+                .pending_boundaries(self.index, run.tracker.pending());
         }
         let input = match run.unsent.len() {
             0 => return true,
@@ -1055,7 +1097,10 @@ impl AccumulatorTask {
     /// without the spacing between checkpoint writes, when it holds a state pushes
     /// changed, since pushes are never replayed.
     fn commit(&self, run: &mut Running, durable: u64) {
-        let Some(point) = run.tracker.durable(durable, run.stateful) else {
+        let point = run.tracker.durable(durable, run.stateful);
+        self.stats
+            .pending_boundaries(self.index, run.tracker.pending());
+        let Some(point) = point else {
             if run.stateful {
                 self.mark(run);
             }

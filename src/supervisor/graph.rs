@@ -549,6 +549,14 @@ impl SupervisedGraph {
             while accumulators.join_next().await.is_some() {}
             let _ = reactor_task.await;
         }
+        // A source whose run a failure left waiting for its successor when the
+        // incarnation ended (the graph failed, say) stores that run's checkpoint, as a
+        // running accumulator does at a stop.
+        let waiting = (0..self.decl.accumulators.len())
+            .filter(|&index| wiring.carried[index].is_waiting())
+            .map(|index| self.accumulator_task(index, &wiring, &lease, &cancel));
+        futures::future::join_all(waiting.map(|task| async move { task.store_carried().await }))
+            .await;
         ended
     }
 }

@@ -122,9 +122,12 @@ pub struct Subscription {
     pub group: String,
     pub start: StartFrom,
     pub assignment: Assignment,
-    /// Positions already processed, from the consumer's own checkpoint. A source with
-    /// [`Assignment::All`] starts right after them, whatever the broker last recorded:
-    /// the checkpoint is written before the broker commit, so it is never behind.
+    /// Positions already processed: the consumer's own checkpoint, or, for a reader
+    /// carrying its run on after its source broke, what that run took in (ahead of the
+    /// checkpoint and of the broker's commit, since it still holds those messages). A
+    /// source with [`Assignment::All`] starts right after them, whatever the broker
+    /// last recorded: the checkpoint is written before the broker commit, so it is
+    /// never behind.
     pub resume_after: Vec<Position>,
     pub acks: Acks,
     /// The fencing token of the lease a sole reader ([`Assignment::All`]) reads under,
@@ -493,7 +496,9 @@ pub trait SourceFactory: Send + Sync {
     /// Where the source reads from, for logs, errors and dead-letter topics.
     fn describe(&self) -> String;
 
-    /// `resume_after`: positions the caller's checkpoint says are already processed.
+    /// `resume_after`: positions the caller has already processed, those of its
+    /// checkpoint or later ones a run it carries on took in (see
+    /// [`Subscription::resume_after`]).
     async fn open(&self, resume_after: &[Position]) -> Result<Box<dyn Source>, TransportError>;
 
     /// Opens it for a reader under a lease with fencing token `fencing` (see

@@ -95,3 +95,43 @@ impl weir::transport::Sink for DeadLettersDown {
         self.inner.publish(message).await
     }
 }
+
+/// A broker whose dead letters go through [`DeadLettersDown`]; the rest is `broker`'s.
+pub struct WithDeadLettersDown {
+    pub broker: std::sync::Arc<dyn weir::transport::Broker>,
+    pub dead_letters: std::sync::Arc<DeadLettersDown>,
+}
+
+#[async_trait::async_trait]
+impl weir::transport::Broker for WithDeadLettersDown {
+    fn kind(&self) -> &'static str {
+        self.broker.kind()
+    }
+
+    async fn subscribe(
+        &self,
+        subscription: &weir::transport::Subscription,
+    ) -> Result<Box<dyn weir::transport::Source>, weir::transport::TransportError> {
+        self.broker.subscribe(subscription).await
+    }
+
+    fn sink(&self) -> std::sync::Arc<dyn weir::transport::Sink> {
+        self.dead_letters.clone()
+    }
+
+    async fn partitioned(
+        &self,
+        topic: &str,
+        partitions: u32,
+    ) -> Result<weir::transport::PartitionedTopic, weir::transport::TransportError> {
+        self.broker.partitioned(topic, partitions).await
+    }
+
+    async fn ping(&self) -> Result<(), weir::transport::TransportError> {
+        self.broker.ping().await
+    }
+
+    fn redelivery_wait(&self) -> Option<std::time::Duration> {
+        self.broker.redelivery_wait()
+    }
+}
