@@ -1682,3 +1682,50 @@ async fn a_schedule_invalid_then_paused_does_not_catch_up_its_pause_when_resumed
         .collect();
     assert_eq!(fired, since_resumed);
 }
+
+/// A schedule held back while invalid, then deleted and registered again, starts afresh
+/// from its registration: it does not catch up the times of the one it replaced.
+#[tokio::test(start_paused = true)]
+async fn a_schedule_invalid_then_registered_again_fires_from_its_registration() {
+    use weir::cron::scheduler::{register_at, Clock, TokioClock};
+    use weir::cron::CatchUp;
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
+    let mut schedule = Schedule::new("replaced", "* * * * *", "UTC");
+    schedule.target = Target::Topic("replaced.ticks".into());
+    schedule.catchup = CatchUp::All { cap: 10 };
+    register_at(store.as_ref(), &schedule, 1, clock.now())
+        .await
+        .unwrap();
+    let mut invalid = schedule.clone();
+    invalid.timezone = "Nowhere/Atlantis".into();
+    store.put_schedule(&invalid).await.unwrap();
+    let cfg = SchedulerConfig {
+        clock: clock.clone(),
+        ..config("a", 0)
+    };
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+    );
+    // Invalid from 00:01:00; deleted and registered again at 00:03:10.
+    tokio::time::sleep(Duration::from_secs(160)).await;
+    assert!(store.delete_schedule(&schedule.id, 0).await.unwrap());
+    register_at(store.as_ref(), &schedule, 1, clock.now())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(140)).await;
+    cancel.cancel();
+    let _ = task.await;
+    let mut fired: Vec<i64> = ticks(&broker, "replaced.ticks")
+        .iter()
+        .map(|t| t.scheduled_time_ms)
+        .collect();
+    fired.sort();
+    let since_registered: Vec<i64> = ["2026-01-01T00:04:00Z", "2026-01-01T00:05:00Z"]
+        .iter()
+        .map(|t| at(t).timestamp_millis())
+        .collect();
+    assert_eq!(fired, since_registered);
+}

@@ -43,15 +43,21 @@ impl Scheduler {
         shard: u32,
         lease: &Lease,
     ) -> Result<Option<DateTime<Utc>>, StoreError> {
-        // What this shard held back under an earlier lease is no guide: a master in
-        // between may have fired or given up the times since.
-        if !self.held_back.is_empty() {
-            let shards = self.config.shards;
-            self.held_back
-                .retain(|id, held| held.token == lease.token || shard_of(id, shards) != shard);
-        }
         // Plan and claim a little ahead, so at the due instant only the publish remains.
         let now = self.config.clock.now();
+        let retry_ms = (now + chrono::Duration::from_std(UNREADABLE_RETRY).unwrap_or_default())
+            .timestamp_millis();
+        // What this shard held back under an earlier lease is no guide: a master in
+        // between may have fired or given up the times since. Nor is what was not due
+        // again a retry after it was to be looked at: deleted.
+        if !self.held_back.is_empty() {
+            let (shards, now_ms) = (self.config.shards, now.timestamp_millis());
+            let gone_after = UNREADABLE_RETRY.as_millis() as i64;
+            self.held_back.retain(|id, held| {
+                shard_of(id, shards) != shard
+                    || (held.token == lease.token && now_ms <= held.retry_ms + gone_after)
+            });
+        }
         let horizon = now + chrono::Duration::from_std(LOOKAHEAD).unwrap_or_default();
         let due = self
             .bounded(
@@ -89,6 +95,7 @@ impl Scheduler {
                     self.hold_back(
                         &id,
                         due_ms,
+                        retry_ms,
                         lease.token,
                         "stored schedule cannot be read; not firing it",
                         e.to_string(),
@@ -110,6 +117,7 @@ impl Scheduler {
                         self.hold_back(
                             &id,
                             due_ms,
+                            retry_ms,
                             lease.token,
                             "stored schedule is invalid; not firing it",
                             e.to_string(),
@@ -128,10 +136,7 @@ impl Scheduler {
         let mut read_back = Vec::new();
         for (id, next_ms) in due {
             let Some((cached, _)) = self.cache.get(&id) else {
-                let retry = unreadable.contains(&id).then(|| {
-                    let retry = chrono::Duration::from_std(UNREADABLE_RETRY).unwrap_or_default();
-                    (now + retry).timestamp_millis()
-                });
+                let retry = unreadable.contains(&id).then_some(retry_ms);
                 next_fires.push((id, retry));
                 continue;
             };
@@ -146,9 +151,16 @@ impl Scheduler {
                 next_fires.push((id, None));
                 continue;
             }
-            // Held back a while, it catches up from when it was first due.
+            // Held back a while, it catches up from when it was first due: found due when
+            // it was to be looked at again, or still at its first due time (the pass
+            // that was to move it failed to record).
             let first_due_ms = match held {
-                Some(held) if held.token == lease.token => held.due_ms.min(next_ms),
+                Some(held)
+                    if held.token == lease.token
+                        && (next_ms == held.retry_ms || next_ms == held.due_ms) =>
+                {
+                    held.due_ms.min(next_ms)
+                }
                 _ => next_ms,
             };
             let last = Utc
@@ -271,19 +283,30 @@ impl Scheduler {
     /// Leaves a stored schedule unfired until a later look, remembering when it was
     /// first due. Warns when it first does, or when the reason changes: a schedule
     /// invalid for good would otherwise warn at every look.
-    fn hold_back(&mut self, id: &str, due_ms: i64, token: u64, what: &str, error: String) {
+    fn hold_back(
+        &mut self,
+        id: &str,
+        due_ms: i64,
+        retry_ms: i64,
+        token: u64,
+        what: &str,
+        error: String,
+    ) {
         match self.held_back.get_mut(id) {
             Some(held) if held.token == token && held.error == error => {
                 debug!(schedule = %id, %error, retry_in = ?UNREADABLE_RETRY, "{what}");
+                held.retry_ms = retry_ms;
             }
             Some(held) if held.token == token => {
                 warn!(schedule = %id, %error, retry_in = ?UNREADABLE_RETRY, "{what}");
                 held.error = error;
+                held.retry_ms = retry_ms;
             }
             _ => {
                 warn!(schedule = %id, %error, retry_in = ?UNREADABLE_RETRY, "{what}");
                 let held = HeldBack {
                     due_ms,
+                    retry_ms,
                     error,
                     token,
                 };

@@ -195,6 +195,11 @@ struct Cached {
 /// A stored schedule this node could not read or found invalid.
 struct HeldBack {
     due_ms: i64,
+    /// When it was to be looked at again: the next fire time stored for it. Found due
+    /// at another time, it was registered again (or resumed) meanwhile, and starts
+    /// afresh rather than catching up from `due_ms`; not found due by a while past it,
+    /// it is gone.
+    retry_ms: i64,
     error: String,
     /// The shard lease it was held back under: under another, a master in between may
     /// have fired or given up the times since.
