@@ -115,6 +115,16 @@ impl<T: Send + Sync + 'static> WriteBehind<T> {
         self.version
     }
 
+    /// Whether `version` will never be written on its own: a newer value replaced it
+    /// before the writer took it up, so it is stored, if ever, with that one. An owner
+    /// keeping something per version folds it into the newer one's, or through a store
+    /// outage it would keep one per value handed over. (A value the writer is taking up
+    /// at that instant may read as replaced: what was kept for it then waits for the
+    /// newer one's write, later than it might, never earlier.)
+    pub(crate) fn replaced(&self, version: u64) -> bool {
+        version < self.version && version > self.taken.load(Ordering::Acquire)
+    }
+
     /// The newest version stored.
     pub(crate) fn written(&self) -> u64 {
         *self.written.borrow()
@@ -273,6 +283,34 @@ mod tests {
         assert!(behind.flush(Duration::from_secs(10)).await);
         assert_eq!(behind.written(), 3);
         assert_eq!(*stored.lock().unwrap(), vec![3]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_value_replaced_before_the_writer_took_it_up_is_told_apart() {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let held = gate.clone();
+        let mut behind = WriteBehind::spawn("test", Duration::ZERO, move |_: Arc<u32>| {
+            let held = held.clone();
+            async move {
+                let _ = held.acquire().await;
+                Ok(())
+            }
+        });
+        let first = behind.submit(1);
+        for _ in 0..100 {
+            if behind.taken.load(Ordering::Acquire) == first {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        let second = behind.submit(2);
+        let third = behind.submit(3);
+        assert!(!behind.replaced(first), "being written");
+        assert!(behind.replaced(second), "replaced before it was taken up");
+        assert!(!behind.replaced(third), "the newest");
+        gate.add_permits(10);
+        assert!(behind.flush(Duration::from_secs(1)).await);
+        assert_eq!(behind.written(), third);
     }
 
     #[tokio::test(start_paused = true)]

@@ -1294,6 +1294,72 @@ impl CutOffRedis {
     }
 }
 
+/// Past 100,000 boundaries waiting for a stored snapshot, an accumulator reading Kafka
+/// holds its consumer rather than reading on: through a Redis outage longer than
+/// `max.poll.interval.ms` it reads nothing past the bound, and once Redis is back it
+/// reads on, every input fires, and nothing is read twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_reader_held_through_a_long_redis_outage_reads_nothing_past_the_bound_and_loses_nothing(
+) {
+    use weir::accumulator::MOST_PENDING_BOUNDARIES;
+    let cut = CutOffRedis::start().await;
+    let _cleanup = services::cleanup(&cut.prefix);
+    let kafka: Arc<dyn Broker> = services::kafka();
+    let cancel = CancellationToken::new();
+    let supervisor =
+        cut.supervisor_on(kafka.clone(), "held", SupervisionPolicy::default(), &cancel);
+    let (input, output) = (format!("{}.in", cut.prefix), format!("{}.out", cut.prefix));
+    let decl = id_graph(
+        &cut.prefix,
+        Some(&input),
+        Arc::new(cut.memory.clone()),
+        4096,
+    );
+    let graph = supervisor.spawn(decl).unwrap();
+    graph.wait_for_state(weir::ReactorState::Live).await;
+    cut.proxy.cut();
+    let bound = MOST_PENDING_BOUNDARIES as u64;
+    let total = bound + 5_000;
+    let sink = kafka.sink();
+    let ids: Vec<u64> = (0..total).collect();
+    for burst in ids.chunks(5_000) {
+        let mut acks = Vec::with_capacity(burst.len());
+        for id in burst {
+            let event = json!({"id": id});
+            acks.push(
+                sink.enqueue(Outbound::new(&input, event.to_string()))
+                    .await
+                    .expect("enqueued"),
+            );
+        }
+        for ack in futures::future::join_all(acks).await {
+            ack.expect("published");
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while graph.stats().pending_boundaries < bound {
+        assert!(
+            Instant::now() < deadline,
+            "never reached the bound: {:?}",
+            graph.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // What was handed over before the hold reaches the reactor.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let held = graph.stats();
+    assert!(held.boundaries < total, "read past the bound: {held:?}");
+    // Longer than max.poll.interval.ms (7 s in tests).
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let later = graph.stats();
+    assert_eq!(later.boundaries, held.boundaries, "read on while held");
+    assert_eq!(later.duplicates, 0, "read twice while held");
+    cut.proxy.heal();
+    every_id_output(&cut.memory, &output, total).await;
+    assert_eq!(graph.stats().duplicates, 0, "read twice");
+    shut_down(&cancel, supervisor, kafka).await;
+}
+
 /// Redis cut off under a running graph (one without a lease): fires go on, while no
 /// source position is committed to the broker, since none could be stored first; once
 /// Redis is back the positions are stored, then committed.

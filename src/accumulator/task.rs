@@ -372,8 +372,9 @@ struct Running {
     /// Checkpoints go to the store behind the event path; the broker commit follows
     /// once one is stored, so an unreachable store holds back commits, not events.
     checkpoints: WriteBehind<Checkpoint>,
-    /// Per checkpoint handed over and not yet stored: its version and the broker
-    /// positions to commit once it is.
+    /// Per checkpoint handed over and not yet stored (one replaced before the writer
+    /// took it up folded into its successor): its version and the broker positions to
+    /// commit once it is.
     unstored: VecDeque<(u64, Vec<Position>)>,
     /// Boundaries emitted and not yet handed to the reactor; each holds its queue slot.
     unsent: Vec<Boundary>,
@@ -459,6 +460,10 @@ impl AccumulatorTask {
                 self.store_carried().await;
             }
         }
+        if !self.carried.is_waiting() {
+            // Its run is over: nothing of it is pending any more.
+            self.stats.pending_boundaries(self.index, 0);
+        }
         ended
     }
 
@@ -494,6 +499,7 @@ impl AccumulatorTask {
         let mut durable_changes = Box::pin(changes(self.durable.clone()));
         self.store_last_checkpoint(&mut run, None, &mut durable_changes, deadline)
             .await;
+        self.stats.pending_boundaries(self.index, 0);
     }
 
     async fn incarnation(&mut self) -> Result<(), AccumulatorError> {
@@ -1044,6 +1050,8 @@ impl AccumulatorTask {
         if run.events_uncounted > 0 {
             self.stats
                 .events_received(std::mem::take(&mut run.events_uncounted));
+        }
+        if !run.unsent.is_empty() {
             if run.keeps_nothing_unread {
                 run.tracker.forget_pending_past(MOST_PENDING_BOUNDARIES);
             }
@@ -1139,7 +1147,21 @@ impl AccumulatorTask {
         } else {
             run.checkpoints.submit(checkpoint)
         };
-        run.unstored.push_back((version, broker_positions));
+        match run.unstored.back_mut() {
+            // The last checkpoint will not be stored on its own: its positions go with
+            // this one's, so through a store outage the list stays as short as the
+            // writer's attempts, not one entry per checkpoint.
+            Some((last, positions)) if run.checkpoints.replaced(*last) => {
+                *last = version;
+                for p in broker_positions {
+                    match positions.iter_mut().find(|q| q.partition == p.partition) {
+                        Some(q) => q.offset = q.offset.max(p.offset),
+                        None => positions.push(p),
+                    }
+                }
+            }
+            _ => run.unstored.push_back((version, broker_positions)),
+        }
         if run.stateful {
             self.mark(run);
         }

@@ -83,8 +83,9 @@ pub(crate) struct Reactor {
     /// Cache snapshots go to the store behind the firing path: an unreachable store
     /// holds back commits, never fires.
     snapshots: WriteBehind<super::CacheSnapshot>,
-    /// Per snapshot handed over and not yet stored: its version and, per source, the
-    /// highest sequence it holds (durable once it is stored).
+    /// Per snapshot handed over and not yet stored (one replaced before the writer took
+    /// it up folded into its successor): its version and, per source, the highest
+    /// sequence it holds (durable once it is stored).
     unstored: VecDeque<(u64, Vec<u64>)>,
     cache: InputCache,
     health: Vec<Health>,
@@ -731,7 +732,13 @@ impl Reactor {
             .map(|i| self.cache.received(i))
             .collect();
         let version = self.snapshots.submit(snapshot);
-        self.unstored.push_back((version, received));
+        match self.unstored.back_mut() {
+            // The last snapshot will not be stored on its own, and this one holds all
+            // it held: through a store outage the list stays as short as the writer's
+            // attempts, not one entry per snapshot.
+            Some(last) if self.snapshots.replaced(last.0) => *last = (version, received),
+            _ => self.unstored.push_back((version, received)),
+        }
     }
 
     /// Snapshots up to `version` are stored: everything they hold is either in the

@@ -535,6 +535,7 @@ impl SupervisedGraph {
         // reach the reactor, then let the reactor finish its in-flight fires.
         cancel.cancel();
         let limit = self.policy.shutdown_timeout;
+        let teardown_began = tokio::time::Instant::now();
         let drained = tokio::time::timeout(limit, async {
             while accumulators.join_next().await.is_some() {}
             if !reactor_task.is_finished() {
@@ -551,12 +552,17 @@ impl SupervisedGraph {
         }
         // A source whose run a failure left waiting for its successor when the
         // incarnation ended (the graph failed, say) stores that run's checkpoint, as a
-        // running accumulator does at a stop.
+        // running accumulator does at a stop, within what is left of the stop limit.
         let waiting = (0..self.decl.accumulators.len())
             .filter(|&index| wiring.carried[index].is_waiting())
             .map(|index| self.accumulator_task(index, &wiring, &lease, &cancel));
-        futures::future::join_all(waiting.map(|task| async move { task.store_carried().await }))
-            .await;
+        let stored = futures::future::join_all(
+            waiting.map(|task| async move { task.store_carried().await }),
+        );
+        let left = limit.saturating_sub(teardown_began.elapsed());
+        if tokio::time::timeout(left, stored).await.is_err() {
+            warn!(graph = %self.decl.key(), "a source's last checkpoint was not stored in time; a restart re-reads from the one before");
+        }
         ended
     }
 }
