@@ -1587,145 +1587,129 @@ async fn at_least_once_ticks_due_during_a_failover_are_all_emitted() {
     }
 }
 
+/// A minutely schedule catching up what it missed (10 ticks at most), registered at
+/// 00:00:30 and then stored again with a time zone this version's data lacks (as a newer
+/// version might write it), and a scheduler running over it on a clock starting then.
+struct GoneInvalid {
+    store: Arc<MemoryStore>,
+    broker: MemoryBroker,
+    clock: Arc<weir::cron::scheduler::TokioClock>,
+    schedule: Schedule,
+    cancel: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl GoneInvalid {
+    async fn start(id: &str) -> Self {
+        use weir::cron::scheduler::{Clock, TokioClock};
+        let store = Arc::new(MemoryStore::new());
+        let broker = MemoryBroker::default();
+        let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
+        let mut schedule = Schedule::new(id, "* * * * *", "UTC");
+        schedule.target = Target::Topic(format!("{id}.ticks"));
+        schedule.catchup = weir::cron::CatchUp::All { cap: 10 };
+        weir::cron::scheduler::register_at(store.as_ref(), &schedule, 1, clock.now())
+            .await
+            .unwrap();
+        let mut invalid = schedule.clone();
+        invalid.timezone = "Nowhere/Atlantis".into();
+        store.put_schedule(&invalid).await.unwrap();
+        let cfg = SchedulerConfig {
+            clock: clock.clone(),
+            ..config("a", 0)
+        };
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(
+            Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+        );
+        Self {
+            store,
+            broker,
+            clock,
+            schedule,
+            cancel,
+            task,
+        }
+    }
+
+    /// Registers the schedule (valid, as first registered) again now.
+    async fn register_again(&self) {
+        use weir::cron::scheduler::Clock;
+        weir::cron::scheduler::register_at(
+            self.store.as_ref(),
+            &self.schedule,
+            1,
+            self.clock.now(),
+        )
+        .await
+        .unwrap();
+    }
+
+    /// Stops the scheduler; the times of the ticks it sent, in order.
+    async fn stop(self) -> Vec<i64> {
+        self.cancel.cancel();
+        let _ = self.task.await;
+        let topic = format!("{}.ticks", self.schedule.id);
+        let mut fired: Vec<i64> = ticks(&self.broker, &topic)
+            .iter()
+            .map(|t| t.scheduled_time_ms)
+            .collect();
+        fired.sort();
+        fired
+    }
+}
+
+/// The given times of 2026-01-01, in milliseconds.
+fn minutes(times: &[&str]) -> Vec<i64> {
+    times
+        .iter()
+        .map(|t| at(&format!("2026-01-01T{t}Z")).timestamp_millis())
+        .collect()
+}
+
 /// A stored schedule invalid here for a while (written with a time zone this version's
 /// data lacks, say) is looked at again a minute later; once it reads back, the times it
 /// missed meanwhile are caught up as its policy says, not dropped.
 #[tokio::test(start_paused = true)]
 async fn a_schedule_invalid_for_a_while_catches_up_the_times_it_missed() {
-    use weir::cron::scheduler::{register_at, Clock, TokioClock};
-    use weir::cron::CatchUp;
-    let store = Arc::new(MemoryStore::new());
-    let broker = MemoryBroker::default();
-    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
-    let mut schedule = Schedule::new("minutely", "* * * * *", "UTC");
-    schedule.target = Target::Topic("minutely.ticks".into());
-    schedule.catchup = CatchUp::All { cap: 10 };
-    register_at(store.as_ref(), &schedule, 1, clock.now())
-        .await
-        .unwrap();
-    let mut invalid = schedule.clone();
-    invalid.timezone = "Nowhere/Atlantis".into();
-    store.put_schedule(&invalid).await.unwrap();
-    let cfg = SchedulerConfig {
-        clock: clock.clone(),
-        ..config("a", 0)
-    };
-    let cancel = CancellationToken::new();
-    let task = tokio::spawn(
-        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
-    );
+    let run = GoneInvalid::start("minutely").await;
     // Invalid until 00:03:40, looked at again each minute meanwhile.
     tokio::time::sleep(Duration::from_secs(190)).await;
-    assert!(ticks(&broker, "minutely.ticks").is_empty());
-    store.put_schedule(&schedule).await.unwrap();
+    assert!(ticks(&run.broker, "minutely.ticks").is_empty());
+    run.store.put_schedule(&run.schedule).await.unwrap();
     tokio::time::sleep(Duration::from_secs(180)).await;
-    cancel.cancel();
-    let _ = task.await;
-    let mut fired: Vec<i64> = ticks(&broker, "minutely.ticks")
-        .iter()
-        .map(|t| t.scheduled_time_ms)
-        .collect();
-    fired.sort();
-    let every_minute: Vec<i64> = (1..=6)
-        .map(|m| at(&format!("2026-01-01T00:0{m}:00Z")).timestamp_millis())
-        .collect();
-    assert_eq!(fired, every_minute);
+    let every_minute = minutes(&[
+        "00:01:00", "00:02:00", "00:03:00", "00:04:00", "00:05:00", "00:06:00",
+    ]);
+    assert_eq!(run.stop().await, every_minute);
 }
 
 /// A schedule held back while invalid that reads back paused forgets when it was first
 /// due: resumed later, it fires from its resumption on, not the times of its pause.
 #[tokio::test(start_paused = true)]
 async fn a_schedule_invalid_then_paused_does_not_catch_up_its_pause_when_resumed() {
-    use weir::cron::scheduler::{register_at, Clock, TokioClock};
-    use weir::cron::CatchUp;
-    let store = Arc::new(MemoryStore::new());
-    let broker = MemoryBroker::default();
-    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
-    let mut schedule = Schedule::new("resumed", "* * * * *", "UTC");
-    schedule.target = Target::Topic("resumed.ticks".into());
-    schedule.catchup = CatchUp::All { cap: 10 };
-    register_at(store.as_ref(), &schedule, 1, clock.now())
-        .await
-        .unwrap();
-    let mut invalid = schedule.clone();
-    invalid.timezone = "Nowhere/Atlantis".into();
-    store.put_schedule(&invalid).await.unwrap();
-    let cfg = SchedulerConfig {
-        clock: clock.clone(),
-        ..config("a", 0)
-    };
-    let cancel = CancellationToken::new();
-    let task = tokio::spawn(
-        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
-    );
+    let run = GoneInvalid::start("resumed").await;
     // Invalid from 00:01:00, read back paused at the next look (00:03:00).
     tokio::time::sleep(Duration::from_secs(100)).await;
-    let mut paused = schedule.clone();
+    let mut paused = run.schedule.clone();
     paused.enabled = false;
-    store.put_schedule(&paused).await.unwrap();
+    run.store.put_schedule(&paused).await.unwrap();
     // Resumed at 00:05:10.
     tokio::time::sleep(Duration::from_secs(180)).await;
-    register_at(store.as_ref(), &schedule, 1, clock.now())
-        .await
-        .unwrap();
+    run.register_again().await;
     tokio::time::sleep(Duration::from_secs(150)).await;
-    cancel.cancel();
-    let _ = task.await;
-    let mut fired: Vec<i64> = ticks(&broker, "resumed.ticks")
-        .iter()
-        .map(|t| t.scheduled_time_ms)
-        .collect();
-    fired.sort();
-    let since_resumed: Vec<i64> = ["2026-01-01T00:06:00Z", "2026-01-01T00:07:00Z"]
-        .iter()
-        .map(|t| at(t).timestamp_millis())
-        .collect();
-    assert_eq!(fired, since_resumed);
+    assert_eq!(run.stop().await, minutes(&["00:06:00", "00:07:00"]));
 }
 
 /// A schedule held back while invalid, then deleted and registered again, starts afresh
 /// from its registration: it does not catch up the times of the one it replaced.
 #[tokio::test(start_paused = true)]
 async fn a_schedule_invalid_then_registered_again_fires_from_its_registration() {
-    use weir::cron::scheduler::{register_at, Clock, TokioClock};
-    use weir::cron::CatchUp;
-    let store = Arc::new(MemoryStore::new());
-    let broker = MemoryBroker::default();
-    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
-    let mut schedule = Schedule::new("replaced", "* * * * *", "UTC");
-    schedule.target = Target::Topic("replaced.ticks".into());
-    schedule.catchup = CatchUp::All { cap: 10 };
-    register_at(store.as_ref(), &schedule, 1, clock.now())
-        .await
-        .unwrap();
-    let mut invalid = schedule.clone();
-    invalid.timezone = "Nowhere/Atlantis".into();
-    store.put_schedule(&invalid).await.unwrap();
-    let cfg = SchedulerConfig {
-        clock: clock.clone(),
-        ..config("a", 0)
-    };
-    let cancel = CancellationToken::new();
-    let task = tokio::spawn(
-        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
-    );
+    let run = GoneInvalid::start("replaced").await;
     // Invalid from 00:01:00; deleted and registered again at 00:03:10.
     tokio::time::sleep(Duration::from_secs(160)).await;
-    assert!(store.delete_schedule(&schedule.id, 0).await.unwrap());
-    register_at(store.as_ref(), &schedule, 1, clock.now())
-        .await
-        .unwrap();
+    assert!(run.store.delete_schedule("replaced", 0).await.unwrap());
+    run.register_again().await;
     tokio::time::sleep(Duration::from_secs(140)).await;
-    cancel.cancel();
-    let _ = task.await;
-    let mut fired: Vec<i64> = ticks(&broker, "replaced.ticks")
-        .iter()
-        .map(|t| t.scheduled_time_ms)
-        .collect();
-    fired.sort();
-    let since_registered: Vec<i64> = ["2026-01-01T00:04:00Z", "2026-01-01T00:05:00Z"]
-        .iter()
-        .map(|t| at(t).timestamp_millis())
-        .collect();
-    assert_eq!(fired, since_registered);
+    assert_eq!(run.stop().await, minutes(&["00:04:00", "00:05:00"]));
 }
