@@ -566,7 +566,10 @@ enum Failure {
 fn faulty_graph(failure: Failure) -> weir::GraphDeclaration {
     let mut keying = Keying::new(KeySource::Pointer("/user".into()));
     keying.partitions = 2;
-    keying.lease_ttl = Duration::from_millis(600);
+    // Longer than a panic's backtrace takes to print (the first one symbolizes the
+    // test binary's debug info on the thread the lease keeper shares): a lease lapsing
+    // meanwhile would hand the partition over and fire its first event again.
+    keying.lease_ttl = Duration::from_secs(3);
     let runs = Arc::new(std::sync::atomic::AtomicU32::new(0));
     GraphBuilder::new("faulty")
         .criteria(Criteria::WhenAny)
