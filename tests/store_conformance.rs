@@ -79,6 +79,7 @@ macro_rules! store_conformance {
                 executions_are_claimed_once_and_indexed_while_open,
                 a_deposed_masters_execution_writes_are_refused,
                 a_masters_write_leaves_a_finished_execution_as_it_ended,
+                what_a_shard_held_back_is_kept_until_forgotten,
                 live_nodes_expire);
             store_conformance!(@role $open; workflow:
                 executions_are_created_once_and_updated_by_version,
@@ -651,7 +652,7 @@ mod cases {
 
     pub mod schedule {
         use super::*;
-        use weir::cron::Schedule;
+        use weir::cron::{HeldBack, Schedule};
         use weir::store::{Execution, ExecutionStatus};
 
         fn execution(scheduled_ms: i64, status: ExecutionStatus) -> Execution {
@@ -749,7 +750,7 @@ mod cases {
             running.updated_ms = 5000;
             let (_, fence) = deposed_and_current(store.as_ref(), "shard-0").await;
             store
-                .record_fires(0, &[running], &[], &fence)
+                .record_fires(0, &[running], &[], &[], &fence)
                 .await
                 .unwrap();
             assert!(open(4999).await.is_empty());
@@ -801,6 +802,7 @@ mod cases {
                     0,
                     &[execution(1000, ExecutionStatus::Running)],
                     &[("s".to_string(), Some(9_000))],
+                    &[],
                     &fence,
                 )
                 .await
@@ -831,7 +833,13 @@ mod cases {
                 .await
                 .unwrap();
             store
-                .record_fires(0, &[execution(3000, ExecutionStatus::Running)], &[], &fence)
+                .record_fires(
+                    0,
+                    &[execution(3000, ExecutionStatus::Running)],
+                    &[],
+                    &[],
+                    &fence,
+                )
                 .await
                 .unwrap();
             assert_eq!(status(3000).await, ExecutionStatus::Running);
@@ -858,6 +866,7 @@ mod cases {
                     0,
                     &[execution(50_000, ExecutionStatus::Running)],
                     &[("s".to_string(), Some(60_000))],
+                    &[],
                     &stale,
                 )
                 .await;
@@ -893,6 +902,58 @@ mod cases {
                     .map(|e| e.status),
                 Some(ExecutionStatus::Completed)
             );
+        }
+
+        /// What a shard's master held back (a schedule it could not read) is kept with
+        /// the shard under its lease, for the next master, until forgotten or the
+        /// schedule is deleted.
+        pub async fn what_a_shard_held_back_is_kept_until_forgotten(store: Arc<dyn Store>) {
+            let (stale, current) = deposed_and_current(store.as_ref(), "shard-0").await;
+            let ids = ["s".to_string(), "t".to_string(), "u".to_string()];
+            let held = |first_due_ms, retry_ms| HeldBack {
+                first_due_ms,
+                retry_ms,
+            };
+            assert_eq!(store.held_back(0, &ids).await.unwrap(), [None, None, None]);
+            store
+                .record_fires(
+                    0,
+                    &[],
+                    &[
+                        ("s".to_string(), Some(61_000)),
+                        ("t".to_string(), Some(62_000)),
+                    ],
+                    &[
+                        ("s".to_string(), Some(held(1_000, 61_000))),
+                        ("t".to_string(), Some(held(2_000, 62_000))),
+                    ],
+                    &current,
+                )
+                .await
+                .unwrap();
+            let both = [Some(held(1_000, 61_000)), Some(held(2_000, 62_000)), None];
+            assert_eq!(store.held_back(0, &ids).await.unwrap(), both);
+            assert_eq!(store.held_back(1, &ids[..1]).await.unwrap(), [None]);
+            assert!(store.held_back(0, &[]).await.unwrap().is_empty());
+            let refused = store
+                .record_fires(0, &[], &[], &[("s".to_string(), None)], &stale)
+                .await;
+            assert!(is_fenced(&refused), "{refused:?}");
+            assert_eq!(store.held_back(0, &ids).await.unwrap(), both);
+            store
+                .record_fires(0, &[], &[], &[("s".to_string(), None)], &current)
+                .await
+                .unwrap();
+            assert_eq!(
+                store.held_back(0, &ids).await.unwrap(),
+                [None, Some(held(2_000, 62_000)), None]
+            );
+            store
+                .put_schedule(&Schedule::new("t", "* * * * *", "UTC"))
+                .await
+                .unwrap();
+            assert!(store.delete_schedule("t", 0).await.unwrap());
+            assert_eq!(store.held_back(0, &ids).await.unwrap(), [None, None, None]);
         }
 
         pub async fn live_nodes_expire(store: Arc<dyn Store>) {

@@ -100,6 +100,18 @@ pub struct UnreadableSchedule {
     pub error: StoreError,
 }
 
+/// A stored schedule its shard's master left unfired because its record did not read
+/// back or was invalid here: kept with the shard so that whichever master looks at it
+/// next catches up from when it was first due.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeldBack {
+    /// The fire time it was first due at.
+    pub first_due_ms: i64,
+    /// The next fire time stored for it meanwhile, when it is looked at again. Found due
+    /// at another time, it was registered again or resumed meanwhile and starts afresh.
+    pub retry_ms: i64,
+}
+
 /// Where schedules, their next fire times, their executions and the live nodes are kept.
 #[async_trait]
 pub trait ScheduleStore: Send + Sync {
@@ -112,7 +124,8 @@ pub trait ScheduleStore: Send + Sync {
     /// rather than failing the whole list.
     async fn list_schedules(&self) -> Result<ScheduleList, StoreError>;
 
-    /// Removes a schedule and its pending fire time; false if there was none.
+    /// Removes a schedule, its pending fire time and what its shard held back of it;
+    /// false if there was none.
     async fn delete_schedule(&self, id: &str, shard: u32) -> Result<bool, StoreError>;
 
     /// Sets (or clears) a schedule's next fire time in its shard's sorted set.
@@ -134,6 +147,13 @@ pub trait ScheduleStore: Send + Sync {
         limit: usize,
     ) -> Result<Vec<(String, i64)>, StoreError>;
 
+    /// What a shard holds back of each of `ids`, in their order.
+    async fn held_back(
+        &self,
+        shard: u32,
+        ids: &[String],
+    ) -> Result<Vec<Option<HeldBack>>, StoreError>;
+
     /// The earliest next fire time in a shard.
     async fn earliest_fire(&self, shard: u32) -> Result<Option<i64>, StoreError>;
 
@@ -150,15 +170,17 @@ pub trait ScheduleStore: Send + Sync {
     ) -> Result<Vec<bool>, StoreError>;
 
     /// [`ScheduleStore::put_execution`] and [`ScheduleStore::set_next_fire`] for many records in one
-    /// round trip, under the shard master's lease (refused whole once a newer master holds
-    /// the shard). Only claimed executions are updated, and one whose stored record has
-    /// finished (completed or failed) keeps it: the state manager may end a tick's
-    /// workflow before its master records having emitted the tick.
+    /// round trip, with what the shard holds back set (or forgotten, `None`), under the
+    /// shard master's lease (refused whole once a newer master holds the shard). Only
+    /// claimed executions are updated, and one whose stored record has finished
+    /// (completed or failed) keeps it: the state manager may end a tick's workflow before
+    /// its master records having emitted the tick.
     async fn record_fires(
         &self,
         shard: u32,
         executions: &[Execution],
         next_fires: &[(String, Option<i64>)],
+        held_back: &[(String, Option<HeldBack>)],
         fence: &Fence,
     ) -> Result<(), StoreError>;
 

@@ -47,15 +47,15 @@ impl Scheduler {
         let now = self.config.clock.now();
         let retry_ms = (now + chrono::Duration::from_std(UNREADABLE_RETRY).unwrap_or_default())
             .timestamp_millis();
-        // What this shard held back under an earlier lease is no guide: a master in
-        // between may have fired or given up the times since. Nor is what was not due
-        // again a retry after it was to be looked at: deleted.
-        if !self.held_back.is_empty() {
+        // Warnings given under an earlier lease are given again (another master may
+        // have seen the schedule read back meanwhile); those of a schedule not due again
+        // a retry after it was to be looked at (deleted) are forgotten.
+        if !self.warned.is_empty() {
             let (shards, now_ms) = (self.config.shards, now.timestamp_millis());
             let gone_after = UNREADABLE_RETRY.as_millis() as i64;
-            self.held_back.retain(|id, held| {
+            self.warned.retain(|id, warned| {
                 shard_of(id, shards) != shard
-                    || (held.token == lease.token && now_ms <= held.retry_ms + gone_after)
+                    || (warned.token == lease.token && now_ms <= warned.retry_ms + gone_after)
             });
         }
         let horizon = now + chrono::Duration::from_std(LOOKAHEAD).unwrap_or_default();
@@ -72,7 +72,11 @@ impl Scheduler {
             .map(|(id, _)| id.clone())
             .collect();
         let store = self.store.clone();
-        let loading = futures::stream::iter(missing)
+        // What the shard held back is kept with it, so whichever master looks at a
+        // schedule again catches up from when it was first due. Only a schedule not
+        // cached can have been held back: one that reads back is cached until it changes.
+        let held_back = self.store.held_back(shard, &missing);
+        let loading = futures::stream::iter(missing.clone())
             .map(|id| {
                 let store = store.clone();
                 async move {
@@ -82,7 +86,29 @@ impl Scheduler {
             })
             .buffer_unordered(CONCURRENCY)
             .collect::<Vec<(String, Result<Option<Schedule>, StoreError>)>>();
-        let loaded = self.bounded(async { Ok(loading.await) }).await?;
+        let (loaded, held_back) = self
+            .bounded(async {
+                let (loaded, held_back) = futures::join!(loading, held_back);
+                Ok((loaded, held_back?))
+            })
+            .await?;
+        let held_back: HashMap<String, HeldBack> = missing
+            .into_iter()
+            .zip(held_back)
+            .filter_map(|(id, held)| Some((id, held?)))
+            .collect();
+        // Held back and found due at its retry (or, the pass that was to move it having
+        // failed to record, still at its first due time): it catches up from when it was
+        // first due. Found due at another time, it was registered again or resumed
+        // meanwhile, and starts afresh.
+        let first_due = |id: &str, due_ms: i64| match held_back.get(id) {
+            Some(held) if due_ms == held.retry_ms || due_ms == held.first_due_ms => {
+                held.first_due_ms.min(due_ms)
+            }
+            _ => due_ms,
+        };
+        // What this pass holds back, or forgets having held back, recorded with it.
+        let mut held_now: Vec<(String, Option<HeldBack>)> = Vec::new();
         // Unreadable or invalid (written by another version, say): one such schedule
         // must not stop the rest of its shard, nor be dropped from it. It stays out of the cache, so it
         // is not fired, and is looked at again a while later.
@@ -92,14 +118,21 @@ impl Scheduler {
             let due_ms = due_at.get(id.as_str()).copied().unwrap_or(i64::MAX);
             let found = match found {
                 Err(e) if !e.is_retryable() => {
-                    self.hold_back(
+                    self.warn_held_back(
                         &id,
-                        due_ms,
                         retry_ms,
                         lease.token,
                         "stored schedule cannot be read; not firing it",
                         e.to_string(),
                     );
+                    let first_due_ms = first_due(&id, due_ms);
+                    held_now.push((
+                        id.clone(),
+                        Some(HeldBack {
+                            first_due_ms,
+                            retry_ms,
+                        }),
+                    ));
                     unreadable.insert(id);
                     continue;
                 }
@@ -114,14 +147,21 @@ impl Scheduler {
                     // perhaps valid for the version that stored it: kept, and read
                     // again a while later, like an unreadable one.
                     Err(e) => {
-                        self.hold_back(
+                        self.warn_held_back(
                             &id,
-                            due_ms,
                             retry_ms,
                             lease.token,
                             "stored schedule is invalid; not firing it",
                             e.to_string(),
                         );
+                        let first_due_ms = first_due(&id, due_ms);
+                        held_now.push((
+                            id.clone(),
+                            Some(HeldBack {
+                                first_due_ms,
+                                retry_ms,
+                            }),
+                        ));
                         unreadable.insert(id);
                     }
                 }
@@ -131,8 +171,7 @@ impl Scheduler {
         // concurrently, then record statuses and next fire times in one more.
         let mut next_fires = Vec::with_capacity(due.len());
         let mut planned: Vec<(String, Execution)> = Vec::new();
-        // Held back before and read now: forgotten once this pass is recorded (a pass
-        // that fails to record is planned again from the same first due time).
+        // Warned of before and read now: forgotten once this pass is recorded.
         let mut read_back = Vec::new();
         for (id, next_ms) in due {
             let Some((cached, _)) = self.cache.get(&id) else {
@@ -141,28 +180,20 @@ impl Scheduler {
                 continue;
             };
             let schedule = &cached.schedule;
-            let held = (!self.held_back.is_empty())
-                .then(|| self.held_back.get(&id))
-                .flatten();
-            if held.is_some() {
+            // Read back: what was held back of it is forgotten with this pass's record
+            // (a pass that fails to record is planned again from the same first due
+            // time), and so is the time a pause found it first due at.
+            if held_back.contains_key(&id) {
+                held_now.push((id.clone(), None));
+            }
+            if self.warned.contains_key(&id) {
                 read_back.push(id.clone());
             }
             if !schedule.enabled {
                 next_fires.push((id, None));
                 continue;
             }
-            // Held back a while, it catches up from when it was first due: found due when
-            // it was to be looked at again, or still at its first due time (the pass
-            // that was to move it failed to record).
-            let first_due_ms = match held {
-                Some(held)
-                    if held.token == lease.token
-                        && (next_ms == held.retry_ms || next_ms == held.due_ms) =>
-                {
-                    held.due_ms.min(next_ms)
-                }
-                _ => next_ms,
-            };
+            let first_due_ms = first_due(&id, next_ms);
             let last = Utc
                 .timestamp_millis_opt(first_due_ms - 1)
                 .single()
@@ -266,10 +297,13 @@ impl Scheduler {
             }
             fired.extend(self.emit(ready, shard).await);
         }
-        self.bounded(self.store.record_fires(shard, &fired, &next_fires, &fence))
-            .await?;
+        self.bounded(
+            self.store
+                .record_fires(shard, &fired, &next_fires, &held_now, &fence),
+        )
+        .await?;
         for id in read_back {
-            self.held_back.remove(&id);
+            self.warned.remove(&id);
         }
         for (id, next) in next_fires {
             if let Some(entry) = self.cache.get_mut(&id) {
@@ -280,37 +314,23 @@ impl Scheduler {
         Ok(earliest.and_then(|ms| Utc.timestamp_millis_opt(ms).single()))
     }
 
-    /// Leaves a stored schedule unfired until a later look, remembering when it was
-    /// first due. Warns when it first does, or when the reason changes: a schedule
-    /// invalid for good would otherwise warn at every look.
-    fn hold_back(
-        &mut self,
-        id: &str,
-        due_ms: i64,
-        retry_ms: i64,
-        token: u64,
-        what: &str,
-        error: String,
-    ) {
-        match self.held_back.get_mut(id) {
-            Some(held) if held.token == token && held.error == error => {
+    /// Warns of a stored schedule left unfired until a later look when it is first left
+    /// so, or when the reason changes: a schedule invalid for good would otherwise warn
+    /// at every look.
+    fn warn_held_back(&mut self, id: &str, retry_ms: i64, token: u64, what: &str, error: String) {
+        match self.warned.get_mut(id) {
+            Some(warned) if warned.token == token && warned.error == error => {
                 debug!(schedule = %id, %error, retry_in = ?UNREADABLE_RETRY, "{what}");
-                held.retry_ms = retry_ms;
-            }
-            Some(held) if held.token == token => {
-                warn!(schedule = %id, %error, retry_in = ?UNREADABLE_RETRY, "{what}");
-                held.error = error;
-                held.retry_ms = retry_ms;
+                warned.retry_ms = retry_ms;
             }
             _ => {
                 warn!(schedule = %id, %error, retry_in = ?UNREADABLE_RETRY, "{what}");
-                let held = HeldBack {
-                    due_ms,
-                    retry_ms,
+                let warned = Warned {
                     error,
+                    retry_ms,
                     token,
                 };
-                self.held_back.insert(id.to_string(), held);
+                self.warned.insert(id.to_string(), warned);
             }
         }
     }

@@ -33,7 +33,9 @@ use tracing::{debug, info, info_span, warn, Instrument};
 use super::expr::CronExpr;
 use super::schedule::{Delivery, Overlap, Schedule, ScheduleError, Target};
 use crate::codec::{CodecError, CronTick, PreparedTick};
-use crate::cron::store::{CronStore, Execution, ExecutionStatus, ScheduleChanges, ScheduleStore};
+use crate::cron::store::{
+    CronStore, Execution, ExecutionStatus, HeldBack, ScheduleChanges, ScheduleStore,
+};
 use crate::lease::{Fence, Lease};
 use crate::metrics::LeaseRole;
 use crate::store_error::{StoreError, StoreErrorKind};
@@ -192,17 +194,12 @@ struct Cached {
     tz: Tz,
 }
 
-/// A stored schedule this node could not read or found invalid.
-struct HeldBack {
-    due_ms: i64,
-    /// When it was to be looked at again: the next fire time stored for it. Found due
-    /// at another time, it was registered again (or resumed) meanwhile, and starts
-    /// afresh rather than catching up from `due_ms`; not found due by a while past it,
-    /// it is gone.
-    retry_ms: i64,
+/// Why this node last warned of a stored schedule it could not read or found invalid.
+struct Warned {
     error: String,
-    /// The shard lease it was held back under: under another, a master in between may
-    /// have fired or given up the times since.
+    /// When it was to be looked at again; not found due by a while past it, it is gone.
+    retry_ms: i64,
+    /// The shard lease it was warned of under.
     token: u64,
 }
 
@@ -215,10 +212,9 @@ pub struct Scheduler {
     /// `at_least_once` keeps firing from when it is not.
     cache: HashMap<String, (Cached, Option<DateTime<Utc>>)>,
     /// Stored schedules this node could not read or found invalid, looked at again
-    /// [`UNREADABLE_RETRY`] later: the fire time each was first due at, so the times it
-    /// missed meanwhile are caught up (as its catch-up policy says) once it reads back,
-    /// and why it did not read, warned of again only when that changes.
-    held_back: HashMap<String, HeldBack>,
+    /// [`UNREADABLE_RETRY`] later (when each was first due is kept in the store, with
+    /// its shard): why each did not read, warned of again only when that changes.
+    warned: HashMap<String, Warned>,
     /// Where in the index of unfinished executions the next orphan sweep starts.
     sweep_from: usize,
     /// The first shard past the configured count the next look for stranded
@@ -238,7 +234,7 @@ impl Scheduler {
             config,
             shards,
             cache: HashMap::new(),
-            held_back: HashMap::new(),
+            warned: HashMap::new(),
             sweep_from: 0,
         }
     }

@@ -24,7 +24,7 @@ use super::{
     PartitionSnapshot, RecoveryEvent, RecoveryLog, ScheduleChanges, ScheduleStore, StoreError,
     WorkflowStore,
 };
-use crate::cron::{Schedule, ScheduleList};
+use crate::cron::{HeldBack, Schedule, ScheduleList};
 use crate::dispatch::WorkflowExecution;
 use crate::reactor::CacheSnapshot;
 
@@ -55,6 +55,8 @@ struct State {
     schedules: std::collections::BTreeMap<String, Schedule>,
     /// Per shard: (next fire ms, schedule id).
     due: HashMap<u32, std::collections::BTreeSet<(i64, String)>>,
+    /// Per (shard, schedule id): what its master held back.
+    held_back: HashMap<(u32, String), HeldBack>,
     executions: HashMap<String, VecDeque<Execution>>,
     /// Unfinished executions: (schedule id, scheduled ms) → [`Execution::open_since`].
     open: HashMap<(String, i64), i64>,

@@ -29,6 +29,7 @@ impl ScheduleStore for MemoryStore {
             if let Some(set) = state.due.get_mut(&shard) {
                 set.retain(|(_, s)| s != id);
             }
+            state.held_back.remove(&(shard, id.to_string()));
             state.schedules.remove(id).is_some()
         };
         self.notify_watchers();
@@ -76,6 +77,18 @@ impl ScheduleStore for MemoryStore {
                     .collect()
             })
             .unwrap_or_default())
+    }
+
+    async fn held_back(
+        &self,
+        shard: u32,
+        ids: &[String],
+    ) -> Result<Vec<Option<HeldBack>>, StoreError> {
+        let state = self.state()?;
+        Ok(ids
+            .iter()
+            .map(|id| state.held_back.get(&(shard, id.clone())).copied())
+            .collect())
     }
 
     async fn earliest_fire(&self, shard: u32) -> Result<Option<i64>, StoreError> {
@@ -129,6 +142,7 @@ impl ScheduleStore for MemoryStore {
         shard: u32,
         executions: &[Execution],
         next_fires: &[(String, Option<i64>)],
+        held_back: &[(String, Option<HeldBack>)],
         fence: &Fence,
     ) -> Result<(), StoreError> {
         check_fence(&*self.state()?, Some(fence))?;
@@ -137,6 +151,14 @@ impl ScheduleStore for MemoryStore {
         }
         for (id, at) in next_fires {
             self.set_next_fire(shard, id, *at).await?;
+        }
+        let mut state = self.state()?;
+        for (id, held) in held_back {
+            let key = (shard, id.clone());
+            match held {
+                Some(held) => state.held_back.insert(key, *held),
+                None => state.held_back.remove(&key),
+            };
         }
         Ok(())
     }

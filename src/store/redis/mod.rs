@@ -30,7 +30,7 @@ use super::{
     PartitionSnapshot, RecoveryEvent, RecoveryLog, ScheduleChanges, ScheduleStore, StoreError,
     WorkflowStore,
 };
-use crate::cron::{Schedule, ScheduleList, UnreadableSchedule};
+use crate::cron::{HeldBack, Schedule, ScheduleList, UnreadableSchedule};
 use crate::dispatch::{RunStatus, WorkflowExecution};
 use crate::reactor::CacheSnapshot;
 use crate::secret::{redact_url, scrub, Secret};
@@ -83,6 +83,9 @@ while i <= #ARGV do
   elseif op == 'HSET' then
     redis.call('HSET', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
     i = i + 4
+  elseif op == 'HDEL' then
+    redis.call('HDEL', ARGV[i + 1], ARGV[i + 2])
+    i = i + 3
   elseif op == 'ZREM' then
     redis.call('ZREM', ARGV[i + 1], ARGV[i + 2])
     i = i + 3
@@ -121,6 +124,7 @@ enum Write {
     Zrem(String, String),
     Del(String),
     Hset(String, String, String),
+    Hdel(String, String),
     Execution {
         key: String,
         record: String,
@@ -301,6 +305,7 @@ impl RedisStore {
                     Write::Zrem(key, member) => pipe.zrem(key, member).ignore(),
                     Write::Del(key) => pipe.del(key).ignore(),
                     Write::Hset(key, field, value) => pipe.hset(key, field, value).ignore(),
+                    Write::Hdel(key, field) => pipe.hdel(key, field).ignore(),
                     Write::Execution {
                         key,
                         record,
@@ -332,6 +337,7 @@ impl RedisStore {
                 Write::Zrem(key, member) => script.arg("ZREM").arg(key).arg(member),
                 Write::Del(key) => script.arg("DEL").arg(key),
                 Write::Hset(key, field, value) => script.arg("HSET").arg(key).arg(field).arg(value),
+                Write::Hdel(key, field) => script.arg("HDEL").arg(key).arg(field),
                 Write::Execution {
                     key,
                     record,

@@ -44,6 +44,15 @@ return 1
     )
 });
 
+/// A held-back entry as [`RedisStore::record_fires`] writes it.
+fn parse_held_back(text: &str) -> Option<HeldBack> {
+    let (first_due, retry) = text.split_once(':')?;
+    Some(HeldBack {
+        first_due_ms: first_due.parse().ok()?,
+        retry_ms: retry.parse().ok()?,
+    })
+}
+
 impl RedisStore {
     fn execution_key(&self, schedule_id: &str, scheduled_ms: i64) -> String {
         self.key(&["exec", schedule_id, &scheduled_ms.to_string()])
@@ -68,6 +77,11 @@ impl RedisStore {
             member,
             open_since: execution.open_since(),
         })
+    }
+
+    /// Hash of what a shard's master held back: schedule id → `first_due_ms:retry_ms`.
+    fn held_back_key(&self, shard: u32) -> String {
+        self.key(&["sched", "held", &shard.to_string()])
     }
 
     fn changes_channel(&self) -> String {
@@ -135,6 +149,8 @@ impl ScheduleStore for RedisStore {
             .ignore()
             .zrem(self.key(&["sched", "due", &shard.to_string()]), id)
             .ignore()
+            .hdel(self.held_back_key(shard), id)
+            .ignore()
             .publish(self.changes_channel(), id)
             .ignore()
             .query_async(&mut c)
@@ -182,6 +198,38 @@ impl ScheduleStore for RedisStore {
         )
         .await
         .map_err(|e| store_error("ZRANGEBYSCORE", e))
+    }
+
+    async fn held_back(
+        &self,
+        shard: u32,
+        ids: &[String],
+    ) -> Result<Vec<Option<HeldBack>>, StoreError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let key = self.held_back_key(shard);
+        let mut c = self.connection.clone();
+        let raw: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(&key)
+            .arg(ids)
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("HMGET", e))?;
+        Ok(raw
+            .into_iter()
+            .zip(ids)
+            .map(|(text, id)| {
+                let text = text?;
+                let held = parse_held_back(&text);
+                if held.is_none() {
+                    // Its next look writes it afresh; meanwhile the schedule fires from
+                    // its next fire time, as it would have without it.
+                    tracing::warn!(key = %key, schedule = %id, entry = %text, "held-back entry is not first_due_ms:retry_ms; ignored");
+                }
+                held
+            })
+            .collect())
     }
 
     async fn earliest_fire(&self, shard: u32) -> Result<Option<i64>, StoreError> {
@@ -252,9 +300,10 @@ impl ScheduleStore for RedisStore {
         shard: u32,
         executions: &[Execution],
         next_fires: &[(String, Option<i64>)],
+        held_back: &[(String, Option<HeldBack>)],
         fence: &Fence,
     ) -> Result<(), StoreError> {
-        if executions.is_empty() && next_fires.is_empty() {
+        if executions.is_empty() && next_fires.is_empty() && held_back.is_empty() {
             return Ok(());
         }
         let due = self.key(&["sched", "due", &shard.to_string()]);
@@ -266,6 +315,17 @@ impl ScheduleStore for RedisStore {
             writes.push(match at {
                 Some(at) => Write::Zadd(due.clone(), *at, id.clone()),
                 None => Write::Zrem(due.clone(), id.clone()),
+            });
+        }
+        let held_key = self.held_back_key(shard);
+        for (id, held) in held_back {
+            writes.push(match held {
+                Some(held) => Write::Hset(
+                    held_key.clone(),
+                    id.clone(),
+                    format!("{}:{}", held.first_due_ms, held.retry_ms),
+                ),
+                None => Write::Hdel(held_key.clone(), id.clone()),
             });
         }
         self.apply_writes("record fires", writes, Some(fence)).await
