@@ -115,57 +115,36 @@ impl Scheduler {
         let mut unreadable = std::collections::HashSet::new();
         let due_at: HashMap<&str, i64> = due.iter().map(|(id, ms)| (id.as_str(), *ms)).collect();
         for (id, found) in loaded {
-            let due_ms = due_at.get(id.as_str()).copied().unwrap_or(i64::MAX);
-            let found = match found {
-                Err(e) if !e.is_retryable() => {
-                    self.warn_held_back(
-                        &id,
-                        retry_ms,
-                        lease.token,
-                        "stored schedule cannot be read; not firing it",
-                        e.to_string(),
-                    );
-                    let first_due_ms = first_due(&id, due_ms);
-                    held_now.push((
-                        id.clone(),
-                        Some(HeldBack {
-                            first_due_ms,
-                            retry_ms,
-                        }),
-                    ));
-                    unreadable.insert(id);
-                    continue;
-                }
-                found => found?,
+            let (what, error) = match found {
+                Err(e) if !e.is_retryable() => (
+                    "stored schedule cannot be read; not firing it",
+                    e.to_string(),
+                ),
+                found => match found? {
+                    None => continue,
+                    Some(schedule) => match schedule.validate() {
+                        Ok((expr, tz)) => {
+                            self.cache.insert(id, (Cached { schedule, expr, tz }, None));
+                            continue;
+                        }
+                        // Invalid here (a zone this version's time zone data lacks, say),
+                        // perhaps valid for the version that stored it: kept, and read
+                        // again a while later, like an unreadable one.
+                        Err(e) => ("stored schedule is invalid; not firing it", e.to_string()),
+                    },
+                },
             };
-            if let Some(schedule) = found {
-                match schedule.validate() {
-                    Ok((expr, tz)) => {
-                        self.cache.insert(id, (Cached { schedule, expr, tz }, None));
-                    }
-                    // Invalid here (a zone this version's time zone data lacks, say),
-                    // perhaps valid for the version that stored it: kept, and read
-                    // again a while later, like an unreadable one.
-                    Err(e) => {
-                        self.warn_held_back(
-                            &id,
-                            retry_ms,
-                            lease.token,
-                            "stored schedule is invalid; not firing it",
-                            e.to_string(),
-                        );
-                        let first_due_ms = first_due(&id, due_ms);
-                        held_now.push((
-                            id.clone(),
-                            Some(HeldBack {
-                                first_due_ms,
-                                retry_ms,
-                            }),
-                        ));
-                        unreadable.insert(id);
-                    }
-                }
-            }
+            self.warn_held_back(&id, retry_ms, lease.token, what, error);
+            let due_ms = due_at.get(id.as_str()).copied().unwrap_or(i64::MAX);
+            let first_due_ms = first_due(&id, due_ms);
+            held_now.push((
+                id.clone(),
+                Some(HeldBack {
+                    first_due_ms,
+                    retry_ms,
+                }),
+            ));
+            unreadable.insert(id);
         }
         // Plan every firing, claim them all in one round trip, publish the claimed ones
         // concurrently, then record statuses and next fire times in one more.
