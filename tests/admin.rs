@@ -1515,6 +1515,54 @@ mod services {
         cancel.cancel();
     }
 
+    /// A schedule's execution records this version cannot read are listed after the
+    /// rest, by time, with why.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_schedule_shows_its_unreadable_executions_after_the_rest() {
+        let prefix = unique("adminexec");
+        let _cleanup_prefix = common::services::cleanup(&prefix);
+        let store = common::services::redis(&prefix).await;
+        let schedule = weir::cron::Schedule::new("s", "0 3 * * *", "UTC");
+        weir::cron::scheduler::register(store.as_ref(), &schedule, 1)
+            .await
+            .unwrap();
+        for at in [1_000, 2_000] {
+            let execution = weir::store::Execution {
+                schedule_id: "s".into(),
+                scheduled_ms: at,
+                tick_id: format!("s@{at}"),
+                status: weir::store::ExecutionStatus::Completed,
+                attempt: 1,
+                max_attempts: 3,
+                node_id: "n".into(),
+                fencing_token: 1,
+                updated_ms: at,
+                error: None,
+            };
+            assert!(store.claim_execution(&execution).await.unwrap());
+        }
+        let client = redis::Client::open(common::services::redis_url()).unwrap();
+        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+        redis::cmd("SET")
+            .arg(format!("{prefix}:exec:s:2000"))
+            .arg(r#"{"schedule_id": "s", "status": 7}"#)
+            .query_async::<()>(&mut connection)
+            .await
+            .unwrap();
+        let (admin, cancel) = serve_with_tenant_token(store.clone()).await;
+        let url = format!("http://{admin}/schedules/s");
+        let (status, shown) = json_of("GET", &url, Some("all-token"), None).await;
+        assert_eq!(status, 200, "{shown}");
+        let executions = shown["executions"].as_array().unwrap();
+        assert_eq!(executions.len(), 2, "{shown}");
+        assert_eq!(executions[0]["scheduled_ms"], 1_000, "{shown}");
+        assert_eq!(executions[0]["status"], "completed", "{shown}");
+        assert_eq!(executions[1]["scheduled_ms"], 2_000, "{shown}");
+        let why = executions[1]["unreadable"].as_str().unwrap();
+        assert!(why.contains(&format!("{prefix}:exec:s:2000")), "{why}");
+        cancel.cancel();
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn produce_then_tail_prints_each_message_on_a_line() {
         let subject = unique("tail");

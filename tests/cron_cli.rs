@@ -189,4 +189,66 @@ mod with_redis {
             assert!(cron(&file, &["rm", id]).status.success());
         }
     }
+
+    /// An execution record this version cannot read is named on stderr and `history`
+    /// exits 2, after listing the schedule's other executions.
+    #[test]
+    fn history_names_an_unreadable_execution_and_lists_the_rest() {
+        let prefix = services::unique("weircli");
+        let _cleanup_prefix = services::cleanup(&prefix);
+        let file = config_file(&prefix);
+        let out = cron(&file, &["add", "--id", "h", "--cron", "0 * * * *"]);
+        assert!(out.status.success(), "{out:?}");
+        let client = redis::Client::open(services::redis_url()).unwrap();
+        let mut connection = client.get_connection().unwrap();
+        for at in [1_000i64, 2_000, 3_000] {
+            let record = if at == 2_000 {
+                r#"{"schedule_id": "h", "status": 7}"#.to_string()
+            } else {
+                serde_json::to_string(&weir::store::Execution {
+                    schedule_id: "h".into(),
+                    scheduled_ms: at,
+                    tick_id: format!("h@{at}"),
+                    status: weir::store::ExecutionStatus::Completed,
+                    attempt: 1,
+                    max_attempts: 3,
+                    node_id: "n".into(),
+                    fencing_token: 1,
+                    updated_ms: at,
+                    error: None,
+                })
+                .unwrap()
+            };
+            redis::pipe()
+                .set(format!("{prefix}:exec:h:{at}"), record)
+                .zadd(format!("{prefix}:exec:hist:h"), at, at)
+                .query::<()>(&mut connection)
+                .unwrap();
+        }
+        let out = cron(&file, &["history", "h"]);
+        let listed: Vec<i64> = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|line| {
+                let e: serde_json::Value = serde_json::from_str(line).unwrap();
+                e["scheduled_ms"].as_i64().unwrap()
+            })
+            .collect();
+        assert_eq!(listed, [3_000, 1_000], "newest first");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("execution of \"h\" at 2000 ms not listed"),
+            "{stderr}"
+        );
+        assert!(
+            stderr.contains(&format!("{prefix}:exec:h:2000")),
+            "{stderr}"
+        );
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains("stored executions that could not be read: 1"),
+            "{stderr}"
+        );
+        assert!(cron(&file, &["rm", "h"]).status.success());
+    }
 }

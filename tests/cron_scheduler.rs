@@ -76,7 +76,7 @@ async fn fires_each_scheduled_time_once_with_a_stable_tick_id() {
         assert!(t.emitted_time_ms >= t.scheduled_time_ms);
         assert_eq!(t.scheduled_time_ms % 1000, 0);
     }
-    let history = store.executions("s1", 100).await.unwrap();
+    let history = store.executions("s1", 100).await.unwrap().executions;
     assert_eq!(history.len(), ticks.len());
     assert!(history
         .iter()
@@ -474,6 +474,67 @@ mod failover {
             .await
             .unwrap();
         assert!(raw.contains("\"status\": 7"), "left as it was: {raw}");
+    }
+
+    /// An execution record this version cannot read is listed apart, and the overlap
+    /// check judges on the rest: a readable running execution still makes a schedule
+    /// with `overlap = "skip"` skip its firings.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn an_unreadable_execution_record_leaves_the_overlap_judged_on_the_rest() {
+        let prefix = services::unique("cronover");
+        let _cleanup_prefix = services::cleanup(&prefix);
+        let store = Arc::new(
+            weir::store::redis::RedisStore::connect(&services::redis_url(), &prefix)
+                .await
+                .unwrap(),
+        );
+        let mut schedule = every_second("wf", "unused");
+        schedule.target = Target::Workflow("report".into());
+        schedule.overlap = weir::cron::Overlap::Skip;
+        register(store.as_ref(), &schedule, 1).await.unwrap();
+        // One running (and recently updated, so no orphan sweep looks at it), then a
+        // newer record another version wrote.
+        let now_ms = chrono::Utc::now().timestamp_millis() / 1000 * 1000;
+        let mut running = unemitted("wf", now_ms - 10_000);
+        running.status = ExecutionStatus::Running;
+        running.updated_ms = now_ms;
+        store.claim_execution(&running).await.unwrap();
+        let unreadable_ms = now_ms - 5_000;
+        store
+            .claim_execution(&unemitted("wf", unreadable_ms))
+            .await
+            .unwrap();
+        let client = redis::Client::open(services::redis_url()).unwrap();
+        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+        redis::cmd("SET")
+            .arg(format!("{prefix}:exec:wf:{unreadable_ms}"))
+            .arg(r#"{"schedule_id": "wf", "status": 7}"#)
+            .query_async::<()>(&mut connection)
+            .await
+            .unwrap();
+        let listed = store.executions("wf", 10).await.unwrap();
+        assert_eq!(listed.executions, [running]);
+        assert_eq!(listed.unreadable.len(), 1);
+        assert_eq!(listed.unreadable[0].scheduled_ms, unreadable_ms);
+        let broker = MemoryBroker::default();
+        let cancel = CancellationToken::new();
+        let scheduler = tokio::spawn(
+            Scheduler::new(store.clone(), Arc::new(broker.clone()), config("a", 0))
+                .run(cancel.clone()),
+        );
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        cancel.cancel();
+        let _ = scheduler.await;
+        assert!(ticks(&broker, "weir.workflows.report.start").is_empty());
+        let skipped = store
+            .executions("wf", 10)
+            .await
+            .unwrap()
+            .executions
+            .iter()
+            .filter(|e| e.status == ExecutionStatus::Skipped)
+            .count();
+        assert!(skipped >= 2, "{skipped} firings skipped");
     }
 
     /// A config with two schedules ticking every second, `amo` at most once and `alo` at
@@ -898,6 +959,7 @@ async fn an_at_most_once_tick_whose_acknowledgement_failed_is_never_sent_again()
         .executions("flaky", 10)
         .await
         .unwrap()
+        .executions
         .iter()
         .filter(|e| e.status == ExecutionStatus::Missed)
         .map(|e| e.scheduled_ms)
@@ -1119,7 +1181,7 @@ async fn overlap_skip_drops_firings_while_the_previous_one_runs() {
             expected_ticks,
             "{overlap:?}"
         );
-        let history = store.executions("wf", 10).await.unwrap();
+        let history = store.executions("wf", 10).await.unwrap().executions;
         let skipped = history
             .iter()
             .filter(|e| e.status == ExecutionStatus::Skipped)
@@ -1147,7 +1209,7 @@ async fn overlap_skip_holds_through_more_skipped_firings_than_it_reads_at_first(
     workflows_running(&store, "long", &[1]).await;
     run_on_paused_clock(store.clone(), &broker, clock, Duration::from_secs(14 * 60)).await;
     assert_eq!(ticks(&broker, "weir.workflows.report.start").len(), 1);
-    let history = store.executions("long", 100).await.unwrap();
+    let history = store.executions("long", 100).await.unwrap().executions;
     let skipped = history
         .iter()
         .filter(|e| e.status == ExecutionStatus::Skipped)
@@ -1408,7 +1470,11 @@ async fn a_cron_triggered_workflow_that_fails_fails_its_cron_execution() {
     tokio::time::sleep(Duration::from_millis(2300)).await;
     scheduler_stop.cancel();
     scheduler.await.unwrap();
-    let fired = store.executions(&schedule.id, 100).await.unwrap();
+    let fired = store
+        .executions(&schedule.id, 100)
+        .await
+        .unwrap()
+        .executions;
     assert!(!fired.is_empty(), "a schedule every second never fired");
     // Each tick started its workflow execution, which failed.
     let deadline = Instant::now() + WAIT;
@@ -1429,7 +1495,11 @@ async fn a_cron_triggered_workflow_that_fails_fails_its_cron_execution() {
     }
     // The cron executions take their workflow's outcome.
     let executions = loop {
-        let executions = store.executions(&schedule.id, 100).await.unwrap();
+        let executions = store
+            .executions(&schedule.id, 100)
+            .await
+            .unwrap()
+            .executions;
         if executions
             .iter()
             .all(|e| e.status != ExecutionStatus::Running)

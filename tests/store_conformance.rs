@@ -760,7 +760,7 @@ mod cases {
                 .map(|i| execution(10_000 + i, ExecutionStatus::Skipped))
                 .collect();
             store.claim_executions(&later, None).await.unwrap();
-            let history = store.executions("s", 2000).await.unwrap();
+            let history = store.executions("s", 2000).await.unwrap().executions;
             assert_eq!(history.len(), 1000);
             assert_eq!(history[0].scheduled_ms, 10_999, "newest first");
             assert_eq!(store.get_execution("s", 1000).await.unwrap(), None);

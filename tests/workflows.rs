@@ -967,6 +967,7 @@ async fn a_cron_triggered_workflow_runs_once_per_tick(env: &Env) {
         .executions(&schedule.id, 100)
         .await
         .unwrap()
+        .executions
         .into_iter()
         .map(|e| CronTick {
             schedule_id: e.schedule_id,
@@ -1003,7 +1004,12 @@ async fn a_cron_triggered_workflow_runs_once_per_tick(env: &Env) {
     // The cron executions take their workflow's outcome.
     let deadline = Instant::now() + WAIT;
     loop {
-        let executions = env.store.executions(&schedule.id, 100).await.unwrap();
+        let executions = env
+            .store
+            .executions(&schedule.id, 100)
+            .await
+            .unwrap()
+            .executions;
         if executions
             .iter()
             .all(|e| e.status == ExecutionStatus::Completed)

@@ -2,7 +2,8 @@
 //!
 //! - `GET /schedules`: every schedule as stored, plus `next_fire` (RFC 3339 or null);
 //!   then each whose stored record does not read back, as `{"id", "unreadable": why}`.
-//! - `GET /schedules/{id}`: the same for one, plus its newest `executions`.
+//! - `GET /schedules/{id}`: the same for one, plus its newest `executions`, then each
+//!   of those whose stored record does not read back, as `{"scheduled_ms", "unreadable": why}`.
 //! - `POST /schedules/{id}/pause`, `/resume`: `{"id", "enabled"}`; resuming fires from the
 //!   next time after now.
 
@@ -64,21 +65,23 @@ async fn list(
     list.schedules.retain(|s| scope.owns(s.tenant.as_deref()));
     let next = next_fires(store.as_ref(), 0..state.cron_shards().max(1)).await?;
     let mut entries: Vec<Value> = list.schedules.iter().map(|s| entry(s, &next)).collect();
-    // A record that does not read back has no tenant to go by but its id's. Why it
-    // does not read names the store's key, which is for operators, not tenants.
+    // A record that does not read back has no tenant to go by but its id's.
     entries.extend(
         list.unreadable
             .iter()
             .filter(|u| scope.sees(&u.id))
-            .map(|u| {
-                let why = match scope {
-                    Scope::All => u.error.to_string(),
-                    Scope::Tenant(_) => "its stored record does not read back".to_string(),
-                };
-                serde_json::json!({"id": u.id, "unreadable": why})
-            }),
+            .map(|u| json!({"id": u.id, "unreadable": unreadable_why(&scope, &u.error)})),
     );
     Ok(Json(Value::Array(entries)))
+}
+
+/// Why a stored record does not read back, as `scope` may see it: the error names the
+/// store's key, which is for operators, not tenants.
+fn unreadable_why(scope: &Scope, error: &crate::store::StoreError) -> String {
+    match scope {
+        Scope::All => error.to_string(),
+        Scope::Tenant(_) => "its stored record does not read back".to_string(),
+    }
 }
 
 fn not_found(id: &str) -> ApiError {
@@ -107,7 +110,12 @@ async fn show(
         .into_iter()
         .collect();
     let mut value = entry(&schedule, &next);
-    value["executions"] = to_json(&store.executions(&id, EXECUTIONS_SHOWN).await?);
+    let list = store.executions(&id, EXECUTIONS_SHOWN).await?;
+    let mut executions: Vec<Value> = list.executions.iter().map(to_json).collect();
+    executions.extend(list.unreadable.iter().map(
+        |u| json!({"scheduled_ms": u.scheduled_ms, "unreadable": unreadable_why(&scope, &u.error)}),
+    ));
+    value["executions"] = Value::Array(executions);
     Ok(Json(value))
 }
 

@@ -133,8 +133,22 @@ pub async fn run(command: CronCommand, out: &mut impl Write) -> Result<(), Error
         CronCommand::Resume { config, id } => toggle(&config, &id, true, out).await?,
         CronCommand::History { config, id, limit } => {
             let (_, store) = open(&config).await?;
-            for e in store.executions(&id, limit).await.map_err(store_error)? {
-                writeln!(out, "{}", serde_json::to_string(&e).unwrap_or_default())?;
+            let list = store.executions(&id, limit).await.map_err(store_error)?;
+            for e in &list.executions {
+                writeln!(out, "{}", serde_json::to_string(e).unwrap_or_default())?;
+            }
+            // The rest is listed first: one bad record hides none of the others.
+            for u in &list.unreadable {
+                eprintln!(
+                    "weir: execution of {id:?} at {} ms not listed: {}",
+                    u.scheduled_ms, u.error
+                );
+            }
+            if !list.unreadable.is_empty() {
+                return Err(Error::Unreadable {
+                    what: "stored executions",
+                    count: list.unreadable.len(),
+                });
             }
         }
     }

@@ -14,6 +14,6 @@ pub use expr::{CronError, CronExpr};
 pub use next::{format_instant, next_fire, preview};
 pub use schedule::{CatchUp, Delivery, Overlap, Schedule, ScheduleError, Target, MOST_CAUGHT_UP};
 pub use store::{
-    CronStore, Execution, ExecutionStatus, HeldBack, ScheduleList, ScheduleStore,
-    UnreadableSchedule,
+    CronStore, Execution, ExecutionList, ExecutionStatus, HeldBack, ScheduleList, ScheduleStore,
+    UnreadableExecution, UnreadableSchedule,
 };

@@ -112,6 +112,35 @@ pub struct HeldBack {
     pub retry_ms: i64,
 }
 
+/// A schedule's newest executions, as [`ScheduleStore::executions`] read them.
+#[derive(Debug, Default)]
+pub struct ExecutionList {
+    /// Those that read back, newest first.
+    pub executions: Vec<Execution>,
+    /// Those whose stored record does not read back (another version wrote it, say),
+    /// newest first: listed by time, so one bad record hides none of the others.
+    pub unreadable: Vec<UnreadableExecution>,
+}
+
+impl ExecutionList {
+    /// How many records were read, whether they read back or not.
+    pub fn len(&self) -> usize {
+        self.executions.len() + self.unreadable.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A stored execution whose record does not read back.
+#[derive(Debug)]
+pub struct UnreadableExecution {
+    pub scheduled_ms: i64,
+    /// Names the record's key and why it does not read.
+    pub error: StoreError,
+}
+
 /// Where schedules, their next fire times, their executions and the live nodes are kept.
 #[async_trait]
 pub trait ScheduleStore: Send + Sync {
@@ -211,12 +240,13 @@ pub trait ScheduleStore: Send + Sync {
         limit: usize,
     ) -> Result<Vec<(String, i64)>, StoreError>;
 
-    /// Newest first.
+    /// A schedule's newest `limit` executions; one whose record does not read back is
+    /// listed apart rather than failing the whole list.
     async fn executions(
         &self,
         schedule_id: &str,
         limit: usize,
-    ) -> Result<Vec<Execution>, StoreError>;
+    ) -> Result<ExecutionList, StoreError>;
 
     /// Announces a live node and its election priority for `ttl`.
     async fn register_node(

@@ -17,7 +17,7 @@ use async_trait::async_trait;
 
 pub use crate::accumulator::checkpoint::{Checkpoint, CheckpointStore};
 pub use crate::cron::store::{
-    CronStore, Execution, ExecutionStatus, ScheduleChanges, ScheduleStore,
+    CronStore, Execution, ExecutionList, ExecutionStatus, ScheduleChanges, ScheduleStore,
 };
 pub use crate::dispatch::store::{DispatchStore, TickOutcomes, WorkflowStore};
 pub use crate::jobs::store::{JobRecord, JobStore, PartitionChanges, PartitionSnapshot};

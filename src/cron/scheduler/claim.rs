@@ -179,7 +179,14 @@ impl Scheduler {
                 .unwrap_or(now);
             let running = if plan::overlap_matters(schedule) {
                 match self.recent_executions(&id).await {
-                    Ok(recent) => plan::Running::from_recent(&recent),
+                    // Records that do not read back (another version wrote them, say)
+                    // are passed over: what runs is judged on the rest.
+                    Ok(recent) => {
+                        if let Some(first) = recent.unreadable.first() {
+                            warn!(schedule = %id, unreadable = recent.unreadable.len(), error = %first.error, "execution records cannot be read; overlap judged on the rest");
+                        }
+                        plan::Running::from_recent(&recent.executions)
+                    }
                     // Its history unreadable (another version's records): fired as if
                     // nothing ran, rather than never again.
                     Err(e) if !e.is_retryable() => {

@@ -34,7 +34,7 @@ use super::expr::CronExpr;
 use super::schedule::{Delivery, Overlap, Schedule, ScheduleError, Target};
 use crate::codec::{CodecError, CronTick, PreparedTick};
 use crate::cron::store::{
-    CronStore, Execution, ExecutionStatus, HeldBack, ScheduleChanges, ScheduleStore,
+    CronStore, Execution, ExecutionList, ExecutionStatus, HeldBack, ScheduleChanges, ScheduleStore,
 };
 use crate::lease::{Fence, Lease};
 use crate::metrics::LeaseRole;
@@ -341,8 +341,8 @@ impl Scheduler {
     /// A schedule's newest executions, enough of them to include the one running if any:
     /// the newest few, or, when those are all firings the overlap policy held back or
     /// dropped (so something ran when they were due), as many as the store keeps.
-    async fn recent_executions(&self, id: &str) -> Result<Vec<Execution>, StoreError> {
-        let recent = self
+    async fn recent_executions(&self, id: &str) -> Result<ExecutionList, StoreError> {
+        let mut recent = self
             .bounded(self.store.executions(id, RECENT_EXECUTIONS))
             .await?;
         let held_back = |e: &Execution| {
@@ -351,10 +351,10 @@ impl Scheduler {
                 ExecutionStatus::Skipped | ExecutionStatus::Buffered
             )
         };
-        if recent.len() == RECENT_EXECUTIONS && recent.iter().all(held_back) {
-            return self
+        if recent.len() == RECENT_EXECUTIONS && recent.executions.iter().all(held_back) {
+            recent = self
                 .bounded(self.store.executions(id, EXECUTIONS_KEPT))
-                .await;
+                .await?;
         }
         Ok(recent)
     }

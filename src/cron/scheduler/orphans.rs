@@ -59,9 +59,21 @@ impl Scheduler {
                 found => found?,
             };
             // Whether one of the schedule's executions runs, for its buffered one; not
-            // known while one of its records cannot be read, and the buffered one waits.
+            // known while one of its records cannot be read and none of the rest runs,
+            // and the buffered one waits.
             let mut running = match self.recent_executions(&id).await {
-                Ok(recent) => Some(recent.iter().any(|e| e.status == ExecutionStatus::Running)),
+                Ok(recent) => {
+                    let runs = recent
+                        .executions
+                        .iter()
+                        .any(|e| e.status == ExecutionStatus::Running);
+                    if !runs && !recent.unreadable.is_empty() {
+                        warn!(schedule = %id, unreadable = recent.unreadable.len(), "the schedule's executions cannot all be read; a buffered tick of it waits for a later sweep");
+                        None
+                    } else {
+                        Some(runs)
+                    }
+                }
                 Err(e) if !e.is_retryable() => {
                     warn!(schedule = %id, error = %e, "the schedule's executions cannot all be read; a buffered tick of it waits for a later sweep");
                     None

@@ -24,7 +24,7 @@ use super::{
     PartitionSnapshot, RecoveryEvent, RecoveryLog, ScheduleChanges, ScheduleStore, StoreError,
     WorkflowStore,
 };
-use crate::cron::{HeldBack, Schedule, ScheduleList};
+use crate::cron::{ExecutionList, HeldBack, Schedule, ScheduleList};
 use crate::dispatch::WorkflowExecution;
 use crate::reactor::CacheSnapshot;
 

@@ -227,7 +227,7 @@ impl ScheduleStore for MemoryStore {
         &self,
         schedule_id: &str,
         limit: usize,
-    ) -> Result<Vec<Execution>, StoreError> {
+    ) -> Result<ExecutionList, StoreError> {
         let state = self.state()?;
         let mut list: Vec<Execution> = state
             .executions
@@ -236,7 +236,10 @@ impl ScheduleStore for MemoryStore {
             .unwrap_or_default();
         list.sort_by_key(|e| std::cmp::Reverse(e.scheduled_ms));
         list.truncate(limit);
-        Ok(list)
+        Ok(ExecutionList {
+            executions: list,
+            unreadable: Vec::new(),
+        })
     }
 
     async fn register_node(

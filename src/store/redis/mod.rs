@@ -30,7 +30,9 @@ use super::{
     PartitionSnapshot, RecoveryEvent, RecoveryLog, ScheduleChanges, ScheduleStore, StoreError,
     WorkflowStore,
 };
-use crate::cron::{HeldBack, Schedule, ScheduleList, UnreadableSchedule};
+use crate::cron::{
+    ExecutionList, HeldBack, Schedule, ScheduleList, UnreadableExecution, UnreadableSchedule,
+};
 use crate::dispatch::{RunStatus, WorkflowExecution};
 use crate::reactor::CacheSnapshot;
 use crate::secret::{redact_url, scrub, Secret};

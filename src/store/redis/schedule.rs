@@ -379,9 +379,9 @@ impl ScheduleStore for RedisStore {
         &self,
         schedule_id: &str,
         limit: usize,
-    ) -> Result<Vec<Execution>, StoreError> {
+    ) -> Result<ExecutionList, StoreError> {
         if limit == 0 {
-            return Ok(Vec::new());
+            return Ok(ExecutionList::default());
         }
         let mut c = self.connection.clone();
         let times: Vec<i64> = c
@@ -393,7 +393,7 @@ impl ScheduleStore for RedisStore {
             .await
             .map_err(|e| store_error("ZREVRANGE", e))?;
         if times.is_empty() {
-            return Ok(Vec::new());
+            return Ok(ExecutionList::default());
         }
         let keys: Vec<String> = times
             .iter()
@@ -404,16 +404,21 @@ impl ScheduleStore for RedisStore {
             .query_async(&mut c)
             .await
             .map_err(|e| store_error("MGET", e))?;
-        keys.into_iter()
-            .zip(raw)
-            .filter_map(|(key, text)| text.map(|t| (key, t)))
-            .map(|(key, text)| {
-                serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
-                    key,
-                    source: e.into(),
-                })
-            })
-            .collect()
+        let mut list = ExecutionList::default();
+        for ((key, scheduled_ms), text) in keys.into_iter().zip(times).zip(raw) {
+            let Some(text) = text else { continue };
+            match serde_json::from_str(&text) {
+                Ok(execution) => list.executions.push(execution),
+                Err(e) => list.unreadable.push(UnreadableExecution {
+                    scheduled_ms,
+                    error: StoreError::Corrupt {
+                        key,
+                        source: e.into(),
+                    },
+                }),
+            }
+        }
+        Ok(list)
     }
 
     async fn register_node(
