@@ -1607,6 +1607,49 @@ async fn equal_nodes_share_the_shards_and_a_dead_ones_move() {
     }
 }
 
+/// A change to one schedule leaves the others known: a store outage right after it
+/// still has the master fire the `at_least_once` ones from what it knows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_right_after_a_schedule_change_still_fires_the_others() {
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let mut least = every_second("least", "lticks");
+    least.delivery = weir::cron::Delivery::AtLeastOnce;
+    register(store.as_ref(), &least, 1).await.unwrap();
+    let cfg = SchedulerConfig {
+        lease_ttl: Duration::from_secs(3),
+        ..SchedulerConfig::new("a")
+    };
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while ticks(&broker, "lticks").is_empty() {
+        assert!(std::time::Instant::now() < deadline, "never fired");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    register(store.as_ref(), &every_second("other", "oticks"), 1)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    store.set_reachable(false);
+    let cut_at = chrono::Utc::now().timestamp_millis();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    cancel.cancel();
+    let _ = task.await;
+    let first_second_out = (cut_at / 1000 + 1) * 1000;
+    let during: Vec<i64> = ticks(&broker, "lticks")
+        .iter()
+        .map(|t| t.scheduled_time_ms)
+        .filter(|at| *at >= first_second_out)
+        .collect();
+    assert!(
+        !during.is_empty(),
+        "no at_least_once tick during the outage (cut at {cut_at})"
+    );
+}
+
 /// A master that dies holding its lease leaves the shard unserved until the lease runs
 /// out; the at_least_once ticks due meanwhile are late, not missed, whatever the catch-up
 /// policy says of downtime.

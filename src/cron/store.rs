@@ -69,16 +69,27 @@ impl ExecutionStatus {
     }
 }
 
-/// Wakes a scheduler when schedules change.
+/// Wakes a scheduler when schedules change, naming each schedule changed.
 pub struct ScheduleChanges {
-    pub(crate) receiver: tokio::sync::mpsc::Receiver<()>,
+    pub(crate) receiver: tokio::sync::mpsc::Receiver<String>,
 }
 
+/// Changes a feed holds for its reader. Past that a feed on Redis waits (and the server
+/// drops a subscriber that falls too far behind, which ends the feed); one on the memory
+/// store ends at once. Either way nothing is lost: whoever reads a feed that ended
+/// takes every schedule to have changed.
+pub(crate) const SCHEDULE_CHANGES_HELD: usize = 1024;
+
 impl ScheduleChanges {
-    /// Waits for the next change: true for a change, false once the feed has ended
-    /// (its connection dropped), after which the caller subscribes again.
-    pub async fn changed(&mut self) -> bool {
-        self.receiver.recv().await.is_some()
+    /// Waits for the next change: the id of the schedule changed, or `None` once the feed
+    /// has ended (its connection dropped), after which the caller subscribes again.
+    pub async fn changed(&mut self) -> Option<String> {
+        self.receiver.recv().await
+    }
+
+    /// A change already waiting, without waiting for one.
+    pub fn waiting(&mut self) -> Option<String> {
+        self.receiver.try_recv().ok()
     }
 }
 
@@ -144,7 +155,7 @@ pub struct UnreadableExecution {
 /// Where schedules, their next fire times, their executions and the live nodes are kept.
 #[async_trait]
 pub trait ScheduleStore: Send + Sync {
-    /// Creates or replaces a schedule and wakes the schedulers.
+    /// Creates or replaces a schedule and tells the schedulers' change feeds.
     async fn put_schedule(&self, schedule: &Schedule) -> Result<(), StoreError>;
 
     async fn get_schedule(&self, id: &str) -> Result<Option<Schedule>, StoreError>;

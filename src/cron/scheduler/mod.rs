@@ -303,9 +303,14 @@ impl Scheduler {
                         None => std::future::pending().await,
                     }
                 } => {
-                    if changed {
-                        debug!("schedules changed");
-                        self.cache.clear();
+                    if let Some(id) = changed {
+                        // Only the schedules changed are read afresh: the rest stay
+                        // known, to fire at_least_once should the store go away.
+                        debug!(schedule = %id, "schedule changed");
+                        self.cache.remove(&id);
+                        while let Some(id) = changes.as_mut().and_then(|c| c.waiting()) {
+                            self.cache.remove(&id);
+                        }
                     } else {
                         // The cache stays, for firing at_least_once schedules while the
                         // store is away; it is read afresh once subscribed again.

@@ -40,7 +40,7 @@ pub struct MemoryStore {
     unreachable: AtomicBool,
     /// How long each cache snapshot write takes, in microseconds.
     cache_write_latency: AtomicU64,
-    watchers: Mutex<Vec<tokio::sync::mpsc::Sender<()>>>,
+    watchers: Mutex<Vec<tokio::sync::mpsc::Sender<String>>>,
 }
 
 #[derive(Default)]
@@ -140,13 +140,11 @@ impl MemoryStore {
         Ok(self.state.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
-    fn notify_watchers(&self) {
+    /// Tells each schedule change feed that `id` changed. A feed too far behind to take
+    /// it ends, which its reader takes as every schedule having changed.
+    fn notify_watchers(&self, id: &str) {
         let mut watchers = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
-        watchers.retain(|w| !w.is_closed());
-        for w in watchers.iter() {
-            // A full queue already holds a wake-up.
-            let _ = w.try_send(());
-        }
+        watchers.retain(|w| w.try_send(id.to_string()).is_ok());
     }
 }
 

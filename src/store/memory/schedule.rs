@@ -8,7 +8,7 @@ impl ScheduleStore for MemoryStore {
         self.state()?
             .schedules
             .insert(schedule.id.clone(), schedule.clone());
-        self.notify_watchers();
+        self.notify_watchers(&schedule.id);
         Ok(())
     }
 
@@ -32,7 +32,7 @@ impl ScheduleStore for MemoryStore {
             state.held_back.remove(&(shard, id.to_string()));
             state.schedules.remove(id).is_some()
         };
-        self.notify_watchers();
+        self.notify_watchers(id);
         Ok(existed)
     }
 
@@ -266,7 +266,7 @@ impl ScheduleStore for MemoryStore {
     }
 
     async fn watch_schedules(&self) -> Result<ScheduleChanges, StoreError> {
-        let (tx, receiver) = tokio::sync::mpsc::channel(1);
+        let (tx, receiver) = tokio::sync::mpsc::channel(crate::cron::store::SCHEDULE_CHANGES_HELD);
         self.watchers
             .lock()
             .unwrap_or_else(|p| p.into_inner())

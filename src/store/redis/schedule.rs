@@ -477,15 +477,19 @@ impl ScheduleStore for RedisStore {
             .subscribe(self.changes_channel())
             .await
             .map_err(|e| store_error("SUBSCRIBE", e))?;
-        let (tx, receiver) = tokio::sync::mpsc::channel(1);
+        let (tx, receiver) = tokio::sync::mpsc::channel(crate::cron::store::SCHEDULE_CHANGES_HELD);
         tokio::spawn(async move {
             use futures::StreamExt;
             let mut messages = pubsub.on_message();
-            while messages.next().await.is_some() {
-                if tx.is_closed() {
+            // Ends with the connection, with the reader, or at a message that names no
+            // schedule: its reader then takes every schedule to have changed.
+            while let Some(message) = messages.next().await {
+                let Ok(id) = message.get_payload::<String>() else {
+                    return;
+                };
+                if tx.send(id).await.is_err() {
                     return;
                 }
-                let _ = tx.try_send(());
             }
         });
         Ok(ScheduleChanges { receiver })
