@@ -1043,6 +1043,41 @@ async fn a_polling_source_resumes_from_its_position() {
     assert_eq!(h.outputs("poll.out").len(), fired + 1);
 }
 
+/// A poll skips values equal to the one before, across a restart too: the value it
+/// last emitted is its checkpointed state.
+#[tokio::test(start_paused = true)]
+async fn a_polled_value_unchanged_across_a_restart_does_not_fire_again() {
+    let h = Harness::new();
+    let value = Arc::new(AtomicUsize::new(0));
+    let poll = |value: Arc<AtomicUsize>| {
+        AccumulatorSpec::polling("a", Duration::from_secs(1), move || {
+            let v = value.load(Ordering::SeqCst);
+            async move { Some(json!(v)) }
+        })
+    };
+    let g = h.spawn(graph("same", poll(value.clone())));
+    g.wait_for_state(ReactorState::Live).await;
+    eventually("the first value fired", || async {
+        h.outputs("same.out").len() == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let h = h.restart().await;
+    let g = h.spawn(graph("same", poll(value.clone())));
+    g.wait_for_state(ReactorState::Live).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        h.outputs("same.out").len(),
+        1,
+        "the unchanged value fired again"
+    );
+    value.store(1, Ordering::SeqCst);
+    eventually("the changed value fired", || async {
+        h.outputs("same.out").len() == 2
+    })
+    .await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_fast_poll_resumes_from_its_position_whatever_the_checkpoint_interval() {
     let h = Harness::new();

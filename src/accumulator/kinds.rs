@@ -20,19 +20,42 @@ impl Accumulator for Passthrough {
     }
 }
 
-/// Emits events that differ from the previous one (used for polling).
+/// Emits events that differ from the previous one (used for polling). The previous one
+/// is its checkpointed state, so a restart does not emit an unchanged value again.
 #[derive(Default)]
 pub struct Deduplicating {
     last: Option<Value>,
 }
 
 impl Accumulator for Deduplicating {
+    /// The state is `null` before any event, else `[last]`: a last value of `null` is
+    /// told apart from none.
+    fn init(&mut self, state: Option<Value>) -> Result<(), AccumulatorError> {
+        self.last = match state {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(mut last)) if last.len() == 1 => last.pop(),
+            Some(other) => {
+                return Err(AccumulatorError::BadCheckpoint(format!(
+                    "deduplicating state must be null or a one-element array, found {other}"
+                )))
+            }
+        };
+        Ok(())
+    }
+
     fn process(&mut self, event: Event) -> Result<Option<Value>, AccumulatorError> {
         if self.last.as_ref() == Some(&event.value) {
             return Ok(None);
         }
         self.last = Some(event.value.clone());
         Ok(Some(event.value))
+    }
+
+    fn checkpoint(&self) -> Option<Value> {
+        Some(match &self.last {
+            None => Value::Null,
+            Some(last) => Value::Array(vec![last.clone()]),
+        })
     }
 }
 
@@ -271,6 +294,23 @@ mod tests {
         assert!(acc.process(ev(json!(1))).unwrap().is_some());
         assert!(acc.process(ev(json!(1))).unwrap().is_none());
         assert!(acc.process(ev(json!(2))).unwrap().is_some());
+    }
+
+    #[test]
+    fn deduplicating_skips_a_repeat_across_a_restore() {
+        let mut acc = Deduplicating::default();
+        assert_eq!(acc.checkpoint(), Some(Value::Null));
+        for value in [json!(2), Value::Null] {
+            assert!(acc.process(ev(value.clone())).unwrap().is_some());
+            let mut restored = Deduplicating::default();
+            restored.init(acc.checkpoint()).unwrap();
+            assert!(restored.process(ev(value)).unwrap().is_none());
+            assert!(restored.process(ev(json!(3))).unwrap().is_some());
+        }
+        let mut fresh = Deduplicating::default();
+        fresh.init(Some(Value::Null)).unwrap();
+        assert!(fresh.process(ev(Value::Null)).unwrap().is_some());
+        assert!(fresh.init(Some(json!({"x": 1}))).is_err());
     }
 
     #[tokio::test(start_paused = true)]
