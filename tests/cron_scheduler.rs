@@ -537,6 +537,62 @@ mod failover {
         assert!(skipped >= 2, "{skipped} firings skipped");
     }
 
+    /// An at_least_once tick claimed already under a record this version cannot read
+    /// (another version's master claimed it) is left to that version, not taken over;
+    /// the shard goes on firing the rest, its at_most_once schedules with it.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_claimed_execution_that_does_not_read_back_leaves_its_shard_firing() {
+        let prefix = services::unique("cronclaim");
+        let _cleanup_prefix = services::cleanup(&prefix);
+        let store = Arc::new(
+            weir::store::redis::RedisStore::connect(&services::redis_url(), &prefix)
+                .await
+                .unwrap(),
+        );
+        let mut alo = every_second("alo", "claim.alo");
+        alo.delivery = weir::cron::Delivery::AtLeastOnce;
+        // Catching up every time it misses, so each look plans the claimed one again.
+        alo.catchup = weir::cron::CatchUp::All { cap: 10 };
+        register(store.as_ref(), &alo, 1).await.unwrap();
+        register(store.as_ref(), &every_second("amo", "claim.amo"), 1)
+            .await
+            .unwrap();
+        // Claimed by another version's master two seconds from now.
+        let unreadable_ms = (chrono::Utc::now().timestamp_millis() / 1000 + 2) * 1000;
+        let client = redis::Client::open(services::redis_url()).unwrap();
+        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+        redis::cmd("SET")
+            .arg(format!("{prefix}:exec:alo:{unreadable_ms}"))
+            .arg(r#"{"schedule_id": "alo", "status": 7}"#)
+            .query_async::<()>(&mut connection)
+            .await
+            .unwrap();
+        let broker = MemoryBroker::default();
+        let cancel = CancellationToken::new();
+        let scheduler = tokio::spawn(
+            Scheduler::new(store.clone(), Arc::new(broker.clone()), config("a", 0))
+                .run(cancel.clone()),
+        );
+        tokio::time::sleep(Duration::from_millis(5500)).await;
+        cancel.cancel();
+        let _ = scheduler.await;
+        let after = |topic: &str| {
+            let mut times: Vec<i64> = ticks(&broker, topic)
+                .iter()
+                .map(|t| t.scheduled_time_ms)
+                .filter(|ms| *ms > unreadable_ms)
+                .collect();
+            times.sort();
+            times.dedup();
+            times
+        };
+        assert!(after("claim.amo").len() >= 2, "{:?}", after("claim.amo"));
+        assert!(after("claim.alo").len() >= 2, "{:?}", after("claim.alo"));
+        assert!(ticks(&broker, "claim.alo")
+            .iter()
+            .all(|t| t.scheduled_time_ms != unreadable_ms));
+    }
+
     /// A config with two schedules ticking every second, `amo` at most once and `alo` at
     /// least once (catching up on every missed time), and the cron lease's TTL short.
     fn two_schedules(prefix: &str, amo: &str, alo: &str) -> tempfile::NamedTempFile {

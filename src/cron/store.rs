@@ -91,6 +91,11 @@ impl ScheduleChanges {
     pub fn waiting(&mut self) -> Option<String> {
         self.receiver.try_recv().ok()
     }
+
+    /// Whether the feed has ended with no change left to read.
+    pub fn ended(&self) -> bool {
+        self.receiver.is_closed() && self.receiver.is_empty()
+    }
 }
 
 /// Every stored schedule, as [`ScheduleStore::list_schedules`] read them.

@@ -73,10 +73,13 @@ impl Scheduler {
             .collect();
         let store = self.store.clone();
         // What the shard held back is kept with it, so whichever master looks at a
-        // schedule again catches up from when it was first due. Only a schedule not
-        // cached can have been held back: one that reads back is cached until it changes.
-        let held_back = self.store.held_back(shard, &missing);
-        let loading = futures::stream::iter(missing.clone())
+        // schedule again catches up from when it was first due. Read for every due
+        // schedule, cached or not: a pass that read one back and then failed to record
+        // leaves it cached with its entry still held, and a master that led the shard
+        // before may have it cached from then.
+        let due_ids: Vec<String> = due.iter().map(|(id, _)| id.clone()).collect();
+        let held_back = self.store.held_back(shard, &due_ids);
+        let loading = futures::stream::iter(missing)
             .map(|id| {
                 let store = store.clone();
                 async move {
@@ -92,7 +95,7 @@ impl Scheduler {
                 Ok((loaded, held_back?))
             })
             .await?;
-        let held_back: HashMap<String, HeldBack> = missing
+        let held_back: HashMap<String, HeldBack> = due_ids
             .into_iter()
             .zip(held_back)
             .filter_map(|(id, held)| Some((id, held?)))
@@ -121,7 +124,13 @@ impl Scheduler {
                     e.to_string(),
                 ),
                 found => match found? {
-                    None => continue,
+                    // Deleted since it was found due: what was held back of it goes too.
+                    None => {
+                        if held_back.contains_key(&id) {
+                            held_now.push((id, None));
+                        }
+                        continue;
+                    }
                     Some(schedule) => match schedule.validate() {
                         Ok((expr, tz)) => {
                             self.cache.insert(id, (Cached { schedule, expr, tz }, None));
@@ -237,10 +246,20 @@ impl Scheduler {
             if !at_least_once {
                 continue;
             }
-            if let Some(mut existing) = self
+            let existing = match self
                 .bounded(self.store.get_execution(&id, execution.scheduled_ms))
-                .await?
+                .await
             {
+                Ok(existing) => existing,
+                // Written by another version, say: left to that one's master rather
+                // than stopping the rest of the shard.
+                Err(e) if !e.is_retryable() => {
+                    warn!(schedule = %id, scheduled_ms = execution.scheduled_ms, error = %e, "claimed execution cannot be read; not taking it over");
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            if let Some(mut existing) = existing {
                 if existing.status == ExecutionStatus::Scheduled
                     && existing.fencing_token < lease.token
                 {

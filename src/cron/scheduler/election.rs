@@ -105,6 +105,10 @@ impl Scheduler {
                             "schedule master for shard"
                         );
                         crate::metrics::lease_acquired(LeaseRole::Cron);
+                        // What is cached of the shard from an earlier lease is stale
+                        // (another master fired it meanwhile): the shard is read afresh.
+                        let shards = self.config.shards;
+                        self.cache.retain(|id, _| shard_of(id, shards) != i as u32);
                         self.shards[i] = Shard::kept(self.store.clone(), held, ttl);
                     }
                     Ok(None) => {}

@@ -303,15 +303,23 @@ impl Scheduler {
                         None => std::future::pending().await,
                     }
                 } => {
-                    if let Some(id) = changed {
-                        // Only the schedules changed are read afresh: the rest stay
-                        // known, to fire at_least_once should the store go away.
-                        debug!(schedule = %id, "schedule changed");
-                        self.cache.remove(&id);
-                        while let Some(id) = changes.as_mut().and_then(|c| c.waiting()) {
+                    let ended = match changed {
+                        Some(id) => {
+                            // Only the schedules changed are read afresh: the rest stay
+                            // known, to fire at_least_once should the store go away.
+                            debug!(schedule = %id, "schedule changed");
                             self.cache.remove(&id);
+                            while let Some(id) = changes.as_mut().and_then(|c| c.waiting()) {
+                                self.cache.remove(&id);
+                            }
+                            // Ended right after those: subscribed again before the
+                            // next look, rather than firing once more from what may
+                            // have changed unseen since.
+                            changes.as_ref().is_some_and(ScheduleChanges::ended)
                         }
-                    } else {
+                        None => true,
+                    };
+                    if ended {
                         // The cache stays, for firing at_least_once schedules while the
                         // store is away; it is read afresh once subscribed again.
                         warn!("the schedule change feed ended; subscribing again");
@@ -356,7 +364,12 @@ impl Scheduler {
                 ExecutionStatus::Skipped | ExecutionStatus::Buffered
             )
         };
-        if recent.len() == RECENT_EXECUTIONS && recent.executions.iter().all(held_back) {
+        // Records that do not read back tell nothing of what runs: a schedule with only
+        // those is not read a thousand at a time at every look.
+        if recent.len() == RECENT_EXECUTIONS
+            && !recent.executions.is_empty()
+            && recent.executions.iter().all(held_back)
+        {
             recent = self
                 .bounded(self.store.executions(id, EXECUTIONS_KEPT))
                 .await?;

@@ -60,7 +60,7 @@ pub struct RedisStore {
 /// eviction policy): a counter that started again would fence the new holder.
 /// KEYS: the lease's token counter. ARGV: the writer's token, then operations, each
 /// `SET key value`, `ZADD key score member`, `ZREM key member`, `DEL key`,
-/// `HSET key field value` or `EXECUTION key record index member since` (a cron
+/// `HSET key field value`, `HDEL key field` or `EXECUTION key record index member since` (a cron
 /// execution's record and its place in the open index, `since` '' to leave it; written
 /// only over a stored record whose status is neither `completed` nor `failed`).
 static FENCED_WRITES: LazyLock<Script> = LazyLock::new(|| {
@@ -115,7 +115,7 @@ return 1
 });
 
 /// One write of a batch: `SET key value`, `ZADD key score member`, `ZREM key member`,
-/// `DEL key`, `HSET key field value`, or a cron execution's record with its place in
+/// `DEL key`, `HSET key field value`, `HDEL key field`, or a cron execution's record with its place in
 /// the open index (`open_since`, or out of it). Under a fence (a shard master's write)
 /// it only updates a stored record that has not finished: the state manager may have
 /// recorded the tick's workflow's outcome first, and a record gone from its schedule's
