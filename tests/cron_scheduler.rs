@@ -1879,6 +1879,54 @@ async fn a_schedule_invalid_across_a_failover_catches_up_the_times_it_missed() {
     assert_eq!(run.stop().await, every_minute);
 }
 
+/// A schedule held back in a shard past a lowered `[cron] shards` (its master died
+/// before the count was lowered) moves with when it was first due, and once it reads
+/// back the shard it moved to catches it up from then.
+#[tokio::test(start_paused = true)]
+async fn a_held_back_schedule_moved_out_of_a_stranded_shard_still_catches_up() {
+    use weir::cron::scheduler::{shard_of, TokioClock};
+    use weir::cron::HeldBack;
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let id = (0..)
+        .map(|i| format!("stranded{i}"))
+        .find(|id| shard_of(id, 8) >= 1)
+        .unwrap();
+    let mut schedule = Schedule::new(&id, "* * * * *", "UTC");
+    schedule.target = Target::Topic("stranded.ticks".into());
+    schedule.catchup = weir::cron::CatchUp::All { cap: 10 };
+    store.put_schedule(&schedule).await.unwrap();
+    // First due at 00:01:00 while unreadable, to be looked at again at 00:03:00.
+    let old = shard_of(&id, 8);
+    let retry_ms = minutes(&["00:03:00"])[0];
+    store.set_next_fire(old, &id, Some(retry_ms)).await.unwrap();
+    let held = HeldBack {
+        first_due_ms: minutes(&["00:01:00"])[0],
+        retry_ms,
+    };
+    store.hold_back(old, &id, held).await.unwrap();
+    let cfg = SchedulerConfig {
+        clock: Arc::new(TokioClock::starting_at(at("2026-01-01T00:02:30Z"))),
+        orphan_after: Duration::from_millis(200),
+        ..config("a", 0)
+    };
+    let cancel = CancellationToken::new();
+    let node = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+    );
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    cancel.cancel();
+    let _ = node.await;
+    let mut fired: Vec<i64> = ticks(&broker, "stranded.ticks")
+        .iter()
+        .map(|t| t.scheduled_time_ms)
+        .collect();
+    fired.sort();
+    assert_eq!(fired, minutes(&["00:01:00", "00:02:00", "00:03:00"]));
+    assert_eq!(store.held_back(old, std::slice::from_ref(&id)).await.unwrap(), [None]);
+    assert_eq!(store.held_back(0, &[id]).await.unwrap(), [None]);
+}
+
 /// A schedule held back while invalid that reads back paused forgets when it was first
 /// due: resumed later, it fires from its resumption on, not the times of its pause.
 #[tokio::test(start_paused = true)]

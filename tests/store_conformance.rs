@@ -80,6 +80,7 @@ macro_rules! store_conformance {
                 a_deposed_masters_execution_writes_are_refused,
                 a_masters_write_leaves_a_finished_execution_as_it_ended,
                 what_a_shard_held_back_is_kept_until_forgotten,
+                what_a_shard_held_back_moves_with_a_schedule,
                 live_nodes_expire);
             store_conformance!(@role $open; workflow:
                 executions_are_created_once_and_updated_by_version,
@@ -954,6 +955,26 @@ mod cases {
                 .unwrap();
             assert!(store.delete_schedule("t", 0).await.unwrap());
             assert_eq!(store.held_back(0, &ids).await.unwrap(), [None, None, None]);
+        }
+
+        /// A schedule moved out of a shard takes what that shard held back of it along;
+        /// clearing its next fire time in the old one forgets it there.
+        pub async fn what_a_shard_held_back_moves_with_a_schedule(store: Arc<dyn Store>) {
+            let held = HeldBack {
+                first_due_ms: 1_000,
+                retry_ms: 61_000,
+            };
+            let id = ["s".to_string()];
+            store.set_next_fire(5, "s", Some(61_000)).await.unwrap();
+            store.hold_back(5, "s", held).await.unwrap();
+            assert_eq!(store.held_back(5, &id).await.unwrap(), [Some(held)]);
+            store.hold_back(0, "s", held).await.unwrap();
+            store.set_next_fire(0, "s", Some(61_000)).await.unwrap();
+            store.set_next_fire(5, "s", None).await.unwrap();
+            assert_eq!(store.held_back(5, &id).await.unwrap(), [None]);
+            assert_eq!(store.next_fire(5, "s").await.unwrap(), None);
+            assert_eq!(store.held_back(0, &id).await.unwrap(), [Some(held)]);
+            assert_eq!(store.next_fire(0, "s").await.unwrap(), Some(61_000));
         }
 
         pub async fn live_nodes_expire(store: Arc<dyn Store>) {

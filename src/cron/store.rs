@@ -173,7 +173,8 @@ pub trait ScheduleStore: Send + Sync {
     /// false if there was none.
     async fn delete_schedule(&self, id: &str, shard: u32) -> Result<bool, StoreError>;
 
-    /// Sets (or clears) a schedule's next fire time in its shard's sorted set.
+    /// Sets (or clears) a schedule's next fire time in its shard's sorted set. Clearing
+    /// it forgets what the shard held back of it too: the shard no longer fires it.
     async fn set_next_fire(
         &self,
         shard: u32,
@@ -191,6 +192,11 @@ pub trait ScheduleStore: Send + Sync {
         until_ms: i64,
         limit: usize,
     ) -> Result<Vec<(String, i64)>, StoreError>;
+
+    /// Keeps what a shard holds back of a schedule moved into it from another shard,
+    /// so that the shard's master catches it up from when it was first due. Unfenced:
+    /// written before the schedule's next fire time, no master looks at it until then.
+    async fn hold_back(&self, shard: u32, id: &str, held: HeldBack) -> Result<(), StoreError>;
 
     /// What a shard holds back of each of `ids`, in their order.
     async fn held_back(

@@ -1,14 +1,15 @@
 //! Schedules left in shards past `[cron] shards` once it was lowered: no master reads
 //! those shards any more, so the master of shard 0 moves their schedules into the shard
-//! their id maps to now, with their next fire time kept (times missed meanwhile are
-//! then caught up by each schedule's policy) unless a config declared it there again.
+//! their id maps to now, with their next fire time and what their shard held back of
+//! them kept (times missed meanwhile are then caught up by each schedule's policy)
+//! unless a config declared it there again.
 
 use super::*;
 
 /// Shards past the configured count read per sweep: every one up to [`MOST_SHARDS`]
 /// within a few minutes, at one cheap read each.
 const STRANDED_SHARDS_PER_SWEEP: u32 = 64;
-/// Schedules moved per sweep, at three store calls each: the sweep runs between
+/// Schedules moved per sweep, at three or four store calls each: the sweep runs between
 /// firings, which must not wait long for it.
 const STRANDED_MOVES_PER_SWEEP: usize = 200;
 
@@ -26,17 +27,26 @@ impl Scheduler {
             let stranded = self
                 .bounded(self.store.due_schedules(old, i64::MAX, moves_left))
                 .await?;
-            for (id, next_ms) in stranded {
+            let ids: Vec<String> = stranded.iter().map(|(id, _)| id.clone()).collect();
+            let held_back = self.bounded(self.store.held_back(old, &ids)).await?;
+            for ((id, next_ms), held) in stranded.into_iter().zip(held_back) {
                 let shard = shard_of(&id, shards);
                 // Declared again by a config at a start, it has a next fire time there
                 // already, which wins: a changed definition starts from now.
                 let there = self.bounded(self.store.next_fire(shard, &id)).await?;
                 if there.is_none() {
-                    // Added before it is removed: a failure between leaves it in both,
-                    // and its executions' claims keep a time from firing twice.
+                    // Held back (unreadable or invalid when last looked at), it goes with
+                    // what its shard kept of that, so it still catches up from when it
+                    // was first due. Added before it is removed: a failure between
+                    // leaves it in both, and its executions' claims keep a time from
+                    // firing twice.
+                    if let Some(held) = held {
+                        self.bounded(self.store.hold_back(shard, &id, held)).await?;
+                    }
                     self.bounded(self.store.set_next_fire(shard, &id, Some(next_ms)))
                         .await?;
                 }
+                // Cleared with what the old shard held back of it.
                 self.bounded(self.store.set_next_fire(old, &id, None))
                     .await?;
                 info!(schedule = %id, from = old, to = shard, "schedule moved out of a shard past [cron] shards");

@@ -45,8 +45,13 @@ impl ScheduleStore for MemoryStore {
         let mut state = self.state()?;
         let set = state.due.entry(shard).or_default();
         set.retain(|(_, s)| s != id);
-        if let Some(at) = at_ms {
-            set.insert((at, id.to_string()));
+        match at_ms {
+            Some(at) => {
+                set.insert((at, id.to_string()));
+            }
+            None => {
+                state.held_back.remove(&(shard, id.to_string()));
+            }
         }
         Ok(())
     }
@@ -77,6 +82,13 @@ impl ScheduleStore for MemoryStore {
                     .collect()
             })
             .unwrap_or_default())
+    }
+
+    async fn hold_back(&self, shard: u32, id: &str, held: HeldBack) -> Result<(), StoreError> {
+        self.state()?
+            .held_back
+            .insert((shard, id.to_string()), held);
+        Ok(())
     }
 
     async fn held_back(

@@ -44,7 +44,12 @@ return 1
     )
 });
 
-/// A held-back entry as [`RedisStore::record_fires`] writes it.
+/// A held-back entry as it is stored: `first_due_ms:retry_ms`.
+fn held_back_entry(held: &HeldBack) -> String {
+    format!("{}:{}", held.first_due_ms, held.retry_ms)
+}
+
+/// A held-back entry as [`held_back_entry`] writes it.
 fn parse_held_back(text: &str) -> Option<HeldBack> {
     let (first_due, retry) = text.split_once(':')?;
     Some(HeldBack {
@@ -168,10 +173,20 @@ impl ScheduleStore for RedisStore {
         let key = self.key(&["sched", "due", &shard.to_string()]);
         let mut c = self.connection.clone();
         match at_ms {
-            Some(at) => c.zadd::<_, _, _, ()>(key, id, at).await,
-            None => c.zrem::<_, _, ()>(key, id).await,
+            Some(at) => c
+                .zadd::<_, _, _, ()>(key, id, at)
+                .await
+                .map_err(|e| store_error("ZADD", e)),
+            None => redis::pipe()
+                .atomic()
+                .zrem(key, id)
+                .ignore()
+                .hdel(self.held_back_key(shard), id)
+                .ignore()
+                .query_async::<()>(&mut c)
+                .await
+                .map_err(|e| store_error("ZREM", e)),
         }
-        .map_err(|e| store_error("ZADD", e))
     }
 
     async fn next_fire(&self, shard: u32, id: &str) -> Result<Option<i64>, StoreError> {
@@ -198,6 +213,13 @@ impl ScheduleStore for RedisStore {
         )
         .await
         .map_err(|e| store_error("ZRANGEBYSCORE", e))
+    }
+
+    async fn hold_back(&self, shard: u32, id: &str, held: HeldBack) -> Result<(), StoreError> {
+        let mut c = self.connection.clone();
+        c.hset::<_, _, _, ()>(self.held_back_key(shard), id, held_back_entry(&held))
+            .await
+            .map_err(|e| store_error("HSET", e))
     }
 
     async fn held_back(
@@ -320,11 +342,7 @@ impl ScheduleStore for RedisStore {
         let held_key = self.held_back_key(shard);
         for (id, held) in held_back {
             writes.push(match held {
-                Some(held) => Write::Hset(
-                    held_key.clone(),
-                    id.clone(),
-                    format!("{}:{}", held.first_due_ms, held.retry_ms),
-                ),
+                Some(held) => Write::Hset(held_key.clone(), id.clone(), held_back_entry(held)),
                 None => Write::Hdel(held_key.clone(), id.clone()),
             });
         }
