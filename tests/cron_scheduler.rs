@@ -152,47 +152,6 @@ async fn schedules_of_shards_past_a_lowered_count_move_and_fire() {
         .is_some());
 }
 
-/// Raising `[cron] shards` leaves schedules filed in a shard their id no longer maps
-/// to; the master of that shard moves each, when it is next due, into its shard now,
-/// and it fires from there once per time.
-#[tokio::test]
-async fn schedules_filed_before_a_raised_count_move_to_their_shard_and_fire() {
-    use weir::cron::scheduler::shard_of;
-    let store = Arc::new(MemoryStore::new());
-    let broker = MemoryBroker::default();
-    let id = (0..)
-        .map(|i| format!("raised{i}"))
-        .find(|id| shard_of(id, 4) != 0)
-        .unwrap();
-    register(store.as_ref(), &every_second(&id, "rticks"), 1)
-        .await
-        .unwrap();
-    let cfg = SchedulerConfig {
-        shards: 4,
-        ..config("a", 0)
-    };
-    let cancel = CancellationToken::new();
-    let node = tokio::spawn(
-        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
-    );
-    tokio::time::sleep(Duration::from_millis(2500)).await;
-    cancel.cancel();
-    let _ = node.await;
-    let fired: Vec<i64> = ticks(&broker, "rticks")
-        .iter()
-        .map(|t| t.scheduled_time_ms)
-        .collect();
-    assert!(!fired.is_empty(), "it fires");
-    let once: std::collections::BTreeSet<i64> = fired.iter().copied().collect();
-    assert_eq!(once.len(), fired.len(), "each time once: {fired:?}");
-    assert_eq!(store.next_fire(0, &id).await.unwrap(), None);
-    assert!(store
-        .next_fire(shard_of(&id, 4), &id)
-        .await
-        .unwrap()
-        .is_some());
-}
-
 #[tokio::test]
 async fn paused_schedules_do_not_fire_and_resume_later() {
     let store = Arc::new(MemoryStore::new());
@@ -1964,13 +1923,7 @@ async fn a_held_back_schedule_moved_out_of_a_stranded_shard_still_catches_up() {
         .collect();
     fired.sort();
     assert_eq!(fired, minutes(&["00:01:00", "00:02:00", "00:03:00"]));
-    assert_eq!(
-        store
-            .held_back(old, std::slice::from_ref(&id))
-            .await
-            .unwrap(),
-        [None]
-    );
+    assert_eq!(store.held_back(old, std::slice::from_ref(&id)).await.unwrap(), [None]);
     assert_eq!(store.held_back(0, &[id]).await.unwrap(), [None]);
 }
 

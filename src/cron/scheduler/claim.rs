@@ -65,18 +65,6 @@ impl Scheduler {
                     .due_schedules(shard, horizon.timestamp_millis(), DUE_BATCH),
             )
             .await?;
-        // Filed here before `[cron] shards` was raised: moved to the shard its id maps to
-        // now, whose master alone fires it from then on. A few at a time, so firing the
-        // rest does not wait on them; those left stay due here for the next pass.
-        let shards = self.config.shards;
-        let (due, mut misfiled): (Vec<_>, Vec<_>) = due
-            .into_iter()
-            .partition(|(id, _)| shard_of(id, shards) == shard);
-        if !misfiled.is_empty() {
-            misfiled.truncate(MISFILED_MOVES_PER_PASS);
-            self.move_schedules(shard, misfiled, "a shard it no longer maps to")
-                .await?;
-        }
         // Load what is not cached yet, many at a time.
         let missing: Vec<String> = due
             .iter()

@@ -54,9 +54,6 @@ const EXECUTIONS_KEPT: usize = 1000;
 pub const MOST_SHARDS: u32 = 1024;
 /// How far ahead of their time due ticks are planned and claimed.
 const LOOKAHEAD: Duration = Duration::from_millis(250);
-/// Schedules filed in a shard their id no longer maps to moved per pass, at three or
-/// four store calls each.
-const MISFILED_MOVES_PER_PASS: usize = 100;
 /// Schedule loads in flight at once.
 const CONCURRENCY: usize = 1024;
 

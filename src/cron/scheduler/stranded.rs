@@ -2,9 +2,7 @@
 //! those shards any more, so the master of shard 0 moves their schedules into the shard
 //! their id maps to now, with their next fire time and what their shard held back of
 //! them kept (times missed meanwhile are then caught up by each schedule's policy)
-//! unless a config declared it there again. Once it was raised, a schedule filed in a
-//! shard its id no longer maps to is moved the same way by that shard's master when it
-//! is next due, so that one master alone fires it.
+//! unless a config declared it there again.
 
 use super::*;
 
@@ -29,50 +27,36 @@ impl Scheduler {
             let stranded = self
                 .bounded(self.store.due_schedules(old, i64::MAX, moves_left))
                 .await?;
-            moves_left -= stranded.len();
-            self.move_schedules(old, stranded, "a shard past [cron] shards")
-                .await?;
+            let ids: Vec<String> = stranded.iter().map(|(id, _)| id.clone()).collect();
+            let held_back = self.bounded(self.store.held_back(old, &ids)).await?;
+            for ((id, next_ms), held) in stranded.into_iter().zip(held_back) {
+                let shard = shard_of(&id, shards);
+                // Declared again by a config at a start, it has a next fire time there
+                // already, which wins: a changed definition starts from now.
+                let there = self.bounded(self.store.next_fire(shard, &id)).await?;
+                if there.is_none() {
+                    // Held back (unreadable or invalid when last looked at), it goes with
+                    // what its shard kept of that, so it still catches up from when it
+                    // was first due. Added before it is removed: a failure between
+                    // leaves it in both, and its executions' claims keep a time from
+                    // firing twice.
+                    if let Some(held) = held {
+                        self.bounded(self.store.hold_back(shard, &id, held)).await?;
+                    }
+                    self.bounded(self.store.set_next_fire(shard, &id, Some(next_ms)))
+                        .await?;
+                }
+                // Cleared with what the old shard held back of it.
+                self.bounded(self.store.set_next_fire(old, &id, None))
+                    .await?;
+                info!(schedule = %id, from = old, to = shard, "schedule moved out of a shard past [cron] shards");
+                moves_left -= 1;
+            }
             if moves_left == 0 {
                 // This shard may hold more: the next sweep starts with it.
                 self.stranded_from = old;
                 break;
             }
-        }
-        Ok(())
-    }
-
-    /// Moves schedules found due in shard `old` into the shard each id maps to now,
-    /// with their next fire time and what `old` held back of them.
-    pub(super) async fn move_schedules(
-        &mut self,
-        old: u32,
-        schedules: Vec<(String, i64)>,
-        out_of: &str,
-    ) -> Result<(), StoreError> {
-        let shards = self.config.shards.max(1);
-        let ids: Vec<String> = schedules.iter().map(|(id, _)| id.clone()).collect();
-        let held_back = self.bounded(self.store.held_back(old, &ids)).await?;
-        for ((id, next_ms), held) in schedules.into_iter().zip(held_back) {
-            let shard = shard_of(&id, shards);
-            // Declared again by a config at a start, it has a next fire time there
-            // already, which wins: a changed definition starts from now.
-            let there = self.bounded(self.store.next_fire(shard, &id)).await?;
-            if there.is_none() {
-                // Held back (unreadable or invalid when last looked at), it goes with
-                // what its shard kept of that, so it still catches up from when it was
-                // first due. Added before it is removed: a failure between leaves it in
-                // both, and its executions' claims keep a time from firing twice.
-                if let Some(held) = held {
-                    self.bounded(self.store.hold_back(shard, &id, held)).await?;
-                }
-                self.bounded(self.store.set_next_fire(shard, &id, Some(next_ms)))
-                    .await?;
-            }
-            // Cleared with what the old shard held back of it.
-            self.bounded(self.store.set_next_fire(old, &id, None))
-                .await?;
-            self.cache.remove(&id);
-            info!(schedule = %id, from = old, to = shard, "schedule moved out of {out_of}");
         }
         Ok(())
     }
