@@ -550,7 +550,8 @@ mod failover {
         let store = redis_store(&prefix).await;
         let mut alo = every_second("alo", "claim.alo");
         alo.delivery = weir::cron::Delivery::AtLeastOnce;
-        // Catching up every time it misses, so each look plans the claimed one again.
+        // Catching up every time it misses, so a look that failed over the claimed one
+        // would plan it again at every look after.
         alo.catchup = weir::cron::CatchUp::All { cap: 10 };
         register(store.as_ref(), &alo, 1).await.unwrap();
         register(store.as_ref(), &every_second("amo", "claim.amo"), 1)
@@ -1923,7 +1924,13 @@ async fn a_held_back_schedule_moved_out_of_a_stranded_shard_still_catches_up() {
         .collect();
     fired.sort();
     assert_eq!(fired, minutes(&["00:01:00", "00:02:00", "00:03:00"]));
-    assert_eq!(store.held_back(old, std::slice::from_ref(&id)).await.unwrap(), [None]);
+    assert_eq!(
+        store
+            .held_back(old, std::slice::from_ref(&id))
+            .await
+            .unwrap(),
+        [None]
+    );
     assert_eq!(store.held_back(0, &[id]).await.unwrap(), [None]);
 }
 

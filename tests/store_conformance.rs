@@ -955,6 +955,22 @@ mod cases {
                 .unwrap();
             assert!(store.delete_schedule("t", 0).await.unwrap());
             assert_eq!(store.held_back(0, &ids).await.unwrap(), [None, None, None]);
+            // No longer fired from the shard: what it held back goes with the fire time.
+            store
+                .record_fires(
+                    0,
+                    &[],
+                    &[("u".to_string(), Some(63_000))],
+                    &[("u".to_string(), Some(held(3_000, 63_000)))],
+                    &current,
+                )
+                .await
+                .unwrap();
+            store
+                .record_fires(0, &[], &[("u".to_string(), None)], &[], &current)
+                .await
+                .unwrap();
+            assert_eq!(store.held_back(0, &ids).await.unwrap(), [None, None, None]);
         }
 
         /// A schedule moved out of a shard takes what that shard held back of it along;

@@ -365,7 +365,9 @@ impl Scheduler {
             )
         };
         // Records that do not read back tell nothing of what runs: a schedule with only
-        // those is not read a thousand at a time at every look.
+        // those is not read a thousand at a time at every look. The price: one still
+        // running behind ten unreadable records is not seen, and the overlap policy
+        // does not hold its firings back.
         if recent.len() == RECENT_EXECUTIONS
             && !recent.executions.is_empty()
             && recent.executions.iter().all(held_back)

@@ -333,13 +333,18 @@ impl ScheduleStore for RedisStore {
         for e in executions {
             writes.push(self.execution_write(e)?);
         }
-        for (id, at) in next_fires {
-            writes.push(match at {
-                Some(at) => Write::Zadd(due.clone(), *at, id.clone()),
-                None => Write::Zrem(due.clone(), id.clone()),
-            });
-        }
         let held_key = self.held_back_key(shard);
+        for (id, at) in next_fires {
+            match at {
+                Some(at) => writes.push(Write::Zadd(due.clone(), *at, id.clone())),
+                // No longer fired from this shard: what it held back of it goes too, as
+                // `set_next_fire` does (an entry that did not parse included).
+                None => {
+                    writes.push(Write::Zrem(due.clone(), id.clone()));
+                    writes.push(Write::Hdel(held_key.clone(), id.clone()));
+                }
+            }
+        }
         for (id, held) in held_back {
             writes.push(match held {
                 Some(held) => Write::Hset(held_key.clone(), id.clone(), held_back_entry(held)),
