@@ -1934,6 +1934,59 @@ async fn a_held_back_schedule_moved_out_of_a_stranded_shard_still_catches_up() {
     assert_eq!(store.held_back(0, &[id]).await.unwrap(), [None]);
 }
 
+/// What the shard holds back of a schedule is read even while the master has that
+/// schedule cached (from before another master held it back, or from a pass that read
+/// it back and then failed to record): the master catches it up from when it was first
+/// due, and forgets the entry.
+#[tokio::test(start_paused = true)]
+async fn a_schedule_cached_while_its_shard_held_it_back_still_catches_up() {
+    use weir::cron::scheduler::TokioClock;
+    use weir::cron::HeldBack;
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
+    let mut schedule = Schedule::new("cached", "* * * * *", "UTC");
+    schedule.target = Target::Topic("cached.ticks".into());
+    schedule.catchup = weir::cron::CatchUp::All { cap: 10 };
+    weir::cron::scheduler::register_at(store.as_ref(), &schedule, 1, at("2026-01-01T00:00:30Z"))
+        .await
+        .unwrap();
+    let cfg = SchedulerConfig {
+        clock,
+        ..config("a", 0)
+    };
+    let cancel = CancellationToken::new();
+    let node = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+    );
+    // Fired at 00:01:00 and cached; then held back from 00:02:00, to be looked at again
+    // at 00:03:00, as another master of the shard would have left it.
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    let retry_ms = minutes(&["00:03:00"])[0];
+    store
+        .set_next_fire(0, "cached", Some(retry_ms))
+        .await
+        .unwrap();
+    let held = HeldBack {
+        first_due_ms: minutes(&["00:02:00"])[0],
+        retry_ms,
+    };
+    store.hold_back(0, "cached", held).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(140)).await;
+    cancel.cancel();
+    let _ = node.await;
+    let mut fired: Vec<i64> = ticks(&broker, "cached.ticks")
+        .iter()
+        .map(|t| t.scheduled_time_ms)
+        .collect();
+    fired.sort();
+    assert_eq!(fired, minutes(&["00:01:00", "00:02:00", "00:03:00"]));
+    assert_eq!(
+        store.held_back(0, &["cached".to_string()]).await.unwrap(),
+        [None]
+    );
+}
+
 /// A schedule held back while invalid that reads back paused forgets when it was first
 /// due: resumed later, it fires from its resumption on, not the times of its pause.
 #[tokio::test(start_paused = true)]
