@@ -18,6 +18,32 @@ use weir::store::prelude::*;
 use weir::store::ExecutionStatus;
 use weir::transport::memory::MemoryBroker;
 
+/// The scheduled times of the ticks sent to `topic`, in order.
+fn fired_times(broker: &MemoryBroker, topic: &str) -> Vec<i64> {
+    let mut fired: Vec<i64> = ticks(broker, topic)
+        .iter()
+        .map(|t| t.scheduled_time_ms)
+        .collect();
+    fired.sort();
+    fired
+}
+
+/// Runs one scheduler node over `store` for `long`, then stops it.
+async fn run_for(
+    store: &Arc<MemoryStore>,
+    broker: &MemoryBroker,
+    cfg: SchedulerConfig,
+    long: Duration,
+) {
+    let cancel = CancellationToken::new();
+    let node = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+    );
+    tokio::time::sleep(long).await;
+    cancel.cancel();
+    let _ = node.await;
+}
+
 fn ticks(broker: &MemoryBroker, topic: &str) -> Vec<CronTick> {
     broker
         .messages(topic)
@@ -136,13 +162,7 @@ async fn schedules_of_shards_past_a_lowered_count_move_and_fire() {
         orphan_after: Duration::from_millis(200),
         ..config("a", 0)
     };
-    let cancel = CancellationToken::new();
-    let node = tokio::spawn(
-        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
-    );
-    tokio::time::sleep(Duration::from_millis(2500)).await;
-    cancel.cancel();
-    let _ = node.await;
+    run_for(&store, &broker, cfg, Duration::from_millis(2500)).await;
     assert!(!ticks(&broker, "mticks").is_empty(), "it fires");
     assert_eq!(store.next_fire(old, &id).await.unwrap(), None);
     assert!(store
@@ -1825,13 +1845,7 @@ impl GoneInvalid {
     async fn stop(self) -> Vec<i64> {
         self.cancel.cancel();
         let _ = self.task.await;
-        let topic = format!("{}.ticks", self.schedule.id);
-        let mut fired: Vec<i64> = ticks(&self.broker, &topic)
-            .iter()
-            .map(|t| t.scheduled_time_ms)
-            .collect();
-        fired.sort();
-        fired
+        fired_times(&self.broker, &format!("{}.ticks", self.schedule.id))
     }
 }
 
@@ -1911,19 +1925,11 @@ async fn a_held_back_schedule_moved_out_of_a_stranded_shard_still_catches_up() {
         orphan_after: Duration::from_millis(200),
         ..config("a", 0)
     };
-    let cancel = CancellationToken::new();
-    let node = tokio::spawn(
-        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+    run_for(&store, &broker, cfg, Duration::from_secs(60)).await;
+    assert_eq!(
+        fired_times(&broker, "stranded.ticks"),
+        minutes(&["00:01:00", "00:02:00", "00:03:00"])
     );
-    tokio::time::sleep(Duration::from_secs(60)).await;
-    cancel.cancel();
-    let _ = node.await;
-    let mut fired: Vec<i64> = ticks(&broker, "stranded.ticks")
-        .iter()
-        .map(|t| t.scheduled_time_ms)
-        .collect();
-    fired.sort();
-    assert_eq!(fired, minutes(&["00:01:00", "00:02:00", "00:03:00"]));
     assert_eq!(
         store
             .held_back(old, std::slice::from_ref(&id))
@@ -1975,12 +1981,10 @@ async fn a_schedule_cached_while_its_shard_held_it_back_still_catches_up() {
     tokio::time::sleep(Duration::from_secs(140)).await;
     cancel.cancel();
     let _ = node.await;
-    let mut fired: Vec<i64> = ticks(&broker, "cached.ticks")
-        .iter()
-        .map(|t| t.scheduled_time_ms)
-        .collect();
-    fired.sort();
-    assert_eq!(fired, minutes(&["00:01:00", "00:02:00", "00:03:00"]));
+    assert_eq!(
+        fired_times(&broker, "cached.ticks"),
+        minutes(&["00:01:00", "00:02:00", "00:03:00"])
+    );
     assert_eq!(
         store.held_back(0, &["cached".to_string()]).await.unwrap(),
         [None]
