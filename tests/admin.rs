@@ -1527,28 +1527,10 @@ mod services {
             .await
             .unwrap();
         for at in [1_000, 2_000] {
-            let execution = weir::store::Execution {
-                schedule_id: "s".into(),
-                scheduled_ms: at,
-                tick_id: format!("s@{at}"),
-                status: weir::store::ExecutionStatus::Completed,
-                attempt: 1,
-                max_attempts: 3,
-                node_id: "n".into(),
-                fencing_token: 1,
-                updated_ms: at,
-                error: None,
-            };
+            let execution = common::services::completed_execution("s", at);
             assert!(store.claim_execution(&execution).await.unwrap());
         }
-        let client = redis::Client::open(common::services::redis_url()).unwrap();
-        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
-        redis::cmd("SET")
-            .arg(format!("{prefix}:exec:s:2000"))
-            .arg(r#"{"schedule_id": "s", "status": 7}"#)
-            .query_async::<()>(&mut connection)
-            .await
-            .unwrap();
+        common::services::write_unreadable_execution(&prefix, "s", 2_000).await;
         let (admin, cancel) = serve_with_tenant_token(store.clone()).await;
         let url = format!("http://{admin}/schedules/s");
         let (status, shown) = json_of("GET", &url, Some("all-token"), None).await;

@@ -203,21 +203,9 @@ mod with_redis {
         let mut connection = client.get_connection().unwrap();
         for at in [1_000i64, 2_000, 3_000] {
             let record = if at == 2_000 {
-                r#"{"schedule_id": "h", "status": 7}"#.to_string()
+                services::unreadable_execution("h")
             } else {
-                serde_json::to_string(&weir::store::Execution {
-                    schedule_id: "h".into(),
-                    scheduled_ms: at,
-                    tick_id: format!("h@{at}"),
-                    status: weir::store::ExecutionStatus::Completed,
-                    attempt: 1,
-                    max_attempts: 3,
-                    node_id: "n".into(),
-                    fencing_token: 1,
-                    updated_ms: at,
-                    error: None,
-                })
-                .unwrap()
+                serde_json::to_string(&services::completed_execution("h", at)).unwrap()
             };
             redis::pipe()
                 .set(format!("{prefix}:exec:h:{at}"), record)

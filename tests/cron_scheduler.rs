@@ -378,7 +378,7 @@ mod failover {
     async fn an_unreadable_stored_schedule_leaves_the_rest_of_its_shard_firing() {
         let prefix = services::unique("cronbad");
         let _cleanup_prefix = services::cleanup(&prefix);
-        let store = redis_store(&prefix).await;
+        let store = services::redis(&prefix).await;
         register(store.as_ref(), &every_second("good", "good.ticks"), 1)
             .await
             .unwrap();
@@ -414,7 +414,7 @@ mod failover {
     /// A Redis store under `prefix` with schedules `bad` and `orph`, never due in a test,
     /// each with a tick claimed at 1000 ms by a node that died before emitting it.
     async fn two_orphaned(prefix: &str) -> Arc<weir::store::redis::RedisStore> {
-        let store = redis_store(prefix).await;
+        let store = services::redis(prefix).await;
         // Ids in the order the sweep takes them: `bad` first.
         for id in ["bad", "orph"] {
             let mut schedule = every_second(id, "oticks");
@@ -488,28 +488,6 @@ mod failover {
         assert!(raw.contains("\"status\": 7"), "left as it was: {raw}");
     }
 
-    async fn redis_store(prefix: &str) -> Arc<weir::store::redis::RedisStore> {
-        Arc::new(
-            weir::store::redis::RedisStore::connect(&services::redis_url(), prefix)
-                .await
-                .unwrap(),
-        )
-    }
-
-    /// Stores, as another version might, an execution record this one cannot read.
-    async fn write_unreadable_execution(prefix: &str, schedule_id: &str, scheduled_ms: i64) {
-        let client = redis::Client::open(services::redis_url()).unwrap();
-        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
-        redis::cmd("SET")
-            .arg(format!("{prefix}:exec:{schedule_id}:{scheduled_ms}"))
-            .arg(format!(
-                r#"{{"schedule_id": "{schedule_id}", "status": 7}}"#
-            ))
-            .query_async::<()>(&mut connection)
-            .await
-            .unwrap();
-    }
-
     /// An execution record this version cannot read is listed apart, and the overlap
     /// check judges on the rest: a readable running execution still makes a schedule
     /// with `overlap = "skip"` skip its firings.
@@ -517,7 +495,7 @@ mod failover {
     async fn an_unreadable_execution_record_leaves_the_overlap_judged_on_the_rest() {
         let prefix = services::unique("cronover");
         let _cleanup_prefix = services::cleanup(&prefix);
-        let store = redis_store(&prefix).await;
+        let store = services::redis(&prefix).await;
         let mut schedule = every_second("wf", "unused");
         schedule.target = Target::Workflow("report".into());
         schedule.overlap = weir::cron::Overlap::Skip;
@@ -534,7 +512,7 @@ mod failover {
             .claim_execution(&unemitted("wf", unreadable_ms))
             .await
             .unwrap();
-        write_unreadable_execution(&prefix, "wf", unreadable_ms).await;
+        services::write_unreadable_execution(&prefix, "wf", unreadable_ms).await;
         let listed = store.executions("wf", 10).await.unwrap();
         assert_eq!(listed.executions, [running]);
         assert_eq!(listed.unreadable.len(), 1);
@@ -567,7 +545,7 @@ mod failover {
     async fn a_claimed_execution_that_does_not_read_back_leaves_its_shard_firing() {
         let prefix = services::unique("cronclaim");
         let _cleanup_prefix = services::cleanup(&prefix);
-        let store = redis_store(&prefix).await;
+        let store = services::redis(&prefix).await;
         let mut alo = every_second("alo", "claim.alo");
         alo.delivery = weir::cron::Delivery::AtLeastOnce;
         // Catching up every time it misses, so a look that failed over the claimed one
@@ -579,7 +557,7 @@ mod failover {
             .unwrap();
         // Claimed by another version's master two seconds from now.
         let unreadable_ms = (chrono::Utc::now().timestamp_millis() / 1000 + 2) * 1000;
-        write_unreadable_execution(&prefix, "alo", unreadable_ms).await;
+        services::write_unreadable_execution(&prefix, "alo", unreadable_ms).await;
         let broker = MemoryBroker::default();
         let cancel = CancellationToken::new();
         let scheduler = tokio::spawn(

@@ -115,6 +115,39 @@ pub async fn redis(prefix: &str) -> Arc<RedisStore> {
     )
 }
 
+/// Stores, as another version might, an execution record this one cannot read.
+pub async fn write_unreadable_execution(prefix: &str, schedule_id: &str, scheduled_ms: i64) {
+    let client = redis::Client::open(redis_url()).unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    redis::cmd("SET")
+        .arg(format!("{prefix}:exec:{schedule_id}:{scheduled_ms}"))
+        .arg(unreadable_execution(schedule_id))
+        .query_async::<()>(&mut connection)
+        .await
+        .unwrap();
+}
+
+/// An execution record as another version might write it: one this version cannot read.
+pub fn unreadable_execution(schedule_id: &str) -> String {
+    format!(r#"{{"schedule_id": "{schedule_id}", "status": 7}}"#)
+}
+
+/// An execution of `schedule_id` due at `at_ms` that completed then.
+pub fn completed_execution(schedule_id: &str, at_ms: i64) -> weir::store::Execution {
+    weir::store::Execution {
+        schedule_id: schedule_id.into(),
+        scheduled_ms: at_ms,
+        tick_id: format!("{schedule_id}@{at_ms}"),
+        status: weir::store::ExecutionStatus::Completed,
+        attempt: 1,
+        max_attempts: 3,
+        node_id: "n".into(),
+        fencing_token: 1,
+        updated_ms: at_ms,
+        error: None,
+    }
+}
+
 /// What a test made on the shared services, removed when this is dropped: the Redis
 /// keys and JetStream streams whose names hold the test's prefix (as [`unique`] makes
 /// it, no other test's names hold it), and, when the test process exits, its Kafka
