@@ -217,6 +217,48 @@ pub async fn serve_partition<F, Fut>(
     }
 }
 
+/// Tries of a partition's store write, for as long as the partition's lease holds: a
+/// write that fails with an error a retry may help with (a store away for a moment) is
+/// tried again after a pause. Failing the attempt instead would serve the partition
+/// again from what is stored, and publish again the outputs its batch already published.
+/// Each try is bounded by the store's own timeouts, and is made with
+/// [`Held::write_fence`], which refuses once the lease's deadline passed.
+pub struct WriteRetry<'a> {
+    group: &'a str,
+    partition: i32,
+    lost: &'a CancellationToken,
+    pause: Duration,
+}
+
+impl<'a> WriteRetry<'a> {
+    pub fn new(group: &'a str, partition: i32, lost: &'a CancellationToken) -> Self {
+        Self {
+            group,
+            partition,
+            lost,
+            pause: Duration::from_millis(50),
+        }
+    }
+
+    /// After a failed try: returns once the write is worth trying again (the pause
+    /// between tries doubles from 50 ms to 1 s), or the error to give up with, when no
+    /// retry helps (the lease has a newer holder, a corrupt value) or the partition is
+    /// lost meanwhile.
+    pub async fn after(&mut self, error: StoreError) -> Result<(), PartitionError> {
+        if !error.is_retryable() {
+            return Err(error.into());
+        }
+        let (group, partition, pause) = (self.group, self.partition, self.pause);
+        warn!(%group, partition, %error, ?pause, "cannot write the partition's state; trying again while its lease holds");
+        tokio::select! {
+            _ = self.lost.cancelled() => return Err(error.into()),
+            _ = tokio::time::sleep(pause) => {}
+        }
+        self.pause = (pause * 2).min(Duration::from_secs(1));
+        Ok(())
+    }
+}
+
 /// A token cancelled once either of two is: what a partition's work waits on when any
 /// reason to stop will do (a publish retried while the broker is away).
 pub struct Either {

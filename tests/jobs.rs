@@ -53,13 +53,22 @@ impl Cluster {
     }
 
     fn node_handling(&self, id: &str, handler: Arc<dyn JobHandler>) -> TaskNode {
+        self.node_on(id, handler, self.store.clone())
+    }
+
+    /// A node writing through `store` rather than straight to the cluster's.
+    fn node_on(
+        &self,
+        id: &str,
+        handler: Arc<dyn JobHandler>,
+        store: Arc<dyn JobsStore>,
+    ) -> TaskNode {
         let mut job_type = JobType::new(TYPE, handler);
         job_type.partitions = PARTITIONS;
         job_type.lease_ttl = Duration::from_millis(600);
         job_type.output = Some("counter.out".into());
         // Fewer than the jobs of a partition: some leave memory and come back.
         job_type.max_jobs_in_memory = 4;
-        let store: Arc<dyn JobsStore> = self.store.clone();
         TaskNode::spawn(|stop| {
             weir::jobs::serve(
                 job_type,
@@ -156,6 +165,78 @@ async fn every_message_is_applied_once_while_nodes_join_leave_and_die() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     cluster.await_counts(&ids, 40).await;
     c.stop().await;
+}
+
+/// A node counting, writing through a store whose partition writes fail on demand,
+/// with 12 jobs put and sent one message each, counted.
+async fn serving_through_a_flaky_store(
+    cluster: &Cluster,
+) -> (TaskNode, Arc<common::FlakyStore>, JobClient, Vec<String>) {
+    let client = cluster.client().await;
+    let flaky = Arc::new(common::FlakyStore::new(cluster.store.clone()));
+    let count = JobHandlers::default().get("builtin::count").unwrap();
+    let node = cluster.node_on("n", count, flaky.clone());
+    let ids: Vec<String> = (0..12).map(|i| format!("job-{i}")).collect();
+    for id in &ids {
+        client.put(id, &json!({})).await.unwrap();
+    }
+    send_round(&client, &ids, 0).await;
+    cluster.await_counts(&ids, 1).await;
+    (node, flaky, client, ids)
+}
+
+#[tokio::test]
+async fn a_batch_write_failing_for_a_moment_is_tried_again_and_repeats_no_output() {
+    // A stop's output is published before the batch holding the stop is written. Were
+    // a failed write to serve the partition again from the store, the stop would be
+    // applied again and its output published a second time.
+    let cluster = Cluster::new().await;
+    let (node, flaky, client, ids) = serving_through_a_flaky_store(&cluster).await;
+    // Three tries fail: 350 ms of pauses between tries, within the 600 ms lease.
+    flaky.fail_writes(3);
+    for id in &ids {
+        client.stop(id).await.unwrap();
+    }
+    common::eventually("the failing writes tried", || async {
+        flaky.failures_left() == 0
+    })
+    .await;
+    common::eventually("every job stopped", || async {
+        cluster.memory.messages("counter.out").len() >= ids.len()
+    })
+    .await;
+    // Long enough for a partition served again to have applied its stops again.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let outputs = cluster.memory.messages("counter.out");
+    assert_eq!(outputs.len(), ids.len(), "stop outputs repeated");
+    for id in &ids {
+        assert_eq!(cluster.state(id).await, None, "{id} was stopped");
+    }
+    node.stop().await;
+}
+
+#[tokio::test]
+async fn a_hand_over_whose_write_fails_for_a_moment_still_writes_it() {
+    // The write handing a partition over carries the release mark and what its last
+    // batch applied: failing once, it is tried again before the lease is let go.
+    let cluster = Cluster::new().await;
+    let (node, flaky, client, ids) = serving_through_a_flaky_store(&cluster).await;
+    flaky.fail_releases(PARTITIONS as usize);
+    node.stop().await;
+    assert_eq!(flaky.failures_left(), 0);
+    for partition in 0..PARTITIONS as i32 {
+        let snapshot = cluster.store.load_partition(TYPE, partition).await.unwrap();
+        assert!(
+            snapshot.released.is_some(),
+            "partition {partition} handed over without its write"
+        );
+    }
+    let next = cluster.node("next");
+    send_round(&client, &ids, 1).await;
+    cluster.await_counts(&ids, 2).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    cluster.await_counts(&ids, 2).await;
+    next.stop().await;
 }
 
 #[tokio::test]

@@ -69,7 +69,11 @@ impl Cluster {
     }
 
     fn node(&self, id: &str) -> TaskNode {
-        let store: Arc<dyn KeyedGraphStore> = self.store.clone();
+        self.node_on(id, self.store.clone())
+    }
+
+    /// A node writing through `store` rather than straight to the cluster's.
+    fn node_on(&self, id: &str, store: Arc<dyn KeyedGraphStore>) -> TaskNode {
         TaskNode::spawn(|stop| {
             weir::keyed::serve(
                 self.decl.clone(),
@@ -90,6 +94,16 @@ impl Cluster {
             .publish(Outbound::new(topic, event.to_string()).key(user.to_string()))
             .await
             .unwrap();
+    }
+
+    /// Sends events `seqs` to source `a`, each to user `u<seq mod 20>`, and notes them
+    /// in `sent`.
+    async fn send_users(&self, seqs: std::ops::Range<u64>, sent: &mut HashSet<(String, u64)>) {
+        for seq in seqs {
+            let user = format!("u{}", seq % 20);
+            self.send("a", &user, seq).await;
+            sent.insert((user, seq));
+        }
     }
 
     fn outputs(&self) -> Vec<Value> {
@@ -225,6 +239,90 @@ async fn every_input_reaches_an_output_in_its_keys_order_across_joins_and_kills(
     }
     assert!(repeats <= 40 * 5, "{repeats} repeated outputs");
     b.stop().await;
+}
+
+/// How many outputs carry a (user, seq) an earlier output carried.
+fn repeats(outputs: &[Value]) -> usize {
+    let mut seen = HashSet::new();
+    outputs
+        .iter()
+        .filter(|o| {
+            let key = o["key"].as_str().unwrap().to_string();
+            !seen.insert((key, o["inputs"]["a"]["seq"].as_u64().unwrap()))
+        })
+        .count()
+}
+
+/// A cluster whose one node writes through a store failing on demand, with 40 events
+/// over 20 users sent to source `a` and fired.
+async fn serving_through_a_flaky_store(
+    name: &str,
+) -> (
+    Cluster,
+    Arc<common::FlakyStore>,
+    TaskNode,
+    HashSet<(String, u64)>,
+) {
+    let cluster = Cluster::new(graph(name, &["a"], Criteria::WhenAny)).await;
+    let flaky = Arc::new(common::FlakyStore::new(cluster.store.clone()));
+    let node = cluster.node_on("n", flaky.clone());
+    let mut sent = HashSet::new();
+    cluster.send_users(0..40, &mut sent).await;
+    cluster.await_outputs(&sent).await;
+    (cluster, flaky, node, sent)
+}
+
+#[tokio::test]
+async fn a_batch_write_failing_for_a_moment_is_tried_again_and_repeats_no_output() {
+    // A batch's outputs are published before its keys and positions are written. Were
+    // a failed write to serve the partition again from the store, the batch's events
+    // would be read again and their outputs published a second time.
+    let (cluster, flaky, node, mut sent) = serving_through_a_flaky_store("blip").await;
+    // Three tries fail: 350 ms of pauses between tries, within the 600 ms lease.
+    flaky.fail_writes(3);
+    cluster.send_users(40..80, &mut sent).await;
+    common::eventually("the failing writes tried", || async {
+        flaky.failures_left() == 0
+    })
+    .await;
+    let outputs = cluster.await_outputs(&sent).await;
+    // Long enough for a partition served again to have read its events again.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        repeats(&cluster.outputs()),
+        0,
+        "outputs repeated: {outputs:?}"
+    );
+    node.stop().await;
+}
+
+#[tokio::test]
+async fn a_hand_over_whose_write_fails_for_a_moment_still_writes_it() {
+    // The write handing a partition over carries what its last batch applied and the
+    // release mark: failing once, it is tried again before the lease is let go, so the
+    // next owner starts from it rather than from the batch before.
+    let (cluster, flaky, node, mut sent) = serving_through_a_flaky_store("handover").await;
+    let partitions = cluster.topics.partitions as i32;
+    flaky.fail_releases(partitions as usize);
+    node.stop().await;
+    assert_eq!(flaky.failures_left(), 0);
+    for partition in 0..partitions {
+        let released = cluster
+            .store
+            .load_released("handover", partition)
+            .await
+            .unwrap();
+        assert!(
+            released.is_some(),
+            "partition {partition} handed over without its write"
+        );
+    }
+    let next = cluster.node("next");
+    cluster.send_users(40..60, &mut sent).await;
+    cluster.await_outputs(&sent).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(repeats(&cluster.outputs()), 0);
+    next.stop().await;
 }
 
 #[tokio::test]

@@ -422,18 +422,18 @@ mod cases {
             let fence = Fence::from(&lease);
             assert!(store.load_positions("g", 1).await.unwrap().is_empty());
             assert_eq!(store.load_released("g", 1).await.unwrap(), None);
-            let changes = KeyedChanges {
+            let mut changes = KeyedChanges {
                 keys: vec![("ann".into(), snapshot(3)), ("bob".into(), snapshot(1))],
                 positions: [("a".to_string(), 17), ("b".to_string(), 4)].into(),
                 released: None,
             };
-            store.save_keys("g", 1, changes, &fence).await.unwrap();
-            let later = KeyedChanges {
+            store.save_keys("g", 1, &mut changes, &fence).await.unwrap();
+            let mut later = KeyedChanges {
                 keys: vec![("ann".into(), snapshot(4))],
                 positions: [("a".to_string(), 18)].into(),
                 released: Some((lease.token, 1_234)),
             };
-            store.save_keys("g", 1, later, &fence).await.unwrap();
+            store.save_keys("g", 1, &mut later, &fence).await.unwrap();
             assert_eq!(
                 store
                     .load_keys("g", 1, &["ann".into(), "cid".into(), "bob".into()])
@@ -470,20 +470,21 @@ mod cases {
 
         pub async fn a_deposed_owners_batch_is_refused_whole(store: Arc<dyn Store>) {
             let (old, new) = deposed_and_current(store.as_ref(), "graph.g.1").await;
-            let stale = KeyedChanges {
+            let mut stale = KeyedChanges {
                 keys: vec![("ann".into(), snapshot(9))],
                 positions: [("a".to_string(), 99)].into(),
                 released: None,
             };
-            assert!(is_fenced(
-                &store.save_keys("g", 1, stale.clone(), &old).await
-            ));
+            let sent = stale.clone();
+            assert!(is_fenced(&store.save_keys("g", 1, &mut stale, &old).await));
+            // A refused write leaves the batch whole, to be written again.
+            assert_eq!(stale, sent);
             assert_eq!(
                 store.load_keys("g", 1, &["ann".into()]).await.unwrap(),
                 [None]
             );
             assert!(store.load_positions("g", 1).await.unwrap().is_empty());
-            store.save_keys("g", 1, stale, &new).await.unwrap();
+            store.save_keys("g", 1, &mut stale, &new).await.unwrap();
             assert_eq!(
                 store.load_keys("g", 1, &["ann".into()]).await.unwrap(),
                 [Some(snapshot(9))]

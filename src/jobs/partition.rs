@@ -16,7 +16,7 @@ use super::store::{JobRecord, JobStore, PartitionChanges};
 use super::{HandlerError, JobEvent, JobType, Step, Timer, LATEST_DUE_MS};
 use crate::lease::Held;
 use crate::metrics;
-use crate::ownership::{PartitionError, PartitionWork};
+use crate::ownership::{PartitionError, PartitionWork, WriteRetry};
 use crate::store_error::StoreError;
 use crate::transport::{
     now_ms, publish_dead_letter, Broker, Message, Outbound, PartitionedTopic, Position, Sink,
@@ -78,7 +78,8 @@ impl PartitionWork for JobPartitions {
             &release,
             &lost,
             |stopping, first| async move {
-                let mut serving = Serving::start(self, partition, held, first, &stopping).await?;
+                let mut serving =
+                    Serving::start(self, partition, held, first, &stopping, losing).await?;
                 serving.serve(releasing, losing).await
             },
         )
@@ -93,6 +94,9 @@ struct Serving<'a> {
     held: &'a Held,
     /// Cancelled on release or loss: ends a publish retried while the broker is away.
     stopping: CancellationToken,
+    /// Cancelled on loss only: ends a store write retried while the store is away, which
+    /// a release lets finish, so that the hand-over writes what the partition applied.
+    lost: CancellationToken,
     source: Box<dyn Source>,
     /// The last position applied (written or not).
     position: Option<i64>,
@@ -166,6 +170,7 @@ impl<'a> Serving<'a> {
         held: &'a Held,
         first: bool,
         stopping: &CancellationToken,
+        lost: &CancellationToken,
     ) -> Result<Serving<'a>, PartitionError> {
         let name = &jobs.job_type.name;
         let snapshot = jobs.store.load_partition(name, partition).await?;
@@ -189,6 +194,7 @@ impl<'a> Serving<'a> {
             partition,
             held,
             stopping: stopping.clone(),
+            lost: lost.clone(),
             source,
             position: snapshot.position,
             cache: HashMap::new(),
@@ -550,7 +556,7 @@ impl<'a> Serving<'a> {
         }
         // Checked before the outputs leave too: a node paused past its lease publishes
         // nothing more.
-        let fence = self.held.write_fence()?;
+        self.held.write_fence()?;
         let batch = std::mem::take(&mut self.batch);
         // Each output is kept until acknowledged: one the broker refuses for good (too
         // large, say) is recorded on the output's dead-letter topic instead, so the
@@ -581,10 +587,22 @@ impl<'a> Serving<'a> {
                 _ => changes.removed.push(id),
             }
         }
-        self.jobs
-            .store
-            .save_partition(&self.jobs.job_type.name, self.partition, &changes, &fence)
-            .await?;
+        // The batch's outputs are out: a store away for a moment is waited for, not a
+        // reason to serve the partition again from the store and publish them again.
+        let (name, partition) = (&self.jobs.job_type.name, self.partition);
+        let mut retry = WriteRetry::new(&self.jobs.ownership_group, partition, &self.lost);
+        loop {
+            let fence = self.held.write_fence()?;
+            match self
+                .jobs
+                .store
+                .save_partition(name, partition, &changes, &fence)
+                .await
+            {
+                Ok(()) => break,
+                Err(e) => retry.after(e).await?,
+            }
+        }
         self.counts.store_writes.increment(1);
         self.evict();
         if let Some(position) = batch.commit {

@@ -22,7 +22,7 @@ use crate::codec::CodecError;
 use crate::graph::dag::FireOutputs;
 use crate::graph::{FireInput, FireValues, GraphDeclaration, Keying};
 use crate::lease::Held;
-use crate::ownership::{PartitionError, PartitionWork};
+use crate::ownership::{PartitionError, PartitionWork, WriteRetry};
 use crate::reactor::cache::{InputCache, Inserted};
 use crate::reactor::CacheSnapshot;
 use crate::store_error::StoreError;
@@ -151,8 +151,9 @@ struct Serving<'a> {
     held: &'a Held,
     /// Cancelled on release or loss: ends a publish retried while the broker is away.
     stopping: CancellationToken,
-    /// Cancelled on loss only: ends the wait to run a failed fire again, which a release
-    /// lets finish, so that the hand-over writes what the partition applied.
+    /// Cancelled on loss only: ends the wait to run a failed fire again, or to write a
+    /// batch again, which a release lets finish, so that the hand-over writes what the
+    /// partition applied.
     lost: CancellationToken,
     /// The source read first next time: each in turn, so none starves the others.
     first_source: usize,
@@ -703,11 +704,23 @@ impl<'a> Serving<'a> {
                     .insert(self.graph.names[i].to_string(), *position);
             }
         }
-        let fence = self.held.write_fence()?;
-        self.graph
-            .store
-            .save_keys(&self.graph.graph, self.partition, changes, &fence)
-            .await?;
+        // The batch's outputs are out: a store away for a moment is waited for, not a
+        // reason to serve the partition again from the store and repeat them.
+        let (graph, partition) = (&self.graph.graph, self.partition);
+        let group = super::ownership_group(graph);
+        let mut retry = WriteRetry::new(&group, partition, &self.lost);
+        loop {
+            let fence = self.held.write_fence()?;
+            match self
+                .graph
+                .store
+                .save_keys(graph, partition, &mut changes, &fence)
+                .await
+            {
+                Ok(()) => break,
+                Err(e) => retry.after(e).await?,
+            }
+        }
         for (source, position) in batch.commit {
             if let Err(e) = self.sources[source].commit(&[position]).await {
                 warn!(graph = %self.graph.graph, partition = self.partition, error = %e, "cannot commit a source position; a restart skips what it reads again");

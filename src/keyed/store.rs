@@ -55,12 +55,14 @@ pub trait KeyedStore: Send + Sync {
 
     /// Writes a batch, all or nothing, refused whole once the fence's lease has a newer
     /// token. Only the partition's owner writes, in order, so its positions only move
-    /// forward. Taken whole: a store in memory keeps it as it is.
+    /// forward. A write that succeeds may take the keys out of `changes` (a store in
+    /// memory keeps their snapshots as they are); one that fails leaves `changes` whole,
+    /// to be written again.
     async fn save_keys(
         &self,
         graph: &str,
         partition: i32,
-        changes: KeyedChanges,
+        changes: &mut KeyedChanges,
         fence: &Fence,
     ) -> Result<(), StoreError>;
 }

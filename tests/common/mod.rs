@@ -45,6 +45,220 @@ impl TaskNode {
     }
 }
 
+/// A store whose partition writes (`save_keys`, `save_partition`) fail on demand with
+/// an error a retry may help with, as Redis away for a moment fails them; every other
+/// call, and every write once the failures asked for are spent, goes to the store it
+/// wraps.
+pub struct FlakyStore {
+    inner: std::sync::Arc<dyn weir::store::Store>,
+    /// Partition writes left to fail, whatever they carry.
+    writes: std::sync::atomic::AtomicUsize,
+    /// Partition writes handing a partition over (carrying the release mark) left to fail.
+    releases: std::sync::atomic::AtomicUsize,
+}
+
+impl FlakyStore {
+    pub fn new(inner: std::sync::Arc<dyn weir::store::Store>) -> Self {
+        Self {
+            inner,
+            writes: Default::default(),
+            releases: Default::default(),
+        }
+    }
+
+    /// The next `count` partition writes fail.
+    pub fn fail_writes(&self, count: usize) {
+        self.writes
+            .store(count, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The next `count` writes handing a partition over fail.
+    pub fn fail_releases(&self, count: usize) {
+        self.releases
+            .store(count, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Failures asked for and not spent yet.
+    pub fn failures_left(&self) -> usize {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.writes.load(SeqCst) + self.releases.load(SeqCst)
+    }
+
+    fn fails(&self, releasing: bool) -> Result<(), weir::store_error::StoreError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let take = |left: &std::sync::atomic::AtomicUsize| {
+            left.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        };
+        if take(&self.writes) || (releasing && take(&self.releases)) {
+            return Err(weir::store_error::StoreError::Unreachable {
+                what: "flaky store: partition write".into(),
+                source: "the store is away for a moment".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait::async_trait]
+impl weir::keyed::KeyedStore for FlakyStore {
+    async fn load_keys(
+        &self,
+        graph: &str,
+        partition: i32,
+        keys: &[String],
+    ) -> Result<Vec<Option<weir::reactor::CacheSnapshot>>, weir::store_error::StoreError> {
+        self.inner.load_keys(graph, partition, keys).await
+    }
+
+    async fn load_positions(
+        &self,
+        graph: &str,
+        partition: i32,
+    ) -> Result<std::collections::BTreeMap<String, i64>, weir::store_error::StoreError> {
+        self.inner.load_positions(graph, partition).await
+    }
+
+    async fn load_released(
+        &self,
+        graph: &str,
+        partition: i32,
+    ) -> Result<Option<(u64, i64)>, weir::store_error::StoreError> {
+        self.inner.load_released(graph, partition).await
+    }
+
+    async fn load_paused(&self, graph: &str) -> Result<bool, weir::store_error::StoreError> {
+        self.inner.load_paused(graph).await
+    }
+
+    async fn save_paused(
+        &self,
+        graph: &str,
+        paused: bool,
+    ) -> Result<(), weir::store_error::StoreError> {
+        self.inner.save_paused(graph, paused).await
+    }
+
+    async fn save_keys(
+        &self,
+        graph: &str,
+        partition: i32,
+        changes: &mut weir::keyed::KeyedChanges,
+        fence: &weir::lease::Fence,
+    ) -> Result<(), weir::store_error::StoreError> {
+        self.fails(changes.released.is_some())?;
+        self.inner.save_keys(graph, partition, changes, fence).await
+    }
+}
+
+#[async_trait::async_trait]
+impl weir::jobs::JobStore for FlakyStore {
+    async fn load_jobs(
+        &self,
+        job_type: &str,
+        ids: &[String],
+    ) -> Result<Vec<Option<weir::jobs::JobRecord>>, weir::store_error::StoreError> {
+        self.inner.load_jobs(job_type, ids).await
+    }
+
+    async fn load_partition(
+        &self,
+        job_type: &str,
+        partition: i32,
+    ) -> Result<weir::jobs::PartitionSnapshot, weir::store_error::StoreError> {
+        self.inner.load_partition(job_type, partition).await
+    }
+
+    async fn save_partition(
+        &self,
+        job_type: &str,
+        partition: i32,
+        changes: &weir::jobs::PartitionChanges,
+        fence: &weir::lease::Fence,
+    ) -> Result<(), weir::store_error::StoreError> {
+        self.fails(changes.released.is_some())?;
+        self.inner
+            .save_partition(job_type, partition, changes, fence)
+            .await
+    }
+
+    async fn list_jobs(
+        &self,
+        job_type: &str,
+    ) -> Result<Vec<String>, weir::store_error::StoreError> {
+        self.inner.list_jobs(job_type).await
+    }
+}
+
+#[async_trait::async_trait]
+impl weir::lease::LeaseStore for FlakyStore {
+    async fn acquire_lease(
+        &self,
+        name: &str,
+        holder: &str,
+        ttl: std::time::Duration,
+    ) -> Result<Option<weir::lease::Lease>, weir::store_error::StoreError> {
+        self.inner.acquire_lease(name, holder, ttl).await
+    }
+
+    async fn renew_lease(
+        &self,
+        lease: &weir::lease::Lease,
+        ttl: std::time::Duration,
+    ) -> Result<bool, weir::store_error::StoreError> {
+        self.inner.renew_lease(lease, ttl).await
+    }
+
+    async fn release_lease(
+        &self,
+        lease: &weir::lease::Lease,
+    ) -> Result<bool, weir::store_error::StoreError> {
+        self.inner.release_lease(lease).await
+    }
+
+    async fn current_lease(
+        &self,
+        name: &str,
+    ) -> Result<Option<weir::lease::Lease>, weir::store_error::StoreError> {
+        self.inner.current_lease(name).await
+    }
+}
+
+#[async_trait::async_trait]
+impl weir::ownership::MembershipStore for FlakyStore {
+    async fn join_group(
+        &self,
+        group: &str,
+        member: &str,
+        ttl: std::time::Duration,
+    ) -> Result<(), weir::store_error::StoreError> {
+        self.inner.join_group(group, member, ttl).await
+    }
+
+    async fn leave_group(
+        &self,
+        group: &str,
+        member: &str,
+    ) -> Result<(), weir::store_error::StoreError> {
+        self.inner.leave_group(group, member).await
+    }
+
+    async fn group_members(
+        &self,
+        group: &str,
+    ) -> Result<Vec<String>, weir::store_error::StoreError> {
+        self.inner.group_members(group).await
+    }
+
+    async fn settle_partition_count(
+        &self,
+        group: &str,
+        partitions: u32,
+    ) -> Result<u32, weir::store_error::StoreError> {
+        self.inner.settle_partition_count(group, partitions).await
+    }
+}
+
 /// Waits (a minute at most) until `done` counts `wanted`, then asserts that took longer
 /// than `ttl`, counted from `started`: a test of a lease kept through a backlog proves
 /// nothing if the backlog was worked off within the lease.

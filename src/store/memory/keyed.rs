@@ -61,7 +61,7 @@ impl KeyedStore for MemoryStore {
         &self,
         graph: &str,
         partition: i32,
-        changes: KeyedChanges,
+        changes: &mut KeyedChanges,
         fence: &Fence,
     ) -> Result<(), StoreError> {
         let mut state = self.state()?;
@@ -81,12 +81,12 @@ impl KeyedStore for MemoryStore {
                 }
             }
         }
-        stored.keys.extend(changes.keys);
+        stored.keys.extend(changes.keys.drain(..));
         if let Some(released) = changes.released {
             stored.released = Some(released);
         }
-        for (source, position) in changes.positions {
-            let at = stored.positions.entry(source).or_insert(position);
+        for (source, &position) in &changes.positions {
+            let at = stored.positions.entry(source.clone()).or_insert(position);
             *at = (*at).max(position);
         }
         Ok(())

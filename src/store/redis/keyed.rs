@@ -125,7 +125,7 @@ impl KeyedStore for RedisStore {
         &self,
         graph: &str,
         partition: i32,
-        changes: KeyedChanges,
+        changes: &mut KeyedChanges,
         fence: &Fence,
     ) -> Result<(), StoreError> {
         let hash = self.keyed_key(graph, partition);
