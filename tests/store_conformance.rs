@@ -59,7 +59,8 @@ macro_rules! store_conformance {
             store_conformance!(@role $open; lease:
                 held_by_one_renewed_and_released_by_its_holder_only,
                 expiry_hands_over_with_a_larger_token,
-                the_current_holder_is_shown_until_expiry);
+                the_current_holder_is_shown_until_expiry,
+                its_holder_takes_a_lease_again_with_the_same_token);
             store_conformance!(@role $open; membership:
                 members_are_sorted_and_expire,
                 a_member_that_leaves_is_gone_at_once,
@@ -366,6 +367,28 @@ mod cases {
             assert_eq!(store.current_lease("l").await.unwrap(), Some(held));
             tokio::time::sleep(ttl + Duration::from_millis(200)).await;
             assert_eq!(store.current_lease("l").await.unwrap(), None);
+        }
+
+        pub async fn its_holder_takes_a_lease_again_with_the_same_token(store: Arc<dyn Store>) {
+            // Node ids are the operator's to choose: one may hold the character that
+            // parts a stored holder from its token.
+            let ttl = Duration::from_secs(60);
+            for holder in ["n1#7", "rack|b/n1#7"] {
+                let name = format!("l.{holder}");
+                let held = store
+                    .acquire_lease(&name, holder, ttl)
+                    .await
+                    .unwrap()
+                    .unwrap();
+                let again = store.acquire_lease(&name, holder, ttl).await.unwrap();
+                assert_eq!(again, Some(held.clone()), "{holder}");
+                assert!(store
+                    .acquire_lease(&name, "n2#1", ttl)
+                    .await
+                    .unwrap()
+                    .is_none());
+                assert_eq!(store.current_lease(&name).await.unwrap(), Some(held));
+            }
         }
     }
 

@@ -7,11 +7,11 @@ static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
         r#"
 local current = redis.call('GET', KEYS[1])
 if current then
-  local sep = string.find(current, '|', 1, true)
-  local holder = string.sub(current, 1, sep - 1)
+  -- The token follows the last '|': a node id may hold one too.
+  local holder, token = string.match(current, '^(.*)|(%d+)$')
   if holder == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return tonumber(string.sub(current, sep + 1))
+    return tonumber(token)
   end
   return false
 end
