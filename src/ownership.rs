@@ -217,20 +217,21 @@ pub async fn serve_partition<F, Fut>(
     }
 }
 
-/// Tries of a partition's store write, for as long as the partition's lease holds: a
-/// write that fails with an error a retry may help with (a store away for a moment) is
-/// tried again after a pause. Failing the attempt instead would serve the partition
-/// again from what is stored, and publish again the outputs its batch already published.
-/// Each try is bounded by the store's own timeouts, and is made with
-/// [`Held::write_fence`], which refuses once the lease's deadline passed.
-pub struct WriteRetry<'a> {
+/// Tries of a partition's store call (a batch's write, a key's or a job's load), for
+/// as long as the partition's lease holds: a call that fails with an error a retry may
+/// help with (a store away for a moment) is made again after a pause. Failing the
+/// attempt instead would serve the partition again from what is stored, and publish
+/// again the outputs it published since its last write. Each try is bounded by the
+/// store's own timeouts; the caller makes it after [`Held::write_fence`], which refuses
+/// once the lease's deadline passed.
+pub struct StoreRetry<'a> {
     group: &'a str,
     partition: i32,
     lost: &'a CancellationToken,
     pause: Duration,
 }
 
-impl<'a> WriteRetry<'a> {
+impl<'a> StoreRetry<'a> {
     pub fn new(group: &'a str, partition: i32, lost: &'a CancellationToken) -> Self {
         Self {
             group,
@@ -240,7 +241,7 @@ impl<'a> WriteRetry<'a> {
         }
     }
 
-    /// After a failed try: returns once the write is worth trying again (the pause
+    /// After a failed try: returns once the call is worth making again (the pause
     /// between tries doubles from 50 ms to 1 s), or the error to give up with, when no
     /// retry helps (the lease has a newer holder, a corrupt value) or the partition is
     /// lost meanwhile.
@@ -249,7 +250,7 @@ impl<'a> WriteRetry<'a> {
             return Err(error.into());
         }
         let (group, partition, pause) = (self.group, self.partition, self.pause);
-        warn!(%group, partition, %error, ?pause, "cannot write the partition's state; trying again while its lease holds");
+        warn!(%group, partition, %error, ?pause, "cannot reach the store for the partition; trying again while its lease holds");
         tokio::select! {
             _ = self.lost.cancelled() => return Err(error.into()),
             _ = tokio::time::sleep(pause) => {}

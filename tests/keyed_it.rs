@@ -45,6 +45,8 @@ struct Cluster {
     input: String,
     output: String,
     admin_port: u16,
+    /// Settings every node starts with, on top of the config.
+    node_env: Vec<(&'static str, String)>,
     /// Kept for as long as the nodes read it.
     config: tempfile::NamedTempFile,
     nodes: common::nodes::Nodes,
@@ -128,20 +130,21 @@ format = "json"
             input,
             output,
             admin_port: common::servers::spare_port(),
+            node_env: Vec::new(),
             config,
         }
     }
 
     fn start(&mut self, node: usize) {
+        let mut env = self.node_env.clone();
         // Node 0 serves the admin API, to be asked about keys.
-        let admin = match node {
-            0 => vec![(
+        if node == 0 {
+            env.push((
                 "WEIR__ADMIN__LISTEN",
                 format!("127.0.0.1:{}", self.admin_port),
-            )],
-            _ => Vec::new(),
-        };
-        self.nodes.start_with(node, &admin);
+            ));
+        }
+        self.nodes.start_with(node, &env);
     }
 
     /// Makes the input with the graph's partitions, starts nodes `n0`..`n<count>` and
@@ -670,6 +673,57 @@ async fn kafka_keyed_graph_survives_a_redis_restart() {
 #[tokio::test(flavor = "multi_thread")]
 async fn nats_keyed_graph_survives_a_redis_restart() {
     keyed_graph_survives_a_redis_restart(Kind::Nats).await;
+}
+
+/// Redis cut off under load by a network path that carries nothing (requests sent
+/// meanwhile never reach it) for longer than a store call waits for its answer (2 s),
+/// and for less than a lease lasts without renewal: the partitions' batch writes and
+/// key loads fail and are tried again, every node keeps its partitions, and no output
+/// repeats. Served again from the store instead, a partition would read again the
+/// events whose outputs were out and whose batch was not written.
+async fn keyed_graph_repeats_nothing_through_a_redis_blip(kind: Kind) {
+    const BLIP: Duration = Duration::from_millis(2_600);
+    let redis_server = Server::redis();
+    let proxy = common::servers::Proxy::start(redis_server.port).await;
+    let redis_url = format!("redis://127.0.0.1:{}", proxy.port);
+    let mut cluster = Cluster::on(kind, &redis_url, 2);
+    // Renewed every 3 s: a renewal confirmed just before the blip outlasts it.
+    cluster.node_env = vec![("WEIR__SUPERVISION__GRAPH_LEASE_TTL_MS", "9000".into())];
+    let mut run = cluster.start_nodes(2).await;
+    let (store, group) = (run.store.clone(), run.group.clone());
+    let tokens_before = services::lease_tokens(&store, &group, PARTITIONS).await;
+    let mut stalled_at = None;
+    for round in 0..ROUNDS {
+        run.feed.round().await;
+        if round == 3 {
+            proxy.stall();
+            stalled_at = Some(std::time::Instant::now());
+        }
+        // Inputs keep arriving while Redis is away.
+        if stalled_at.is_some_and(|at| at.elapsed() >= BLIP) {
+            proxy.heal();
+            stalled_at = None;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(stalled_at.is_none(), "Redis was back within the rounds");
+    let outputs = run.outputs(&cluster.output).await;
+    checked_per_key(&outputs).assert_within(0, 0);
+    let tokens_after = services::lease_tokens(&store, &group, PARTITIONS).await;
+    assert_eq!(tokens_before, tokens_after, "a partition changed hands");
+    for node in 0..2 {
+        cluster.nodes.kill(node);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_keyed_graph_repeats_nothing_through_a_redis_blip() {
+    keyed_graph_repeats_nothing_through_a_redis_blip(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_keyed_graph_repeats_nothing_through_a_redis_blip() {
+    keyed_graph_repeats_nothing_through_a_redis_blip(Kind::Nats).await;
 }
 
 /// The broker restarted under load (Tansu keeping its log in S3, nats-server its streams

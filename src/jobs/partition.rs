@@ -16,8 +16,7 @@ use super::store::{JobRecord, JobStore, PartitionChanges};
 use super::{HandlerError, JobEvent, JobType, Step, Timer, LATEST_DUE_MS};
 use crate::lease::Held;
 use crate::metrics;
-use crate::ownership::{PartitionError, PartitionWork, WriteRetry};
-use crate::store_error::StoreError;
+use crate::ownership::{PartitionError, PartitionWork, StoreRetry};
 use crate::transport::{
     now_ms, publish_dead_letter, Broker, Message, Outbound, PartitionedTopic, Position, Sink,
     Source, TransportError,
@@ -273,8 +272,29 @@ impl<'a> Serving<'a> {
         }
     }
 
+    /// The records of these jobs from the store. Mid-batch: a store away for a moment is
+    /// waited for, as for the batch's write.
+    async fn load_jobs(
+        &mut self,
+        ids: &[String],
+    ) -> Result<Vec<Option<JobRecord>>, PartitionError> {
+        let mut retry = StoreRetry::new(&self.jobs.ownership_group, self.partition, &self.lost);
+        loop {
+            self.held.write_fence()?;
+            match self
+                .jobs
+                .store
+                .load_jobs(&self.jobs.job_type.name, ids)
+                .await
+            {
+                Ok(loaded) => return Ok(loaded),
+                Err(e) => retry.after(e).await?,
+            }
+        }
+    }
+
     /// The job, loaded from the store the first time it is needed.
-    async fn job(&mut self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+    async fn job(&mut self, id: &str) -> Result<Option<JobRecord>, PartitionError> {
         self.events += 1;
         match self.used.get_mut(id) {
             Some(used) => *used = self.events,
@@ -289,9 +309,7 @@ impl<'a> Serving<'a> {
             return Ok(None);
         }
         let loaded = self
-            .jobs
-            .store
-            .load_jobs(&self.jobs.job_type.name, &[id.to_string()])
+            .load_jobs(&[id.to_string()])
             .await?
             .into_iter()
             .next()
@@ -474,11 +492,7 @@ impl<'a> Serving<'a> {
             .filter(|id| !self.cache.contains_key(id) && !self.absent.contains(id))
             .collect();
         if !unknown.is_empty() {
-            let loaded = self
-                .jobs
-                .store
-                .load_jobs(&self.jobs.job_type.name, &unknown)
-                .await?;
+            let loaded = self.load_jobs(&unknown).await?;
             for (id, record) in unknown.into_iter().zip(loaded) {
                 match record {
                     Some(record) => self.cache.insert(id, record),
@@ -590,7 +604,7 @@ impl<'a> Serving<'a> {
         // The batch's outputs are out: a store away for a moment is waited for, not a
         // reason to serve the partition again from the store and publish them again.
         let (name, partition) = (&self.jobs.job_type.name, self.partition);
-        let mut retry = WriteRetry::new(&self.jobs.ownership_group, partition, &self.lost);
+        let mut retry = StoreRetry::new(&self.jobs.ownership_group, partition, &self.lost);
         loop {
             let fence = self.held.write_fence()?;
             match self

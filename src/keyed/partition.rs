@@ -22,10 +22,9 @@ use crate::codec::CodecError;
 use crate::graph::dag::FireOutputs;
 use crate::graph::{FireInput, FireValues, GraphDeclaration, Keying};
 use crate::lease::Held;
-use crate::ownership::{PartitionError, PartitionWork, WriteRetry};
+use crate::ownership::{PartitionError, PartitionWork, StoreRetry};
 use crate::reactor::cache::{InputCache, Inserted};
 use crate::reactor::CacheSnapshot;
-use crate::store_error::StoreError;
 use crate::transport::{
     now_ms, publish_dead_letter, Broker, HeaderValue, Message, Outbound, PendingAck, Position,
     Sink, Source, TransportError,
@@ -43,6 +42,8 @@ const BURST: usize = 64;
 pub(crate) struct KeyedPartitions {
     decl: GraphDeclaration,
     graph: Arc<str>,
+    /// The ownership group of the graph's partitions.
+    group: String,
     /// The graph's name as every output's header carries it.
     graph_header: HeaderValue,
     keying: Keying,
@@ -91,6 +92,7 @@ impl KeyedPartitions {
             .collect();
         Self {
             graph: Arc::from(decl.key()),
+            group: super::ownership_group(&decl.key()),
             graph_header: HeaderValue::new(decl.key()),
             groups: (0..decl.accumulators.len())
                 .map(|index| decl.source_group(index))
@@ -121,7 +123,7 @@ impl PartitionWork for KeyedPartitions {
         let held = &held;
         let (releasing, losing) = (&release, &lost);
         crate::ownership::serve_partition(
-            &super::ownership_group(&self.graph),
+            &self.group,
             partition,
             &release,
             &lost,
@@ -230,7 +232,7 @@ impl<'a> Serving<'a> {
         if let Some((token, at_ms)) = graph.store.load_released(&graph.graph, partition).await? {
             if token + 1 == held.lease.token {
                 let waited = Duration::from_millis((now_ms() - at_ms).max(0) as u64);
-                crate::metrics::partition_resumed(&super::ownership_group(&graph.graph), waited);
+                crate::metrics::partition_resumed(&graph.group, waited);
             }
         }
         // The flag as the store has it now, rather than as the node last read it: a
@@ -395,19 +397,27 @@ impl<'a> Serving<'a> {
 
     /// The key's state, from memory or the store, with the key as the map holds it:
     /// one hash and one probe per event for a key in memory.
-    async fn key_state(&mut self, key: &str) -> Result<(Arc<str>, &mut KeyState), StoreError> {
+    async fn key_state(&mut self, key: &str) -> Result<(Arc<str>, &mut KeyState), PartitionError> {
         self.events += 1;
         let state = match self.keys.entry_ref(key) {
             EntryRef::Occupied(entry) => (entry.key().clone(), entry.into_mut()),
             EntryRef::Vacant(entry) => {
                 let stored = if self.stored_keys {
-                    self.graph
-                        .store
-                        .load_keys(&self.graph.graph, self.partition, &[key.to_string()])
-                        .await?
-                        .into_iter()
-                        .next()
-                        .flatten()
+                    // Mid-batch: a store away for a moment is waited for, as for the
+                    // batch's write.
+                    let (graph, partition, wanted) = (&self.graph, self.partition, [key.into()]);
+                    let mut retry = StoreRetry::new(&graph.group, partition, &self.lost);
+                    loop {
+                        self.held.write_fence()?;
+                        match graph
+                            .store
+                            .load_keys(&graph.graph, partition, &wanted)
+                            .await
+                        {
+                            Ok(loaded) => break loaded.into_iter().next().flatten(),
+                            Err(e) => retry.after(e).await?,
+                        }
+                    }
                 } else {
                     None
                 };
@@ -707,8 +717,7 @@ impl<'a> Serving<'a> {
         // The batch's outputs are out: a store away for a moment is waited for, not a
         // reason to serve the partition again from the store and repeat them.
         let (graph, partition) = (&self.graph.graph, self.partition);
-        let group = super::ownership_group(graph);
-        let mut retry = WriteRetry::new(&group, partition, &self.lost);
+        let mut retry = StoreRetry::new(&self.graph.group, partition, &self.lost);
         loop {
             let fence = self.held.write_fence()?;
             match self
