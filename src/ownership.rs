@@ -217,40 +217,55 @@ pub async fn serve_partition<F, Fut>(
     }
 }
 
-/// Tries of a partition's store call (a batch's write, a key's or a job's load), for
-/// as long as the partition's lease holds: a call that fails with an error a retry may
-/// help with (a store away for a moment) is made again after a pause. Failing the
-/// attempt instead would serve the partition again from what is stored, and publish
-/// again the outputs it published since its last write. Each try is bounded by the
-/// store's own timeouts; the caller makes it after [`Held::write_fence`], which refuses
-/// once the lease's deadline passed.
+/// Tries of a partition's store call (a batch's write, a key's or a job's load): a call
+/// that fails with an error a retry may help with (a store away for a moment) is made
+/// again after a pause, for up to half the lease TTL. Failing the attempt at once would
+/// serve the partition again from what is stored, and publish again the outputs it
+/// published since its last write. Past that budget the attempt fails after all: a
+/// store that stays away, or keeps refusing the call while the lease renews, costs the
+/// partition a restart from the store (retried with backoff) rather than an unbounded
+/// wait, and a hand-over no more than the budget. Each try is bounded by the store's own
+/// timeouts; the caller makes it after [`Held::write_fence`], which refuses once the
+/// lease's deadline passed.
 pub struct StoreRetry<'a> {
     group: &'a str,
     partition: i32,
     lost: &'a CancellationToken,
+    budget: Duration,
+    /// When the first try failed.
+    since: Option<tokio::time::Instant>,
     pause: Duration,
 }
 
 impl<'a> StoreRetry<'a> {
-    pub fn new(group: &'a str, partition: i32, lost: &'a CancellationToken) -> Self {
+    pub fn new(
+        group: &'a str,
+        partition: i32,
+        lease_ttl: Duration,
+        lost: &'a CancellationToken,
+    ) -> Self {
         Self {
             group,
             partition,
             lost,
+            budget: lease_ttl / 2,
+            since: None,
             pause: Duration::from_millis(50),
         }
     }
 
     /// After a failed try: returns once the call is worth making again (the pause
     /// between tries doubles from 50 ms to 1 s), or the error to give up with, when no
-    /// retry helps (the lease has a newer holder, a corrupt value) or the partition is
-    /// lost meanwhile.
+    /// retry helps (the lease has a newer holder, a corrupt value), the budget is spent
+    /// or the partition is lost meanwhile.
     pub async fn after(&mut self, error: StoreError) -> Result<(), PartitionError> {
-        if !error.is_retryable() {
+        let since = *self.since.get_or_insert_with(tokio::time::Instant::now);
+        let pause = self.pause;
+        if !error.is_retryable() || since.elapsed() + pause > self.budget {
             return Err(error.into());
         }
-        let (group, partition, pause) = (self.group, self.partition, self.pause);
-        warn!(%group, partition, %error, ?pause, "cannot reach the store for the partition; trying again while its lease holds");
+        let (group, partition) = (self.group, self.partition);
+        warn!(%group, partition, %error, ?pause, "cannot reach the store for the partition; trying again");
         tokio::select! {
             _ = self.lost.cancelled() => return Err(error.into()),
             _ = tokio::time::sleep(pause) => {}

@@ -278,8 +278,9 @@ async fn a_batch_write_failing_for_a_moment_is_tried_again_and_repeats_no_output
     // a failed write to serve the partition again from the store, the batch's events
     // would be read again and their outputs published a second time.
     let (cluster, flaky, node, mut sent) = serving_through_a_flaky_store("blip").await;
-    // Three tries fail: 350 ms of pauses between tries, within the 600 ms lease.
-    flaky.fail_writes(3);
+    // Two tries fail: 150 ms of pauses, within the 300 ms (half the lease TTL) a
+    // partition tries its store calls for.
+    flaky.fail_writes(2);
     cluster.send_users(40..80, &mut sent).await;
     common::eventually("the failing writes tried", || async {
         flaky.failures_left() == 0
@@ -294,6 +295,36 @@ async fn a_batch_write_failing_for_a_moment_is_tried_again_and_repeats_no_output
         "outputs repeated: {outputs:?}"
     );
     node.stop().await;
+}
+
+#[tokio::test]
+async fn a_keys_load_failing_for_a_moment_is_tried_again_and_repeats_no_output() {
+    // A key not in memory is loaded from the store when its event comes, mid-batch,
+    // after the batch's earlier events fired. Were a failed load to serve the partition
+    // again from the store, those events would be read again and fire a second time.
+    let mut decl = graph("reload", &["a"], Criteria::WhenAny);
+    decl.keyed.as_mut().unwrap().partitions = 1;
+    let cluster = Cluster::new(decl).await;
+    let flaky = Arc::new(common::FlakyStore::new(cluster.store.clone()));
+    let mut sent = HashSet::new();
+    let first = cluster.node_on("first", flaky.clone());
+    cluster.send_users(0..40, &mut sent).await;
+    cluster.await_outputs(&sent).await;
+    first.stop().await;
+    // A backlog for the next node, which has none of its keys in memory: each of the
+    // first 20 events loads its key. The sixth load fails, twice.
+    cluster.send_users(40..120, &mut sent).await;
+    flaky.fail_loads(5, 2);
+    let next = cluster.node_on("next", flaky.clone());
+    common::eventually("the failing loads tried", || async {
+        flaky.failures_left() == 0
+    })
+    .await;
+    cluster.await_outputs(&sent).await;
+    // Long enough for a partition served again to have read its events again.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(repeats(&cluster.outputs()), 0);
+    next.stop().await;
 }
 
 #[tokio::test]

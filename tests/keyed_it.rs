@@ -675,6 +675,32 @@ async fn nats_keyed_graph_survives_a_redis_restart() {
     keyed_graph_survives_a_redis_restart(Kind::Nats).await;
 }
 
+/// Waits until the partitions are spread over `nodes` as every node computes it
+/// (partition `p` to the `p mod n`-th of the `n` node ids, sorted): no hand-over is
+/// under way.
+async fn await_spread(store: &RedisStore, group: &str, nodes: &[&str]) {
+    use weir::lease::LeaseStore;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut holders = Vec::new();
+        for p in 0..PARTITIONS as i32 {
+            let name = weir::ownership::partition_lease(group, p);
+            let lease = store.current_lease(&name).await.expect("redis reachable");
+            holders.push(lease.map(|l| weir::lease::holder_node(&l.holder).to_string()));
+        }
+        let spread =
+            (0..PARTITIONS as usize).all(|p| holders[p].as_deref() == Some(nodes[p % nodes.len()]));
+        if spread {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "partitions held by {holders:?}, not spread over {nodes:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Redis cut off under load by a network path that carries nothing (requests sent
 /// meanwhile never reach it) for longer than a store call waits for its answer (2 s),
 /// and for less than a lease lasts without renewal: the partitions' batch writes and
@@ -691,6 +717,9 @@ async fn keyed_graph_repeats_nothing_through_a_redis_blip(kind: Kind) {
     cluster.node_env = vec![("WEIR__SUPERVISION__GRAPH_LEASE_TTL_MS", "9000".into())];
     let mut run = cluster.start_nodes(2).await;
     let (store, group) = (run.store.clone(), run.group.clone());
+    // The first node took every partition; the tokens are read once it handed the
+    // second node its share.
+    await_spread(&store, &group, &["n0", "n1"]).await;
     let tokens_before = services::lease_tokens(&store, &group, PARTITIONS).await;
     let mut stalled_at = None;
     for round in 0..ROUNDS {

@@ -278,7 +278,12 @@ impl<'a> Serving<'a> {
         &mut self,
         ids: &[String],
     ) -> Result<Vec<Option<JobRecord>>, PartitionError> {
-        let mut retry = StoreRetry::new(&self.jobs.ownership_group, self.partition, &self.lost);
+        let mut retry = StoreRetry::new(
+            &self.jobs.ownership_group,
+            self.partition,
+            self.jobs.job_type.lease_ttl,
+            &self.lost,
+        );
         loop {
             self.held.write_fence()?;
             match self
@@ -604,9 +609,18 @@ impl<'a> Serving<'a> {
         // The batch's outputs are out: a store away for a moment is waited for, not a
         // reason to serve the partition again from the store and publish them again.
         let (name, partition) = (&self.jobs.job_type.name, self.partition);
-        let mut retry = StoreRetry::new(&self.jobs.ownership_group, partition, &self.lost);
+        let mut retry = StoreRetry::new(
+            &self.jobs.ownership_group,
+            partition,
+            self.jobs.job_type.lease_ttl,
+            &self.lost,
+        );
         loop {
             let fence = self.held.write_fence()?;
+            // Handing over: the next owner's wait counts from the write that lands.
+            if let Some((_, at_ms)) = &mut changes.released {
+                *at_ms = now_ms();
+            }
             match self
                 .jobs
                 .store

@@ -406,7 +406,12 @@ impl<'a> Serving<'a> {
                     // Mid-batch: a store away for a moment is waited for, as for the
                     // batch's write.
                     let (graph, partition, wanted) = (&self.graph, self.partition, [key.into()]);
-                    let mut retry = StoreRetry::new(&graph.group, partition, &self.lost);
+                    let mut retry = StoreRetry::new(
+                        &graph.group,
+                        partition,
+                        graph.keying.lease_ttl,
+                        &self.lost,
+                    );
                     loop {
                         self.held.write_fence()?;
                         match graph
@@ -717,9 +722,18 @@ impl<'a> Serving<'a> {
         // The batch's outputs are out: a store away for a moment is waited for, not a
         // reason to serve the partition again from the store and repeat them.
         let (graph, partition) = (&self.graph.graph, self.partition);
-        let mut retry = StoreRetry::new(&self.graph.group, partition, &self.lost);
+        let mut retry = StoreRetry::new(
+            &self.graph.group,
+            partition,
+            self.graph.keying.lease_ttl,
+            &self.lost,
+        );
         loop {
             let fence = self.held.write_fence()?;
+            // Handing over: the next owner's wait counts from the write that lands.
+            if let Some((_, at_ms)) = &mut changes.released {
+                *at_ms = now_ms();
+            }
             match self
                 .graph
                 .store

@@ -45,16 +45,19 @@ impl TaskNode {
     }
 }
 
-/// A store whose partition writes (`save_keys`, `save_partition`) fail on demand with
-/// an error a retry may help with, as Redis away for a moment fails them; every other
-/// call, and every write once the failures asked for are spent, goes to the store it
-/// wraps.
+/// A store whose partition writes (`save_keys`, `save_partition`) and loads
+/// (`load_keys`, `load_jobs`) fail on demand with an error a retry may help with, as
+/// Redis away for a moment fails them; every other call, and every one once the
+/// failures asked for are spent, goes to the store it wraps.
 pub struct FlakyStore {
     inner: std::sync::Arc<dyn weir::store::Store>,
     /// Partition writes left to fail, whatever they carry.
     writes: std::sync::atomic::AtomicUsize,
     /// Partition writes handing a partition over (carrying the release mark) left to fail.
     releases: std::sync::atomic::AtomicUsize,
+    /// Loads of keys or jobs left to fail, and left to pass before them.
+    loads: std::sync::atomic::AtomicUsize,
+    loads_passing: std::sync::atomic::AtomicUsize,
 }
 
 impl FlakyStore {
@@ -63,6 +66,8 @@ impl FlakyStore {
             inner,
             writes: Default::default(),
             releases: Default::default(),
+            loads: Default::default(),
+            loads_passing: Default::default(),
         }
     }
 
@@ -78,25 +83,45 @@ impl FlakyStore {
             .store(count, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// Of the loads of keys or jobs from now, `count` fail once `passing` went through.
+    pub fn fail_loads(&self, passing: usize, count: usize) {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.loads_passing.store(passing, SeqCst);
+        self.loads.store(count, SeqCst);
+    }
+
     /// Failures asked for and not spent yet.
     pub fn failures_left(&self) -> usize {
         use std::sync::atomic::Ordering::SeqCst;
-        self.writes.load(SeqCst) + self.releases.load(SeqCst)
+        self.writes.load(SeqCst) + self.releases.load(SeqCst) + self.loads.load(SeqCst)
     }
 
     fn fails(&self, releasing: bool) -> Result<(), weir::store_error::StoreError> {
-        use std::sync::atomic::Ordering::SeqCst;
-        let take = |left: &std::sync::atomic::AtomicUsize| {
-            left.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
-                .is_ok()
-        };
-        if take(&self.writes) || (releasing && take(&self.releases)) {
-            return Err(weir::store_error::StoreError::Unreachable {
-                what: "flaky store: partition write".into(),
-                source: "the store is away for a moment".into(),
-            });
+        if Self::take(&self.writes) || (releasing && Self::take(&self.releases)) {
+            return Err(Self::away("partition write"));
         }
         Ok(())
+    }
+
+    fn load_fails(&self) -> Result<(), weir::store_error::StoreError> {
+        if !Self::take(&self.loads_passing) && Self::take(&self.loads) {
+            return Err(Self::away("load"));
+        }
+        Ok(())
+    }
+
+    /// Takes one failure from `left`, if any is left.
+    fn take(left: &std::sync::atomic::AtomicUsize) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        left.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    }
+
+    fn away(what: &str) -> weir::store_error::StoreError {
+        weir::store_error::StoreError::Unreachable {
+            what: format!("flaky store: {what}"),
+            source: "the store is away for a moment".into(),
+        }
     }
 }
 
@@ -108,6 +133,7 @@ impl weir::keyed::KeyedStore for FlakyStore {
         partition: i32,
         keys: &[String],
     ) -> Result<Vec<Option<weir::reactor::CacheSnapshot>>, weir::store_error::StoreError> {
+        self.load_fails()?;
         self.inner.load_keys(graph, partition, keys).await
     }
 
@@ -158,6 +184,7 @@ impl weir::jobs::JobStore for FlakyStore {
         job_type: &str,
         ids: &[String],
     ) -> Result<Vec<Option<weir::jobs::JobRecord>>, weir::store_error::StoreError> {
+        self.load_fails()?;
         self.inner.load_jobs(job_type, ids).await
     }
 
