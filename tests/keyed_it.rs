@@ -703,9 +703,9 @@ async fn await_spread(store: &RedisStore, group: &str, nodes: &[&str]) {
 
 /// Redis cut off under load by a network path that carries nothing (requests sent
 /// meanwhile never reach it) for longer than a store call waits for its answer (2 s),
-/// and for less than a lease lasts without renewal: the partitions' batch writes and
-/// key loads fail and are tried again, every node keeps its partitions, and no output
-/// repeats. Served again from the store instead, a partition would read again the
+/// and for less than the half of the lease TTL a partition tries its store calls for:
+/// the partitions' batch writes and key loads fail and are tried again, every node
+/// keeps its partitions, and no output repeats. Served again from the store instead, a partition would read again the
 /// events whose outputs were out and whose batch was not written.
 async fn keyed_graph_repeats_nothing_through_a_redis_blip(kind: Kind) {
     const BLIP: Duration = Duration::from_millis(2_600);
@@ -713,7 +713,8 @@ async fn keyed_graph_repeats_nothing_through_a_redis_blip(kind: Kind) {
     let proxy = common::servers::Proxy::start(redis_server.port).await;
     let redis_url = format!("redis://127.0.0.1:{}", proxy.port);
     let mut cluster = Cluster::on(kind, &redis_url, 2);
-    // Renewed every 3 s: a renewal confirmed just before the blip outlasts it.
+    // Renewed every 3 s, so a renewal confirmed just before the blip outlasts it; store
+    // calls tried for 4.5 s.
     cluster.node_env = vec![("WEIR__SUPERVISION__GRAPH_LEASE_TTL_MS", "9000".into())];
     let mut run = cluster.start_nodes(2).await;
     let (store, group) = (run.store.clone(), run.group.clone());

@@ -93,8 +93,8 @@ struct Serving<'a> {
     held: &'a Held,
     /// Cancelled on release or loss: ends a publish retried while the broker is away.
     stopping: CancellationToken,
-    /// Cancelled on loss only: ends a store write retried while the store is away, which
-    /// a release lets finish, so that the hand-over writes what the partition applied.
+    /// Cancelled on loss only: ends a store call retried while the store is away, which a
+    /// release lets finish, so that the hand-over writes what the partition applied.
     lost: CancellationToken,
     source: Box<dyn Source>,
     /// The last position applied (written or not).

@@ -153,9 +153,9 @@ struct Serving<'a> {
     held: &'a Held,
     /// Cancelled on release or loss: ends a publish retried while the broker is away.
     stopping: CancellationToken,
-    /// Cancelled on loss only: ends the wait to run a failed fire again, or to write a
-    /// batch again, which a release lets finish, so that the hand-over writes what the
-    /// partition applied.
+    /// Cancelled on loss only: ends the wait to run a failed fire again, or to make a
+    /// failed store call again, which a release lets finish, so that the hand-over writes
+    /// what the partition applied.
     lost: CancellationToken,
     /// The source read first next time: each in turn, so none starves the others.
     first_source: usize,
