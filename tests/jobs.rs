@@ -217,6 +217,37 @@ async fn a_batch_write_failing_for_a_moment_is_tried_again_and_repeats_no_output
 }
 
 #[tokio::test]
+async fn a_jobs_load_failing_for_a_moment_is_tried_again_and_repeats_no_dead_letter() {
+    // A message is dead-lettered at once, before its batch is written. Were a failed
+    // load of a job later in the batch to serve the partition again from the store, the
+    // message would be read again and dead-lettered a second time.
+    let cluster = Cluster::new().await;
+    let (node, flaky, client, ids) = serving_through_a_flaky_store(&cluster).await;
+    node.stop().await;
+    // A backlog for the next node, which has none of the jobs in memory: the message
+    // after the unreadable one loads its job.
+    let id = &ids[0];
+    let sink = cluster.broker.sink();
+    sink.publish(cluster.topic.outbound(id, "not json"))
+        .await
+        .unwrap();
+    client.send(id, &json!(1)).await.unwrap();
+    flaky.fail_loads(0, 2);
+    let count = JobHandlers::default().get("builtin::count").unwrap();
+    let next = cluster.node_on("next", count, flaky.clone());
+    cluster.await_counts(std::slice::from_ref(id), 2).await;
+    assert_eq!(flaky.failures_left(), 0);
+    // Long enough for a partition served again to have read its messages again.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let topic = weir::wire::job_topic(TYPE);
+    let dead = cluster
+        .memory
+        .messages(&weir::wire::dead_letter_topic(&topic));
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    next.stop().await;
+}
+
+#[tokio::test]
 async fn a_hand_over_whose_write_fails_for_a_moment_still_writes_it() {
     // The write handing a partition over carries the release mark and what its last
     // batch applied: failing once, it is tried again before the lease is let go.
