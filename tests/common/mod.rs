@@ -53,8 +53,10 @@ pub struct FlakyStore {
     inner: std::sync::Arc<dyn weir::store::Store>,
     /// Partition writes left to fail, whatever they carry.
     writes: std::sync::atomic::AtomicUsize,
-    /// Partition writes handing a partition over (carrying the release mark) left to fail.
+    /// Partition writes handing a partition over (carrying the release mark) left to
+    /// fail, and the partitions whose hand-over already failed once.
     releases: std::sync::atomic::AtomicUsize,
+    released_once: std::sync::Mutex<std::collections::HashSet<i32>>,
     /// Loads of keys or jobs left to fail, and left to pass before them.
     loads: std::sync::atomic::AtomicUsize,
     loads_passing: std::sync::atomic::AtomicUsize,
@@ -66,6 +68,7 @@ impl FlakyStore {
             inner,
             writes: Default::default(),
             releases: Default::default(),
+            released_once: Default::default(),
             loads: Default::default(),
             loads_passing: Default::default(),
         }
@@ -77,7 +80,7 @@ impl FlakyStore {
             .store(count, std::sync::atomic::Ordering::SeqCst);
     }
 
-    /// The next `count` writes handing a partition over fail.
+    /// The next `count` writes handing a partition over fail, each partition's once.
     pub fn fail_releases(&self, count: usize) {
         self.releases
             .store(count, std::sync::atomic::Ordering::SeqCst);
@@ -96,9 +99,16 @@ impl FlakyStore {
         self.writes.load(SeqCst) + self.releases.load(SeqCst) + self.loads.load(SeqCst)
     }
 
-    fn fails(&self, releasing: bool) -> Result<(), weir::store_error::StoreError> {
-        if Self::take(&self.writes) || (releasing && Self::take(&self.releases)) {
+    fn fails(&self, partition: i32, releasing: bool) -> Result<(), weir::store_error::StoreError> {
+        if Self::take(&self.writes) {
             return Err(Self::away("partition write"));
+        }
+        if releasing {
+            let mut failed = self.released_once.lock().unwrap();
+            if !failed.contains(&partition) && Self::take(&self.releases) {
+                failed.insert(partition);
+                return Err(Self::away("partition hand-over"));
+            }
         }
         Ok(())
     }
@@ -172,7 +182,7 @@ impl weir::keyed::KeyedStore for FlakyStore {
         changes: &mut weir::keyed::KeyedChanges,
         fence: &weir::lease::Fence,
     ) -> Result<(), weir::store_error::StoreError> {
-        self.fails(changes.released.is_some())?;
+        self.fails(partition, changes.released.is_some())?;
         self.inner.save_keys(graph, partition, changes, fence).await
     }
 }
@@ -203,7 +213,7 @@ impl weir::jobs::JobStore for FlakyStore {
         changes: &weir::jobs::PartitionChanges,
         fence: &weir::lease::Fence,
     ) -> Result<(), weir::store_error::StoreError> {
-        self.fails(changes.released.is_some())?;
+        self.fails(partition, changes.released.is_some())?;
         self.inner
             .save_partition(job_type, partition, changes, fence)
             .await
