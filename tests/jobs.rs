@@ -167,7 +167,7 @@ async fn every_message_is_applied_once_while_nodes_join_leave_and_die() {
     c.stop().await;
 }
 
-/// A node counting, writing through a store whose partition writes fail on demand,
+/// A node counting, through a store whose partition writes and loads fail on demand,
 /// with 12 jobs put and sent one message each, counted.
 async fn serving_through_a_flaky_store(
     cluster: &Cluster,

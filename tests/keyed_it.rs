@@ -705,8 +705,9 @@ async fn await_spread(store: &RedisStore, group: &str, nodes: &[&str]) {
 /// meanwhile never reach it) for longer than a store call waits for its answer (2 s),
 /// and for less than the half of the lease TTL a partition tries its store calls for:
 /// the partitions' batch writes and key loads fail and are tried again, every node
-/// keeps its partitions, and no output repeats. Served again from the store instead, a partition would read again the
-/// events whose outputs were out and whose batch was not written.
+/// keeps its partitions, and no output repeats. Served again from the store instead, a
+/// partition would read again the events whose outputs were out and whose batch was not
+/// written.
 async fn keyed_graph_repeats_nothing_through_a_redis_blip(kind: Kind) {
     const BLIP: Duration = Duration::from_millis(2_600);
     let redis_server = Server::redis();
