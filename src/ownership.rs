@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use tokio::time::Instant;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{info, warn};
@@ -316,6 +317,11 @@ struct Owned {
 
 /// Owns this node's share of the group's partitions until `cancel` fires, then hands
 /// every partition over and leaves the group.
+///
+/// Stopping takes at most the release timeout, plus the store calls that release the
+/// leases: every partition's work is told to release the moment `cancel` fires, a
+/// hand-over already under way included, and all of them share one deadline counted
+/// from then.
 pub async fn own(
     store: Arc<dyn OwnershipStore>,
     settings: OwnershipSettings,
@@ -328,18 +334,44 @@ pub async fn own(
     // Partitions due to this node that another still holds are looked at again soon:
     // their owner is handing them over.
     let retry = (settings.ttl / 24).max(Duration::from_millis(50));
+    let mut stopped_at = None;
     loop {
-        let mut waiting = false;
-        match balance(&store, &settings, &member, &mut owned, &work).await {
-            Ok(pending) => waiting = pending,
-            Err(e) => warn!(group = %settings.group, error = %e, "cannot balance partitions"),
+        let round = balance(&store, &settings, &member, &mut owned, &work, &cancel);
+        tokio::pin!(round);
+        // A round handing partitions over may still be at it when the node is told to
+        // stop: it finishes (the works it waits for were told to release too), and the
+        // time the stop came is kept for the deadline of the rest.
+        let finished = tokio::select! {
+            outcome = &mut round => Some(outcome),
+            _ = cancel.cancelled() => None,
+        };
+        let outcome = match finished {
+            Some(outcome) => outcome,
+            None => {
+                stopped_at = Some(Instant::now());
+                round.await
+            }
+        };
+        let waiting = match outcome {
+            Ok(pending) => pending,
+            Err(e) => {
+                warn!(group = %settings.group, error = %e, "cannot balance partitions");
+                false
+            }
+        };
+        if cancel.is_cancelled() {
+            break;
         }
         let pause = if waiting { retry } else { period };
         tokio::select! {
-            _ = cancel.cancelled() => break,
+            _ = cancel.cancelled() => {
+                stopped_at = Some(Instant::now());
+                break;
+            }
             _ = tokio::time::sleep(pause) => {}
         }
     }
+    let deadline = stopped_at.unwrap_or_else(Instant::now) + settings.release_timeout;
     if let Err(e) = store.leave_group(&settings.group, &member).await {
         warn!(group = %settings.group, error = %e, "cannot leave the group; its members see it gone within the TTL");
     }
@@ -348,19 +380,21 @@ pub async fn own(
     info!(group = %settings.group, ?partitions, "stopping: handing partitions over");
     futures::future::join_all(
         all.into_iter()
-            .map(|(partition, o)| hand_over(store.as_ref(), &settings, partition, o)),
+            .map(|(partition, o)| hand_over(store.as_ref(), &settings, partition, o, deadline)),
     )
     .await;
 }
 
 /// One round: announce this node, drop what it should no longer own and take what it
-/// should. Returns whether a partition due to this node is still held elsewhere.
+/// should. Returns whether a partition due to this node is still held elsewhere. Once
+/// `cancel` fired it hands nothing over and takes nothing: stopping hands over all.
 async fn balance(
     store: &Arc<dyn OwnershipStore>,
     settings: &OwnershipSettings,
     member: &str,
     owned: &mut BTreeMap<i32, Owned>,
     work: &Arc<dyn PartitionWork>,
+    cancel: &CancellationToken,
 ) -> Result<bool, StoreError> {
     // Partitions whose lease was lost: their work has stopped.
     let lost: Vec<i32> = owned
@@ -371,7 +405,8 @@ async fn balance(
     for partition in lost {
         if let Some(o) = owned.remove(&partition) {
             warn!(group = %settings.group, partition, "partition lost");
-            hand_over(store.as_ref(), settings, partition, o).await;
+            let deadline = Instant::now() + settings.release_timeout;
+            hand_over(store.as_ref(), settings, partition, o, deadline).await;
         }
     }
     store
@@ -388,6 +423,9 @@ async fn balance(
     nodes.push(settings.node_id.clone());
     nodes.sort();
     nodes.dedup();
+    if cancel.is_cancelled() {
+        return Ok(false);
+    }
     let due = spread(settings.partitions, &nodes, &settings.node_id);
     let surplus: Vec<i32> = owned.keys().filter(|p| !due.contains(p)).copied().collect();
     let surplus: Vec<(i32, Owned)> = surplus
@@ -398,10 +436,11 @@ async fn balance(
         let partitions: Vec<i32> = surplus.iter().map(|(p, _)| *p).collect();
         info!(group = %settings.group, ?partitions, "handing partitions over");
         // Together: each waits for its work to finish, which may take a while.
+        let deadline = Instant::now() + settings.release_timeout;
         futures::future::join_all(
             surplus
                 .into_iter()
-                .map(|(partition, o)| hand_over(store.as_ref(), settings, partition, o)),
+                .map(|(partition, o)| hand_over(store.as_ref(), settings, partition, o, deadline)),
         )
         .await;
     }
@@ -419,7 +458,8 @@ async fn balance(
         };
         info!(group = %settings.group, partition, token = held.lease.token, "partition taken");
         crate::metrics::partition_taken(&settings.group);
-        let release = CancellationToken::new();
+        // A child of `cancel`: when the node stops, every work starts releasing at once.
+        let release = cancel.child_token();
         let lost = CancellationToken::new();
         let keeper_stop = CancellationToken::new();
         let lease_store: Arc<dyn LeaseStore> = store.clone();
@@ -450,12 +490,14 @@ async fn balance(
     Ok(waiting)
 }
 
-/// Lets a partition's work finish (bounded), stops its keeper, then releases its lease.
+/// Lets a partition's work finish (until `deadline`), stops its keeper, then releases
+/// its lease.
 async fn hand_over(
     store: &dyn OwnershipStore,
     settings: &OwnershipSettings,
     partition: i32,
     owned: Owned,
+    deadline: Instant,
 ) {
     let Owned {
         held,
@@ -466,7 +508,7 @@ async fn hand_over(
     } = owned;
     release.cancel();
     crate::metrics::partition_dropped(&settings.group);
-    match tokio::time::timeout(settings.release_timeout, work).await {
+    match tokio::time::timeout_at(deadline, work).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => {
             warn!(group = %settings.group, partition, error = %e, "partition work failed");
@@ -486,7 +528,100 @@ async fn hand_over(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
     use super::*;
+    use crate::store::memory::MemoryStore;
+
+    /// A partition's work that takes `finish` to finish once told to release.
+    struct SlowToRelease {
+        finish: Duration,
+        running: AtomicUsize,
+        releasing: AtomicUsize,
+        finished: AtomicUsize,
+    }
+
+    #[async_trait]
+    impl PartitionWork for SlowToRelease {
+        async fn run(
+            &self,
+            _partition: i32,
+            _held: Held,
+            release: CancellationToken,
+            lost: CancellationToken,
+        ) {
+            self.running.fetch_add(1, Ordering::SeqCst);
+            tokio::select! {
+                _ = release.cancelled() => {}
+                _ = lost.cancelled() => return,
+            }
+            self.releasing.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(self.finish).await;
+            self.finished.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    async fn wait_until(what: &str, done: impl Fn() -> bool) {
+        for _ in 0..600 {
+            if done() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("{what} did not happen");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_node_stopping_mid_hand_over_stops_within_the_release_timeout() {
+        let store: Arc<dyn OwnershipStore> = Arc::new(MemoryStore::new());
+        let work = Arc::new(SlowToRelease {
+            finish: Duration::from_secs(20),
+            running: AtomicUsize::new(0),
+            releasing: AtomicUsize::new(0),
+            finished: AtomicUsize::new(0),
+        });
+        let settings = |node: &str| OwnershipSettings::new("slow", 4, node);
+        let stop_a = CancellationToken::new();
+        let a = tokio::spawn(own(
+            store.clone(),
+            settings("a"),
+            work.clone(),
+            stop_a.clone(),
+        ));
+        wait_until("a owning every partition", || {
+            work.running.load(Ordering::SeqCst) == 4
+        })
+        .await;
+        // A second node joins: `a` hands two partitions over, which takes 20 s each.
+        let b_work = Arc::new(SlowToRelease {
+            finish: Duration::ZERO,
+            running: AtomicUsize::new(0),
+            releasing: AtomicUsize::new(0),
+            finished: AtomicUsize::new(0),
+        });
+        let stop_b = CancellationToken::new();
+        let b = tokio::spawn(own(store.clone(), settings("b"), b_work, stop_b.clone()));
+        wait_until("a handing two partitions over", || {
+            work.releasing.load(Ordering::SeqCst) == 2
+        })
+        .await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        stop_a.cancel();
+        let stopping = Instant::now();
+        tokio::time::timeout(RELEASE_TIMEOUT, a)
+            .await
+            .expect("a stops within the release timeout of being told to")
+            .unwrap();
+        // Its partitions finished together: none was cut off.
+        assert_eq!(work.finished.load(Ordering::SeqCst), 4);
+        assert!(
+            stopping.elapsed() < Duration::from_secs(21),
+            "{:?}",
+            stopping.elapsed()
+        );
+        stop_b.cancel();
+        b.await.unwrap();
+    }
 
     fn members(names: &[&str]) -> Vec<String> {
         names.iter().map(|n| n.to_string()).collect()
