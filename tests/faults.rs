@@ -2014,6 +2014,97 @@ format = "json"
     assert_eq!(status.code(), Some(130), "{status}");
 }
 
+/// Redis going silent (a hung connection, no error) while `weir run` serves a graph, a
+/// keyed graph, a job type and a schedule: SIGTERM still ends it, every store call on the
+/// way out being bounded, and the partition hand-overs together bounded once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weir_run_stops_while_its_redis_is_silent() {
+    use common::servers::Proxy;
+    let redis_server = Server::redis();
+    let proxy = Proxy::start(redis_server.port).await;
+    let prefix = services::unique("silent-exit");
+    let _cleanup = services::cleanup(&prefix);
+    let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
+    let config = tempfile::NamedTempFile::new().expect("config file");
+    let text = format!(
+        r#"[broker]
+{broker}
+[store]
+kind = "redis"
+url = "redis://127.0.0.1:{port}"
+prefix = "{prefix}"
+[[graph]]
+name = "plain"
+criteria = "when_any"
+strategy = "sequential"
+function = "snapshot"
+output = "{output}"
+[[graph.accumulator]]
+name = "a"
+topic = "{input}"
+format = "json"
+[[graph]]
+name = "per_id"
+key = "/id"
+criteria = "when_any"
+strategy = "sequential"
+function = "snapshot"
+output = "{output}.keyed"
+partitions = 2
+[[graph.accumulator]]
+name = "a"
+topic = "{input}.keyed"
+format = "json"
+[[job]]
+type = "{prefix}-count"
+handler = "builtin::count"
+partitions = 2
+[[schedule]]
+id = "{prefix}-tick"
+cron = "* * * * * *"
+timezone = "UTC"
+topic = "{prefix}.ticks"
+delivery = "at_least_once"
+"#,
+        broker = services::nats_table(),
+        port = proxy.port,
+    );
+    std::fs::write(config.path(), text).expect("config written");
+    let broker: Arc<dyn Broker> = services::nats(true).await;
+    let keyed_input = broker
+        .partitioned(&format!("{input}.keyed"), 2)
+        .await
+        .expect("the keyed graph's input");
+    let mut weir = WeirProcess::start(&["run"], config.path());
+    publish_ids(&broker, &input, 0..1).await;
+    publish_persistently(
+        broker.sink().as_ref(),
+        keyed_input.outbound("7", json!({"id": 7}).to_string()),
+        &CancellationToken::new(),
+    )
+    .await
+    .expect("published");
+    // Outputs of both graphs: the keyed one is served by partitions it owns.
+    read_until(&broker, &output, Duration::from_secs(60), |seen| {
+        !seen.is_empty()
+    })
+    .await;
+    read_until(
+        &broker,
+        &format!("{output}.keyed"),
+        Duration::from_secs(60),
+        |seen| !seen.is_empty(),
+    )
+    .await;
+    proxy.stall();
+    let stopping = Instant::now();
+    let status = weir.terminate(Duration::from_secs(60)).await;
+    proxy.heal();
+    let status = status.expect("weir exits within 60 s of SIGTERM while Redis is silent");
+    assert_eq!(status.code(), Some(130), "{status}");
+    eprintln!("stopped in {:?} with Redis silent", stopping.elapsed());
+}
+
 /// Reads through one broker and publishes through another: a fault on the path of the
 /// reads alone.
 struct ReadsThrough {
