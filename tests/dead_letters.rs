@@ -142,6 +142,7 @@ async fn a_failed_fires_inputs_stay_stored_until_its_dead_letter_is_acknowledged
         inner: Arc::new(h.broker.clone()),
         down: down.clone(),
         refused: refused.clone(),
+        for_good: false,
     });
     let decl = GraphBuilder::new("waits")
         .reactor(reactor())

@@ -368,6 +368,7 @@ async fn a_rejected_message_whose_dead_letter_a_stop_cut_short_is_dead_lettered_
         inner: Arc::new(h.broker.clone()),
         down: Arc::new(AtomicBool::new(true)),
         refused: Arc::default(),
+        for_good: false,
     });
     let node = || {
         let runtime = weir::Runtime {
@@ -426,6 +427,79 @@ async fn a_rejected_message_whose_dead_letter_a_stop_cut_short_is_dead_lettered_
     assert_eq!(dead.len(), 1, "the rejected message dead-lettered once");
     assert_eq!(dead[0].payload, json!("bad").to_string().as_bytes());
     assert!(second.shutdown().await, "stopped in time");
+}
+
+/// A broker that refuses a rejected message's dead letter for good, with its payload and
+/// without: the source stops at that message rather than pass it by, the graph is
+/// restarted with backoff and then marked Failed, and nothing after the message is
+/// taken in. Once the letter can go, a restart dead-letters the message and goes on.
+#[tokio::test(start_paused = true)]
+async fn a_dead_letter_refused_for_good_stops_its_source_at_the_message_and_fails_the_graph() {
+    let h = Harness::new();
+    let dead_letters = Arc::new(common::DeadLettersDown {
+        inner: Arc::new(h.broker.clone()),
+        down: Arc::new(AtomicBool::new(true)),
+        refused: Arc::default(),
+        for_good: true,
+    });
+    let runtime = weir::Runtime {
+        broker: Arc::new(common::WithDeadLettersDown {
+            broker: Arc::new(h.broker.clone()),
+            dead_letters: dead_letters.clone(),
+        }),
+        store: h.store.clone(),
+        node_id: "test-node".into(),
+    };
+    let policy = weir::SupervisionPolicy {
+        max_failures: 3,
+        ..weir::SupervisionPolicy::default()
+    };
+    let node = weir::Supervisor::new(runtime, policy, tokio_util::sync::CancellationToken::new());
+    let g = node
+        .spawn(graph(
+            "refused",
+            AccumulatorSpec::custom("a", || RejectsBad).topic("refused.in"),
+        ))
+        .unwrap();
+    g.wait_for_state(ReactorState::Live).await;
+    publish_all(
+        &h,
+        "refused.in",
+        &[json!("good"), json!("bad"), json!("later")],
+    )
+    .await;
+    tokio::time::timeout(
+        std::time::Duration::from_secs(600),
+        g.wait_for_state(ReactorState::Failed),
+    )
+    .await
+    .expect("the graph failed");
+    // Each run tried the letter with its payload and then without.
+    assert!(dead_letters.refused.load(Ordering::SeqCst) >= 2 * 3);
+    let fired = |h: &Harness| -> Vec<Value> {
+        h.outputs("refused.out")
+            .iter()
+            .map(|o| o["inputs"]["a"].clone())
+            .collect()
+    };
+    assert_eq!(
+        fired(&h),
+        [json!("good")],
+        "nothing after the message was taken in"
+    );
+    assert!(h.broker.messages("refused.in.dlq").is_empty());
+
+    dead_letters.down.store(false, Ordering::SeqCst);
+    g.restart();
+    eventually("the later one fired", || async {
+        fired(&h).contains(&json!("later"))
+    })
+    .await;
+    assert_eq!(fired(&h), [json!("good"), json!("later")]);
+    let dead = h.broker.messages("refused.in.dlq");
+    assert_eq!(dead.len(), 1, "the rejected message dead-lettered once");
+    assert_eq!(dead[0].payload, json!("bad").to_string().as_bytes());
+    assert!(node.shutdown().await, "stopped in time");
 }
 
 #[tokio::test(start_paused = true)]

@@ -1649,6 +1649,7 @@ mod memory {
             inner: env.broker.sink(),
             down: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             refused: Arc::default(),
+            for_good: false,
         });
         let executor = env.name("doomed");
         let w = flow(

@@ -134,7 +134,12 @@ impl AccumulatorError {
         match self {
             Self::Rejected(_) | Self::BadCheckpoint(_) | Self::Panicked(_) => false,
             // Retried, a message panicked on goes to the dead-letter topic.
-            Self::Source { .. } | Self::DeadLetter { .. } | Self::PanickedOnMessage { .. } => true,
+            Self::Source { .. } | Self::PanickedOnMessage { .. } => true,
+            // A letter the broker refuses for good, even without the message's payload
+            // (a topic it will not take), is refused again however often it is sent:
+            // the source stays at the message and the graph counts the failure, so it
+            // ends Failed rather than waiting on it unseen for ever.
+            Self::DeadLetter { source, .. } => source.is_retryable(),
             Self::Store(e) => e.is_retryable(),
         }
     }

@@ -321,11 +321,13 @@ pub async fn work_off_past_ttl(
 }
 
 /// Refuses what goes to a dead-letter topic while `down` is set, as a broker that is
-/// away does (retryable), and counts what it refused; passes the rest on.
+/// away does (retryable) or, with `for_good`, as one that will never take it (an ACL
+/// denying the topic), and counts what it refused; passes the rest on.
 pub struct DeadLettersDown {
     pub inner: std::sync::Arc<dyn weir::transport::Sink>,
     pub down: std::sync::Arc<std::sync::atomic::AtomicBool>,
     pub refused: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    pub for_good: bool,
 }
 
 #[async_trait::async_trait]
@@ -339,8 +341,12 @@ impl weir::transport::Sink for DeadLettersDown {
             self.refused.fetch_add(1, Ordering::SeqCst);
             return Err(weir::transport::TransportError::Publish {
                 topic: message.topic,
-                source: "broker unreachable".into(),
-                retryable: true,
+                source: if self.for_good {
+                    "topic authorization failed".into()
+                } else {
+                    "broker unreachable".into()
+                },
+                retryable: !self.for_good,
             });
         }
         self.inner.publish(message).await
