@@ -59,18 +59,26 @@ impl Setup {
             snapshot_interval_ms,
             false,
             100,
+            "",
         )
+    }
+
+    /// One partition read by a `batch` accumulator cutting batches of `size` by size
+    /// alone, so that every run cuts the same batches from the same input.
+    fn batched(kind: Kind, lease_ttl_ms: u64, size: u64) -> Self {
+        let batch = format!("kind = \"batch\"\nbatch_size = {size}\nbatch_interval_ms = 0\n");
+        Self::build(kind, lease_ttl_ms, 1, 200, false, 100, &batch)
     }
 
     /// One partition, a cache snapshot at every turn, and the accumulator's checkpoint
     /// writes `checkpoint_interval_ms` apart.
     fn checkpointing(kind: Kind, lease_ttl_ms: u64, checkpoint_interval_ms: u64) -> Self {
-        Self::build(kind, lease_ttl_ms, 1, 0, false, checkpoint_interval_ms)
+        Self::build(kind, lease_ttl_ms, 1, 0, false, checkpoint_interval_ms, "")
     }
 
     /// Two sources joined under `when_all`, one partition each.
     fn joined(kind: Kind, lease_ttl_ms: u64, snapshot_interval_ms: u64) -> Self {
-        Self::build(kind, lease_ttl_ms, 1, snapshot_interval_ms, true, 100)
+        Self::build(kind, lease_ttl_ms, 1, snapshot_interval_ms, true, 100, "")
     }
 
     fn build(
@@ -80,6 +88,7 @@ impl Setup {
         snapshot_interval_ms: u64,
         joined: bool,
         checkpoint_interval_ms: u64,
+        accumulator_options: &str,
     ) -> Self {
         let prefix = services::unique("it");
         let input = format!("{prefix}.in");
@@ -131,7 +140,7 @@ checkpoint_interval_ms = {checkpoint_interval_ms}
 name = "a"
 topic = "{input}"
 format = "json"
-{second}"#,
+{accumulator_options}{second}"#,
             redis = services::redis_url(),
         );
         let mut config = tempfile::NamedTempFile::new().unwrap();
@@ -456,6 +465,86 @@ async fn crash_safety(setup: Setup) {
             &renumbered[..renumbered.len().min(5)]
         );
     }
+}
+
+/// A `batch` accumulator killed mid-stream: its partial batch is stored with the
+/// positions folded into it, so the run after the kill goes on filling that batch.
+/// Every input comes out, and every output is one of the batches the input makes
+/// (ten consecutive ids): a batch lost at the kill would shift the cuts after it, and an
+/// input folded twice would sit in two different batches.
+async fn batch_crash_safety(kind: Kind) {
+    const EVENTS: u64 = 1500;
+    const SIZE: u64 = 10;
+    let setup = Setup::batched(kind, 2000, SIZE);
+    let broker = setup.broker().await;
+    let sink = broker.sink();
+    let mut weir = setup.start("n1");
+    let batch_of = |m: &Message| -> Vec<u64> {
+        let v: Value = serde_json::from_slice(&m.payload).expect("a JSON output");
+        v["inputs"]["a"]
+            .as_array()
+            .expect("a batch")
+            .iter()
+            .map(|e| e["id"].as_u64().expect("an id"))
+            .collect()
+    };
+    for id in 0..EVENTS {
+        let event = json!({"id": id});
+        sink.publish(Outbound::new(&setup.input, event.to_string()))
+            .await
+            .unwrap();
+        if id % 50 == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Killed while batches are being filled, once some have come out: the kill
+        // lands between a stored partial batch and the next.
+        if id == EVENTS / 2 + 5 {
+            read_until(&broker, &setup.output, Duration::from_secs(60), |seen| {
+                seen.len() >= 20
+            })
+            .await;
+            weir.kill().unwrap();
+            weir.wait().unwrap();
+            weir = setup.start("n1");
+        }
+    }
+    let mut ids = std::collections::BTreeSet::new();
+    let mut parsed = 0;
+    let outputs = read_until(&broker, &setup.output, Duration::from_secs(90), |seen| {
+        for m in &seen[parsed..] {
+            ids.extend(batch_of(m));
+        }
+        parsed = seen.len();
+        ids.len() as u64 == EVENTS
+    })
+    .await;
+    weir.kill().unwrap();
+    let _ = weir.wait();
+    let cut_elsewhere: Vec<Vec<u64>> = outputs
+        .iter()
+        .map(batch_of)
+        .filter(|batch| {
+            let first = batch[0];
+            first % SIZE != 0 || *batch != (first..first + SIZE).collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(
+        cut_elsewhere.is_empty(),
+        "{} outputs are not batches of ten consecutive ids from a multiple of ten, the first {:?}",
+        cut_elsewhere.len(),
+        &cut_elsewhere[..cut_elsewhere.len().min(3)]
+    );
+    eprintln!("{} batches out for {} made", outputs.len(), EVENTS / SIZE);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kafka_batch_accumulator_killed_mid_batch_loses_and_refolds_nothing() {
+    batch_crash_safety(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nats_batch_accumulator_killed_mid_batch_loses_and_refolds_nothing() {
+    batch_crash_safety(Kind::Nats).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
