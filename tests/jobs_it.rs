@@ -246,8 +246,9 @@ async fn send_round(client: &JobClient, ids: &[String], round: u64) {
 }
 
 /// Every job at exactly `MESSAGES` within `within` and still so a while later (nothing
-/// applied twice afterwards), and every ticker's timeouts fired at most once per due
-/// time.
+/// applied twice afterwards); every ticker's timeouts fired at most once per due time,
+/// and still firing: a ticker whose timeout was dropped when its partition moved would
+/// have stopped.
 async fn await_exactly_once(
     store: &dyn Store,
     job_type: &str,
@@ -257,8 +258,23 @@ async fn await_exactly_once(
     within: Duration,
 ) {
     await_counts(store, job_type, ids, within).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    let timeouts = |states: Vec<Option<Value>>| -> Vec<u64> {
+        states
+            .iter()
+            .map(|s| s.as_ref().and_then(|s| s["timeouts"].as_u64()).unwrap_or(0))
+            .collect()
+    };
+    let before = timeouts(states(store, job_type, tickers).await);
+    tokio::time::sleep(Duration::from_millis(3 * TICK_MS)).await;
     await_counts(store, job_type, ids, Duration::ZERO).await;
+    let after = timeouts(states(store, job_type, tickers).await);
+    for ((id, before), after) in tickers.iter().zip(before).zip(after) {
+        assert!(
+            after > before,
+            "{id}: no timeout fired in {} ms (still at {after})",
+            3 * TICK_MS
+        );
+    }
     await_timeouts_once_per_due_time(store, job_type, tickers, started).await;
 }
 
