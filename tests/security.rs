@@ -3,7 +3,8 @@
 //! user and TLS verifying client certificates; Redis with `--requirepass`, an ACL user
 //! and TLS; Kafka (Tansu) over TLS and with SASL; the admin API over TLS. Wrong
 //! credentials make `weir run` exit 1 naming the server and the cause, and no secret
-//! appears in anything weir printed.
+//! appears in anything weir printed, nor in what it logs and answers at debug level
+//! through its servers' restarts.
 #![cfg(feature = "it")]
 
 mod common;
@@ -705,4 +706,146 @@ async fn nats_with_a_credentials_file() {
         "authentication failed",
         &outsider.seed().unwrap(),
     );
+}
+
+/// An HTTP/1.1 GET on loopback, its whole answer (status line, headers, body) as text.
+async fn http_get(address: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address)
+        .await
+        .expect("the admin API answers");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
+        .await
+        .expect("an answer within 10 s")
+        .unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// Waits until a message comes out on `topic`, publishing `event` to `input` every
+/// second meanwhile (a restarted server may drop what came while it was away).
+async fn await_an_output(broker: &NatsBroker, input: &str, topic: &str) {
+    let mut source = broker
+        .subscribe(&Subscription::new(topic, unique("reader")))
+        .await
+        .expect("subscribed");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "no output on {topic} within 60 s"
+        );
+        let _ = broker
+            .sink()
+            .publish(Outbound::new(input, Bytes::from_static(b"{\"n\":1}")))
+            .await;
+        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(1), source.next()).await {
+            return;
+        }
+    }
+}
+
+/// `weir run` at debug level, with the passwords of its NATS and its Redis in their
+/// URLs, through both servers restarting: nothing it logs, nor its admin API's
+/// `/graphs`, `/readyz` and `/metrics`, nor the CLI, shows either password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_password_shows_in_logs_or_answers_through_server_restarts() {
+    let nats_password = "nats-pw-restart-7e2";
+    let redis_password = "redis-pw-restart-3a9";
+    let mut nats_server = Server::nats_with_args("", &["--user", "alice", "--pass", nats_password]);
+    let mut redis_server = Server::redis_with(|port| {
+        vec![
+            "--port".into(),
+            port.to_string(),
+            "--requirepass".into(),
+            redis_password.into(),
+        ]
+    });
+    let nats_url = format!(
+        "nats://alice:{nats_password}@127.0.0.1:{}",
+        nats_server.port
+    );
+    let prefix = unique("masked");
+    let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
+    let admin = format!("127.0.0.1:{}", common::servers::spare_port());
+    let mut config = tempfile::NamedTempFile::new().unwrap();
+    write!(
+        config,
+        r#"[broker]
+kind = "nats"
+url = "{nats_url}"
+[store]
+kind = "redis"
+url = "redis://:{redis_password}@127.0.0.1:{redis_port}"
+prefix = "{prefix}"
+[admin]
+listen = "{admin}"
+[[graph]]
+name = "g"
+criteria = "when_any"
+strategy = "sequential"
+function = "snapshot"
+output = "{output}"
+[[graph.accumulator]]
+name = "a"
+topic = "{input}"
+format = "json"
+"#,
+        redis_port = redis_server.port,
+    )
+    .unwrap();
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut weir = Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(["run", "--config"])
+        .arg(config.path())
+        .env("WEIR_LOG", "debug")
+        .stdout(log.reopen().unwrap())
+        .stderr(log.reopen().unwrap())
+        .spawn()
+        .expect("weir runs");
+    let broker = NatsBroker::connect(NatsSettings {
+        url: nats_url.clone(),
+        jetstream: true,
+        ..Default::default()
+    })
+    .await
+    .expect("NATS reachable");
+    await_an_output(&broker, &input, &output).await;
+    redis_server.restart();
+    nats_server.restart();
+    await_an_output(&broker, &input, &output).await;
+
+    let mut answers = Vec::new();
+    for path in ["/graphs", "/readyz", "/metrics", "/graphs/g"] {
+        answers.push(http_get(&admin, path).await);
+    }
+    let cli = Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(["graph", "state", "g", "--admin"])
+        .arg(format!("http://{admin}"))
+        .output()
+        .expect("weir graph list runs");
+    answers.push(String::from_utf8_lossy(&cli.stdout).into_owned());
+    answers.push(String::from_utf8_lossy(&cli.stderr).into_owned());
+    common::servers::signal(&weir, "TERM");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while weir.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "weir did not stop within 30 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let logged = std::fs::read_to_string(log.path()).unwrap();
+    // The answers are the real ones, not refusals.
+    assert!(
+        answers[0].starts_with("HTTP/1.1 200") && answers[0].contains("\"g\""),
+        "{}",
+        answers[0]
+    );
+    assert!(cli.status.success(), "{cli:?}");
+    for secret in [nats_password, redis_password] {
+        assert!(!logged.contains(secret), "{secret} logged:\n{logged}");
+        for answer in &answers {
+            assert!(!answer.contains(secret), "{secret} answered:\n{answer}");
+        }
+    }
 }
