@@ -716,6 +716,62 @@ async fn websocket_commands_answer_in_order() {
     assert!(closed.is_ok(), "the server closes sockets on shutdown");
 }
 
+/// A WebSocket message over 2 MiB closes its socket, where a message just under it is
+/// answered: a client cannot make the server hold an unbounded message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_websocket_message_over_two_mib_closes_its_socket() {
+    let admin = Admin::start(Some(TOKEN)).await;
+    admin.graph("sized").await;
+    let connect = || async {
+        let mut request = format!("ws://{}/ws", admin.admin)
+            .into_client_request()
+            .unwrap();
+        request
+            .headers_mut()
+            .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+        tokio_tungstenite::connect_async(request).await.unwrap().0
+    };
+    // A command padded with an unknown field to `size` bytes.
+    let command = |size: usize| {
+        let head = r#"{"id": 1, "command": "list", "pad": ""#;
+        let tail = r#""}"#;
+        format!("{head}{}{tail}", "x".repeat(size - head.len() - tail.len()))
+    };
+    const LIMIT: usize = 2 * 1024 * 1024;
+
+    let mut socket = connect().await;
+    socket.send(Message::text(command(LIMIT))).await.unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match socket.next().await {
+                Some(Ok(Message::Text(text))) => {
+                    return serde_json::from_str::<Value>(text.as_str()).unwrap()
+                }
+                Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
+                other => panic!("no answer to a message at the limit: {other:?}"),
+            }
+        }
+    })
+    .await
+    .expect("an answer within 10 s");
+    assert_eq!(answer["ok"], true, "{answer}");
+
+    let mut socket = connect().await;
+    // The server may close while the message is still being sent.
+    let _ = socket.send(Message::text(command(LIMIT + 1))).await;
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match socket.next().await {
+                None | Some(Err(_)) | Some(Ok(Message::Close(_))) => return,
+                Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
+                Some(Ok(other)) => panic!("answered a message over the limit: {other:?}"),
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the socket closes within 10 s");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn weir_graph_talks_to_the_admin_api() {
     let admin = Admin::start(Some(TOKEN)).await;
