@@ -716,10 +716,24 @@ async fn graph_fails_over_within_the_lease_ttl() {
     sink.publish(Outbound::new(&setup.input, json!({"id": 2}).to_string()))
         .await
         .unwrap();
-    read_until(&broker, &setup.output, Duration::from_secs(30), |seen| {
+    let outputs = read_until(&broker, &setup.output, Duration::from_secs(30), |seen| {
         ids_in(seen).contains(&2)
     })
     .await;
+    // The survivor restored the cache the holder stored after its fire: it numbers on
+    // from that fire rather than starting again at 1.
+    let fire_for = |id: u64| {
+        outputs
+            .iter()
+            .find(|m| ids_in(std::slice::from_ref(*m)) == vec![id])
+            .map(fire_of)
+            .expect("an output for the id")
+    };
+    assert_eq!(
+        fire_for(2),
+        fire_for(1) + 1,
+        "fire numbers go on after the takeover"
+    );
     survivor.kill().unwrap();
     let _ = survivor.wait();
 }
