@@ -1218,8 +1218,10 @@ async fn a_cron_master_losing_redis_stops_at_most_once_ticks_within_its_ttl(loss
         .filter(|t| t.node_id == "master")
         .map(|t| t.scheduled_time_ms)
         .collect();
+    // The last two seconds are left out: a tick may go out late, its store calls first
+    // waiting out their bound.
     let first_second = cut_at / 1000 + 1;
-    let last_second = end / 1000 - 1;
+    let last_second = end / 1000 - 2;
     for second in first_second..last_second {
         assert!(
             least.contains(&(second * 1000)),

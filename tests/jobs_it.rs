@@ -265,14 +265,15 @@ async fn await_exactly_once(
             .collect()
     };
     let before = timeouts(states(store, job_type, tickers).await);
-    tokio::time::sleep(Duration::from_millis(3 * TICK_MS)).await;
+    // Twice the lease TTL: time for a partition still changing hands to move.
+    tokio::time::sleep(Duration::from_millis(6 * TICK_MS)).await;
     await_counts(store, job_type, ids, Duration::ZERO).await;
     let after = timeouts(states(store, job_type, tickers).await);
     for ((id, before), after) in tickers.iter().zip(before).zip(after) {
         assert!(
             after > before,
             "{id}: no timeout fired in {} ms (still at {after})",
-            3 * TICK_MS
+            6 * TICK_MS
         );
     }
     await_timeouts_once_per_due_time(store, job_type, tickers, started).await;

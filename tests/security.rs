@@ -724,9 +724,12 @@ async fn http_get(address: &str, path: &str) -> String {
     String::from_utf8_lossy(&answer).into_owned()
 }
 
-/// Waits until a message comes out on `topic`, publishing `event` to `input` every
-/// second meanwhile (a restarted server may drop what came while it was away).
+/// Waits until an output of a new event comes out on `topic`, publishing the event to
+/// `input` every second meanwhile (a restarted server may drop what came while it was
+/// away). The event carries a mark of its own, so an output from before does not count.
 async fn await_an_output(broker: &NatsBroker, input: &str, topic: &str) {
+    let mark = unique("mark");
+    let event = serde_json::json!({ "mark": mark }).to_string();
     let mut source = broker
         .subscribe(&Subscription::new(topic, unique("reader")))
         .await
@@ -735,14 +738,27 @@ async fn await_an_output(broker: &NatsBroker, input: &str, topic: &str) {
     loop {
         assert!(
             Instant::now() < deadline,
-            "no output on {topic} within 60 s"
+            "no output of {mark} on {topic} within 60 s"
         );
         let _ = broker
             .sink()
-            .publish(Outbound::new(input, Bytes::from_static(b"{\"n\":1}")))
+            .publish(Outbound::new(input, event.clone()))
             .await;
-        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(1), source.next()).await {
-            return;
+        let pause = tokio::time::sleep(Duration::from_secs(1));
+        tokio::pin!(pause);
+        loop {
+            tokio::select! {
+                _ = &mut pause => break,
+                next = source.next() => match next {
+                    Ok(m) if String::from_utf8_lossy(&m.payload).contains(&mark) => return,
+                    Ok(_) => {}
+                    // The server away: wait out the second before asking again.
+                    Err(_) => {
+                        (&mut pause).await;
+                        break;
+                    }
+                },
+            }
         }
     }
 }

@@ -429,6 +429,24 @@ impl KafkaBroker {
         for result in results {
             match result {
                 Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                // The cluster busy or between controllers: the creation may even be
+                // under way, and asking again settles it.
+                Err((
+                    name,
+                    code @ (RDKafkaErrorCode::RequestTimedOut
+                    | RDKafkaErrorCode::OperationTimedOut
+                    | RDKafkaErrorCode::NotController
+                    | RDKafkaErrorCode::BrokerNotAvailable
+                    | RDKafkaErrorCode::LeaderNotAvailable
+                    | RDKafkaErrorCode::NetworkException
+                    | RDKafkaErrorCode::AllBrokersDown
+                    | RDKafkaErrorCode::BrokerTransportFailure),
+                )) => {
+                    return Err(unreachable(
+                        &settings.brokers,
+                        format!("cannot create topic {name} yet: {code}"),
+                    ))
+                }
                 Err((name, code)) => {
                     return Err(TransportError::InvalidTopic {
                         topic: name,

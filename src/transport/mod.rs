@@ -660,7 +660,12 @@ pub async fn publish_dead_letter(
 /// left out in the error header.
 fn without_payload(mut letter: Outbound, refusal: &TransportError) -> Outbound {
     let bytes = std::mem::take(&mut letter.payload).len();
-    let why = format!("payload left out, the letter with it was refused: {refusal}");
+    let mut why = format!("payload left out, the letter with it was refused: {refusal}");
+    // A key that long may be what was refused; the headers still say where the message
+    // is.
+    if let Some(key) = letter.key.take_if(|key| key.len() > DEAD_LETTER_KEY_LIMIT) {
+        why.push_str(&format!("; its key of {} bytes left out too", key.len()));
+    }
     match letter
         .headers
         .iter_mut()
@@ -805,6 +810,31 @@ mod tests {
         assert_eq!(letter.key, None);
         let record: serde_json::Value = serde_json::from_slice(&letter.payload).unwrap();
         assert_eq!(record["key"], "a\nb");
+    }
+
+    #[test]
+    fn a_letter_sent_again_without_its_payload_leaves_out_a_key_too_long() {
+        let refused = TransportError::Publish {
+            topic: "in.dlq".into(),
+            source: "message too large".into(),
+            retryable: false,
+        };
+        let short = without_payload(Outbound::new("in.dlq", "xyz").key("k1"), &refused);
+        assert!(short.payload.is_empty());
+        assert_eq!(short.key.as_deref(), Some(&b"k1"[..]));
+        let huge = "k".repeat(DEAD_LETTER_KEY_LIMIT + 1);
+        let letter = without_payload(Outbound::new("in.dlq", "xyz").key(huge), &refused);
+        assert_eq!(letter.key, None);
+        let error = letter
+            .headers
+            .iter()
+            .find(|(name, _)| name == crate::wire::ERROR_HEADER)
+            .map(|(_, value)| value.as_str().to_string())
+            .unwrap();
+        assert!(
+            error.contains(&format!("key of {} bytes", DEAD_LETTER_KEY_LIMIT + 1)),
+            "{error}"
+        );
     }
 
     #[test]

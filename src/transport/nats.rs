@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use async_nats::jetstream::context::CreateStreamErrorKind;
 use async_nats::jetstream::{self, consumer, stream};
 use async_trait::async_trait;
 use futures::{StreamExt, TryStreamExt};
@@ -310,14 +311,29 @@ impl NatsBroker {
                 Err(e) => {
                     // Another client (a reader, another node) may have made the subject's
                     // stream since the look-up: the server then refuses this one as
-                    // overlapping it, and that stream is the one to use. Otherwise the
-                    // refusal is what to report.
-                    if let Ok(Some(name)) = self.existing_stream(js, subject).await {
-                        return Ok(name);
+                    // overlapping it, and that stream is the one to use. A look-up
+                    // failing as well says the server is away.
+                    match self.existing_stream(js, subject).await {
+                        Ok(Some(name)) => return Ok(name),
+                        Err(lookup) if lookup.is_retryable() => return Err(lookup),
+                        Ok(None) | Err(_) => {}
+                    }
+                    let why = format!("cannot create or open stream {name}: {e}");
+                    // No answer in time, or JetStream not answering at all (restarting,
+                    // electing a leader): a moment's trouble, unlike a refusal.
+                    let away = match e.kind() {
+                        CreateStreamErrorKind::TimedOut
+                        | CreateStreamErrorKind::JetStreamUnavailable
+                        | CreateStreamErrorKind::Response => true,
+                        CreateStreamErrorKind::JetStream(api) => api.code() == 503,
+                        _ => false,
+                    };
+                    if away {
+                        return Err(self.unreachable(why));
                     }
                     return Err(TransportError::InvalidTopic {
                         topic: subject.to_string(),
-                        reason: format!("cannot create or open stream {name}: {e}"),
+                        reason: why,
                     });
                 }
             };
