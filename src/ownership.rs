@@ -437,12 +437,29 @@ async fn balance(
         info!(group = %settings.group, ?partitions, "handing partitions over");
         // Together: each waits for its work to finish, which may take a while.
         let deadline = Instant::now() + settings.release_timeout;
-        futures::future::join_all(
+        let handing_over = futures::future::join_all(
             surplus
                 .into_iter()
                 .map(|(partition, o)| hand_over(store.as_ref(), settings, partition, o, deadline)),
-        )
-        .await;
+        );
+        // Meanwhile this node keeps announcing itself: gone from the members' list, it
+        // would have its other partitions spread over the rest, who would then wait
+        // on leases it still holds.
+        let announcing = async {
+            loop {
+                tokio::time::sleep(settings.ttl / 3).await;
+                if let Err(e) = store
+                    .join_group(&settings.group, member, settings.ttl)
+                    .await
+                {
+                    warn!(group = %settings.group, error = %e, "cannot announce this node while handing partitions over");
+                }
+            }
+        };
+        tokio::select! {
+            _ = handing_over => {}
+            _ = announcing => {}
+        }
     }
     // Told to stop during the hand-over: the stop hands over what is left.
     if cancel.is_cancelled() {
@@ -576,7 +593,7 @@ mod tests {
     }
 
     /// Node `a` owns all four partitions, whose works take `finish` to finish once told
-    /// to release; `b` joins, so `a` hands two over; a second into that, `a` is told to
+    /// to release; `b` joins, so `a` hands two over; 11 s into that, `a` is told to
     /// stop. Returns how long `a` took to stop from then, and how many works finished.
     async fn stop_mid_hand_over(finish: Duration) -> (Duration, usize) {
         let store: Arc<dyn OwnershipStore> = Arc::new(MemoryStore::new());
@@ -613,6 +630,16 @@ mod tests {
         })
         .await;
         tokio::time::sleep(Duration::from_secs(1)).await;
+        // However long the hand-over takes, `a` stays a member: `b` never counts on
+        // partitions `a` still holds.
+        for _ in 0..10 {
+            let members = store.group_members("slow").await.unwrap();
+            assert!(
+                members.iter().any(|m| holder_node(m) == "a"),
+                "a left the members during its hand-over: {members:?}"
+            );
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
         stop_a.cancel();
         let stopping = Instant::now();
         tokio::time::timeout(RELEASE_TIMEOUT * 3, a)
