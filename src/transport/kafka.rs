@@ -678,14 +678,19 @@ impl KafkaBroker {
         }
     }
 
-    /// After a fatal error the producer takes no more messages; the next publishes go
+    /// After a fatal error the producer takes no more messages, nor after the broker
+    /// fenced it (it handed the producer's id to another client: one Kafka-compatible
+    /// broker was seen to, after a restart, and librdkafka does not count that fatal
+    /// for a producer without transactions, which weir's are); the next publishes go
     /// through a new one. Its failed messages fail as retryable, so their senders
     /// publish them again, after what they had already acknowledged.
-    fn renew_if_fatal(&self, failed: &Arc<SharedProducer>, error: &KafkaError) {
+    fn renew_if_unusable(&self, failed: &Arc<SharedProducer>, error: &KafkaError) {
         // The error that made it fatal reaches its own message as itself, the others
         // as "fatal".
         let cause = failed.client().fatal_error();
-        if cause.is_none() && error.rdkafka_error_code() != Some(RDKafkaErrorCode::Fatal) {
+        let fenced = error.rdkafka_error_code() == Some(RDKafkaErrorCode::ProducerFenced);
+        if cause.is_none() && !fenced && error.rdkafka_error_code() != Some(RDKafkaErrorCode::Fatal)
+        {
             return;
         }
         // Every message of a failed producer fails: most find it renewed already.
@@ -715,7 +720,8 @@ impl KafkaBroker {
             Ok(renewed) => {
                 tracing::warn!(
                     ?cause,
-                    "kafka producer failed fatally; publishing through a new one once the old one's publishes are settled"
+                    fenced,
+                    "kafka producer failed fatally or was fenced; publishing through a new one once the old one's publishes are settled"
                 );
                 *retired = (Arc::downgrade(failed), Some(std::time::Instant::now()));
                 *current = Arc::new(SharedProducer(Some(renewed)));
@@ -773,7 +779,7 @@ impl Sink for KafkaBroker {
                     tokio::time::sleep(QUEUE_FULL_PAUSE).await;
                 }
                 Err((e, _)) => {
-                    self.renew_if_fatal(&producer, &e);
+                    self.renew_if_unusable(&producer, &e);
                     return Err(publish_error(&message.topic, &e));
                 }
             }
@@ -787,7 +793,7 @@ impl Sink for KafkaBroker {
                     offset: delivery.offset,
                 }),
                 Ok(Err((e, _))) => {
-                    broker.renew_if_fatal(&producer, &e);
+                    broker.renew_if_unusable(&producer, &e);
                     Err(publish_error(&topic, &e))
                 }
                 Err(_) => Err(TransportError::Publish {
