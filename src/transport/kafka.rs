@@ -678,11 +678,10 @@ impl KafkaBroker {
         }
     }
 
-    /// After a fatal error the producer takes no more messages, nor after the broker
-    /// fenced it (it handed the producer's id to another client: one Kafka-compatible
-    /// broker was seen to, after a restart, and librdkafka does not count that fatal
-    /// for a producer without transactions, which weir's are); the next publishes go
-    /// through a new one. Its failed messages fail as retryable, so their senders
+    /// After a fatal error the producer takes no more messages, nor once the broker
+    /// fenced it (`ProducerFenced` on every publish, seen from a Kafka-compatible broker
+    /// restarted under load; librdkafka does not count it fatal for a producer without
+    /// transactions, which weir's are); the next publishes go through a new one. Its failed messages fail as retryable, so their senders
     /// publish them again, after what they had already acknowledged.
     fn renew_if_unusable(&self, failed: &Arc<SharedProducer>, error: &KafkaError) {
         // The error that made it fatal reaches its own message as itself, the others
