@@ -63,6 +63,10 @@ pub const PARTITIONS_OWNED: &str = "weir_partitions_owned";
 pub const PARTITION_MIGRATIONS_TOTAL: &str = "weir_partition_migrations_total";
 /// From a partition's release by its previous owner to this node processing it.
 pub const PARTITION_HANDOVER_SECONDS: &str = "weir_partition_handover_seconds";
+/// Times a partition this node serves failed and was served again from the store, per
+/// `group`: a count that keeps growing means a partition stuck on something no retry
+/// mends (a dead letter the broker refuses for good, a store that keeps refusing).
+pub const PARTITION_FAILURES_TOTAL: &str = "weir_partition_failures_total";
 /// Jobs of a `job_type` in this node's memory, in the partitions it owns.
 pub const JOBS_OWNED: &str = "weir_jobs_owned";
 /// Messages, starts and stops applied to jobs, per `job_type`.
@@ -107,6 +111,7 @@ pub const ALL: &[&str] = &[
     PARTITIONS_OWNED,
     PARTITION_MIGRATIONS_TOTAL,
     PARTITION_HANDOVER_SECONDS,
+    PARTITION_FAILURES_TOTAL,
     JOBS_OWNED,
     JOB_MESSAGES_APPLIED_TOTAL,
     JOB_TIMEOUTS_FIRED_TOTAL,
@@ -123,6 +128,11 @@ pub(crate) fn partition_taken(group: &str) {
 pub(crate) fn partition_resumed(group: &str, handover: std::time::Duration) {
     metrics::histogram!(PARTITION_HANDOVER_SECONDS, "group" => group.to_string())
         .record(handover.as_secs_f64());
+}
+
+/// A partition of `group` failed and is to be served again from the store.
+pub(crate) fn partition_failed(group: &str) {
+    counter!(PARTITION_FAILURES_TOTAL, "group" => group.to_string()).increment(1);
 }
 
 pub(crate) fn partition_dropped(group: &str) {

@@ -209,6 +209,7 @@ pub async fn serve_partition<F, Fut>(
             return;
         }
         warn!(%group, partition, error = %failure, "partition failed; starting again from the store");
+        crate::metrics::partition_failed(group);
         tokio::select! {
             _ = release.cancelled() => return,
             _ = lost.cancelled() => return,
@@ -690,5 +691,113 @@ mod tests {
         }
         assert_eq!(spread(6, &members(&["a", "b"]), "c"), Vec::<i32>::new());
         assert_eq!(spread(6, &members(&["a", "b"]), "b"), vec![1, 3, 5]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_failure_of_a_partition_counts_until_it_is_served_through() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        // The test runs on one thread, which the local recorder covers.
+        let _recording = metrics::set_default_local_recorder(&recorder);
+        let (release, lost) = (CancellationToken::new(), CancellationToken::new());
+        let mut attempts = 0;
+        serve_partition("jobs.counter", 2, &release, &lost, |_, _| {
+            attempts += 1;
+            let failing = attempts <= 3;
+            async move {
+                if failing {
+                    Err(PartitionError::Store(store_away()))
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .await;
+        assert_eq!(attempts, 4);
+        let text = handle.render();
+        assert!(
+            text.contains(r#"weir_partition_failures_total{group="jobs.counter"} 3"#),
+            "{text}"
+        );
+
+        // A partition taken over by a newer owner stops; that is no failure.
+        serve_partition("graph.g", 0, &release, &lost, |_, _| async {
+            Err(PartitionError::Store(StoreError::Fenced {
+                lease: "weir:lease:graph.g:0".into(),
+                token: 7,
+            }))
+        })
+        .await;
+        assert!(!handle.render().contains(r#"group="graph.g""#));
+    }
+
+    fn store_away() -> StoreError {
+        StoreError::Unreachable {
+            what: "redis GET".into(),
+            source: "connection refused".into(),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_store_call_is_tried_again_for_half_the_lease_ttl_then_given_up() {
+        let lost = CancellationToken::new();
+        let mut retry = StoreRetry::new("g", 0, Duration::from_secs(10), &lost);
+        let started = tokio::time::Instant::now();
+        let mut pauses = Vec::new();
+        let mut before = started;
+        let given_up = loop {
+            match retry.after(store_away()).await {
+                Ok(()) => {
+                    pauses.push(before.elapsed().as_millis());
+                    before = tokio::time::Instant::now();
+                }
+                Err(e) => break e,
+            }
+        };
+        // Pauses double from 50 ms up to 1 s; the next one would end past 5 s.
+        assert_eq!(pauses, [50, 100, 200, 400, 800, 1000, 1000, 1000]);
+        assert_eq!(started.elapsed(), Duration::from_millis(4550));
+        assert!(
+            matches!(
+                given_up,
+                PartitionError::Store(StoreError::Unreachable { .. })
+            ),
+            "{given_up:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_store_call_no_retry_helps_is_given_up_at_once() {
+        let lost = CancellationToken::new();
+        let mut retry = StoreRetry::new("g", 0, Duration::from_secs(10), &lost);
+        let started = tokio::time::Instant::now();
+        let fenced = StoreError::Fenced {
+            lease: "weir:lease:g:0".into(),
+            token: 3,
+        };
+        let given_up = retry.after(fenced).await.unwrap_err();
+        assert_eq!(started.elapsed(), Duration::ZERO);
+        assert!(
+            matches!(given_up, PartitionError::Store(StoreError::Fenced { .. })),
+            "{given_up:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_store_call_waiting_to_be_tried_again_is_given_up_when_the_partition_is_lost() {
+        let lost = CancellationToken::new();
+        let mut retry = StoreRetry::new("g", 0, Duration::from_secs(10), &lost);
+        for _ in 0..5 {
+            retry.after(store_away()).await.expect("within the budget");
+        }
+        // The next pause is 1 s; the partition is lost 10 ms into it.
+        let started = tokio::time::Instant::now();
+        let losing = lost.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            losing.cancel();
+        });
+        assert!(retry.after(store_away()).await.is_err());
+        assert_eq!(started.elapsed(), Duration::from_millis(10));
     }
 }
