@@ -1979,19 +1979,7 @@ async fn weir_run_stops_while_its_kafka_broker_is_paused() {
     let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
     let config = kafka_config(
         &brokers,
-        &format!(
-            r#"[[graph]]
-name = "paused"
-criteria = "when_any"
-strategy = "sequential"
-function = "snapshot"
-output = "{output}"
-[[graph.accumulator]]
-name = "a"
-topic = "{input}"
-format = "json"
-"#
-        ),
+        &common::passthrough_graph_toml("paused", &input, &output),
     );
     let mut weir = WeirProcess::start(&["run"], config.path());
     {
@@ -2035,17 +2023,7 @@ async fn weir_run_stops_while_its_redis_is_silent() {
 kind = "redis"
 url = "redis://127.0.0.1:{port}"
 prefix = "{prefix}"
-[[graph]]
-name = "plain"
-criteria = "when_any"
-strategy = "sequential"
-function = "snapshot"
-output = "{output}"
-[[graph.accumulator]]
-name = "a"
-topic = "{input}"
-format = "json"
-[[graph]]
+{plain}[[graph]]
 name = "per_id"
 key = "/id"
 criteria = "when_any"
@@ -2070,6 +2048,7 @@ delivery = "at_least_once"
 "#,
         broker = services::nats_table(),
         port = proxy.port,
+        plain = common::passthrough_graph_toml("plain", &input, &output),
     );
     std::fs::write(config.path(), text).expect("config written");
     let broker: Arc<dyn Broker> = services::nats(true).await;

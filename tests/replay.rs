@@ -364,27 +364,8 @@ impl Accumulator for RejectsBad {
 async fn a_rejected_message_whose_dead_letter_a_stop_cut_short_is_dead_lettered_after_the_restart()
 {
     let h = Harness::new();
-    let dead_letters = Arc::new(common::DeadLettersDown {
-        inner: Arc::new(h.broker.clone()),
-        down: Arc::new(AtomicBool::new(true)),
-        refused: Arc::default(),
-        for_good: false,
-    });
-    let node = || {
-        let runtime = weir::Runtime {
-            broker: Arc::new(common::WithDeadLettersDown {
-                broker: Arc::new(h.broker.clone()),
-                dead_letters: dead_letters.clone(),
-            }),
-            store: h.store.clone(),
-            node_id: "test-node".into(),
-        };
-        weir::Supervisor::new(
-            runtime,
-            weir::SupervisionPolicy::default(),
-            tokio_util::sync::CancellationToken::new(),
-        )
-    };
+    let dead_letters = dead_letters_down(&h, false);
+    let node = || node_refusing(&h, &dead_letters, weir::SupervisionPolicy::default());
     let picky = || {
         graph(
             "picky",
@@ -411,22 +392,57 @@ async fn a_rejected_message_whose_dead_letter_a_stop_cut_short_is_dead_lettered_
     dead_letters.down.store(false, Ordering::SeqCst);
     let second = node();
     let _g = second.spawn(picky()).unwrap();
-    eventually("the later one fired", || async {
-        h.outputs("picky.out")
-            .iter()
-            .any(|o| o["inputs"]["a"] == json!("later"))
+    later_fires_after_bad_is_dead_lettered_once(&h, "picky").await;
+    assert!(second.shutdown().await, "stopped in time");
+}
+
+/// A broker whose dead letters are refused (`for_good`: even without their payload)
+/// until its `down` flag is cleared.
+fn dead_letters_down(h: &Harness, for_good: bool) -> Arc<common::DeadLettersDown> {
+    Arc::new(common::DeadLettersDown {
+        inner: Arc::new(h.broker.clone()),
+        down: Arc::new(AtomicBool::new(true)),
+        refused: Arc::default(),
+        for_good,
     })
-    .await;
-    let fired: Vec<Value> = h
-        .outputs("picky.out")
+}
+
+/// A node on the harness's store whose broker sends dead letters through `dead_letters`.
+fn node_refusing(
+    h: &Harness,
+    dead_letters: &Arc<common::DeadLettersDown>,
+    policy: weir::SupervisionPolicy,
+) -> weir::Supervisor {
+    let runtime = weir::Runtime {
+        broker: Arc::new(common::WithDeadLettersDown {
+            broker: Arc::new(h.broker.clone()),
+            dead_letters: dead_letters.clone(),
+        }),
+        store: h.store.clone(),
+        node_id: "test-node".into(),
+    };
+    weir::Supervisor::new(runtime, policy, tokio_util::sync::CancellationToken::new())
+}
+
+/// What graph `name` fired on, in order.
+fn fired(h: &Harness, name: &str) -> Vec<Value> {
+    h.outputs(&format!("{name}.out"))
         .iter()
         .map(|o| o["inputs"]["a"].clone())
-        .collect();
-    assert_eq!(fired, [json!("good"), json!("later")]);
-    let dead = h.broker.messages("picky.in.dlq");
+        .collect()
+}
+
+/// Once its dead letters can go, graph `name` (fed "good", "bad", "later") fires on
+/// "later" after "good", and "bad" is dead-lettered exactly once.
+async fn later_fires_after_bad_is_dead_lettered_once(h: &Harness, name: &str) {
+    eventually("the later one fired", || async {
+        fired(h, name).contains(&json!("later"))
+    })
+    .await;
+    assert_eq!(fired(h, name), [json!("good"), json!("later")]);
+    let dead = h.broker.messages(&format!("{name}.in.dlq"));
     assert_eq!(dead.len(), 1, "the rejected message dead-lettered once");
     assert_eq!(dead[0].payload, json!("bad").to_string().as_bytes());
-    assert!(second.shutdown().await, "stopped in time");
 }
 
 /// A broker that refuses a rejected message's dead letter for good, with its payload and
@@ -436,25 +452,12 @@ async fn a_rejected_message_whose_dead_letter_a_stop_cut_short_is_dead_lettered_
 #[tokio::test(start_paused = true)]
 async fn a_dead_letter_refused_for_good_stops_its_source_at_the_message_and_fails_the_graph() {
     let h = Harness::new();
-    let dead_letters = Arc::new(common::DeadLettersDown {
-        inner: Arc::new(h.broker.clone()),
-        down: Arc::new(AtomicBool::new(true)),
-        refused: Arc::default(),
-        for_good: true,
-    });
-    let runtime = weir::Runtime {
-        broker: Arc::new(common::WithDeadLettersDown {
-            broker: Arc::new(h.broker.clone()),
-            dead_letters: dead_letters.clone(),
-        }),
-        store: h.store.clone(),
-        node_id: "test-node".into(),
-    };
+    let dead_letters = dead_letters_down(&h, true);
     let policy = weir::SupervisionPolicy {
         max_failures: 3,
         ..weir::SupervisionPolicy::default()
     };
-    let node = weir::Supervisor::new(runtime, policy, tokio_util::sync::CancellationToken::new());
+    let node = node_refusing(&h, &dead_letters, policy);
     let g = node
         .spawn(graph(
             "refused",
@@ -476,14 +479,8 @@ async fn a_dead_letter_refused_for_good_stops_its_source_at_the_message_and_fail
     .expect("the graph failed");
     // Each run tried the letter with its payload and then without.
     assert!(dead_letters.refused.load(Ordering::SeqCst) >= 2 * 3);
-    let fired = |h: &Harness| -> Vec<Value> {
-        h.outputs("refused.out")
-            .iter()
-            .map(|o| o["inputs"]["a"].clone())
-            .collect()
-    };
     assert_eq!(
-        fired(&h),
+        fired(&h, "refused"),
         [json!("good")],
         "nothing after the message was taken in"
     );
@@ -491,14 +488,7 @@ async fn a_dead_letter_refused_for_good_stops_its_source_at_the_message_and_fail
 
     dead_letters.down.store(false, Ordering::SeqCst);
     g.restart();
-    eventually("the later one fired", || async {
-        fired(&h).contains(&json!("later"))
-    })
-    .await;
-    assert_eq!(fired(&h), [json!("good"), json!("later")]);
-    let dead = h.broker.messages("refused.in.dlq");
-    assert_eq!(dead.len(), 1, "the rejected message dead-lettered once");
-    assert_eq!(dead[0].payload, json!("bad").to_string().as_bytes());
+    later_fires_after_bad_is_dead_lettered_once(&h, "refused").await;
     assert!(node.shutdown().await, "stopped in time");
 }
 

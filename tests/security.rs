@@ -798,18 +798,9 @@ url = "redis://:{redis_password}@127.0.0.1:{redis_port}"
 prefix = "{prefix}"
 [admin]
 listen = "{admin}"
-[[graph]]
-name = "g"
-criteria = "when_any"
-strategy = "sequential"
-function = "snapshot"
-output = "{output}"
-[[graph.accumulator]]
-name = "a"
-topic = "{input}"
-format = "json"
-"#,
+{graph}"#,
         redis_port = redis_server.port,
+        graph = common::passthrough_graph_toml("g", &input, &output),
     )
     .unwrap();
     let log = tempfile::NamedTempFile::new().unwrap();

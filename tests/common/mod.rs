@@ -13,6 +13,24 @@ pub mod services;
 #[allow(unused_imports)]
 pub use weir::testing::{eventually, settle, TestDriver as Harness};
 
+/// The config of graph `name`: one JSON source on `input`, each event fired on its own
+/// through `snapshot` to `output`.
+pub fn passthrough_graph_toml(name: &str, input: &str, output: &str) -> String {
+    format!(
+        r#"[[graph]]
+name = "{name}"
+criteria = "when_any"
+strategy = "sequential"
+function = "snapshot"
+output = "{output}"
+[[graph.accumulator]]
+name = "a"
+topic = "{input}"
+format = "json"
+"#
+    )
+}
+
 /// A node running in this process, as a task serving until its token is cancelled.
 pub struct TaskNode {
     stop: tokio_util::sync::CancellationToken,
