@@ -495,28 +495,64 @@ mod failover {
     async fn an_unreadable_execution_record_leaves_the_overlap_judged_on_the_rest() {
         let prefix = services::unique("cronover");
         let _cleanup_prefix = services::cleanup(&prefix);
-        let store = services::redis(&prefix).await;
+        let (store, running, unreadable) = running_behind_unreadable(&prefix, 1).await;
+        let listed = store.executions("wf", 10).await.unwrap();
+        assert_eq!(listed.executions, [running]);
+        assert_eq!(listed.unreadable.len(), 1);
+        assert_eq!(listed.unreadable[0].scheduled_ms, unreadable[0]);
+        assert_overlap_skips(store).await;
+    }
+
+    /// Behind as many unreadable records as a look reads at first, a running execution
+    /// is still seen: the look reads further back.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_running_execution_behind_ten_unreadable_records_still_holds_firings_back() {
+        let prefix = services::unique("cronover10");
+        let _cleanup_prefix = services::cleanup(&prefix);
+        let (store, _, _) = running_behind_unreadable(&prefix, 10).await;
+        let listed = store.executions("wf", 10).await.unwrap();
+        assert!(listed.executions.is_empty());
+        assert_eq!(listed.unreadable.len(), 10);
+        assert_overlap_skips(store).await;
+    }
+
+    /// A workflow schedule `wf` with `overlap = "skip"`, an execution of it running (and
+    /// recently updated, so no orphan sweep looks at it), then `count` newer records
+    /// another version wrote, at the returned times.
+    async fn running_behind_unreadable(
+        prefix: &str,
+        count: usize,
+    ) -> (
+        Arc<weir::store::redis::RedisStore>,
+        weir::store::Execution,
+        Vec<i64>,
+    ) {
+        let store = services::redis(prefix).await;
         let mut schedule = every_second("wf", "unused");
         schedule.target = Target::Workflow("report".into());
         schedule.overlap = weir::cron::Overlap::Skip;
         register(store.as_ref(), &schedule, 1).await.unwrap();
-        // One running (and recently updated, so no orphan sweep looks at it), then a
-        // newer record another version wrote.
         let now_ms = chrono::Utc::now().timestamp_millis() / 1000 * 1000;
-        let mut running = unemitted("wf", now_ms - 10_000);
+        let mut running = unemitted("wf", now_ms - 20_000);
         running.status = ExecutionStatus::Running;
         running.updated_ms = now_ms;
         store.claim_execution(&running).await.unwrap();
-        let unreadable_ms = now_ms - 5_000;
-        store
-            .claim_execution(&unemitted("wf", unreadable_ms))
-            .await
-            .unwrap();
-        services::write_unreadable_execution(&prefix, "wf", unreadable_ms).await;
-        let listed = store.executions("wf", 10).await.unwrap();
-        assert_eq!(listed.executions, [running]);
-        assert_eq!(listed.unreadable.len(), 1);
-        assert_eq!(listed.unreadable[0].scheduled_ms, unreadable_ms);
+        let mut unreadable = Vec::new();
+        for i in 0..count as i64 {
+            let at_ms = now_ms - 15_000 + i * 1_000;
+            store
+                .claim_execution(&unemitted("wf", at_ms))
+                .await
+                .unwrap();
+            services::write_unreadable_execution(prefix, "wf", at_ms).await;
+            unreadable.push(at_ms);
+        }
+        (store, running, unreadable)
+    }
+
+    /// Runs a scheduler over `store` a while: the running execution of `wf` makes it skip
+    /// its firings rather than start its workflow.
+    async fn assert_overlap_skips(store: Arc<weir::store::redis::RedisStore>) {
         let broker = MemoryBroker::default();
         let cancel = CancellationToken::new();
         let scheduler = tokio::spawn(
@@ -1997,4 +2033,167 @@ async fn a_schedule_invalid_then_registered_again_fires_from_its_registration() 
     run.register_again().await;
     tokio::time::sleep(Duration::from_secs(140)).await;
     assert_eq!(run.stop().await, minutes(&["00:04:00", "00:05:00"]));
+}
+
+/// A scheduler on a clock that follows tokio's paused time from 00:00:30, over a memory
+/// store that can be cut off: for what a master fires from local state in an outage.
+struct OnPausedClock {
+    store: Arc<MemoryStore>,
+    broker: MemoryBroker,
+    clock: Arc<weir::cron::scheduler::TokioClock>,
+    cancel: CancellationToken,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl OnPausedClock {
+    /// Registers `schedules`; the scheduler starts with [`Self::run`].
+    async fn new(schedules: &[Schedule]) -> Self {
+        let run = Self {
+            store: Arc::new(MemoryStore::new()),
+            broker: MemoryBroker::default(),
+            clock: Arc::new(weir::cron::scheduler::TokioClock::starting_at(at(
+                "2026-01-01T00:00:30Z",
+            ))),
+            cancel: CancellationToken::new(),
+            task: None,
+        };
+        for schedule in schedules {
+            run.register(schedule).await;
+        }
+        run
+    }
+
+    fn run(mut self) -> Self {
+        let cfg = SchedulerConfig {
+            clock: self.clock.clone(),
+            ..config("a", 0)
+        };
+        let scheduler = Scheduler::new(self.store.clone(), Arc::new(self.broker.clone()), cfg);
+        self.task = Some(tokio::spawn(scheduler.run(self.cancel.clone())));
+        self
+    }
+
+    /// Registers `schedule`, made at_least_once and sent to `<id>.ticks`, now.
+    async fn register(&self, schedule: &Schedule) {
+        use weir::cron::scheduler::Clock;
+        let mut schedule = schedule.clone();
+        schedule.target = Target::Topic(format!("{}.ticks", schedule.id));
+        schedule.delivery = Delivery::AtLeastOnce;
+        weir::cron::scheduler::register_at(self.store.as_ref(), &schedule, 1, self.clock.now())
+            .await
+            .unwrap();
+    }
+
+    /// Stops the scheduler; the times of the ticks of schedule `id`, in order.
+    async fn stop(self, id: &str) -> Vec<i64> {
+        self.cancel.cancel();
+        if let Some(task) = self.task {
+            let _ = task.await;
+        }
+        fired_times(&self.broker, &format!("{id}.ticks"))
+    }
+}
+
+/// A master knows its shard's at_least_once schedules before they are first due: one
+/// whose first fire time since the master took the shard falls in a store outage still
+/// fires, from local state.
+#[tokio::test(start_paused = true)]
+async fn an_at_least_once_schedule_first_due_in_a_store_outage_fires_from_local_state() {
+    let run = OnPausedClock::new(&[Schedule::new("rare", "* * * * *", "UTC")])
+        .await
+        .run();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    run.store.set_reachable(false);
+    // To 00:01:20: the 00:01:00 tick falls in the outage.
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    assert_eq!(run.stop("rare").await, minutes(&["00:01:00"]));
+}
+
+/// A schedule changed is read afresh at once, not only when next due: changed just
+/// before a store outage, it fires through the outage as changed.
+#[tokio::test(start_paused = true)]
+async fn an_at_least_once_schedule_changed_before_a_store_outage_fires_as_changed() {
+    let run = OnPausedClock::new(&[Schedule::new("moved", "* * * * *", "UTC")])
+        .await
+        .run();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    // At 00:00:40: at second 30 of each minute from now on.
+    run.register(&Schedule::new("moved", "30 * * * * *", "UTC"))
+        .await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    run.store.set_reachable(false);
+    // To 00:01:50.
+    tokio::time::sleep(Duration::from_secs(65)).await;
+    assert_eq!(run.stop("moved").await, minutes(&["00:01:30"]));
+}
+
+/// A schedule its shard holds back (unreadable when it was due) sits in the shard at the
+/// time it is to be looked at again, which need not be a fire time of it: fired from
+/// local state, it fires at its own times only.
+#[tokio::test(start_paused = true)]
+async fn a_schedule_held_back_fires_from_local_state_at_its_own_times_only() {
+    // At minute 2 of each hour; held back since 00:02:00 of the day before, to be looked
+    // at again at 00:01:00.
+    let run = OnPausedClock::new(&[Schedule::new("hourly", "2 * * * *", "UTC")]).await;
+    let retry_ms = minutes(&["00:01:00"])[0];
+    let held = weir::cron::HeldBack {
+        first_due_ms: at("2025-12-31T00:02:00Z").timestamp_millis(),
+        retry_ms,
+    };
+    run.store.hold_back(0, "hourly", held).await.unwrap();
+    run.store
+        .set_next_fire(0, "hourly", Some(retry_ms))
+        .await
+        .unwrap();
+    let run = run.run();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    run.store.set_reachable(false);
+    // To 00:02:20.
+    tokio::time::sleep(Duration::from_secs(100)).await;
+    assert_eq!(run.stop("hourly").await, minutes(&["00:02:00"]));
+}
+
+/// Raising `[cron] shards` files a schedule a config declares again in its new shard,
+/// while its old shard still holds it: the old shard's master moves it out when it finds
+/// it due rather than plan its ticks beside the new shard's master.
+#[tokio::test(start_paused = true)]
+async fn a_schedule_left_in_its_old_shard_after_the_count_was_raised_moves_out() {
+    use weir::cron::scheduler::{register_at, shard_of, Clock, TokioClock};
+    let id = (0..)
+        .map(|i| format!("raised-{i}"))
+        .find(|id| shard_of(id, 2) == 1)
+        .unwrap();
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
+    let mut schedule = Schedule::new(&id, "* * * * *", "UTC");
+    schedule.target = Target::Topic("raised.ticks".into());
+    // Filed in shard 0 under one shard, then in shard 1 under two.
+    for shards in [1, 2] {
+        register_at(store.as_ref(), &schedule, shards, clock.now())
+            .await
+            .unwrap();
+    }
+    let cfg = SchedulerConfig {
+        clock,
+        shards: 2,
+        ..config("a", 0)
+    };
+    let cancel = CancellationToken::new();
+    let node = tokio::spawn(
+        Scheduler::new(store.clone(), Arc::new(broker.clone()), cfg).run(cancel.clone()),
+    );
+    // To 00:02:50.
+    tokio::time::sleep(Duration::from_secs(140)).await;
+    cancel.cancel();
+    let _ = node.await;
+    assert_eq!(store.next_fire(0, &id).await.unwrap(), None);
+    assert_eq!(
+        store.next_fire(1, &id).await.unwrap(),
+        Some(minutes(&["00:03:00"])[0])
+    );
+    assert_eq!(
+        fired_times(&broker, "raised.ticks"),
+        minutes(&["00:01:00", "00:02:00"])
+    );
 }

@@ -5,9 +5,11 @@
 use super::*;
 
 impl Scheduler {
-    /// Fires what is due in the shards this node leads. Returns the earliest next fire.
-    pub(super) async fn fire_due(&mut self) -> Option<DateTime<Utc>> {
+    /// Fires what is due in the shards this node leads. Returns the earliest next fire,
+    /// and whether the store answered for every shard led.
+    pub(super) async fn fire_due(&mut self) -> (Option<DateTime<Utc>>, bool) {
         let mut earliest: Option<DateTime<Utc>> = None;
+        let mut answered = true;
         for shard in 0..self.shards.len() {
             let Some(lease) = self.shards[shard].lease() else {
                 continue;
@@ -25,17 +27,19 @@ impl Scheduler {
                     }
                     Err(e) => {
                         warn!(shard, error = %e, "store unreachable; firing at_least_once schedules from local state");
+                        answered = false;
                         self.fire_shard_locally(shard as u32, &lease).await
                     }
                 }
             } else {
+                answered = false;
                 self.fire_shard_locally(shard as u32, &lease).await
             };
             if let Some(n) = next {
                 earliest = Some(earliest.map_or(n, |e| e.min(n)));
             }
         }
-        earliest
+        (earliest, answered)
     }
 
     pub(super) async fn fire_shard_from_store(
@@ -65,6 +69,20 @@ impl Scheduler {
                     .due_schedules(shard, horizon.timestamp_millis(), DUE_BATCH),
             )
             .await?;
+        // Filed here under a smaller shard count (a config declaring it again under the
+        // raised one filed it in its new shard too): moved out to the master of that
+        // shard rather than planned here as well.
+        let shards = self.config.shards;
+        let (due, misfiled): (Vec<_>, Vec<_>) = due
+            .into_iter()
+            .partition(|(id, _)| shard_of(id, shards) == shard);
+        if !misfiled.is_empty() {
+            let ids: Vec<String> = misfiled.iter().map(|(id, _)| id.clone()).collect();
+            let held = self.bounded(self.store.held_back(shard, &ids)).await?;
+            for ((id, next_ms), held) in misfiled.into_iter().zip(held) {
+                self.refile(shard, &id, next_ms, held).await?;
+            }
+        }
         // Load what is not cached yet, many at a time.
         let missing: Vec<String> = due
             .iter()
@@ -340,39 +358,42 @@ impl Scheduler {
         }
     }
 
-    /// The store is unreachable: fire `at_least_once` schedules this node knows.
+    /// The store is unreachable: fire `at_least_once` schedules this node knows. What
+    /// falls due within the look-ahead is fired too, each at its instant, earliest
+    /// first: the loop wakes that much ahead of the next fire time, and would otherwise
+    /// find nothing due and wake again at once until the instant came.
     pub(super) async fn fire_shard_locally(
         &mut self,
         shard: u32,
         lease: &Lease,
     ) -> Option<DateTime<Utc>> {
-        let now = self.config.clock.now();
+        let horizon =
+            self.config.clock.now() + chrono::Duration::from_std(LOOKAHEAD).unwrap_or_default();
         let shards = self.config.shards;
         let mut earliest = None;
-        let ids: Vec<String> = self.cache.keys().cloned().collect();
-        for id in ids {
-            if shard_of(&id, shards) != shard {
+        let mut due: Vec<(DateTime<Utc>, Schedule)> = Vec::new();
+        for (id, (cached, next)) in self.cache.iter_mut() {
+            if shard_of(id, shards) != shard
+                || cached.schedule.delivery != Delivery::AtLeastOnce
+                || !cached.schedule.enabled
+            {
                 continue;
             }
-            let Some((cached, next)) = self.cache.get(&id) else {
-                continue;
-            };
-            if cached.schedule.delivery != Delivery::AtLeastOnce || !cached.schedule.enabled {
-                continue;
+            while let Some(t) = next.filter(|t| *t <= horizon) {
+                due.push((t, cached.schedule.clone()));
+                *next = cached.schedule.next_after(&cached.expr, cached.tz, t);
             }
-            let schedule = cached.schedule.clone();
-            let (expr, tz) = (cached.expr.clone(), cached.tz);
-            let mut next = *next;
-            while let Some(t) = next.filter(|t| *t <= now) {
-                self.fire_without_store(&schedule, t, lease).await;
-                next = schedule.next_after(&expr, tz, t);
-            }
-            if let Some(entry) = self.cache.get_mut(&id) {
-                entry.1 = next;
-            }
-            if let Some(n) = next {
+            if let Some(n) = *next {
                 earliest = Some(earliest.map_or(n, |e: DateTime<Utc>| e.min(n)));
             }
+        }
+        due.sort_by_key(|(t, _)| *t);
+        for (t, schedule) in due {
+            let wait = (t - self.config.clock.now()).to_std().unwrap_or_default();
+            if !wait.is_zero() {
+                tokio::time::sleep(wait).await;
+            }
+            self.fire_without_store(&schedule, t, lease).await;
         }
         earliest
     }

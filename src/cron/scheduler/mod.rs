@@ -13,7 +13,8 @@
 //! Here: the settings and the loop. Beside it: `clock` (where the time comes from),
 //! `election` (shard masters and their leases), `register` (storing schedules),
 //! `plan` (which due times fire, and how: a pure function), `claim` (what is due,
-//! claimed in the store or fired from local state), `emit`
+//! claimed in the store or fired from local state), `ahead` (a shard's
+//! `at_least_once` schedules known before they are due), `emit`
 //! (ticks handed to the broker), `orphans` (claims never emitted, workflows never
 //! started), `stranded` (schedules left in shards past a lowered shard count) and
 //! `guard` (the consumers' [`TickGuard`]).
@@ -57,6 +58,7 @@ const LOOKAHEAD: Duration = Duration::from_millis(250);
 /// Schedule loads in flight at once.
 const CONCURRENCY: usize = 1024;
 
+mod ahead;
 mod claim;
 mod clock;
 mod election;
@@ -156,6 +158,9 @@ struct Shard {
     lost: CancellationToken,
     /// Stops the keeper when the shard is given up (dropped with it).
     _keeper: Option<tokio_util::sync::DropGuard>,
+    /// Schedules of the shard not read into the cache yet; `None` until the shard is
+    /// listed, after its lease is taken or the cache cleared (see `ahead`).
+    unknown: Option<Vec<String>>,
 }
 
 impl Shard {
@@ -176,6 +181,7 @@ impl Shard {
             held: Some(held),
             lost,
             _keeper: Some(stop.drop_guard()),
+            unknown: None,
         }
     }
 
@@ -208,8 +214,8 @@ pub struct Scheduler {
     sink: Arc<dyn Sink>,
     config: SchedulerConfig,
     shards: Vec<Shard>,
-    /// Schedules seen while the store was reachable, with their next fire time: what
-    /// `at_least_once` keeps firing from when it is not.
+    /// Schedules seen while the store was reachable (found due, or read ahead), with
+    /// their next fire time: what `at_least_once` keeps firing from when it is not.
     cache: HashMap<String, (Cached, Option<DateTime<Utc>>)>,
     /// Stored schedules this node could not read or found invalid, looked at again
     /// [`UNREADABLE_RETRY`] later (when each was first due is kept in the store, with
@@ -258,6 +264,9 @@ impl Scheduler {
                     Ok(Ok(c)) => {
                         changes = Some(c);
                         self.cache.clear();
+                        for shard in &mut self.shards {
+                            shard.unknown = None;
+                        }
                     }
                     Ok(Err(e)) => {
                         warn!(error = %e, "cannot watch schedule changes; retrying");
@@ -282,10 +291,26 @@ impl Scheduler {
                 }
                 next_sweep = Instant::now() + sweep_every;
             }
-            let next_due = self.fire_due().await;
+            let (next_due, store_answered) = self.fire_due().await;
             let mut wake = next_election.min(next_sweep);
             if changes.is_none() {
                 wake = wake.min(next_subscribe);
+            }
+            // Reading ahead between firings, while the store answers: not right before
+            // a firing, nor while a pass waits out a store that does not answer.
+            let room = next_due.is_none_or(|due| {
+                (due - self.config.clock.now())
+                    .to_std()
+                    .is_ok_and(|left| left >= ahead::ROOM_TO_LOOK + LOOKAHEAD)
+            });
+            if store_answered && room {
+                match self.read_ahead().await {
+                    Ok(true) => wake = Instant::now(),
+                    Ok(false) => {}
+                    Err(e) => {
+                        warn!(error = %e, "cannot read the shard's schedules ahead; trying again")
+                    }
+                }
             }
             if let Some(due) = next_due {
                 let wait = (due - self.config.clock.now())
@@ -308,9 +333,9 @@ impl Scheduler {
                             // Only the schedules changed are read afresh: the rest stay
                             // known, to fire at_least_once should the store go away.
                             debug!(schedule = %id, "schedule changed");
-                            self.cache.remove(&id);
+                            self.changed(id);
                             while let Some(id) = changes.as_mut().and_then(|c| c.waiting()) {
-                                self.cache.remove(&id);
+                                self.changed(id);
                             }
                             // Ended right after those: subscribed again before the
                             // next look, rather than firing once more from what may
@@ -364,14 +389,11 @@ impl Scheduler {
                 ExecutionStatus::Skipped | ExecutionStatus::Buffered
             )
         };
-        // Records that do not read back tell nothing of what runs: a schedule with only
-        // those is not read a thousand at a time at every look. The price: one still
-        // running behind ten unreadable records is not seen, and the overlap policy
-        // does not hold its firings back.
-        if recent.len() == RECENT_EXECUTIONS
-            && !recent.executions.is_empty()
-            && recent.executions.iter().all(held_back)
-        {
+        // Records that do not read back tell nothing of what runs, so ten of them are
+        // looked behind as well: one still running there must hold the overlap policy's
+        // firings back. That costs a long read at each look only until this version's
+        // first firing of the schedule, whose record is readable.
+        if recent.len() == RECENT_EXECUTIONS && recent.executions.iter().all(held_back) {
             recent = self
                 .bounded(self.store.executions(id, EXECUTIONS_KEPT))
                 .await?;
