@@ -82,6 +82,7 @@ macro_rules! store_conformance {
                 a_masters_write_leaves_a_finished_execution_as_it_ended,
                 what_a_shard_held_back_is_kept_until_forgotten,
                 what_a_shard_held_back_moves_with_a_schedule,
+                a_shard_is_listed_through_a_page_at_a_time_while_it_changes,
                 live_nodes_expire);
             store_conformance!(@role $open; workflow:
                 executions_are_created_once_and_updated_by_version,
@@ -727,6 +728,56 @@ mod cases {
             assert!(!store.delete_schedule("s", 0).await.unwrap());
             assert_eq!(store.get_schedule("s").await.unwrap(), None);
             assert_eq!(store.earliest_fire(0).await.unwrap(), None);
+        }
+
+        pub async fn a_shard_is_listed_through_a_page_at_a_time_while_it_changes(
+            store: Arc<dyn Store>,
+        ) {
+            let id = |i: i64| format!("s{i:03}");
+            for i in 0..300 {
+                store
+                    .set_next_fire(0, &id(i), Some(1_000 + i))
+                    .await
+                    .unwrap();
+            }
+            store
+                .set_next_fire(1, "elsewhere", Some(1_000))
+                .await
+                .unwrap();
+            let mut seen = std::collections::HashSet::new();
+            let mut from: Option<String> = None;
+            let mut pages = 0;
+            loop {
+                let (page, next) = store.filed_schedules(0, from.as_deref(), 50).await.unwrap();
+                seen.extend(page);
+                pages += 1;
+                if pages == 2 {
+                    // Meanwhile some fire (and move on), some go, and some are added.
+                    for i in 0..100 {
+                        store
+                            .set_next_fire(0, &id(i), Some(90_000 + i))
+                            .await
+                            .unwrap();
+                    }
+                    for i in 100..110 {
+                        store.set_next_fire(0, &id(i), None).await.unwrap();
+                    }
+                    for i in 300..320 {
+                        store.set_next_fire(0, &id(i), Some(1_000)).await.unwrap();
+                    }
+                }
+                match next {
+                    Some(next) => from = Some(next),
+                    None => break,
+                }
+                assert!(pages < 1_000, "the listing never ends");
+            }
+            for i in (0..100).chain(110..300) {
+                assert!(seen.contains(&id(i)), "{} not listed", id(i));
+            }
+            assert!(!seen.contains("elsewhere"));
+            let (_, next) = store.filed_schedules(7, None, 50).await.unwrap();
+            assert_eq!(next, None, "an empty shard is listed through at once");
         }
 
         pub async fn executions_are_claimed_once_and_indexed_while_open(store: Arc<dyn Store>) {

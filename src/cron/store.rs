@@ -205,6 +205,17 @@ pub trait ScheduleStore: Send + Sync {
         ids: &[String],
     ) -> Result<Vec<Option<HeldBack>>, StoreError>;
 
+    /// A page of about `count` of the schedules filed in a shard, in no order, and
+    /// where the next page starts (`None` once the shard is listed through; `from` is
+    /// `None` for the first page). A schedule filed in the shard for the whole listing
+    /// is listed at least once, whatever is filed or fires meanwhile.
+    async fn filed_schedules(
+        &self,
+        shard: u32,
+        from: Option<&str>,
+        count: usize,
+    ) -> Result<(Vec<String>, Option<String>), StoreError>;
+
     /// The earliest next fire time in a shard.
     async fn earliest_fire(&self, shard: u32) -> Result<Option<i64>, StoreError>;
 

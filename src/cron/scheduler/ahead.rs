@@ -1,71 +1,83 @@
-//! Knowing a shard's `at_least_once` schedules before they are due. A schedule enters
-//! the cache when a pass finds it due, so after a master takes a shard, subscribes
-//! again, or sees a schedule change, it would not know a schedule until its next fire
-//! time: one first due while the store is away (a daily tick in a Redis outage) would
-//! not fire from local state. So the master lists the shard once it holds it, and
-//! between firings reads what it does not know yet, a batch at a time.
+//! Knowing a shard's schedules before they are due. A schedule used to enter the cache
+//! only when a pass found it due, so after a master took a shard, subscribed again, or
+//! saw a schedule change, it did not know a schedule until its next fire time: an
+//! `at_least_once` one first due while the store is away (a daily tick in a Redis
+//! outage) did not fire from local state. So the master lists the shard once it holds
+//! it, a page at a time between firings, and reads what it does not know yet; a
+//! schedule changed is read again at the next look. The passes that fire them then find
+//! them read already.
 
 use super::*;
 
-/// Schedules read per look: the look runs between firings, which must not wait long.
-const READ_PER_LOOK: usize = 500;
-/// The most schedules of one shard listed to be read ahead: a shard filing more is
-/// known ahead only in part (the rest from their first firing, as before).
-const LISTED_PER_SHARD: usize = 1_000_000;
-/// A look is made only when the next firing is at least this far off.
+/// Schedules listed and read per look: the look runs between firings, which must not
+/// wait for it.
+const READ_PER_LOOK: usize = 100;
+/// A look is made only when the next firing is at least this far off, beyond the
+/// look-ahead with which firings are prepared.
 pub(super) const ROOM_TO_LOOK: Duration = Duration::from_millis(100);
 
+/// How far a master has read its shard ahead.
+#[derive(Default)]
+pub(super) struct ReadAhead {
+    /// Where the listing goes on; `None` before its first page.
+    from: Option<String>,
+    /// The shard was listed through.
+    listed: bool,
+    /// Schedules changed since the listing began, to read again.
+    changed: Vec<String>,
+}
+
+impl ReadAhead {
+    fn done(&self) -> bool {
+        self.listed && self.changed.is_empty()
+    }
+}
+
 impl Scheduler {
-    /// Reads into the cache a batch of the schedules of a shard this node leads that it
-    /// does not know yet, listing the shard first if it was not since its lease was
-    /// taken or the cache cleared. Returns whether any are left to read.
+    /// Reads into the cache a few schedules of a shard this node leads that it does not
+    /// know yet. Returns whether any are left to read.
     pub(super) async fn read_ahead(&mut self) -> Result<bool, StoreError> {
-        let Some(shard) = (0..self.shards.len()).find(|&i| {
-            self.holds(i)
-                && self.shards[i]
-                    .unknown
-                    .as_ref()
-                    .is_none_or(|ids| !ids.is_empty())
-        }) else {
+        let Some(shard) =
+            (0..self.shards.len()).find(|&i| self.holds(i) && !self.shards[i].ahead.done())
+        else {
             return Ok(false);
         };
-        let unknown = match self.shards[shard].unknown.take() {
-            Some(ids) => ids,
-            None => {
-                let filed = self
-                    .bounded(
-                        self.store
-                            .due_schedules(shard as u32, i64::MAX, LISTED_PER_SHARD),
-                    )
-                    .await?;
-                filed
-                    .into_iter()
-                    .map(|(id, _)| id)
-                    .filter(|id| !self.cache.contains_key(id))
-                    .collect()
+        let ahead = &mut self.shards[shard].ahead;
+        if !ahead.changed.is_empty() {
+            let at = ahead.changed.len().saturating_sub(READ_PER_LOOK);
+            let changed = ahead.changed.split_off(at);
+            if let Err(e) = self.read_schedules(shard as u32, &changed).await {
+                // Read again at the next look.
+                self.shards[shard].ahead.changed.extend(changed);
+                return Err(e);
             }
-        };
-        let mut unknown = unknown;
-        let batch = unknown.split_off(unknown.len().saturating_sub(READ_PER_LOOK));
-        let read = self.read_schedules(shard as u32, &batch).await;
-        if read.is_err() {
-            // Read again at the next look.
-            unknown.extend(batch);
+        } else {
+            let from = ahead.from.clone();
+            let (page, next) = self
+                .bounded(
+                    self.store
+                        .filed_schedules(shard as u32, from.as_deref(), READ_PER_LOOK),
+                )
+                .await?;
+            // Listed again at the next look should the reading fail.
+            self.read_schedules(shard as u32, &page).await?;
+            let ahead = &mut self.shards[shard].ahead;
+            ahead.listed = next.is_none();
+            ahead.from = next;
         }
-        let left = !unknown.is_empty();
-        self.shards[shard].unknown = Some(unknown);
-        read.map(|()| left)
+        Ok(!self.shards[shard].ahead.done())
     }
 
-    /// Caches those of `ids` that fire `at_least_once`, with their stored next fire time.
+    /// Caches those of `ids` not known yet that read back valid, with their stored next
+    /// fire time.
     async fn read_schedules(&mut self, shard: u32, ids: &[String]) -> Result<(), StoreError> {
-        let ids: Vec<String> = ids
+        let unknown: Vec<String> = ids
             .iter()
             .filter(|id| !self.cache.contains_key(*id))
             .cloned()
             .collect();
         let store = self.store.clone();
-        let reading = futures::stream::iter(ids.iter().cloned())
+        let reading = futures::stream::iter(unknown)
             .map(|id| {
                 let store = store.clone();
                 async move {
@@ -87,9 +99,6 @@ impl Scheduler {
                 (Err(e), _) | (_, Err(e)) if !e.is_retryable() => continue,
                 (Err(e), _) | (_, Err(e)) => return Err(e),
             };
-            if schedule.delivery != Delivery::AtLeastOnce || !schedule.enabled {
-                continue;
-            }
             let Ok((expr, tz)) = schedule.validate() else {
                 continue;
             };
@@ -106,13 +115,13 @@ impl Scheduler {
         Ok(())
     }
 
-    /// A schedule changed: forgotten, and read afresh at the next look if its shard is
-    /// led here.
+    /// A schedule changed: forgotten, and read afresh at a next look if its shard is led
+    /// here.
     pub(super) fn changed(&mut self, id: String) {
         self.cache.remove(&id);
         let shard = shard_of(&id, self.config.shards) as usize;
-        if let Some(unknown) = self.shards.get_mut(shard).and_then(|s| s.unknown.as_mut()) {
-            unknown.push(id);
+        if let Some(shard) = self.shards.get_mut(shard).filter(|s| s.held.is_some()) {
+            shard.ahead.changed.push(id);
         }
     }
 }

@@ -13,8 +13,8 @@
 //! Here: the settings and the loop. Beside it: `clock` (where the time comes from),
 //! `election` (shard masters and their leases), `register` (storing schedules),
 //! `plan` (which due times fire, and how: a pure function), `claim` (what is due,
-//! claimed in the store or fired from local state), `ahead` (a shard's
-//! `at_least_once` schedules known before they are due), `emit`
+//! claimed in the store or fired from local state), `ahead` (a shard's schedules
+//! known before they are due), `emit`
 //! (ticks handed to the broker), `orphans` (claims never emitted, workflows never
 //! started), `stranded` (schedules left in shards past a lowered shard count) and
 //! `guard` (the consumers' [`TickGuard`]).
@@ -158,9 +158,9 @@ struct Shard {
     lost: CancellationToken,
     /// Stops the keeper when the shard is given up (dropped with it).
     _keeper: Option<tokio_util::sync::DropGuard>,
-    /// Schedules of the shard not read into the cache yet; `None` until the shard is
-    /// listed, after its lease is taken or the cache cleared (see `ahead`).
-    unknown: Option<Vec<String>>,
+    /// How far the shard's schedules are read into the cache; from the start after the
+    /// lease is taken or the cache cleared.
+    ahead: ahead::ReadAhead,
 }
 
 impl Shard {
@@ -181,7 +181,7 @@ impl Shard {
             held: Some(held),
             lost,
             _keeper: Some(stop.drop_guard()),
-            unknown: None,
+            ahead: ahead::ReadAhead::default(),
         }
     }
 
@@ -265,7 +265,7 @@ impl Scheduler {
                         changes = Some(c);
                         self.cache.clear();
                         for shard in &mut self.shards {
-                            shard.unknown = None;
+                            shard.ahead = ahead::ReadAhead::default();
                         }
                     }
                     Ok(Err(e)) => {
@@ -304,8 +304,11 @@ impl Scheduler {
                     .is_ok_and(|left| left >= ahead::ROOM_TO_LOOK + LOOKAHEAD)
             });
             if store_answered && room {
+                let started = Instant::now();
                 match self.read_ahead().await {
-                    Ok(true) => wake = Instant::now(),
+                    // The next look after a pause as long as this one took: reading
+                    // ahead takes at most half of the time between firings.
+                    Ok(true) => wake = wake.min(Instant::now() + started.elapsed()),
                     Ok(false) => {}
                     Err(e) => {
                         warn!(error = %e, "cannot read the shard's schedules ahead; trying again")

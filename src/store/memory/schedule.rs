@@ -103,6 +103,37 @@ impl ScheduleStore for MemoryStore {
             .collect())
     }
 
+    async fn filed_schedules(
+        &self,
+        shard: u32,
+        from: Option<&str>,
+        count: usize,
+    ) -> Result<(Vec<String>, Option<String>), StoreError> {
+        // The cursor is the last id listed: ids in their order stay put while others
+        // come and go.
+        let state = self.state()?;
+        let mut ids: Vec<&String> = state
+            .due
+            .get(&shard)
+            .map(|set| set.iter().map(|(_, id)| id).collect())
+            .unwrap_or_default();
+        ids.sort();
+        let after: Vec<String> = ids
+            .into_iter()
+            .filter(|id| from.is_none_or(|from| id.as_str() > from))
+            .take(count.max(1) + 1)
+            .cloned()
+            .collect();
+        let mut page = after;
+        let next = if page.len() > count.max(1) {
+            page.pop();
+            page.last().cloned()
+        } else {
+            None
+        };
+        Ok((page, next))
+    }
+
     async fn earliest_fire(&self, shard: u32) -> Result<Option<i64>, StoreError> {
         Ok(self
             .state()?

@@ -254,6 +254,27 @@ impl ScheduleStore for RedisStore {
             .collect())
     }
 
+    async fn filed_schedules(
+        &self,
+        shard: u32,
+        from: Option<&str>,
+        count: usize,
+    ) -> Result<(Vec<String>, Option<String>), StoreError> {
+        // ZSCAN's cursor keeps its guarantee while the set changes, unlike a rank.
+        let mut c = self.connection.clone();
+        let (next, page): (String, Vec<String>) = redis::cmd("ZSCAN")
+            .arg(self.key(&["sched", "due", &shard.to_string()]))
+            .arg(from.unwrap_or("0"))
+            .arg("COUNT")
+            .arg(count)
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("ZSCAN", e))?;
+        // Member, score, member, score...
+        let ids = page.into_iter().step_by(2).collect();
+        Ok((ids, (next != "0").then_some(next)))
+    }
+
     async fn earliest_fire(&self, shard: u32) -> Result<Option<i64>, StoreError> {
         let mut c = self.connection.clone();
         let first: Vec<(String, i64)> = c
