@@ -209,7 +209,10 @@ pub async fn serve_partition<F, Fut>(
             return;
         }
         warn!(%group, partition, error = %failure, "partition failed; starting again from the store");
-        crate::metrics::partition_failed(group);
+        // A partition that failed because it was let go or lost is no failure to alert on.
+        if !release.is_cancelled() && !lost.is_cancelled() {
+            crate::metrics::partition_failed(group);
+        }
         tokio::select! {
             _ = release.cancelled() => return,
             _ = lost.cancelled() => return,

@@ -2084,13 +2084,21 @@ impl OnPausedClock {
             .unwrap();
     }
 
-    /// Stops the scheduler; the times of the ticks of schedule `id`, in order.
+    /// Stops the scheduler; the times of the ticks of schedule `id`, in order, each
+    /// checked to have gone out no sooner than its time.
     async fn stop(self, id: &str) -> Vec<i64> {
         self.cancel.cancel();
         if let Some(task) = self.task {
             let _ = task.await;
         }
-        fired_times(&self.broker, &format!("{id}.ticks"))
+        let topic = format!("{id}.ticks");
+        for tick in ticks(&self.broker, &topic) {
+            assert!(
+                tick.emitted_time_ms >= tick.scheduled_time_ms,
+                "sent early: {tick:?}"
+            );
+        }
+        fired_times(&self.broker, &topic)
     }
 }
 

@@ -6,6 +6,13 @@
 //! it, a page at a time between firings, and reads what it does not know yet; a
 //! schedule changed is read again at the next look. The passes that fire them then find
 //! them read already.
+//!
+//! The listing also finds schedules filed in the shard under a smaller `[cron] shards`:
+//! a config declaring one again under the raised count files it in its new shard too,
+//! and two masters would plan its ticks. Each is moved into its new shard (see
+//! `stranded`) when that shard has a master and its next fire time is a lease TTL off
+//! or more, so that master picks it up in time; otherwise it stays, planned in both
+//! shards, whose claims keep each time from firing twice.
 
 use super::*;
 
@@ -42,15 +49,13 @@ impl Scheduler {
         else {
             return Ok(false);
         };
-        let ahead = &mut self.shards[shard].ahead;
+        let ahead = &self.shards[shard].ahead;
         if !ahead.changed.is_empty() {
+            // Taken off the list once read: a look cut short reads them again.
             let at = ahead.changed.len().saturating_sub(READ_PER_LOOK);
-            let changed = ahead.changed.split_off(at);
-            if let Err(e) = self.read_schedules(shard as u32, &changed).await {
-                // Read again at the next look.
-                self.shards[shard].ahead.changed.extend(changed);
-                return Err(e);
-            }
+            let changed = ahead.changed[at..].to_vec();
+            self.read_schedules(shard as u32, &changed).await?;
+            self.shards[shard].ahead.changed.truncate(at);
         } else {
             let from = ahead.from.clone();
             let (page, next) = self
@@ -69,10 +74,15 @@ impl Scheduler {
     }
 
     /// Caches those of `ids` not known yet that read back valid, with their stored next
-    /// fire time.
+    /// fire time; moves out those filed here that map to another shard now.
     async fn read_schedules(&mut self, shard: u32, ids: &[String]) -> Result<(), StoreError> {
+        let shards = self.config.shards;
+        let (ids, misfiled): (Vec<&String>, Vec<&String>) =
+            ids.iter().partition(|id| shard_of(id, shards) == shard);
+        let misfiled: Vec<String> = misfiled.into_iter().cloned().collect();
+        self.move_misfiled(shard, &misfiled).await?;
         let unknown: Vec<String> = ids
-            .iter()
+            .into_iter()
             .filter(|id| !self.cache.contains_key(*id))
             .cloned()
             .collect();
@@ -111,6 +121,40 @@ impl Scheduler {
                 .single()
                 .and_then(|t| schedule.next_after(&expr, tz, t));
             self.cache.insert(id, (Cached { schedule, expr, tz }, next));
+        }
+        Ok(())
+    }
+
+    /// Moves each of `ids`, filed in `shard` but mapped to another shard now, into that
+    /// shard when it has a master and the schedule's next fire time is a lease TTL off
+    /// or more.
+    async fn move_misfiled(&mut self, shard: u32, ids: &[String]) -> Result<(), StoreError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let ttl = chrono::Duration::from_std(self.config.lease_ttl).unwrap_or_default();
+        let soonest_ms = (self.config.clock.now() + ttl).timestamp_millis();
+        let held_back = self.bounded(self.store.held_back(shard, ids)).await?;
+        for (id, held) in ids.iter().zip(held_back) {
+            let Some(next_ms) = self.bounded(self.store.next_fire(shard, id)).await? else {
+                continue;
+            };
+            if next_ms < soonest_ms {
+                continue;
+            }
+            let to = shard_of(id, self.config.shards);
+            let led_here = self
+                .shards
+                .get(to as usize)
+                .is_some_and(|s| s.held.is_some());
+            let led = led_here
+                || self
+                    .bounded(self.store.current_lease(&election::shard_lease(to)))
+                    .await?
+                    .is_some();
+            if led {
+                self.refile(shard, id, next_ms, held).await?;
+            }
         }
         Ok(())
     }

@@ -10,6 +10,9 @@ impl Scheduler {
     pub(super) async fn fire_due(&mut self) -> (Option<DateTime<Utc>>, bool) {
         let mut earliest: Option<DateTime<Utc>> = None;
         let mut answered = true;
+        // Ticks of every shard fired from local state, fired together below in time
+        // order, so that one shard's do not wait for another's.
+        let mut local: Vec<(DateTime<Utc>, Schedule, Lease)> = Vec::new();
         for shard in 0..self.shards.len() {
             let Some(lease) = self.shards[shard].lease() else {
                 continue;
@@ -22,22 +25,30 @@ impl Scheduler {
                         // A newer master holds the shard: this one is deposed.
                         warn!(shard, "schedule master deposed; its writes were refused");
                         crate::metrics::lease_dropped(LeaseRole::Cron);
-                        self.shards[shard] = Shard::default();
+                        self.drop_shard(shard);
                         continue;
                     }
                     Err(e) => {
                         warn!(shard, error = %e, "store unreachable; firing at_least_once schedules from local state");
                         answered = false;
-                        self.fire_shard_locally(shard as u32, &lease).await
+                        self.due_locally(shard as u32, &lease, &mut local)
                     }
                 }
             } else {
                 answered = false;
-                self.fire_shard_locally(shard as u32, &lease).await
+                self.due_locally(shard as u32, &lease, &mut local)
             };
             if let Some(n) = next {
                 earliest = Some(earliest.map_or(n, |e| e.min(n)));
             }
+        }
+        local.sort_by_key(|(t, _, _)| *t);
+        for (t, schedule, lease) in local {
+            let wait = (t - self.config.clock.now()).to_std().unwrap_or_default();
+            if !wait.is_zero() {
+                tokio::time::sleep(wait).await;
+            }
+            self.fire_without_store(&schedule, t, &lease).await;
         }
         (earliest, answered)
     }
@@ -69,20 +80,6 @@ impl Scheduler {
                     .due_schedules(shard, horizon.timestamp_millis(), DUE_BATCH),
             )
             .await?;
-        // Filed here under a smaller shard count (a config declaring it again under the
-        // raised one filed it in its new shard too): moved out to the master of that
-        // shard rather than planned here as well.
-        let shards = self.config.shards;
-        let (due, misfiled): (Vec<_>, Vec<_>) = due
-            .into_iter()
-            .partition(|(id, _)| shard_of(id, shards) == shard);
-        if !misfiled.is_empty() {
-            let ids: Vec<String> = misfiled.iter().map(|(id, _)| id.clone()).collect();
-            let held = self.bounded(self.store.held_back(shard, &ids)).await?;
-            for ((id, next_ms), held) in misfiled.into_iter().zip(held) {
-                self.refile(shard, &id, next_ms, held).await?;
-            }
-        }
         // Load what is not cached yet, many at a time.
         let missing: Vec<String> = due
             .iter()
@@ -358,20 +355,21 @@ impl Scheduler {
         }
     }
 
-    /// The store is unreachable: fire `at_least_once` schedules this node knows. What
-    /// falls due within the look-ahead is fired too, each at its instant, earliest
-    /// first: the loop wakes that much ahead of the next fire time, and would otherwise
-    /// find nothing due and wake again at once until the instant came.
-    pub(super) async fn fire_shard_locally(
+    /// The store is unreachable: the ticks of the `at_least_once` schedules this node
+    /// knows that are due, added to `due`; returns the shard's next fire time after. What
+    /// falls due within the look-ahead is taken too, to be fired at its instant: the
+    /// loop wakes that much ahead of the next fire time, and would otherwise find
+    /// nothing due and wake again at once until the instant came.
+    fn due_locally(
         &mut self,
         shard: u32,
         lease: &Lease,
+        due: &mut Vec<(DateTime<Utc>, Schedule, Lease)>,
     ) -> Option<DateTime<Utc>> {
         let horizon =
             self.config.clock.now() + chrono::Duration::from_std(LOOKAHEAD).unwrap_or_default();
         let shards = self.config.shards;
         let mut earliest = None;
-        let mut due: Vec<(DateTime<Utc>, Schedule)> = Vec::new();
         for (id, (cached, next)) in self.cache.iter_mut() {
             if shard_of(id, shards) != shard
                 || cached.schedule.delivery != Delivery::AtLeastOnce
@@ -380,20 +378,12 @@ impl Scheduler {
                 continue;
             }
             while let Some(t) = next.filter(|t| *t <= horizon) {
-                due.push((t, cached.schedule.clone()));
+                due.push((t, cached.schedule.clone(), lease.clone()));
                 *next = cached.schedule.next_after(&cached.expr, cached.tz, t);
             }
             if let Some(n) = *next {
                 earliest = Some(earliest.map_or(n, |e: DateTime<Utc>| e.min(n)));
             }
-        }
-        due.sort_by_key(|(t, _)| *t);
-        for (t, schedule) in due {
-            let wait = (t - self.config.clock.now()).to_std().unwrap_or_default();
-            if !wait.is_zero() {
-                tokio::time::sleep(wait).await;
-            }
-            self.fire_without_store(&schedule, t, lease).await;
         }
         earliest
     }

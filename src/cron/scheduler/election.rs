@@ -38,7 +38,21 @@ pub fn shard_of(id: &str, shards: u32) -> u32 {
     (fnv1a(id.as_bytes()) % u64::from(shards.max(1))) as u32
 }
 
+/// The name of a shard's master lease.
+pub(super) fn shard_lease(shard: u32) -> String {
+    format!("cron:shard:{shard}")
+}
+
 impl Scheduler {
+    /// Gives up shard `i` (its keeper stops), and forgets what is cached of it: another
+    /// master fires it now, and a node that once led many shards would otherwise keep
+    /// every schedule of them.
+    pub(super) fn drop_shard(&mut self, i: usize) {
+        self.shards[i] = Shard::default();
+        let shards = self.config.shards;
+        self.cache.retain(|id, _| shard_of(id, shards) != i as u32);
+    }
+
     /// Registers this node, then per shard: yield to a higher priority, drop a lease
     /// taken over, or take the lease if this node is the best live one. Held leases are
     /// renewed by their keepers, not here.
@@ -72,7 +86,7 @@ impl Scheduler {
             }
         };
         for i in 0..self.shards.len() {
-            let name = format!("cron:shard:{i}");
+            let name = shard_lease(i as u32);
             let me_best = candidates.as_ref().is_none_or(|nodes| {
                 shard_master(nodes, i as u32).is_none_or(|node| node == self.config.node_id)
             });
@@ -83,7 +97,7 @@ impl Scheduler {
                         "yielding the schedule master to a higher-priority node"
                     );
                     // Its keeper stops first, so no renewal follows the release.
-                    self.shards[i] = Shard::default();
+                    self.drop_shard(i);
                     let _ = self.bounded(self.store.release_lease(&held.lease)).await;
                     crate::metrics::lease_dropped(LeaseRole::Cron);
                     continue;
@@ -92,7 +106,7 @@ impl Scheduler {
                 if self.shards[i].lost.is_cancelled() {
                     warn!(shard = i, "schedule master lease lost");
                     crate::metrics::lease_dropped(LeaseRole::Cron);
-                    self.shards[i] = Shard::default();
+                    self.drop_shard(i);
                 }
             } else if me_best {
                 let acquiring =

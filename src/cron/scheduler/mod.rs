@@ -16,7 +16,7 @@
 //! claimed in the store or fired from local state), `ahead` (a shard's schedules
 //! known before they are due), `emit`
 //! (ticks handed to the broker), `orphans` (claims never emitted, workflows never
-//! started), `stranded` (schedules left in shards past a lowered shard count) and
+//! started), `stranded` (schedules filed in a shard their id no longer maps to) and
 //! `guard` (the consumers' [`TickGuard`]).
 
 use std::collections::{BTreeMap, HashMap};
@@ -297,15 +297,19 @@ impl Scheduler {
                 wake = wake.min(next_subscribe);
             }
             // Reading ahead between firings, while the store answers: not right before
-            // a firing, nor while a pass waits out a store that does not answer.
-            let room = next_due.is_none_or(|due| {
-                (due - self.config.clock.now())
+            // a firing, nor while a pass waits out a store that does not answer; and cut
+            // short if it runs into the next firing's look-ahead.
+            let room = match next_due {
+                None => Some(renew_every),
+                Some(due) => (due - self.config.clock.now())
                     .to_std()
-                    .is_ok_and(|left| left >= ahead::ROOM_TO_LOOK + LOOKAHEAD)
-            });
-            if store_answered && room {
+                    .ok()
+                    .filter(|left| *left >= ahead::ROOM_TO_LOOK + LOOKAHEAD)
+                    .map(|left| left - LOOKAHEAD),
+            };
+            if let Some(room) = room.filter(|_| store_answered) {
                 let started = Instant::now();
-                match self.read_ahead().await {
+                match within(room, self.read_ahead()).await {
                     // The next look after a pause as long as this one took: reading
                     // ahead takes at most half of the time between firings.
                     Ok(true) => wake = wake.min(Instant::now() + started.elapsed()),
