@@ -2117,8 +2117,8 @@ async fn an_at_least_once_schedule_first_due_in_a_store_outage_fires_from_local_
     assert_eq!(run.stop("rare").await, minutes(&["00:01:00"]));
 }
 
-/// A schedule changed is read afresh at once, not only when next due: changed just
-/// before a store outage, it fires through the outage as changed.
+/// A schedule changed is read afresh at the master's next look, not only when next due:
+/// changed just before a store outage, it fires through the outage as changed.
 #[tokio::test(start_paused = true)]
 async fn an_at_least_once_schedule_changed_before_a_store_outage_fires_as_changed() {
     let run = OnPausedClock::new(&[Schedule::new("moved", "* * * * *", "UTC")])
@@ -2162,8 +2162,8 @@ async fn a_schedule_held_back_fires_from_local_state_at_its_own_times_only() {
 }
 
 /// Raising `[cron] shards` files a schedule a config declares again in its new shard,
-/// while its old shard still holds it: the old shard's master moves it out when it finds
-/// it due rather than plan its ticks beside the new shard's master.
+/// while its old shard still holds it: the old shard's master moves it out as it reads
+/// its shard ahead, rather than plan its ticks beside the new shard's master.
 #[tokio::test(start_paused = true)]
 async fn a_schedule_left_in_its_old_shard_after_the_count_was_raised_moves_out() {
     use weir::cron::scheduler::{register_at, shard_of, Clock, TokioClock};

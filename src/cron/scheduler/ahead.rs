@@ -128,13 +128,15 @@ impl Scheduler {
     /// Moves each of `ids`, filed in `shard` but mapped to another shard now, into that
     /// shard when it has a master and the schedule's next fire time is a lease TTL off
     /// or more.
-    async fn move_misfiled(&mut self, shard: u32, ids: &[String]) -> Result<(), StoreError> {
+    async fn move_misfiled(&self, shard: u32, ids: &[String]) -> Result<(), StoreError> {
         if ids.is_empty() {
             return Ok(());
         }
         let ttl = chrono::Duration::from_std(self.config.lease_ttl).unwrap_or_default();
         let soonest_ms = (self.config.clock.now() + ttl).timestamp_millis();
         let held_back = self.bounded(self.store.held_back(shard, ids)).await?;
+        // Whether each shard moved into has a master, asked once per shard.
+        let mut led: HashMap<u32, bool> = HashMap::new();
         for (id, held) in ids.iter().zip(held_back) {
             let Some(next_ms) = self.bounded(self.store.next_fire(shard, id)).await? else {
                 continue;
@@ -143,16 +145,21 @@ impl Scheduler {
                 continue;
             }
             let to = shard_of(id, self.config.shards);
-            let led_here = self
-                .shards
-                .get(to as usize)
-                .is_some_and(|s| s.held.is_some());
-            let led = led_here
-                || self
-                    .bounded(self.store.current_lease(&election::shard_lease(to)))
-                    .await?
-                    .is_some();
-            if led {
+            let to_led = match led.get(&to) {
+                Some(known) => *known,
+                None => {
+                    let known = self
+                        .shards
+                        .get(to as usize)
+                        .is_some_and(|s| s.held.is_some())
+                        || self
+                            .bounded(self.store.current_lease(&election::shard_lease(to)))
+                            .await?
+                            .is_some();
+                    *led.entry(to).or_insert(known)
+                }
+            };
+            if to_led {
                 self.refile(shard, id, next_ms, held).await?;
             }
         }
