@@ -88,6 +88,7 @@ macro_rules! store_conformance {
                 executions_are_created_once_and_updated_by_version,
                 concurrent_updates_each_get_their_own_outcome,
                 deadlines_fall_due_earliest_first,
+                deadlines_are_filed_per_workflow,
                 published_tasks_accumulate_per_execution);
             store_conformance!(@role $open; backend:
                 answers_a_ping);
@@ -1175,24 +1176,70 @@ mod cases {
         }
 
         pub async fn deadlines_fall_due_earliest_first(store: Arc<dyn Store>) {
-            store.set_workflow_deadline("late", 2_000).await.unwrap();
-            store.set_workflow_deadline("early", 5_000).await.unwrap();
-            store.set_workflow_deadline("early", 1_000).await.unwrap();
+            store
+                .set_workflow_deadline("w", "late", 2_000)
+                .await
+                .unwrap();
+            store
+                .set_workflow_deadline("w", "early", 5_000)
+                .await
+                .unwrap();
+            store
+                .set_workflow_deadline("w", "early", 1_000)
+                .await
+                .unwrap();
             let due = |until| {
                 let store = store.clone();
-                async move { store.due_workflow_deadlines(until, 0, 10).await.unwrap() }
+                async move {
+                    store
+                        .due_workflow_deadlines("w", until, 0, 10)
+                        .await
+                        .unwrap()
+                }
             };
             assert_eq!(due(1_500).await, ["early"]);
             assert_eq!(due(3_000).await, ["early", "late"]);
             assert_eq!(
-                store.due_workflow_deadlines(3_000, 1, 10).await.unwrap(),
+                store
+                    .due_workflow_deadlines("w", 3_000, 1, 10)
+                    .await
+                    .unwrap(),
                 ["late"],
                 "after the first"
             );
-            store.clear_workflow_deadline("early").await.unwrap();
+            store.clear_workflow_deadline("w", "early").await.unwrap();
             assert_eq!(due(i64::MAX).await, ["late"]);
-            store.clear_workflow_deadline("late").await.unwrap();
+            store.clear_workflow_deadline("w", "late").await.unwrap();
             assert!(due(i64::MAX).await.is_empty());
+        }
+
+        /// A workflow's deadlines are its own: another workflow's, due or not, are
+        /// neither listed nor cleared with them.
+        pub async fn deadlines_are_filed_per_workflow(store: Arc<dyn Store>) {
+            store.set_workflow_deadline("a", "x", 1_000).await.unwrap();
+            store
+                .set_workflow_deadline("tenant/a", "y", 1_000)
+                .await
+                .unwrap();
+            store.set_workflow_deadline("b", "z", 500).await.unwrap();
+            let due = |workflow: &'static str| {
+                let store = store.clone();
+                async move {
+                    store
+                        .due_workflow_deadlines(workflow, i64::MAX, 0, 10)
+                        .await
+                        .unwrap()
+                }
+            };
+            assert_eq!(due("a").await, ["x"]);
+            assert_eq!(due("tenant/a").await, ["y"]);
+            assert_eq!(due("b").await, ["z"]);
+            assert!(due("c").await.is_empty());
+            store.clear_workflow_deadline("a", "z").await.unwrap();
+            assert_eq!(due("b").await, ["z"], "cleared under another workflow");
+            store.clear_workflow_deadline("b", "z").await.unwrap();
+            assert!(due("b").await.is_empty());
+            assert_eq!(due("a").await, ["x"]);
         }
 
         pub async fn published_tasks_accumulate_per_execution(store: Arc<dyn Store>) {

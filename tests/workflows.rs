@@ -23,6 +23,7 @@ use weir::dispatch::{
 };
 use weir::store::prelude::*;
 use weir::store::ExecutionStatus;
+use weir::store::StoreError;
 use weir::transport::{Broker, Outbound, Position, Sink, Subscription, TransportError};
 use weir::worker::{
     HandlerRegistry, TaskContext, TaskHandler, TaskOutcome, Worker, WorkerSettings,
@@ -65,8 +66,17 @@ impl Env {
     }
 
     fn new_state_manager(&self, workflows: &[Workflow], router: Router) -> StateManager {
+        self.new_state_manager_over(self.store.clone(), workflows, router)
+    }
+
+    fn new_state_manager_over(
+        &self,
+        store: Arc<dyn DispatchStore>,
+        workflows: &[Workflow],
+        router: Router,
+    ) -> StateManager {
         StateManager::new(
-            self.store.clone(),
+            store,
             self.broker.sink(),
             workflows.to_vec(),
             router,
@@ -78,7 +88,16 @@ impl Env {
 
     /// Runs the state manager; returns it, to start executions with.
     fn state_manager(&self, workflows: &[Workflow], router: Router) -> StateManager {
-        let manager = self.new_state_manager(workflows, router);
+        self.state_manager_over(self.store.clone(), workflows, router)
+    }
+
+    fn state_manager_over(
+        &self,
+        store: Arc<dyn DispatchStore>,
+        workflows: &[Workflow],
+        router: Router,
+    ) -> StateManager {
+        let manager = self.new_state_manager_over(store, workflows, router);
         tokio::spawn(
             manager
                 .clone()
@@ -486,10 +505,10 @@ async fn a_task_output_nested_too_deep_fails_its_task(env: &Env) {
     );
 }
 
-/// Deadlines of executions of a workflow this node does not declare stay in place for
-/// the nodes that do. More than a sweep's page of them, due first, must not hide the
-/// node's own: the sweep pages past them, and its own workflow still times out.
-async fn a_timeout_behind_a_page_of_other_nodes_deadlines_fires(env: &Env) {
+/// Deadlines of a workflow this node does not declare, more than a sweep's page of them
+/// and due long before its own, are left unread for the nodes that do: its sweeps read
+/// none of those executions, and its own workflow still times out.
+async fn a_node_never_reads_the_deadlines_of_workflows_it_does_not_declare(env: &Env) {
     let other = flow(&env.name("elsewhere"), vec![task("t", "builtin::echo")])
         .with_timeout(Duration::from_secs(1));
     let nobody = Router::new(Vec::new(), &env.name("nobody")).unwrap();
@@ -501,18 +520,139 @@ async fn a_timeout_behind_a_page_of_other_nodes_deadlines_fires(env: &Env) {
             .create_workflow_execution(&execution)
             .await
             .unwrap());
-        env.store.set_workflow_deadline(&id, n).await.unwrap();
+        env.store
+            .set_workflow_deadline(&other.key(), &id, n)
+            .await
+            .unwrap();
     }
-    a_workflow_running_past_its_timeout_fails(env).await;
+    let counted = Arc::new(CountingReads::new(env.store.clone(), &env.name("other-")));
+    a_workflow_running_past_its_timeout_fails_over(env, counted.clone()).await;
+    assert_eq!(
+        counted.reads(),
+        0,
+        "executions of an undeclared workflow read"
+    );
     // Still there for the nodes that declare that workflow.
     assert_eq!(
         env.store
-            .due_workflow_deadlines(i64::MAX, 0, 2_000)
+            .due_workflow_deadlines(&other.key(), i64::MAX, 0, 2_000)
             .await
             .unwrap()
             .len(),
         1_100
     );
+}
+
+/// A store counting the reads of executions whose id starts with a given prefix.
+struct CountingReads {
+    store: Arc<dyn Store>,
+    prefix: String,
+    reads: std::sync::atomic::AtomicUsize,
+}
+
+impl CountingReads {
+    fn new(store: Arc<dyn Store>, prefix: &str) -> Self {
+        Self {
+            store,
+            prefix: prefix.to_string(),
+            reads: Default::default(),
+        }
+    }
+
+    fn reads(&self) -> usize {
+        self.reads.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+#[async_trait]
+impl WorkflowStore for CountingReads {
+    async fn create_workflow_execution(
+        &self,
+        execution: &WorkflowExecution,
+    ) -> Result<bool, StoreError> {
+        self.store.create_workflow_execution(execution).await
+    }
+
+    async fn get_workflow_execution(
+        &self,
+        id: &str,
+    ) -> Result<Option<WorkflowExecution>, StoreError> {
+        if id.starts_with(&self.prefix) {
+            self.reads
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.store.get_workflow_execution(id).await
+    }
+
+    async fn update_workflow_execution(
+        &self,
+        execution: &WorkflowExecution,
+    ) -> Result<bool, StoreError> {
+        self.store.update_workflow_execution(execution).await
+    }
+
+    async fn mark_tasks_published(
+        &self,
+        execution: &str,
+        tasks: &[String],
+    ) -> Result<(), StoreError> {
+        self.store.mark_tasks_published(execution, tasks).await
+    }
+
+    async fn published_tasks(
+        &self,
+        execution: &str,
+    ) -> Result<std::collections::BTreeSet<String>, StoreError> {
+        self.store.published_tasks(execution).await
+    }
+
+    async fn set_workflow_deadline(
+        &self,
+        workflow: &str,
+        execution: &str,
+        deadline_ms: i64,
+    ) -> Result<(), StoreError> {
+        self.store
+            .set_workflow_deadline(workflow, execution, deadline_ms)
+            .await
+    }
+
+    async fn due_workflow_deadlines(
+        &self,
+        workflow: &str,
+        until_ms: i64,
+        skip: usize,
+        limit: usize,
+    ) -> Result<Vec<String>, StoreError> {
+        self.store
+            .due_workflow_deadlines(workflow, until_ms, skip, limit)
+            .await
+    }
+
+    async fn clear_workflow_deadline(
+        &self,
+        workflow: &str,
+        execution: &str,
+    ) -> Result<(), StoreError> {
+        self.store
+            .clear_workflow_deadline(workflow, execution)
+            .await
+    }
+}
+
+#[async_trait]
+impl TickOutcomes for CountingReads {
+    async fn workflow_finished(
+        &self,
+        origin: &weir::dispatch::CronOrigin,
+        execution_id: &str,
+        status: RunStatus,
+        at_ms: i64,
+    ) -> Result<(), StoreError> {
+        self.store
+            .workflow_finished(origin, execution_id, status, at_ms)
+            .await
+    }
 }
 
 /// Fails every run, counting them.
@@ -625,11 +765,20 @@ async fn a_task_failing_with_an_error_too_large_to_publish_is_dead_lettered(env:
 }
 
 async fn a_workflow_running_past_its_timeout_fails(env: &Env) {
+    a_workflow_running_past_its_timeout_fails_over(env, env.store.clone()).await;
+}
+
+/// The same, with the state manager over `store`.
+async fn a_workflow_running_past_its_timeout_fails_over(env: &Env, store: Arc<dyn DispatchStore>) {
     let executor = env.name("slow");
     let w = flow(&env.name("slowflow"), vec![task("nap", "builtin::sleep")])
         .with_timeout(Duration::from_secs(1));
     let workflows = [w.clone()];
-    let manager = env.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    let manager = env.state_manager_over(
+        store,
+        &workflows,
+        Router::new(Vec::new(), &executor).unwrap(),
+    );
     env.worker(&executor, 4, env.builtins(), &workflows);
     let id = manager
         .start(&w.name, json!({"sleep_ms": 8000}))
@@ -1475,8 +1624,8 @@ macro_rules! suite {
             a_task_output_nested_too_deep_fails_its_task(&$env).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn timeouts_behind_other_nodes_deadlines() {
-            a_timeout_behind_a_page_of_other_nodes_deadlines_fires(&$env).await;
+        async fn other_workflows_deadlines_left_unread() {
+            a_node_never_reads_the_deadlines_of_workflows_it_does_not_declare(&$env).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn ended_during_a_backoff() {
@@ -1787,17 +1936,109 @@ mod nats {
             .query_async::<()>(&mut redis)
             .await
             .unwrap();
+        // Filed under the workflow the node declares, whose sweep reads it first.
+        let slowflow = env.name("slowflow");
         env.store
-            .set_workflow_deadline(&unreadable, 0)
+            .set_workflow_deadline(&slowflow, &unreadable, 0)
             .await
             .unwrap();
         a_workflow_running_past_its_timeout_fails(&env).await;
         let due = env
             .store
-            .due_workflow_deadlines(i64::MAX, 0, 10)
+            .due_workflow_deadlines(&slowflow, i64::MAX, 0, 10)
             .await
             .unwrap();
         assert!(!due.contains(&unreadable), "{due:?}");
+    }
+
+    /// Versions before per-workflow deadlines filed every workflow's in one sorted set.
+    /// What an upgraded node finds there is filed under each execution's workflow and
+    /// times out as before; entries whose execution is gone or cannot be read are
+    /// dropped, and the shared set is emptied.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn deadlines_filed_together_by_an_earlier_version_still_time_out() {
+        let prefix = common::services::unique("weir-wf-");
+        let mut env = Env::new(
+            common::services::nats(true).await,
+            common::services::redis(&prefix).await,
+        );
+        env.cleanups = vec![
+            Box::new(common::services::cleanup(&prefix)),
+            Box::new(common::services::cleanup(&env.prefix)),
+        ];
+        let executor = env.name("exec");
+        let router = Router::new(Vec::new(), &executor).unwrap();
+        let w = flow(&env.name("upgraded"), vec![task("t", "builtin::echo")])
+            .with_timeout(Duration::from_secs(1));
+        let other = flow(&env.name("undeclared"), vec![task("t", "builtin::echo")])
+            .with_timeout(Duration::from_secs(1));
+        let client = redis::Client::open(common::services::redis_url()).unwrap();
+        let mut redis = client.get_multiplexed_async_connection().await.unwrap();
+        let shared = format!("{prefix}:wf-deadlines");
+        // Created long ago, as the earlier version left them: more than one look's worth.
+        let mut ours = Vec::new();
+        let mut theirs = Vec::new();
+        for n in 0..150 {
+            for (spec, ids) in [(&w, &mut ours), (&other, &mut theirs)] {
+                let id = env.name(&format!("{}-{n}", spec.name));
+                let (execution, _) =
+                    WorkflowExecution::start(&id, spec, json!({}), None, &router, 0);
+                assert!(env
+                    .store
+                    .create_workflow_execution(&execution)
+                    .await
+                    .unwrap());
+                redis::cmd("ZADD")
+                    .arg(&shared)
+                    .arg(1_000 + n)
+                    .arg(&id)
+                    .query_async::<()>(&mut redis)
+                    .await
+                    .unwrap();
+                ids.push(id);
+            }
+        }
+        let unreadable = env.name("unreadable");
+        redis::cmd("HSET")
+            .arg(format!("{prefix}:wf:{unreadable}"))
+            .arg("data")
+            .arg("not json")
+            .arg("v")
+            .arg(1)
+            .query_async::<()>(&mut redis)
+            .await
+            .unwrap();
+        for (id, at) in [(&unreadable, 0), (&env.name("gone"), 1)] {
+            redis::cmd("ZADD")
+                .arg(&shared)
+                .arg(at)
+                .arg(id)
+                .query_async::<()>(&mut redis)
+                .await
+                .unwrap();
+        }
+        env.state_manager(std::slice::from_ref(&w), router);
+        for id in &ours {
+            let done = env.finished(id, WAIT).await;
+            assert_eq!(done.status, RunStatus::Failed, "{}", done.summary());
+        }
+        let left: usize = redis::cmd("ZCARD")
+            .arg(&shared)
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        assert_eq!(left, 0);
+        // The undeclared workflow's wait, filed under it, for the nodes declaring it.
+        let filed = env
+            .store
+            .due_workflow_deadlines(&other.key(), i64::MAX, 0, 1_000)
+            .await
+            .unwrap();
+        assert_eq!(filed, theirs);
+        for id in &theirs {
+            let execution = env.store.get_workflow_execution(id).await.unwrap().unwrap();
+            assert_eq!(execution.status, RunStatus::Running);
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -250,7 +250,10 @@ impl StateManager {
             // Filed before the execution exists: an entry without its execution is
             // dropped by the sweep, an execution without its entry would never time out.
             let deadline = execution.created_ms + timeout.as_millis() as i64;
-            self.inner.store.set_workflow_deadline(id, deadline).await?;
+            self.inner
+                .store
+                .set_workflow_deadline(&execution.workflow, id, deadline)
+                .await?;
         }
         if self
             .inner
@@ -275,7 +278,10 @@ impl StateManager {
         if let Some(timeout) = spec.timeout {
             // A repeated start keeps the first one's deadline.
             let deadline = existing.created_ms + timeout.as_millis() as i64;
-            self.inner.store.set_workflow_deadline(id, deadline).await?;
+            self.inner
+                .store
+                .set_workflow_deadline(&existing.workflow, id, deadline)
+                .await?;
         }
         let unreported = existing.unreported_ready(spec, None);
         self.publish_unpublished(&existing, spec, unreported, existing.created_ms)
@@ -378,7 +384,7 @@ impl StateManager {
                     if let Err(e) = self
                         .inner
                         .store
-                        .clear_workflow_deadline(&execution.id)
+                        .clear_workflow_deadline(&execution.workflow, &execution.id)
                         .await
                     {
                         debug!(execution = %execution.id, error = %e, "deadline of a finished execution left to the sweep");
@@ -658,35 +664,43 @@ impl StateManager {
                 _ = cancel.cancelled() => return,
                 _ = every.tick() => {}
             }
-            if let Err(e) = self.sweep_deadlines(&cancel).await {
-                warn!(error = %e, "workflow timeout sweep failed; trying again");
+            for workflow in self.inner.workflows.keys() {
+                if let Err(e) = self.sweep_deadlines(workflow, &cancel).await {
+                    warn!(workflow, error = %e, "workflow timeout sweep failed; trying again");
+                }
             }
         }
     }
 
-    /// Times out every execution due by now, a page at a time, until none is left; the
-    /// deadlines of executions that finished in time but could not clear theirs are
-    /// cleared here. Entries this node leaves in place (workflows it does not declare)
-    /// are paged past rather than read again in this sweep.
-    async fn sweep_deadlines(&self, cancel: &CancellationToken) -> Result<(), DispatchError> {
+    /// Times out every execution of `workflow` due by now, a page at a time, until none
+    /// is left; the deadlines of executions that finished in time but could not clear
+    /// theirs are cleared here. Entries left in place (executions changing under too
+    /// many concurrent updates) are paged past rather than read again in this sweep.
+    /// Only the workflows this node declares are swept: the deadlines of any other wait
+    /// for the nodes declaring it, unread.
+    async fn sweep_deadlines(
+        &self,
+        workflow: &str,
+        cancel: &CancellationToken,
+    ) -> Result<(), DispatchError> {
         let store = &self.inner.store;
         let now = now_ms();
         let mut left = 0;
         loop {
             let due = store
-                .due_workflow_deadlines(now, left, DEADLINES_PER_SWEEP)
+                .due_workflow_deadlines(workflow, now, left, DEADLINES_PER_SWEEP)
                 .await?;
             let page = due.len();
             for id in due {
-                match self.time_out_if_overdue(&id).await {
-                    Ok(true) => store.clear_workflow_deadline(&id).await?,
+                match self.time_out_if_overdue(&id, workflow).await {
+                    Ok(true) => store.clear_workflow_deadline(workflow, &id).await?,
                     Ok(false) => left += 1,
                     Err(e) if e.is_retryable() => return Err(e),
                     Err(e) => {
                         // An execution this node cannot read or write, and no retry
                         // helps: kept first in line, it would hold up the rest.
                         error!(execution = %id, error = %e, "cannot time out a workflow execution; its deadline is dropped");
-                        store.clear_workflow_deadline(&id).await?;
+                        store.clear_workflow_deadline(workflow, &id).await?;
                     }
                 }
             }
@@ -696,21 +710,22 @@ impl StateManager {
         }
     }
 
-    /// Fails the execution if it is still running past its workflow's timeout. Whether
-    /// its deadline is settled: false when the workflow is not this node's (the nodes
-    /// declaring it time it out), or when the execution changed under too many
-    /// concurrent updates to settle now (the next sweep looks again). A workflow this
-    /// node declares without a timeout (one taken away since) settles it.
-    async fn time_out_if_overdue(&self, id: &str) -> Result<bool, DispatchError> {
+    /// Fails the execution, filed under `workflow`'s deadlines, if it is still running
+    /// past that workflow's timeout. Whether its deadline is settled: false when the
+    /// execution changed under too many concurrent updates to settle now (the next
+    /// sweep looks again). A workflow without a timeout (one taken away since) settles
+    /// it, and so does an execution of another workflow, whose deadline is filed under
+    /// its own.
+    async fn time_out_if_overdue(&self, id: &str, workflow: &str) -> Result<bool, DispatchError> {
         let store = &self.inner.store;
         for _ in 0..MAX_CAS_ATTEMPTS {
             let Some(mut execution) = store.get_workflow_execution(id).await? else {
                 return Ok(true);
             };
-            let Some(workflow) = self.workflow(&execution.workflow) else {
-                return Ok(false);
-            };
-            let Some(timeout) = workflow.timeout else {
+            if execution.workflow != workflow {
+                return Ok(true);
+            }
+            let Some(timeout) = self.workflow(workflow).and_then(|w| w.timeout) else {
                 return Ok(true);
             };
             if !execution.time_out(timeout.as_millis(), now_ms()) {

@@ -39,23 +39,31 @@ pub trait WorkflowStore: Send + Sync {
     /// The tasks of `execution` recorded by [`WorkflowStore::mark_tasks_published`].
     async fn published_tasks(&self, execution: &str) -> Result<BTreeSet<String>, StoreError>;
 
-    /// Files a workflow execution under the time it must have ended by.
+    /// Files an execution of `workflow` (its key, `tenant/name` or `name`) under the time
+    /// it must have ended by. Each workflow's deadlines are filed apart, so a node reads
+    /// only those of the workflows it declares.
     async fn set_workflow_deadline(
         &self,
+        workflow: &str,
         execution: &str,
         deadline_ms: i64,
     ) -> Result<(), StoreError>;
 
-    /// Executions whose deadline is at or before `until_ms`, earliest first, after the
-    /// first `skip` of them.
+    /// `workflow`'s executions whose deadline is at or before `until_ms`, earliest
+    /// first, after the first `skip` of them.
     async fn due_workflow_deadlines(
         &self,
+        workflow: &str,
         until_ms: i64,
         skip: usize,
         limit: usize,
     ) -> Result<Vec<String>, StoreError>;
 
-    async fn clear_workflow_deadline(&self, execution: &str) -> Result<(), StoreError>;
+    async fn clear_workflow_deadline(
+        &self,
+        workflow: &str,
+        execution: &str,
+    ) -> Result<(), StoreError>;
 }
 
 /// Told when a workflow execution that a cron tick started has ended, so the tick's own

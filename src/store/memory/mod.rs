@@ -27,6 +27,7 @@ use super::{
 use crate::cron::{ExecutionList, HeldBack, Schedule, ScheduleList};
 use crate::dispatch::WorkflowExecution;
 use crate::reactor::CacheSnapshot;
+use workflow::WorkflowDeadlines;
 
 /// Execution records kept per schedule.
 const EXECUTIONS_KEPT: usize = 1000;
@@ -63,9 +64,8 @@ struct State {
     nodes: HashMap<String, (i64, Instant)>,
     workflows: HashMap<String, WorkflowExecution>,
     published: HashMap<String, std::collections::BTreeSet<String>>,
-    /// Workflow execution deadlines: (deadline ms, execution id), and by id.
-    deadlines: std::collections::BTreeSet<(i64, String)>,
-    deadline_of: HashMap<String, i64>,
+    /// Workflow execution deadlines per workflow: (deadline ms, execution id), and by id.
+    deadlines: HashMap<String, WorkflowDeadlines>,
     /// Jobs by (type, id), and each (type, partition)'s position and timeouts.
     jobs: HashMap<(String, String), JobRecord>,
     job_partitions: HashMap<(String, i32), JobPartition>,

@@ -66,26 +66,32 @@ impl WorkflowStore for MemoryStore {
 
     async fn set_workflow_deadline(
         &self,
+        workflow: &str,
         execution: &str,
         deadline_ms: i64,
     ) -> Result<(), StoreError> {
         let mut state = self.state()?;
-        if let Some(old) = state.deadline_of.insert(execution.to_string(), deadline_ms) {
-            state.deadlines.remove(&(old, execution.to_string()));
+        let filed = state.deadlines.entry(workflow.to_string()).or_default();
+        if let Some(old) = filed.at.insert(execution.to_string(), deadline_ms) {
+            filed.by_time.remove(&(old, execution.to_string()));
         }
-        state.deadlines.insert((deadline_ms, execution.to_string()));
+        filed.by_time.insert((deadline_ms, execution.to_string()));
         Ok(())
     }
 
     async fn due_workflow_deadlines(
         &self,
+        workflow: &str,
         until_ms: i64,
         skip: usize,
         limit: usize,
     ) -> Result<Vec<String>, StoreError> {
-        Ok(self
-            .state()?
-            .deadlines
+        let state = self.state()?;
+        let Some(filed) = state.deadlines.get(workflow) else {
+            return Ok(Vec::new());
+        };
+        Ok(filed
+            .by_time
             .iter()
             .take_while(|(at, _)| *at <= until_ms)
             .skip(skip)
@@ -94,11 +100,29 @@ impl WorkflowStore for MemoryStore {
             .collect())
     }
 
-    async fn clear_workflow_deadline(&self, execution: &str) -> Result<(), StoreError> {
+    async fn clear_workflow_deadline(
+        &self,
+        workflow: &str,
+        execution: &str,
+    ) -> Result<(), StoreError> {
         let mut state = self.state()?;
-        if let Some(at) = state.deadline_of.remove(execution) {
-            state.deadlines.remove(&(at, execution.to_string()));
+        if let Some(filed) = state.deadlines.get_mut(workflow) {
+            if let Some(at) = filed.at.remove(execution) {
+                filed.by_time.remove(&(at, execution.to_string()));
+            }
+            if filed.at.is_empty() {
+                state.deadlines.remove(workflow);
+            }
         }
         Ok(())
     }
+}
+
+/// One workflow's execution deadlines on the memory store.
+#[derive(Default)]
+pub(super) struct WorkflowDeadlines {
+    /// (deadline ms, execution id), earliest first.
+    by_time: std::collections::BTreeSet<(i64, String)>,
+    /// Each execution's deadline.
+    at: HashMap<String, i64>,
 }

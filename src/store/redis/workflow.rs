@@ -162,37 +162,116 @@ impl WorkflowStore for RedisStore {
 
     async fn set_workflow_deadline(
         &self,
+        workflow: &str,
         execution: &str,
         deadline_ms: i64,
     ) -> Result<(), StoreError> {
         let mut c = self.connection.clone();
-        c.zadd::<_, _, _, ()>(self.key(&["wf-deadlines"]), execution, deadline_ms)
+        c.zadd::<_, _, _, ()>(self.deadlines_key(workflow), execution, deadline_ms)
             .await
             .map_err(|e| store_error("ZADD", e))
     }
 
     async fn due_workflow_deadlines(
         &self,
+        workflow: &str,
         until_ms: i64,
         skip: usize,
         limit: usize,
     ) -> Result<Vec<String>, StoreError> {
+        let key = self.deadlines_key(workflow);
+        let due = |c: &mut redis::Pipeline| {
+            c.cmd("ZRANGEBYSCORE")
+                .arg(&key)
+                .arg("-inf")
+                .arg(until_ms)
+                .arg("LIMIT")
+                .arg(skip)
+                .arg(limit);
+        };
         let mut c = self.connection.clone();
-        c.zrangebyscore_limit(
-            self.key(&["wf-deadlines"]),
-            "-inf",
-            until_ms,
-            skip as isize,
-            limit as isize,
-        )
-        .await
-        .map_err(|e| store_error("ZRANGEBYSCORE", e))
+        // The shared key of earlier versions is looked at in the same round trip; what
+        // it holds is filed under each execution's workflow before reading this one's.
+        let mut both = redis::pipe();
+        both.cmd("ZRANGE")
+            .arg(self.key(&[UNFILED_DEADLINES]))
+            .arg(0)
+            .arg(UNFILED_PER_CALL - 1)
+            .arg("WITHSCORES");
+        due(&mut both);
+        let (unfiled, ids): (Vec<(String, f64)>, Vec<String>) = both
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("ZRANGE", e))?;
+        if unfiled.is_empty() {
+            return Ok(ids);
+        }
+        self.file_unfiled_deadlines(unfiled).await?;
+        let mut again = redis::pipe();
+        due(&mut again);
+        let (ids,): (Vec<String>,) = again
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("ZRANGEBYSCORE", e))?;
+        Ok(ids)
     }
 
-    async fn clear_workflow_deadline(&self, execution: &str) -> Result<(), StoreError> {
+    async fn clear_workflow_deadline(
+        &self,
+        workflow: &str,
+        execution: &str,
+    ) -> Result<(), StoreError> {
         let mut c = self.connection.clone();
-        c.zrem::<_, _, ()>(self.key(&["wf-deadlines"]), execution)
+        c.zrem::<_, _, ()>(self.deadlines_key(workflow), execution)
             .await
             .map_err(|e| store_error("ZREM", e))
+    }
+}
+
+/// The one sorted set of every workflow's deadlines that versions before per-workflow
+/// deadlines wrote, read by every node for every workflow.
+const UNFILED_DEADLINES: &str = "wf-deadlines";
+
+/// Entries of [`UNFILED_DEADLINES`] filed under their workflow per deadline look.
+const UNFILED_PER_CALL: usize = 100;
+
+impl RedisStore {
+    /// The sorted set of `workflow`'s deadlines: execution id, scored by deadline ms.
+    fn deadlines_key(&self, workflow: &str) -> String {
+        self.key(&[UNFILED_DEADLINES, workflow])
+    }
+
+    /// Moves deadlines an earlier version filed in the shared set into their
+    /// workflow's: each execution is read for its workflow. One whose execution is gone
+    /// is dropped, as a sweep would have; one whose execution cannot be read is dropped
+    /// with an error logged, as a sweep does, rather than be read again on every look.
+    async fn file_unfiled_deadlines(&self, unfiled: Vec<(String, f64)>) -> Result<(), StoreError> {
+        let shared = self.key(&[UNFILED_DEADLINES]);
+        let mut moves = redis::pipe();
+        moves.atomic();
+        for (id, deadline_ms) in unfiled {
+            match self.get_workflow_execution(&id).await {
+                Ok(Some(execution)) => {
+                    moves
+                        .zadd(
+                            self.deadlines_key(&execution.workflow),
+                            &id,
+                            deadline_ms as i64,
+                        )
+                        .ignore();
+                }
+                Ok(None) => {}
+                Err(e) if e.is_retryable() => return Err(e),
+                Err(e) => {
+                    tracing::error!(execution = %id, error = %e, "cannot read a workflow execution to file its deadline; the deadline is dropped");
+                }
+            }
+            moves.zrem(&shared, &id).ignore();
+        }
+        let mut c = self.connection.clone();
+        moves
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(|e| store_error("MULTI", e))
     }
 }
