@@ -1779,13 +1779,142 @@ mod services {
         assert_eq!(produced.status.code(), Some(2), "{produced:?}");
         let report = String::from_utf8_lossy(&produced.stderr);
         assert!(
-            report.contains("2 messages published to") && report.contains("before line 3"),
+            report.contains("2 messages published to")
+                && report.contains("before line 3, which the broker refused"),
             "{report}"
         );
         // Nothing after the refused line was read, so nothing after it was sent.
         assert_eq!(
             payloads(config.path(), &subject, 2).await,
             ["first", "second"]
+        );
+    }
+
+    /// What happens to the NATS server while `weir produce` feeds it lines.
+    enum Fault {
+        /// Stopped as an operator would, and started again.
+        Restart,
+        /// Paused (SIGSTOP) past the client's 5 s wait for an acknowledgement.
+        Pause,
+    }
+
+    /// `weir produce` fed a line a millisecond, with `fault` a second in: what reaches
+    /// the stream keeps the lines' order, once each, and the report is true to it.
+    /// Either every line got through, or the report names the first line not
+    /// confirmed (returned): every line before it is in the stream, as are the lines
+    /// after it it counts as published, and the command fails as for unreachable
+    /// infrastructure.
+    async fn produce_through(fault: Fault) -> Option<String> {
+        const LINES: usize = 4_000;
+        let mut server = common::servers::Server::nats("");
+        let subject = unique("produce");
+        let mut config = tempfile::NamedTempFile::new().unwrap();
+        write!(
+            config,
+            "[broker]\nkind = \"nats\"\nurl = \"{}\"\n",
+            server.nats_url()
+        )
+        .unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(["produce", &subject, "--config"])
+            .arg(config.path())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        let feeder = std::thread::spawn(move || {
+            for n in 1..=LINES {
+                // Closed once the command stops reading.
+                if writeln!(stdin, "line {n}")
+                    .and_then(|()| stdin.flush())
+                    .is_err()
+                {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        match fault {
+            Fault::Restart => server.restart(),
+            Fault::Pause => {
+                server.signal("STOP");
+                tokio::time::sleep(Duration::from_secs(7)).await;
+                server.signal("CONT");
+            }
+        }
+        let produced = tokio::task::spawn_blocking(move || {
+            feeder.join().unwrap();
+            child.wait_with_output().unwrap()
+        })
+        .await
+        .unwrap();
+        let report = String::from_utf8_lossy(&produced.stderr).to_string();
+        eprintln!("{}: {report}", produced.status);
+        let stream: Vec<usize> = payloads(config.path(), &subject, 1)
+            .await
+            .iter()
+            .map(|p| p.strip_prefix("line ").unwrap().parse().unwrap())
+            .collect();
+        assert!(
+            stream.windows(2).all(|w| w[0] < w[1]),
+            "out of order or twice: {stream:?}"
+        );
+        if produced.status.success() {
+            assert!(
+                report.contains(&format!("{LINES} messages published")),
+                "{report}"
+            );
+            assert_eq!(stream, (1..=LINES).collect::<Vec<_>>());
+            return None;
+        }
+        assert_eq!(produced.status.code(), Some(1), "{report}");
+        let line = report
+            .lines()
+            .find(|l| l.contains("before line"))
+            .unwrap_or_else(|| panic!("{report}"))
+            .replace(&subject, "");
+        // "N messages published to S before line K, <its fate>; of the lines handed over
+        // after it, A were published and B were not confirmed"
+        let numbers: Vec<usize> = line
+            .split(|c: char| !c.is_ascii_digit())
+            .filter(|n| !n.is_empty())
+            .map(|n| n.parse().unwrap())
+            .collect();
+        let [published, unconfirmed, after, unconfirmed_after] = numbers[..] else {
+            panic!("{line}");
+        };
+        assert_eq!(published, unconfirmed - 1, "{line}");
+        assert_eq!(
+            stream[..published],
+            (1..unconfirmed).collect::<Vec<_>>(),
+            "{line}"
+        );
+        let later = stream.iter().filter(|&&n| n > unconfirmed).count();
+        assert!(
+            later >= after && later <= after + unconfirmed_after,
+            "{later} later lines in the stream; {line}"
+        );
+        Some(line)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn produce_through_a_nats_restart_keeps_order_and_reports_truly() {
+        produce_through(Fault::Restart).await;
+    }
+
+    /// The line whose acknowledgement did not come is reported as such, not as lost: the
+    /// server stores what it was sent once it resumes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn produce_to_a_paused_nats_server_reports_the_line_it_did_not_confirm() {
+        let line = produce_through(Fault::Pause)
+            .await
+            .expect("a pause past the acknowledgement wait fails the command");
+        assert!(
+            line.contains("which the broker did not confirm (it may have stored it"),
+            "{line}"
         );
     }
 }

@@ -543,6 +543,45 @@ async fn a_node_never_reads_the_deadlines_of_workflows_it_does_not_declare(env: 
     );
 }
 
+/// An execution started again under its id, naming another workflow: the execution is
+/// the first workflow's, and so stays its deadline, not one from the other's timeout.
+async fn a_repeated_start_naming_another_workflow_leaves_the_executions_deadline(env: &Env) {
+    let executor = env.name("twice");
+    let long = flow(&env.name("long"), vec![task("t", "builtin::sleep")])
+        .with_timeout(Duration::from_secs(3600));
+    let short = flow(&env.name("short"), vec![task("t", "builtin::sleep")])
+        .with_timeout(Duration::from_secs(1));
+    let manager = env.new_state_manager(
+        &[long.clone(), short.clone()],
+        Router::new(Vec::new(), &executor).unwrap(),
+    );
+    let id = env.name("started-twice");
+    assert!(manager
+        .start_with_id(&long.name, &id, json!({}), None)
+        .await
+        .unwrap());
+    assert!(!manager
+        .start_with_id(&short.name, &id, json!({}), None)
+        .await
+        .unwrap());
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let due_by = |ms: i64| {
+        let store = env.store.clone();
+        let workflow = long.key();
+        async move {
+            store
+                .due_workflow_deadlines(&workflow, ms, 0, 10)
+                .await
+                .unwrap()
+        }
+    };
+    assert!(due_by(now_ms + 60_000).await.is_empty(), "deadline moved");
+    assert_eq!(due_by(now_ms + 7_200_000).await, [id]);
+}
+
 /// A store counting the reads of executions whose id starts with a given prefix.
 struct CountingReads {
     store: Arc<dyn Store>,
@@ -1624,6 +1663,10 @@ macro_rules! suite {
             a_task_output_nested_too_deep_fails_its_task(&$env).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn started_again_under_another_workflow() {
+            a_repeated_start_naming_another_workflow_leaves_the_executions_deadline(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn other_workflows_deadlines_left_unread() {
             a_node_never_reads_the_deadlines_of_workflows_it_does_not_declare(&$env).await;
         }
@@ -1952,9 +1995,9 @@ mod nats {
     }
 
     /// Versions before per-workflow deadlines filed every workflow's in one sorted set.
-    /// What an upgraded node finds there is filed under each execution's workflow and
-    /// times out as before; entries whose execution is gone or cannot be read are
-    /// dropped, and the shared set is emptied.
+    /// What an upgraded node finds due there is filed under each execution's workflow
+    /// and times out as before; due entries whose execution is gone or cannot be read
+    /// are dropped. One not due yet stays: its execution may not exist yet.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn deadlines_filed_together_by_an_earlier_version_still_time_out() {
         let prefix = common::services::unique("weir-wf-");
@@ -2008,7 +2051,10 @@ mod nats {
             .query_async::<()>(&mut redis)
             .await
             .unwrap();
-        for (id, at) in [(&unreadable, 0), (&env.name("gone"), 1)] {
+        // Filed by an earlier version about to create its execution: not due, so left.
+        let starting = env.name("starting");
+        let later = i64::MAX / 2;
+        for (id, at) in [(&unreadable, 0), (&env.name("gone"), 1), (&starting, later)] {
             redis::cmd("ZADD")
                 .arg(&shared)
                 .arg(at)
@@ -2022,12 +2068,14 @@ mod nats {
             let done = env.finished(id, WAIT).await;
             assert_eq!(done.status, RunStatus::Failed, "{}", done.summary());
         }
-        let left: usize = redis::cmd("ZCARD")
+        let left: Vec<String> = redis::cmd("ZRANGE")
             .arg(&shared)
+            .arg(0)
+            .arg(-1)
             .query_async(&mut redis)
             .await
             .unwrap();
-        assert_eq!(left, 0);
+        assert_eq!(left, [starting]);
         // The undeclared workflow's wait, filed under it, for the nodes declaring it.
         let filed = env
             .store

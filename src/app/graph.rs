@@ -15,7 +15,9 @@ use crate::app::error::Error;
 use weir::admin::client::{segment, AdminClient};
 use weir::codec::records::decode_known;
 use weir::config::{BrokerKind, Config};
-use weir::transport::{Assignment, Broker, Outbound, PendingAck, StartFrom, Subscription};
+use weir::transport::{
+    Assignment, Broker, Outbound, PendingAck, StartFrom, Subscription, TransportError,
+};
 
 /// Runs one graph command and prints the API's JSON answer.
 pub async fn graph(
@@ -207,11 +209,11 @@ pub async fn produce(
     let mut number: u64 = 0;
     // A line that could not be read or handed over: every line before it is settled
     // first.
-    let mut stopped: Option<(u64, Error)> = None;
+    let mut stopped: Option<Unpublished> = None;
     loop {
         if pending.len() >= PRODUCE_WINDOW {
             if let Some((line, ack)) = pending.pop_front() {
-                progress.settled(line, ack.await.map_err(Error::from));
+                progress.settled(line, ack.await);
                 if progress.failed.is_some() {
                     break;
                 }
@@ -221,7 +223,11 @@ pub async fn produce(
             Ok(Some(line)) => line,
             Ok(None) => break,
             Err(e) => {
-                stopped = Some((number + 1, e.into()));
+                stopped = Some(Unpublished {
+                    line: number + 1,
+                    fate: "which could not be read",
+                    error: e.into(),
+                });
                 break;
             }
         };
@@ -236,13 +242,22 @@ pub async fn produce(
         match sink.enqueue(message).await {
             Ok(ack) => pending.push_back((number, ack)),
             Err(e) => {
-                stopped = Some((number, e.into()));
+                let fate = if e.is_retryable() {
+                    "which could not be handed to the broker"
+                } else {
+                    "which the broker refused"
+                };
+                stopped = Some(Unpublished {
+                    line: number,
+                    fate,
+                    error: e.into(),
+                });
                 break;
             }
         }
     }
     for (line, ack) in pending {
-        progress.settled(line, ack.await.map_err(Error::from));
+        progress.settled(line, ack.await);
     }
     if let (Some(stop), None) = (stopped, &progress.failed) {
         progress.failed = Some(stop);
@@ -256,16 +271,26 @@ pub async fn produce(
             )?;
             Ok(())
         }
-        Some((line, error)) => {
+        Some(Unpublished { line, fate, error }) => {
             writeln!(
                 report,
-                "{} messages published to {} before line {line}, which was not; \
-                 of the lines handed over after it, {} were published and {} were not",
-                progress.published, args.topic, progress.published_after, progress.lost_after
+                "{} messages published to {} before line {line}, {fate}; of the lines \
+                 handed over after it, {} were published and {} were not confirmed",
+                progress.published,
+                args.topic,
+                progress.published_after,
+                progress.unconfirmed_after
             )?;
             Err(error)
         }
     }
+}
+
+/// The first line not known to be published: its number, what became of it, and why.
+struct Unpublished {
+    line: u64,
+    fate: &'static str,
+    error: Error,
 }
 
 /// What the broker made of the lines so far, in line order.
@@ -273,19 +298,32 @@ pub async fn produce(
 struct Progress {
     /// Lines published before the first that was not.
     published: u64,
-    /// The first line not published, and why.
-    failed: Option<(u64, Error)>,
+    /// The first line not known to be published.
+    failed: Option<Unpublished>,
     published_after: u64,
-    lost_after: u64,
+    unconfirmed_after: u64,
 }
 
 impl Progress {
-    fn settled<T>(&mut self, line: u64, outcome: Result<T, Error>) {
+    fn settled<T>(&mut self, line: u64, outcome: Result<T, TransportError>) {
         match (&self.failed, outcome) {
             (None, Ok(_)) => self.published += 1,
-            (None, Err(e)) => self.failed = Some((line, e)),
+            (None, Err(e)) => {
+                // An acknowledgement that did not come (a timeout, a connection lost)
+                // leaves the message's fate open: the broker may have stored it.
+                let fate = if e.is_retryable() {
+                    "which the broker did not confirm (it may have stored it all the same)"
+                } else {
+                    "which the broker refused"
+                };
+                self.failed = Some(Unpublished {
+                    line,
+                    fate,
+                    error: e.into(),
+                });
+            }
             (Some(_), Ok(_)) => self.published_after += 1,
-            (Some(_), Err(_)) => self.lost_after += 1,
+            (Some(_), Err(_)) => self.unconfirmed_after += 1,
         }
     }
 }

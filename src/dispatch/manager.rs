@@ -275,8 +275,9 @@ impl StateManager {
             .get_workflow_execution(id)
             .await?
             .ok_or_else(|| DispatchError::UnknownExecution(id.to_string()))?;
-        if let Some(timeout) = spec.timeout {
-            // A repeated start keeps the first one's deadline.
+        // A repeated start keeps the first one's deadline. One naming another workflow
+        // than the execution's leaves that workflow's deadline as it is.
+        if let Some(timeout) = spec.timeout.filter(|_| existing.workflow == spec.key()) {
             let deadline = existing.created_ms + timeout.as_millis() as i64;
             self.inner
                 .store

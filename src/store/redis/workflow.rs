@@ -190,23 +190,33 @@ impl WorkflowStore for RedisStore {
                 .arg(limit);
         };
         let mut c = self.connection.clone();
-        // The shared key of earlier versions is looked at in the same round trip; what
-        // it holds is filed under each execution's workflow before reading this one's.
+        // The shared set of earlier versions is looked at in the same round trip, for
+        // due entries only: an earlier version files a deadline before it creates the
+        // execution, which a look at one not due yet could find missing. What is due
+        // there is filed under each execution's workflow before reading this one's.
         let mut both = redis::pipe();
-        both.cmd("ZRANGE")
+        both.cmd("ZRANGEBYSCORE")
             .arg(self.key(&[UNFILED_DEADLINES]))
+            .arg("-inf")
+            .arg(until_ms)
+            .arg("WITHSCORES")
+            .arg("LIMIT")
             .arg(0)
-            .arg(UNFILED_PER_CALL - 1)
-            .arg("WITHSCORES");
+            .arg(UNFILED_PER_CALL);
         due(&mut both);
         let (unfiled, ids): (Vec<(String, f64)>, Vec<String>) = both
             .query_async(&mut c)
             .await
-            .map_err(|e| store_error("ZRANGE", e))?;
+            .map_err(|e| store_error("ZRANGEBYSCORE", e))?;
         if unfiled.is_empty() {
             return Ok(ids);
         }
-        self.file_unfiled_deadlines(unfiled).await?;
+        if let Err(e) = self.file_unfiled_deadlines(unfiled).await {
+            // This workflow's own deadlines are swept all the same; the move is tried
+            // again at the next look.
+            tracing::warn!(error = %e, "cannot file an earlier version's workflow deadlines; trying again at the next sweep");
+            return Ok(ids);
+        }
         let mut again = redis::pipe();
         due(&mut again);
         let (ids,): (Vec<String>,) = again
@@ -241,10 +251,11 @@ impl RedisStore {
         self.key(&[UNFILED_DEADLINES, workflow])
     }
 
-    /// Moves deadlines an earlier version filed in the shared set into their
+    /// Moves due deadlines an earlier version filed in the shared set into their
     /// workflow's: each execution is read for its workflow. One whose execution is gone
     /// is dropped, as a sweep would have; one whose execution cannot be read is dropped
-    /// with an error logged, as a sweep does, rather than be read again on every look.
+    /// with an error logged, as a sweep does, rather than be read again on every look;
+    /// one whose read failed for now stays for the next look.
     async fn file_unfiled_deadlines(&self, unfiled: Vec<(String, f64)>) -> Result<(), StoreError> {
         let shared = self.key(&[UNFILED_DEADLINES]);
         let mut moves = redis::pipe();
@@ -261,12 +272,19 @@ impl RedisStore {
                         .ignore();
                 }
                 Ok(None) => {}
-                Err(e) if e.is_retryable() => return Err(e),
+                Err(e) if e.is_retryable() => {
+                    // Left in the shared set, to be filed at a next look.
+                    tracing::warn!(execution = %id, error = %e, "cannot read a workflow execution to file its deadline; trying again at the next sweep");
+                    continue;
+                }
                 Err(e) => {
                     tracing::error!(execution = %id, error = %e, "cannot read a workflow execution to file its deadline; the deadline is dropped");
                 }
             }
             moves.zrem(&shared, &id).ignore();
+        }
+        if moves.is_empty() {
+            return Ok(());
         }
         let mut c = self.connection.clone();
         moves
