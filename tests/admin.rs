@@ -1765,13 +1765,7 @@ mod services {
         let server = common::servers::Server::nats("max_payload: 1024");
         let subject = unique("produce");
         let _cleanup_subject = common::services::cleanup(&subject);
-        let mut config = tempfile::NamedTempFile::new().unwrap();
-        write!(
-            config,
-            "[broker]\nkind = \"nats\"\nurl = \"{}\"\n",
-            server.nats_url()
-        )
-        .unwrap();
+        let config = broker_config(&server);
         let big = "x".repeat(4096);
         let input = format!("first\nsecond\n{big}\nfourth\n");
         let produced = produce(&subject, config.path(), &[], input.as_bytes());
@@ -1788,6 +1782,18 @@ mod services {
             payloads(config.path(), &subject, 2).await,
             ["first", "second"]
         );
+    }
+
+    /// A config file naming `server` as the broker.
+    fn broker_config(server: &common::servers::Server) -> tempfile::NamedTempFile {
+        let mut config = tempfile::NamedTempFile::new().unwrap();
+        write!(
+            config,
+            "[broker]\nkind = \"nats\"\nurl = \"{}\"\n",
+            server.nats_url()
+        )
+        .unwrap();
+        config
     }
 
     /// What happens to the NATS server while `weir produce` feeds it lines.
@@ -1808,13 +1814,7 @@ mod services {
         const LINES: usize = 4_000;
         let mut server = common::servers::Server::nats("");
         let subject = unique("produce");
-        let mut config = tempfile::NamedTempFile::new().unwrap();
-        write!(
-            config,
-            "[broker]\nkind = \"nats\"\nurl = \"{}\"\n",
-            server.nats_url()
-        )
-        .unwrap();
+        let config = broker_config(&server);
         let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
             .args(["produce", &subject, "--config"])
             .arg(config.path())

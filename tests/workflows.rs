@@ -1939,6 +1939,12 @@ mod nats {
     use super::*;
 
     async fn env() -> Env {
+        env_and_store_prefix().await.0
+    }
+
+    /// An environment, and the prefix of its store's Redis keys, for tests that write
+    /// keys as something else would.
+    async fn env_and_store_prefix() -> (Env, String) {
         let prefix = common::services::unique("weir-wf-");
         let mut env = Env::new(
             common::services::nats(true).await,
@@ -1948,7 +1954,7 @@ mod nats {
             Box::new(common::services::cleanup(&prefix)),
             Box::new(common::services::cleanup(&env.prefix)),
         ];
-        env
+        (env, prefix)
     }
 
     suite!(env().await);
@@ -1958,15 +1964,7 @@ mod nats {
     /// every sweep at it, and the node's own workflow still times out.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_unreadable_execution_holds_up_no_timeout() {
-        let prefix = common::services::unique("weir-wf-");
-        let mut env = Env::new(
-            common::services::nats(true).await,
-            common::services::redis(&prefix).await,
-        );
-        env.cleanups = vec![
-            Box::new(common::services::cleanup(&prefix)),
-            Box::new(common::services::cleanup(&env.prefix)),
-        ];
+        let (env, prefix) = env_and_store_prefix().await;
         let unreadable = env.name("unreadable");
         let client = redis::Client::open(common::services::redis_url()).unwrap();
         let mut redis = client.get_multiplexed_async_connection().await.unwrap();
@@ -2000,15 +1998,7 @@ mod nats {
     /// are dropped. One not due yet stays: its execution may not exist yet.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn deadlines_filed_together_by_an_earlier_version_still_time_out() {
-        let prefix = common::services::unique("weir-wf-");
-        let mut env = Env::new(
-            common::services::nats(true).await,
-            common::services::redis(&prefix).await,
-        );
-        env.cleanups = vec![
-            Box::new(common::services::cleanup(&prefix)),
-            Box::new(common::services::cleanup(&env.prefix)),
-        ];
+        let (env, prefix) = env_and_store_prefix().await;
         let executor = env.name("exec");
         let router = Router::new(Vec::new(), &executor).unwrap();
         let w = flow(&env.name("upgraded"), vec![task("t", "builtin::echo")])
