@@ -1687,7 +1687,17 @@ mod services {
         flags: &[&str],
         input: &[u8],
     ) -> std::process::Output {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
+        let mut child = spawn_produce(subject, path, flags);
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(input).unwrap();
+        drop(stdin);
+        child.wait_with_output().unwrap()
+    }
+
+    /// Starts `weir produce SUBJECT` with the config at `path` and `flags`, its stdin,
+    /// stdout and stderr piped.
+    fn spawn_produce(subject: &str, path: &std::path::Path, flags: &[&str]) -> Child {
+        Command::new(env!("CARGO_BIN_EXE_weir"))
             .args(["produce", subject, "--config"])
             .arg(path)
             .args(flags)
@@ -1695,11 +1705,7 @@ mod services {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .unwrap();
-        let mut stdin = child.stdin.take().unwrap();
-        stdin.write_all(input).unwrap();
-        drop(stdin);
-        child.wait_with_output().unwrap()
+            .unwrap()
     }
 
     /// The payloads on a subject from its beginning, as text: `count` of them, then
@@ -1815,14 +1821,7 @@ mod services {
         let mut server = common::servers::Server::nats("");
         let subject = unique("produce");
         let config = broker_config(&server);
-        let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
-            .args(["produce", &subject, "--config"])
-            .arg(config.path())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = spawn_produce(&subject, config.path(), &[]);
         let mut stdin = child.stdin.take().unwrap();
         let feeder = std::thread::spawn(move || {
             for n in 1..=LINES {

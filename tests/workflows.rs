@@ -1957,6 +1957,23 @@ mod nats {
         (env, prefix)
     }
 
+    /// Stores execution `id` in a form no node can read, as something else might.
+    async fn store_unreadable_execution(
+        redis: &mut redis::aio::MultiplexedConnection,
+        prefix: &str,
+        id: &str,
+    ) {
+        redis::cmd("HSET")
+            .arg(format!("{prefix}:wf:{id}"))
+            .arg("data")
+            .arg("not json")
+            .arg("v")
+            .arg(1)
+            .query_async::<()>(redis)
+            .await
+            .unwrap();
+    }
+
     suite!(env().await);
 
     /// An execution stored in a form no node can read (written by something else, say)
@@ -1968,15 +1985,7 @@ mod nats {
         let unreadable = env.name("unreadable");
         let client = redis::Client::open(common::services::redis_url()).unwrap();
         let mut redis = client.get_multiplexed_async_connection().await.unwrap();
-        redis::cmd("HSET")
-            .arg(format!("{prefix}:wf:{unreadable}"))
-            .arg("data")
-            .arg("not json")
-            .arg("v")
-            .arg(1)
-            .query_async::<()>(&mut redis)
-            .await
-            .unwrap();
+        store_unreadable_execution(&mut redis, &prefix, &unreadable).await;
         // Filed under the workflow the node declares, whose sweep reads it first.
         let slowflow = env.name("slowflow");
         env.store
@@ -2032,15 +2041,7 @@ mod nats {
             }
         }
         let unreadable = env.name("unreadable");
-        redis::cmd("HSET")
-            .arg(format!("{prefix}:wf:{unreadable}"))
-            .arg("data")
-            .arg("not json")
-            .arg("v")
-            .arg(1)
-            .query_async::<()>(&mut redis)
-            .await
-            .unwrap();
+        store_unreadable_execution(&mut redis, &prefix, &unreadable).await;
         // Filed by an earlier version about to create its execution: not due, so left.
         let starting = env.name("starting");
         let later = i64::MAX / 2;
