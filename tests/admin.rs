@@ -1711,6 +1711,17 @@ mod services {
     /// The payloads on a subject from its beginning, as text: `count` of them, then
     /// whatever else arrives within half a second.
     async fn payloads(path: &std::path::Path, subject: &str, count: usize) -> Vec<String> {
+        payloads_then(path, subject, count, Duration::from_millis(500)).await
+    }
+
+    /// The payloads on a subject from its beginning, as text: `count` of them, then
+    /// whatever else arrives with no gap of `quiet` (none with a zero `quiet`).
+    async fn payloads_then(
+        path: &std::path::Path,
+        subject: &str,
+        count: usize,
+        quiet: Duration,
+    ) -> Vec<String> {
         use weir::transport::{Assignment, StartFrom, Subscription};
         let broker = weir::config::Config::load(path)
             .unwrap()
@@ -1726,7 +1737,7 @@ mod services {
             let wait = if read.len() < count {
                 Duration::from_secs(30)
             } else {
-                Duration::from_millis(500)
+                quiet
             };
             match tokio::time::timeout(wait, source.next()).await {
                 Ok(message) => {
@@ -1806,12 +1817,14 @@ mod services {
     enum Fault {
         /// Stopped as an operator would, and started again.
         Restart,
-        /// Paused (SIGSTOP) past the client's 5 s wait for an acknowledgement.
+        /// Paused (SIGSTOP) for 10 s, past the client's 5 s wait for the
+        /// acknowledgement `produce` waits on once its window is full.
         Pause,
     }
 
-    /// `weir produce` fed a line a millisecond, with `fault` a second in: what reaches
-    /// the stream keeps the lines' order, once each, and the report is true to it.
+    /// `weir produce` fed a line a millisecond, `fault` once the first lines are in the
+    /// stream, then the rest at once: what reaches the stream keeps the lines' order,
+    /// once each, and the report is true to it.
     /// Either every line got through, or the report names the first line not
     /// confirmed (returned): every line before it is in the stream, as are the lines
     /// after it it counts as published, and the command fails as for unreachable
@@ -1823,24 +1836,36 @@ mod services {
         let config = broker_config(&server);
         let mut child = spawn_produce(&subject, config.path(), &[]);
         let mut stdin = child.stdin.take().unwrap();
-        let feeder = std::thread::spawn(move || {
-            for n in 1..=LINES {
-                // Closed once the command stops reading.
-                if writeln!(stdin, "line {n}")
-                    .and_then(|()| stdin.flush())
-                    .is_err()
-                {
-                    return;
+        let hurry = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let feeder = std::thread::spawn({
+            let hurry = hurry.clone();
+            move || {
+                for n in 1..=LINES {
+                    // Closed once the command stops reading.
+                    if writeln!(stdin, "line {n}")
+                        .and_then(|()| stdin.flush())
+                        .is_err()
+                    {
+                        return;
+                    }
+                    if !hurry.load(std::sync::atomic::Ordering::Relaxed) {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
                 }
-                std::thread::sleep(Duration::from_millis(1));
             }
         });
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        payloads_then(config.path(), &subject, 100, Duration::ZERO).await;
+        // The rest at once: with the server paused, `produce` fills its window and
+        // waits on the oldest acknowledgement straight away.
         match fault {
-            Fault::Restart => server.restart(),
+            Fault::Restart => {
+                server.restart();
+                hurry.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
             Fault::Pause => {
                 server.signal("STOP");
-                tokio::time::sleep(Duration::from_secs(7)).await;
+                hurry.store(true, std::sync::atomic::Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_secs(10)).await;
                 server.signal("CONT");
             }
         }
@@ -1852,21 +1877,28 @@ mod services {
         .unwrap();
         let report = String::from_utf8_lossy(&produced.stderr).to_string();
         eprintln!("{}: {report}", produced.status);
-        let stream: Vec<usize> = payloads(config.path(), &subject, 1)
-            .await
-            .iter()
-            .map(|p| p.strip_prefix("line ").unwrap().parse().unwrap())
-            .collect();
-        assert!(
-            stream.windows(2).all(|w| w[0] < w[1]),
-            "out of order or twice: {stream:?}"
-        );
+        let stream = |count| {
+            let path = config.path().to_path_buf();
+            let subject = subject.clone();
+            async move {
+                let stream: Vec<usize> = payloads(&path, &subject, count)
+                    .await
+                    .iter()
+                    .map(|p| p.strip_prefix("line ").unwrap().parse().unwrap())
+                    .collect();
+                assert!(
+                    stream.windows(2).all(|w| w[0] < w[1]),
+                    "out of order or twice: {stream:?}"
+                );
+                stream
+            }
+        };
         if produced.status.success() {
             assert!(
                 report.contains(&format!("{LINES} messages published")),
                 "{report}"
             );
-            assert_eq!(stream, (1..=LINES).collect::<Vec<_>>());
+            assert_eq!(stream(LINES).await, (1..=LINES).collect::<Vec<_>>());
             return None;
         }
         assert_eq!(produced.status.code(), Some(1), "{report}");
@@ -1885,6 +1917,7 @@ mod services {
         let [published, unconfirmed, after, unconfirmed_after] = numbers[..] else {
             panic!("{line}");
         };
+        let stream = stream(published + after).await;
         assert_eq!(published, unconfirmed - 1, "{line}");
         assert_eq!(
             stream[..published],

@@ -544,7 +544,7 @@ async fn a_node_never_reads_the_deadlines_of_workflows_it_does_not_declare(env: 
 }
 
 /// An execution started again under its id, naming another workflow: the execution is
-/// the first workflow's, and so stays its deadline, not one from the other's timeout.
+/// the first workflow's, and so is its deadline, not one from the other's timeout.
 async fn a_repeated_start_naming_another_workflow_leaves_the_executions_deadline(env: &Env) {
     let executor = env.name("twice");
     let long = flow(&env.name("long"), vec![task("t", "builtin::sleep")])

@@ -275,9 +275,12 @@ impl StateManager {
             .get_workflow_execution(id)
             .await?
             .ok_or_else(|| DispatchError::UnknownExecution(id.to_string()))?;
-        // A repeated start keeps the first one's deadline. One naming another workflow
-        // than the execution's leaves that workflow's deadline as it is.
-        if let Some(timeout) = spec.timeout.filter(|_| existing.workflow == spec.key()) {
+        // A repeated start keeps the first one's deadline, from the execution's own
+        // workflow's timeout, whichever workflow the start names.
+        let timeout = self
+            .workflow(&existing.workflow)
+            .and_then(|workflow| workflow.timeout);
+        if let Some(timeout) = timeout {
             let deadline = existing.created_ms + timeout.as_millis() as i64;
             self.inner
                 .store

@@ -254,8 +254,8 @@ impl RedisStore {
     /// Moves due deadlines an earlier version filed in the shared set into their
     /// workflow's: each execution is read for its workflow. One whose execution is gone
     /// is dropped, as a sweep would have; one whose execution cannot be read is dropped
-    /// with an error logged, as a sweep does, rather than be read again on every look;
-    /// one whose read failed for now stays for the next look.
+    /// with an error logged, as a sweep does, rather than be read again on every look.
+    /// A read that fails for now leaves that one and the rest for the next look.
     async fn file_unfiled_deadlines(&self, unfiled: Vec<(String, f64)>) -> Result<(), StoreError> {
         let shared = self.key(&[UNFILED_DEADLINES]);
         let mut moves = redis::pipe();
@@ -273,9 +273,10 @@ impl RedisStore {
                 }
                 Ok(None) => {}
                 Err(e) if e.is_retryable() => {
-                    // Left in the shared set, to be filed at a next look.
+                    // This one and the rest are left in the shared set, to be filed at a
+                    // next look; those read so far are filed now.
                     tracing::warn!(execution = %id, error = %e, "cannot read a workflow execution to file its deadline; trying again at the next sweep");
-                    continue;
+                    break;
                 }
                 Err(e) => {
                     tracing::error!(execution = %id, error = %e, "cannot read a workflow execution to file its deadline; the deadline is dropped");
