@@ -1929,6 +1929,12 @@ mod services {
             later >= after && later <= after + unconfirmed_after,
             "{later} later lines in the stream; {line}"
         );
+        if line.contains("did not confirm") {
+            assert!(
+                report.contains("weir: the broker may have stored the message all the same"),
+                "{report}"
+            );
+        }
         Some(line)
     }
 

@@ -63,6 +63,22 @@ pub enum Error {
 }
 
 impl Error {
+    /// What the user should know beyond the error itself: a message whose publish
+    /// failed for now (an acknowledgement that did not come, a connection lost) may
+    /// have been stored all the same.
+    pub fn hint(&self) -> Option<&'static str> {
+        let publish = match self {
+            Self::Transport(e) => e,
+            Self::Dispatch(weir::dispatch::DispatchError::Transport(e)) => e,
+            _ => return None,
+        };
+        (publish.kind() == weir::transport::TransportErrorKind::Publish && publish.is_retryable())
+            .then_some(
+                "the broker may have stored the message all the same: sending it again may \
+             deliver it twice",
+            )
+    }
+
     /// 2 for bad input (as clap does for bad arguments), 130 when interrupted (as a
     /// shell reports Ctrl-C), 1 for everything else: unreachable infrastructure above all.
     pub fn exit_code(&self) -> i32 {

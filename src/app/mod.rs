@@ -48,6 +48,9 @@ pub async fn main(cli: Cli) -> Option<i32> {
     }
     if let Err(e) = &result {
         eprintln!("weir: {e}");
+        if let Some(hint) = e.hint() {
+            eprintln!("weir: {hint}");
+        }
     }
     // Stopped by Ctrl-C or SIGTERM: the shell's convention, whether or not the command
     // finished its shutdown cleanly.

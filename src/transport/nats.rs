@@ -319,16 +319,7 @@ impl NatsBroker {
                         Ok(None) | Err(_) => {}
                     }
                     let why = format!("cannot create or open stream {name}: {e}");
-                    // No answer in time, or JetStream not answering at all (restarting,
-                    // electing a leader): a moment's trouble, unlike a refusal.
-                    let away = match e.kind() {
-                        CreateStreamErrorKind::TimedOut
-                        | CreateStreamErrorKind::JetStreamUnavailable
-                        | CreateStreamErrorKind::Response => true,
-                        CreateStreamErrorKind::JetStream(api) => api.code() == 503,
-                        _ => false,
-                    };
-                    if away {
+                    if creation_failed_for_now(&e.kind()) {
                         return Err(self.unreachable(why));
                     }
                     return Err(TransportError::InvalidTopic {
@@ -854,6 +845,21 @@ impl Sink for NatsBroker {
     }
 }
 
+/// Whether a stream creation that failed may succeed if tried again: no answer in time,
+/// JetStream not answering at all (restarting, electing a leader), or the server failing
+/// on its side (a 5xx answer, such as its store's directory vanishing as the last stream
+/// of the account is deleted while another is created): a moment's trouble, unlike a
+/// refusal of the stream.
+fn creation_failed_for_now(kind: &CreateStreamErrorKind) -> bool {
+    match kind {
+        CreateStreamErrorKind::TimedOut
+        | CreateStreamErrorKind::JetStreamUnavailable
+        | CreateStreamErrorKind::Response => true,
+        CreateStreamErrorKind::JetStream(api) => api.code() >= 500,
+        _ => false,
+    }
+}
+
 /// How long a work-queue member's pull request waits on the server for messages.
 const PULL_EXPIRES: Duration = Duration::from_secs(5);
 
@@ -1221,6 +1227,42 @@ mod tests {
         assert!(header_name(crate::wire::ERROR_HEADER).is_ok());
         assert!(header_name("x-custom").is_ok());
         assert!(header_name("bad: name").is_err());
+    }
+
+    #[test]
+    fn a_stream_creation_the_server_failed_on_its_side_is_tried_again() {
+        let answer = |code: u16, err_code: u64, description: &str| {
+            let api: async_nats::jetstream::Error = serde_json::from_value(serde_json::json!({
+                "code": code,
+                "err_code": err_code,
+                "description": description,
+            }))
+            .unwrap();
+            CreateStreamErrorKind::JetStream(api)
+        };
+        // As nats-server answers when its store's directory vanished under it.
+        assert!(creation_failed_for_now(&answer(
+            500,
+            10049,
+            "could not create storage directory"
+        )));
+        assert!(creation_failed_for_now(&answer(
+            503,
+            10023,
+            "insufficient resources"
+        )));
+        assert!(creation_failed_for_now(&CreateStreamErrorKind::TimedOut));
+        // Refusals of the stream itself stay refusals.
+        assert!(!creation_failed_for_now(&answer(
+            400,
+            10065,
+            "subjects overlap with an existing stream"
+        )));
+        assert!(!creation_failed_for_now(&answer(
+            400,
+            10052,
+            "invalid stream config"
+        )));
     }
 
     #[test]
