@@ -98,11 +98,14 @@ impl Env {
         router: Router,
     ) -> StateManager {
         let manager = self.new_state_manager_over(store, workflows, router);
-        tokio::spawn(
-            manager
-                .clone()
-                .run(self.broker.clone(), self.cancel.clone()),
-        );
+        let run = manager
+            .clone()
+            .run(self.broker.clone(), self.cancel.clone());
+        tokio::spawn(async move {
+            if let Err(e) = run.await {
+                eprintln!("state manager stopped: {e}");
+            }
+        });
         manager
     }
 
@@ -138,7 +141,13 @@ impl Env {
                 tenant: tenant.map(String::from),
             },
         );
-        tokio::spawn(worker.run(self.cancel.clone()));
+        let (executor, cancel) = (executor.to_string(), self.cancel.clone());
+        tokio::spawn(async move {
+            // A test waiting on tasks that never run says why in its output.
+            if let Err(e) = worker.run(cancel).await {
+                eprintln!("worker {executor} stopped: {e}");
+            }
+        });
     }
 
     fn builtins(&self) -> HandlerRegistry {
