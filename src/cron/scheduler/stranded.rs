@@ -2,9 +2,9 @@
 //! Lowered, the shards past the new count have no master any more, so the master of
 //! shard 0 moves their schedules out; raised, a schedule a config declares again is
 //! filed in its new shard as well as its old one, and the old shard's master moves it
-//! out as it reads its shard ahead (see `ahead`). A move keeps the schedule's next fire time and what its shard held back of it
-//! (times missed meanwhile are then caught up by each schedule's policy), unless a
-//! config declared it in the new shard already.
+//! out as it reads its shard ahead (see `ahead`). A move keeps the schedule's next fire
+//! time and what its shard held back of it (times missed meanwhile are then caught up
+//! by each schedule's policy), unless a config declared it in the new shard already.
 
 use super::*;
 
