@@ -2004,6 +2004,66 @@ async fn weir_run_stops_while_its_kafka_broker_is_paused() {
     assert_eq!(status.code(), Some(130), "{status}");
 }
 
+/// A NATS server set up without JetStream answers, but takes no work-queue subscription.
+/// `weir worker` and `weir run` with a workflow keep trying for a while, as they would
+/// through a restart, then exit 1 naming the server. `weir run` used to stop at once
+/// with status 0 when its workflow state manager could not start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weir_worker_and_run_on_a_nats_server_without_jetstream_exit_1_naming_it() {
+    let server = Server::nats_without_jetstream();
+    let url = server.nats_url();
+    let config = tempfile::NamedTempFile::new().expect("config file");
+    let text = format!(
+        r#"[broker]
+kind = "nats"
+url = "{url}"
+jetstream = true
+[store]
+kind = "memory"
+[[workflow]]
+name = "nightly"
+[[workflow.task]]
+id = "a"
+handler = "builtin::echo"
+"#
+    );
+    std::fs::write(config.path(), text).expect("config written");
+    let exits = |args: &'static [&'static str]| {
+        let path = config.path().to_path_buf();
+        async move {
+            let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+                .args(args)
+                .arg("--config")
+                .arg(&path)
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .kill_on_drop(true)
+                .spawn()
+                .expect("weir runs");
+            let out = tokio::time::timeout(Duration::from_secs(90), child.wait_with_output())
+                .await
+                .unwrap_or_else(|_| panic!("weir {args:?} still running after 90 s"))
+                .expect("weir's output");
+            (args, out)
+        }
+    };
+    let (worker, run) = tokio::join!(exits(&["worker", "--executor", "default"]), exits(&["run"]));
+    for (args, out) in [worker, run] {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "weir {args:?}: {err}");
+        assert!(err.contains(&url), "weir {args:?} names {url}: {err}");
+        assert!(
+            err.contains("subscribing failed; retrying"),
+            "weir {args:?} tried again: {err}"
+        );
+        assert!(
+            err.contains("no JetStream answered"),
+            "weir {args:?} says why: {err}"
+        );
+    }
+}
+
 /// Redis going silent (a hung connection, no error) while `weir run` serves a graph, a
 /// keyed graph, a job type and a schedule: SIGTERM still ends it, every store call on the
 /// way out being bounded, and the partition hand-overs together bounded once.

@@ -1115,6 +1115,104 @@ async fn a_diamond_runs_in_dependency_order(env: &Env) {
     assert_eq!(done.context["ran_join"], "x");
 }
 
+/// A broker whose first subscribes to each topic fail as a server restarting would
+/// make them fail; everything else goes through.
+struct SubscribesFailAtFirst {
+    inner: Arc<dyn Broker>,
+    failures: usize,
+    attempts: Mutex<BTreeMap<String, usize>>,
+}
+
+#[async_trait]
+impl Broker for SubscribesFailAtFirst {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn weir::transport::Source>, TransportError> {
+        let attempt = {
+            let mut attempts = self.attempts.lock().unwrap();
+            let attempt = attempts.entry(subscription.topic.clone()).or_default();
+            *attempt += 1;
+            *attempt
+        };
+        if attempt <= self.failures {
+            return Err(TransportError::Unreachable {
+                broker: self.inner.kind().into(),
+                source: "server restarting".into(),
+            });
+        }
+        self.inner.subscribe(subscription).await
+    }
+
+    fn sink(&self) -> Arc<dyn Sink> {
+        self.inner.sink()
+    }
+
+    async fn partitioned(
+        &self,
+        topic: &str,
+        partitions: u32,
+    ) -> Result<weir::transport::PartitionedTopic, TransportError> {
+        self.inner.partitioned(topic, partitions).await
+    }
+
+    async fn ping(&self) -> Result<(), TransportError> {
+        self.inner.ping().await
+    }
+
+    fn redelivery_wait(&self) -> Option<Duration> {
+        self.inner.redelivery_wait()
+    }
+}
+
+/// A worker and a state manager starting while subscribing fails for now (a server
+/// restarting, a stream being created as another is deleted) try again, and the
+/// workflow runs once the broker takes their subscriptions.
+async fn subscribing_that_fails_for_now_at_start_is_tried_again(env: &Env) {
+    let executor = env.name("patient");
+    let w = flow(&env.name("patient"), vec![task("t", "builtin::echo")]);
+    let workflows = [w.clone()];
+    let flaky = Arc::new(SubscribesFailAtFirst {
+        inner: env.broker.clone(),
+        failures: 2,
+        attempts: Mutex::default(),
+    });
+    let starting = Env {
+        broker: flaky.clone(),
+        store: env.store.clone(),
+        prefix: env.prefix.clone(),
+        cancel: env.cancel.child_token(),
+        cleanups: Vec::new(),
+    };
+    let manager = starting.state_manager(&workflows, Router::new(Vec::new(), &executor).unwrap());
+    starting.worker(&executor, 1, starting.builtins(), &workflows);
+    let id = manager.start(&w.name, json!({"n": 1})).await.unwrap();
+    let done = env.finished(&id, WAIT).await;
+    assert_eq!(done.status, RunStatus::Completed, "{}", done.summary());
+    // The start topic's subscription, made last, may still be waiting to try again.
+    let topics = [
+        format!("weir.tasks.{executor}"),
+        w.topic(&env.results_topic()),
+        w.topic(&workflow_start_topic(&w.name)),
+    ];
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let attempts = flaky.attempts.lock().unwrap().clone();
+        if topics.iter().all(|t| attempts.get(t) == Some(&3)) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "each subscription made on its third attempt: {attempts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Handler counting runs per execution.
 #[derive(Default)]
 struct Counter(Mutex<BTreeMap<String, u32>>);
@@ -1710,6 +1808,10 @@ macro_rules! suite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn tasks_without_a_handler() {
             a_task_no_worker_can_run_is_dead_lettered_after_its_deliveries(&$env).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn failed_subscribes_at_start() {
+            subscribing_that_fails_for_now_at_start_is_tried_again(&$env).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn diamond() {

@@ -56,6 +56,9 @@ pub enum Error {
     Admin(#[from] weir::admin::AdminError),
     #[error(transparent)]
     Transport(#[from] weir::transport::TransportError),
+    /// A message the broker's client did not take: it never left this process.
+    #[error(transparent)]
+    NotSent(weir::transport::TransportError),
     #[error(transparent)]
     Demo(#[from] weir::demo::DemoError),
     #[error(transparent)]
@@ -67,16 +70,26 @@ impl Error {
     /// failed for now (an acknowledgement that did not come, a connection lost) may
     /// have been stored all the same.
     pub fn hint(&self) -> Option<&'static str> {
-        let publish = match self {
-            Self::Transport(e) => e,
-            Self::Dispatch(weir::dispatch::DispatchError::Transport(e)) => e,
-            _ => return None,
-        };
+        if let Self::NotSent(_) = self {
+            return None;
+        }
+        let publish = self.transport()?;
         (publish.kind() == weir::transport::TransportErrorKind::Publish && publish.is_retryable())
             .then_some(
                 "the broker may have stored the message all the same: sending it again may \
              deliver it twice",
             )
+    }
+
+    /// The broker's error within this one, whichever part of weir met it.
+    fn transport(&self) -> Option<&weir::transport::TransportError> {
+        match self {
+            Self::Transport(e)
+            | Self::NotSent(e)
+            | Self::Dispatch(weir::dispatch::DispatchError::Transport(e))
+            | Self::Worker(weir::worker::WorkerError::Transport { source: e, .. }) => Some(e),
+            _ => None,
+        }
     }
 
     /// 2 for bad input (as clap does for bad arguments), 130 when interrupted (as a
@@ -101,21 +114,17 @@ impl Error {
             // A stored record that does not read back: no retry can help.
             Self::Store(e) if e.kind() == weir::store_error::StoreErrorKind::Corrupt => 2,
             // A name the broker cannot take, or a setup that cannot serve it; settings
-            // the broker's client refuses.
-            Self::Transport(e)
-                if matches!(
-                    e.kind(),
-                    weir::transport::TransportErrorKind::InvalidTopic
-                        | weir::transport::TransportErrorKind::Settings
-                ) =>
-            {
-                2
-            }
-            // A message the broker refuses for good (too large, not allowed): trying
-            // again cannot help, so the input is at fault, not the infrastructure.
-            Self::Transport(e)
-                if e.kind() == weir::transport::TransportErrorKind::Publish
-                    && !e.is_retryable() =>
+            // the broker's client refuses; a message the broker refuses for good (too
+            // large, not allowed): trying again cannot help, so the input is at fault,
+            // not the infrastructure.
+            _ if self.transport().is_some_and(|e| {
+                use weir::transport::TransportErrorKind::{InvalidTopic, Publish, Settings};
+                match e.kind() {
+                    InvalidTopic | Settings => true,
+                    Publish => !e.is_retryable(),
+                    _ => false,
+                }
+            }) =>
             {
                 2
             }
@@ -153,5 +162,54 @@ impl From<weir::cron::scheduler::RegisterError> for Error {
             weir::cron::scheduler::RegisterError::Invalid(e) => Self::Schedule(e),
             weir::cron::scheduler::RegisterError::Store(e) => Self::Store(e),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weir::dispatch::DispatchError;
+    use weir::transport::TransportError;
+    use weir::worker::WorkerError;
+
+    fn refused() -> TransportError {
+        TransportError::InvalidTopic {
+            topic: "weir.tasks.x".into(),
+            reason: "the server refuses the stream".into(),
+        }
+    }
+
+    fn away() -> TransportError {
+        TransportError::Unreachable {
+            broker: "nats nats://127.0.0.1:4222".into(),
+            source: "no responders".into(),
+        }
+    }
+
+    fn worker(source: TransportError) -> Error {
+        Error::Worker(WorkerError::Transport {
+            executor: "x".into(),
+            source,
+        })
+    }
+
+    #[test]
+    fn a_broker_refusal_is_bad_input_whichever_part_of_weir_met_it() {
+        assert_eq!(Error::Transport(refused()).exit_code(), 2);
+        assert_eq!(
+            Error::Dispatch(DispatchError::Transport(refused())).exit_code(),
+            2
+        );
+        assert_eq!(worker(refused()).exit_code(), 2);
+    }
+
+    #[test]
+    fn a_broker_away_is_unreachable_infrastructure_whichever_part_of_weir_met_it() {
+        assert_eq!(Error::Transport(away()).exit_code(), 1);
+        assert_eq!(
+            Error::Dispatch(DispatchError::Transport(away())).exit_code(),
+            1
+        );
+        assert_eq!(worker(away()).exit_code(), 1);
     }
 }

@@ -16,7 +16,7 @@ use weir::admin::client::{segment, AdminClient};
 use weir::codec::records::decode_known;
 use weir::config::{BrokerKind, Config};
 use weir::transport::{
-    Assignment, Broker, Outbound, PendingAck, StartFrom, Subscription, TransportError,
+    Assignment, Broker, Outbound, PendingAck, Sink, StartFrom, Subscription, TransportError,
 };
 
 /// Runs one graph command and prints the API's JSON answer.
@@ -202,7 +202,16 @@ pub async fn produce(
     report: &mut impl Write,
 ) -> Result<(), Error> {
     let broker = broker(&args.config, "produce").await?;
-    let sink = broker.sink();
+    produce_to(broker.sink().as_ref(), args, input, report).await
+}
+
+/// [`produce`] through `sink`.
+async fn produce_to(
+    sink: &dyn Sink,
+    args: &ProduceArgs,
+    input: impl AsyncBufRead + Unpin,
+    report: &mut impl Write,
+) -> Result<(), Error> {
     let mut lines = input.lines();
     let mut pending: VecDeque<(u64, PendingAck)> = VecDeque::with_capacity(PRODUCE_WINDOW);
     let mut progress = Progress::default();
@@ -242,6 +251,8 @@ pub async fn produce(
         match sink.enqueue(message).await {
             Ok(ack) => pending.push_back((number, ack)),
             Err(e) => {
+                // Refused before it was sent, or not taken by the client at all: either
+                // way the message never left this process.
                 let fate = if e.is_retryable() {
                     "which could not be handed to the broker"
                 } else {
@@ -250,7 +261,7 @@ pub async fn produce(
                 stopped = Some(Unpublished {
                     line: number,
                     fate,
-                    error: e.into(),
+                    error: Error::NotSent(e),
                 });
                 break;
             }
@@ -330,9 +341,92 @@ impl Progress {
 
 #[cfg(test)]
 mod tests {
-    use super::render;
+    use super::*;
     use weir::codec::avro::encode;
     use weir::codec::CronTick;
+    use weir::transport::Position;
+
+    /// Takes messages until the `fails_at`th. From there on each is lost in flight
+    /// (taken, its acknowledgement failing) with `in_flight_loss`, else not taken.
+    struct FailingAt {
+        fails_at: usize,
+        taken: std::sync::atomic::AtomicUsize,
+        in_flight_loss: bool,
+    }
+
+    fn lost(topic: &str) -> TransportError {
+        TransportError::Publish {
+            topic: topic.into(),
+            source: "connection lost".into(),
+            retryable: true,
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl Sink for FailingAt {
+        async fn publish(&self, message: Outbound) -> Result<Position, TransportError> {
+            self.enqueue(message).await?.await
+        }
+
+        async fn enqueue(&self, message: Outbound) -> Result<PendingAck, TransportError> {
+            let n = 1 + self.taken.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let acknowledged = if n < self.fails_at {
+                Ok(Position {
+                    partition: 0,
+                    offset: n as i64,
+                })
+            } else if self.in_flight_loss {
+                Err(lost(&message.topic))
+            } else {
+                return Err(lost(&message.topic));
+            };
+            Ok(Box::pin(futures::future::ready(acknowledged)))
+        }
+    }
+
+    async fn produce_failing_at_line_3(in_flight_loss: bool) -> (String, Error) {
+        let sink = FailingAt {
+            fails_at: 3,
+            taken: Default::default(),
+            in_flight_loss,
+        };
+        let args = ProduceArgs {
+            topic: "t".into(),
+            config: Default::default(),
+            key: None,
+        };
+        let mut report = Vec::new();
+        let failed = produce_to(&sink, &args, &b"a\nb\nc\nd\n"[..], &mut report)
+            .await
+            .expect_err("line 3 is not published");
+        (String::from_utf8(report).unwrap(), failed)
+    }
+
+    #[tokio::test]
+    async fn a_line_the_client_did_not_take_is_reported_as_never_sent() {
+        let (report, failed) = produce_failing_at_line_3(false).await;
+        assert!(
+            report.starts_with(
+                "2 messages published to t before line 3, which could not be handed to the broker"
+            ),
+            "{report}"
+        );
+        assert_eq!(failed.exit_code(), 1);
+        assert_eq!(failed.hint(), None, "it never left: {failed}");
+    }
+
+    #[tokio::test]
+    async fn a_line_sent_but_not_confirmed_may_have_been_stored() {
+        let (report, failed) = produce_failing_at_line_3(true).await;
+        assert!(
+            report.starts_with(
+                "2 messages published to t before line 3, which the broker did not confirm"
+            ),
+            "{report}"
+        );
+        assert_eq!(failed.exit_code(), 1);
+        assert!(failed.hint().is_some(), "{failed}");
+    }
 
     #[test]
     fn payloads_render_as_one_line_each() {

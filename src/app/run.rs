@@ -112,10 +112,12 @@ pub async fn run(
         let broker = runtime.broker.clone();
         let cancel = cancel.clone();
         Some(tokio::spawn(async move {
-            if let Err(e) = manager.run(broker, cancel.clone()).await {
-                tracing::error!(error = %e, "workflow state manager stopped");
+            let outcome = manager.run(broker, cancel.clone()).await;
+            if let Err(e) = &outcome {
+                tracing::error!(error = %e, "workflow state manager stopped; stopping the node");
                 cancel.cancel();
             }
+            outcome
         }))
     };
     let jobs: Vec<_> = job_topics
@@ -158,8 +160,13 @@ pub async fn run(
     if handed_over.await.is_err() {
         tracing::warn!("some job or keyed graph partitions were not handed over in time");
     }
+    // A node whose state manager failed stops with its error, not as if asked to.
+    let mut stopped = Ok(());
     if let Some(state_manager) = state_manager {
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(10), state_manager).await;
+        let limit = std::time::Duration::from_secs(10);
+        if let Ok(Ok(Err(e))) = tokio::time::timeout(limit, state_manager).await {
+            stopped = Err(Error::from(e));
+        }
     }
     if let Some(scheduler) = scheduler {
         let _ = tokio::time::timeout(std::time::Duration::from_secs(5), scheduler).await;
@@ -168,5 +175,5 @@ pub async fn run(
         tracing::warn!("some graph tasks did not stop in time");
     }
     servers.stopped().await;
-    Ok(())
+    stopped
 }

@@ -29,7 +29,8 @@ use crate::codec::{CodecError, CronTick, ExecutionResult, TaskReadyEvent};
 use crate::store_error::StoreError;
 use crate::transport::concurrent::consume_concurrently;
 use crate::transport::{
-    now_ms, publish_dead_letter, Broker, Message, Outbound, Sink, Subscription, TransportError,
+    now_ms, publish_dead_letter, subscribe_patiently, Broker, Message, Outbound, Sink,
+    Subscription, TransportError, SUBSCRIBE_PATIENCE,
 };
 use crate::wire::{results_group, state_manager_group};
 
@@ -536,13 +537,17 @@ impl StateManager {
             let results_topic = workflow.topic(&self.inner.settings.results_topic);
             let key = workflow.key();
             let (tenant, name) = (workflow.tenant.clone(), workflow.name.clone());
-            let results = broker
-                .subscribe(&Subscription::work_queue(
-                    &results_topic,
-                    results_group(&results_topic, &key),
-                    RESULTS_IN_FLIGHT,
-                ))
-                .await?;
+            let subscription = Subscription::work_queue(
+                &results_topic,
+                results_group(&results_topic, &key),
+                RESULTS_IN_FLIGHT,
+            );
+            let subscribed =
+                subscribe_patiently(&*broker, &subscription, SUBSCRIBE_PATIENCE, &cancel).await?;
+            // Shutdown came first: the loops already running are waited for below.
+            let Some(results) = subscribed else {
+                continue;
+            };
             let me = self.clone();
             let sink = broker.sink();
             let stop = cancel.clone();
@@ -606,13 +611,13 @@ impl StateManager {
         }
         for workflow in self.workflows() {
             let topic = workflow.topic(&workflow_start_topic(&workflow.name));
-            let starts = broker
-                .subscribe(&Subscription::work_queue(
-                    &topic,
-                    state_manager_group(&topic),
-                    RESULTS_IN_FLIGHT,
-                ))
-                .await?;
+            let subscription =
+                Subscription::work_queue(&topic, state_manager_group(&topic), RESULTS_IN_FLIGHT);
+            let subscribed =
+                subscribe_patiently(&*broker, &subscription, SUBSCRIBE_PATIENCE, &cancel).await?;
+            let Some(starts) = subscribed else {
+                continue;
+            };
             let me = self.clone();
             let sink = broker.sink();
             let stop = cancel.clone();

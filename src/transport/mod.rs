@@ -635,6 +635,45 @@ pub async fn publish_persistently(
     }
 }
 
+/// How long a consumer that is starting up keeps trying to subscribe while the broker
+/// fails for now (a server restarting, JetStream electing a leader, a stream being
+/// created as another is deleted) before it gives up, so that a process that cannot
+/// start says so within a minute.
+pub const SUBSCRIBE_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Subscribes, trying again after retryable failures with pauses doubling from 100 ms
+/// to 5 s, for up to `patience` from the first attempt. The last failure once patience
+/// runs out, or at once a failure no retry can help; `None` when `cancel` fires first,
+/// even in the middle of an attempt.
+pub async fn subscribe_patiently(
+    broker: &dyn Broker,
+    subscription: &Subscription,
+    patience: Duration,
+    cancel: &tokio_util::sync::CancellationToken,
+) -> Result<Option<Box<dyn Source>>, TransportError> {
+    let give_up = tokio::time::Instant::now() + patience;
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let attempt = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return Ok(None),
+            attempt = broker.subscribe(subscription) => attempt,
+        };
+        match attempt {
+            Ok(source) => return Ok(Some(source)),
+            Err(e) if e.is_retryable() && tokio::time::Instant::now() + pause < give_up => {
+                tracing::warn!(topic = %subscription.topic, error = %e, "subscribing failed; retrying");
+                tokio::select! {
+                    _ = cancel.cancelled() => return Ok(None),
+                    _ = tokio::time::sleep(pause) => {}
+                }
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Publishes a dead letter carrying the message that could not be applied, as
 /// [`publish_persistently`] does. The letter adds headers to the message, so one that
 /// came in just under the broker's size limit can make a letter over it, refused for
@@ -914,5 +953,137 @@ mod tests {
         prefix.delivered(at(0, 102));
         assert_eq!(prefix.finished(&[at(0, 102)]), vec![]);
         assert_eq!(prefix.finished(&[at(0, 101)]), vec![at(0, 102)]);
+    }
+
+    /// A memory broker whose subscribes fail until `failures` of them have.
+    struct FailsToSubscribe {
+        inner: memory::MemoryBroker,
+        failures: usize,
+        retryable: bool,
+        calls: std::sync::atomic::AtomicUsize,
+    }
+
+    impl FailsToSubscribe {
+        fn new(failures: usize, retryable: bool) -> Self {
+            Self {
+                inner: memory::MemoryBroker::new(1),
+                failures,
+                retryable,
+                calls: Default::default(),
+            }
+        }
+
+        fn calls(&self) -> usize {
+            self.calls.load(std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+
+    #[async_trait]
+    impl Broker for FailsToSubscribe {
+        fn kind(&self) -> &'static str {
+            "memory"
+        }
+
+        async fn subscribe(
+            &self,
+            subscription: &Subscription,
+        ) -> Result<Box<dyn Source>, TransportError> {
+            let call = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if call >= self.failures {
+                return self.inner.subscribe(subscription).await;
+            }
+            Err(if self.retryable {
+                TransportError::Unreachable {
+                    broker: "memory".into(),
+                    source: "restarting".into(),
+                }
+            } else {
+                TransportError::InvalidTopic {
+                    topic: subscription.topic.clone(),
+                    reason: "refused".into(),
+                }
+            })
+        }
+
+        fn sink(&self) -> Arc<dyn Sink> {
+            self.inner.sink()
+        }
+
+        async fn partitioned(
+            &self,
+            topic: &str,
+            partitions: u32,
+        ) -> Result<PartitionedTopic, TransportError> {
+            self.inner.partitioned(topic, partitions).await
+        }
+
+        async fn ping(&self) -> Result<(), TransportError> {
+            Ok(())
+        }
+    }
+
+    fn tasks() -> Subscription {
+        Subscription::work_queue("tasks", "workers", 8)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn subscribing_rides_out_failures_for_now() {
+        let broker = FailsToSubscribe::new(3, true);
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let source = subscribe_patiently(&broker, &tasks(), SUBSCRIBE_PATIENCE, &cancel)
+            .await
+            .expect("subscribed");
+        assert!(source.is_some());
+        assert_eq!(broker.calls(), 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn subscribing_gives_up_once_its_patience_runs_out() {
+        let broker = FailsToSubscribe::new(usize::MAX, true);
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let started = tokio::time::Instant::now();
+        let failed = subscribe_patiently(&broker, &tasks(), SUBSCRIBE_PATIENCE, &cancel).await;
+        match failed {
+            Err(TransportError::Unreachable { .. }) => {}
+            Err(e) => panic!("failed otherwise: {e}"),
+            Ok(_) => panic!("subscribed"),
+        }
+        let waited = started.elapsed();
+        assert!(
+            waited <= SUBSCRIBE_PATIENCE && waited >= SUBSCRIBE_PATIENCE - Duration::from_secs(5),
+            "gave up after {waited:?}"
+        );
+        assert!(broker.calls() > 5, "{} attempts", broker.calls());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_subscription_no_retry_can_help_fails_at_once() {
+        let broker = FailsToSubscribe::new(usize::MAX, false);
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let failed = subscribe_patiently(&broker, &tasks(), SUBSCRIBE_PATIENCE, &cancel).await;
+        match failed {
+            Err(TransportError::InvalidTopic { .. }) => {}
+            Err(e) => panic!("failed otherwise: {e}"),
+            Ok(_) => panic!("subscribed"),
+        }
+        assert_eq!(broker.calls(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn subscribing_stops_when_cancelled() {
+        let broker = FailsToSubscribe::new(usize::MAX, true);
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let stop = cancel.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            stop.cancel();
+        });
+        let started = tokio::time::Instant::now();
+        let stopped = subscribe_patiently(&broker, &tasks(), SUBSCRIBE_PATIENCE, &cancel).await;
+        assert!(
+            matches!(stopped, Ok(None)),
+            "not stopped by the cancellation"
+        );
+        assert!(started.elapsed() < Duration::from_secs(2));
     }
 }

@@ -351,11 +351,14 @@ impl NatsBroker {
     ) -> Result<Option<String>, TransportError> {
         let mut overlapping = Vec::new();
         let mut streams = js.streams();
-        while let Some(info) = streams
-            .try_next()
-            .await
-            .map_err(|e| self.unreachable(format!("listing streams: {e}")))?
-        {
+        while let Some(info) = streams.try_next().await.map_err(|e| {
+            let why = if no_jetstream_answered(&e) {
+                " (no JetStream answered: is it enabled on the server, for this account?)"
+            } else {
+                ""
+            };
+            self.unreachable(format!("listing streams: {e}{why}"))
+        })? {
             let subjects = &info.config.subjects;
             if subjects.iter().any(|s| subject_covers(s, subject)) {
                 return Ok(Some(info.config.name));
@@ -843,6 +846,26 @@ impl Sink for NatsBroker {
             }
         }
     }
+}
+
+/// Whether a JetStream request went unanswered, as when the server runs without
+/// JetStream or the account has none: the client reports no responders.
+fn no_jetstream_answered(e: &jetstream::context::RequestError) -> bool {
+    use jetstream::context::RequestErrorKind::NoResponders;
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(error) = next {
+        if error
+            .downcast_ref::<jetstream::context::RequestError>()
+            .is_some_and(|r| r.kind() == NoResponders)
+            || error
+                .downcast_ref::<async_nats::RequestError>()
+                .is_some_and(|r| r.kind() == async_nats::RequestErrorKind::NoResponders)
+        {
+            return true;
+        }
+        next = error.source();
+    }
+    false
 }
 
 /// Whether a stream creation that failed may succeed if tried again: no answer in time,

@@ -30,7 +30,8 @@ use crate::dispatch::{split_namespace, Reported, RunStatus, TaskStatus, Workflow
 use crate::metrics as names;
 use crate::transport::concurrent::consume_concurrently;
 use crate::transport::{
-    now_ms, publish_persistently, Broker, Message, Outbound, Sink, Subscription, TransportError,
+    now_ms, publish_persistently, subscribe_patiently, Broker, Message, Outbound, Sink,
+    Subscription, TransportError, SUBSCRIBE_PATIENCE,
 };
 use crate::wire::{executor_topic, worker_group, DELIVERIES_HEADER};
 
@@ -207,7 +208,11 @@ impl Worker {
             None => worker_group(&executor),
         };
         let subscription = Subscription::work_queue(topic, group, read_ahead);
-        let source = self.broker.subscribe(&subscription).await.map_err(&error)?;
+        let subscribed =
+            subscribe_patiently(&*self.broker, &subscription, SUBSCRIBE_PATIENCE, &cancel).await;
+        let Some(source) = subscribed.map_err(&error)? else {
+            return Ok(());
+        };
         gauge!(names::WORKER_CAPACITY, "executor" => executor.clone())
             .set(settings.concurrency as f64);
         let shared = self.shared.clone();

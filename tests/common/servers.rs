@@ -56,6 +56,20 @@ impl Server {
         Self::start_new("nats-server", "nats-server".into(), args, port, dir)
     }
 
+    /// nats-server with JetStream off, as a server set up for core NATS only.
+    pub fn nats_without_jetstream() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = spare_port();
+        let args = ["-a", "127.0.0.1", "-p", &port.to_string()].map(String::from);
+        Self::start_new(
+            "nats-server",
+            "nats-server".into(),
+            args.to_vec(),
+            port,
+            dir,
+        )
+    }
+
     /// redis-server keeping its data in an append-only file, so a restart keeps it.
     pub fn redis() -> Self {
         Self::redis_with(|port| vec!["--port".into(), port.to_string()])
