@@ -67,6 +67,8 @@ pub const PARTITION_HANDOVER_SECONDS: &str = "weir_partition_handover_seconds";
 /// `group`: a count that keeps growing means a partition stuck on something no retry
 /// mends (a dead letter the broker refuses for good, a store that keeps refusing).
 pub const PARTITION_FAILURES_TOTAL: &str = "weir_partition_failures_total";
+/// Keys of a keyed `graph` whose state was removed, idle past its `key_idle_ms`.
+pub const KEYED_KEYS_EXPIRED_TOTAL: &str = "weir_keyed_keys_expired_total";
 /// Jobs of a `job_type` in this node's memory, in the partitions it owns.
 pub const JOBS_OWNED: &str = "weir_jobs_owned";
 /// Messages, starts and stops applied to jobs, per `job_type`.
@@ -112,6 +114,7 @@ pub const ALL: &[&str] = &[
     PARTITION_MIGRATIONS_TOTAL,
     PARTITION_HANDOVER_SECONDS,
     PARTITION_FAILURES_TOTAL,
+    KEYED_KEYS_EXPIRED_TOTAL,
     JOBS_OWNED,
     JOB_MESSAGES_APPLIED_TOTAL,
     JOB_TIMEOUTS_FIRED_TOTAL,
@@ -122,6 +125,11 @@ pub const ALL: &[&str] = &[
 pub(crate) fn partition_taken(group: &str) {
     gauge!(PARTITIONS_OWNED, "group" => group.to_string()).increment(1.0);
     counter!(PARTITION_MIGRATIONS_TOTAL, "group" => group.to_string()).increment(1);
+}
+
+/// `count` keys of `graph` expired, idle.
+pub(crate) fn keys_expired(graph: &str, count: u64) {
+    counter!(KEYED_KEYS_EXPIRED_TOTAL, "graph" => graph.to_string()).increment(count);
 }
 
 /// A taken partition is processed again, `handover` after its previous owner released it.

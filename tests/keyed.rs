@@ -139,6 +139,23 @@ impl Cluster {
         }
     }
 
+    /// Waits until the store holds no state for `key`.
+    async fn await_forgotten(&self, key: &str) {
+        let partitions = self.topics.partitions;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while weir::keyed::view(self.store.as_ref(), &self.decl.name, partitions, key)
+            .await
+            .unwrap()
+            .is_some()
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{key} still stored after 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Waits until `topic` holds `count` messages at least.
     async fn await_count(&self, topic: &str, count: usize, within: Duration) {
         let deadline = tokio::time::Instant::now() + within;
@@ -912,4 +929,53 @@ async fn keys_leaving_memory_keep_their_queued_events_for_the_same_node() {
 #[tokio::test]
 async fn keys_leaving_memory_keep_their_queued_events_for_the_next_owner() {
     keys_leaving_memory_keep_their_queued_events(true).await;
+}
+
+/// Two keys wait in a join; once the partition applies an event more than `key_idle`
+/// newer than theirs, their state is removed, in memory and in the store, whether they
+/// are still in memory or left it. Their next events start afresh, their queued
+/// inputs gone, while a key with a recent event keeps its own.
+async fn idle_keys_lose_their_state(max_keys_in_memory: usize) {
+    let mut decl = graph("idle", &["a", "b"], Criteria::WhenAll);
+    let keying = decl.keyed.as_mut().unwrap();
+    keying.partitions = 1;
+    keying.max_keys_in_memory = max_keys_in_memory;
+    keying.key_idle = Some(Duration::from_millis(500));
+    let cluster = Cluster::new(decl).await;
+    let node = cluster.node("n");
+    cluster.send("a", "old1", 1).await;
+    cluster.send("a", "old2", 2).await;
+    cluster.await_stored_queue("old1", "a", 1).await;
+    cluster.await_stored_queue("old2", "a", 1).await;
+    // The next event's broker time is past both keys' idle time.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    cluster.send("a", "new", 3).await;
+    cluster.await_forgotten("old1").await;
+    cluster.await_forgotten("old2").await;
+    cluster.await_stored_queue("new", "a", 1).await;
+    // Applied in this order, one partition: had old1 kept its queued `a`, it would fire
+    // before new does.
+    cluster.send("b", "old1", 11).await;
+    cluster.send("b", "new", 13).await;
+    cluster
+        .await_count("idle.out", 1, Duration::from_secs(10))
+        .await;
+    let outputs = cluster.outputs();
+    assert_eq!(outputs.len(), 1, "{outputs:?}");
+    assert_eq!(outputs[0]["key"], "new", "{outputs:?}");
+    assert_eq!(outputs[0]["inputs"]["a"]["seq"], 3, "{outputs:?}");
+    assert_eq!(outputs[0]["inputs"]["b"]["seq"], 13, "{outputs:?}");
+    cluster.await_stored_queue("old1", "b", 1).await;
+    cluster.await_stored_queue("old1", "a", 0).await;
+    node.stop().await;
+}
+
+#[tokio::test]
+async fn idle_keys_in_memory_lose_their_state() {
+    idle_keys_lose_their_state(10).await;
+}
+
+#[tokio::test]
+async fn idle_keys_that_left_memory_lose_their_state() {
+    idle_keys_lose_their_state(1).await;
 }

@@ -68,7 +68,8 @@ macro_rules! store_conformance {
             store_conformance!(@role $open; keyed:
                 keys_and_positions_round_trip,
                 a_deposed_owners_batch_is_refused_whole,
-                a_graph_stays_paused_until_resumed);
+                a_graph_stays_paused_until_resumed,
+                idle_keys_are_listed_oldest_first_and_expire_with_their_state);
             store_conformance!(@role $open; jobs:
                 a_partition_batch_round_trips,
                 removed_jobs_lose_their_timeouts,
@@ -450,13 +451,14 @@ mod cases {
             let mut changes = KeyedChanges {
                 keys: vec![("ann".into(), snapshot(3)), ("bob".into(), snapshot(1))],
                 positions: [("a".to_string(), 17), ("b".to_string(), 4)].into(),
-                released: None,
+                ..Default::default()
             };
             store.save_keys("g", 1, &mut changes, &fence).await.unwrap();
             let mut later = KeyedChanges {
                 keys: vec![("ann".into(), snapshot(4))],
                 positions: [("a".to_string(), 18)].into(),
                 released: Some((lease.token, 1_234)),
+                ..Default::default()
             };
             store.save_keys("g", 1, &mut later, &fence).await.unwrap();
             assert_eq!(
@@ -480,6 +482,76 @@ mod cases {
             );
         }
 
+        pub async fn idle_keys_are_listed_oldest_first_and_expire_with_their_state(
+            store: Arc<dyn Store>,
+        ) {
+            let lease = store
+                .acquire_lease("graph.g.1", "n1", Duration::from_secs(60))
+                .await
+                .unwrap()
+                .unwrap();
+            let fence = Fence::from(&lease);
+            let mut changes = KeyedChanges {
+                keys: ["ann", "bob", "cid", "dan"]
+                    .iter()
+                    .map(|k| ((*k).into(), snapshot(1)))
+                    .collect(),
+                touched: vec![
+                    ("ann".into(), 300),
+                    ("bob".into(), 100),
+                    ("cid".into(), 200),
+                    ("dan".into(), 900),
+                ],
+                ..Default::default()
+            };
+            store.save_keys("g", 1, &mut changes, &fence).await.unwrap();
+            // A later event moves a key's time on.
+            let mut later = KeyedChanges {
+                keys: vec![("bob".into(), snapshot(2))],
+                touched: vec![("bob".into(), 800)],
+                ..Default::default()
+            };
+            store.save_keys("g", 1, &mut later, &fence).await.unwrap();
+            // Before 300 is not at 300; another partition's keys are not listed.
+            assert_eq!(store.idle_keys("g", 1, 300, 10).await.unwrap(), ["cid"]);
+            assert_eq!(
+                store.idle_keys("g", 1, 850, 10).await.unwrap(),
+                ["cid", "ann", "bob"]
+            );
+            assert_eq!(
+                store.idle_keys("g", 1, 850, 2).await.unwrap(),
+                ["cid", "ann"]
+            );
+            assert!(store.idle_keys("g", 2, 850, 10).await.unwrap().is_empty());
+            let mut expired = KeyedChanges {
+                expired: vec!["cid".into(), "ann".into()],
+                ..Default::default()
+            };
+            store.save_keys("g", 1, &mut expired, &fence).await.unwrap();
+            assert_eq!(store.idle_keys("g", 1, 850, 10).await.unwrap(), ["bob"]);
+            assert_eq!(
+                store
+                    .load_keys(
+                        "g",
+                        1,
+                        &["ann".into(), "bob".into(), "cid".into(), "dan".into()]
+                    )
+                    .await
+                    .unwrap(),
+                [None, Some(snapshot(2)), None, Some(snapshot(1))]
+            );
+            // A key stored without a time is never listed.
+            let mut untimed = KeyedChanges {
+                keys: vec![("eve".into(), snapshot(1))],
+                ..Default::default()
+            };
+            store.save_keys("g", 1, &mut untimed, &fence).await.unwrap();
+            assert_eq!(
+                store.idle_keys("g", 1, i64::MAX, 10).await.unwrap(),
+                ["bob", "dan"]
+            );
+        }
+
         pub async fn a_graph_stays_paused_until_resumed(store: Arc<dyn Store>) {
             assert!(!store.load_paused("g").await.unwrap());
             store.save_paused("g", true).await.unwrap();
@@ -498,7 +570,8 @@ mod cases {
             let mut stale = KeyedChanges {
                 keys: vec![("ann".into(), snapshot(9))],
                 positions: [("a".to_string(), 99)].into(),
-                released: None,
+                touched: vec![("ann".into(), 5)],
+                ..Default::default()
             };
             let sent = stale.clone();
             assert!(is_fenced(&store.save_keys("g", 1, &mut stale, &old).await));
@@ -509,6 +582,7 @@ mod cases {
                 [None]
             );
             assert!(store.load_positions("g", 1).await.unwrap().is_empty());
+            assert!(store.idle_keys("g", 1, 10, 10).await.unwrap().is_empty());
             store.save_keys("g", 1, &mut stale, &new).await.unwrap();
             assert_eq!(
                 store.load_keys("g", 1, &["ann".into()]).await.unwrap(),

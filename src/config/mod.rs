@@ -824,6 +824,10 @@ pub struct GraphConfig {
     /// Keys a keyed graph keeps in memory per owned partition; the least recently used leave first.
     #[serde(default)]
     pub max_keys_in_memory: Option<usize>,
+    /// A keyed graph removes a key's state once its partition has applied a message this
+    /// many ms newer than the key's last one; absent, every key is kept.
+    #[serde(default)]
+    pub key_idle_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -997,6 +1001,14 @@ impl Config {
                     if g.max_keys_in_memory == Some(0) {
                         errors.push(invalid(key("max_keys_in_memory"), "must be at least 1"));
                     }
+                    match g.key_idle_ms {
+                        Some(0) => errors.push(invalid(key("key_idle_ms"), "must be at least 1")),
+                        Some(ms) if ms > MOST_MS => errors.push(invalid(
+                            key("key_idle_ms"),
+                            format!("must be at most {MOST_MS} (100 years)"),
+                        )),
+                        _ => {}
+                    }
                     for (j, a) in g.accumulators.iter().enumerate() {
                         if a.topic.is_none() || a.kind != AccumulatorKind::Passthrough {
                             errors.push(invalid(
@@ -1010,6 +1022,7 @@ impl Config {
                     for field in [
                         ("partitions", g.partitions.is_some()),
                         ("max_keys_in_memory", g.max_keys_in_memory.is_some()),
+                        ("key_idle_ms", g.key_idle_ms.is_some()),
                     ] {
                         if field.1 {
                             errors.push(invalid(
@@ -1543,6 +1556,7 @@ impl GraphConfig {
             if let Some(max) = self.max_keys_in_memory {
                 keying.max_keys_in_memory = max;
             }
+            keying.key_idle = self.key_idle_ms.map(Duration::from_millis);
             builder = builder.keyed(keying);
         }
         for (j, a) in self.accumulators.iter().enumerate() {
@@ -1745,6 +1759,34 @@ format = "json"
         let err = parse(&job, &[]).unwrap_err().to_string();
         assert!(err.contains("job[0].lease_ttl_ms"), "{err}");
         assert!(parse(&job.replace("lease_ttl_ms = 2", "lease_ttl_ms = 1000"), &[]).is_ok());
+    }
+
+    #[test]
+    fn key_idle_ms_reaches_a_keyed_graph_and_no_other() {
+        let keyed = |idle: &str| {
+            SAMPLE.replacen(
+                "[[graph]]\n",
+                &format!("[[graph]]\nkey = \"/user\"\nkey_idle_ms = {idle}\n"),
+                1,
+            )
+        };
+        let config = parse(&keyed("60000"), &[]).unwrap();
+        let graphs = config.graphs(&FunctionRegistry::default()).unwrap();
+        let keying = graphs[0].keyed.as_ref().expect("keyed");
+        assert_eq!(keying.key_idle, Some(Duration::from_secs(60)));
+        for idle in ["0", "3153600000001"] {
+            let err = parse(&keyed(idle), &[]).unwrap_err().to_string();
+            assert!(err.contains("graph[0].key_idle_ms"), "{idle}: {err}");
+        }
+        let unkeyed = SAMPLE.replacen("[[graph]]\n", "[[graph]]\nkey_idle_ms = 1000\n", 1);
+        let err = parse(&unkeyed, &[]).unwrap_err().to_string();
+        assert!(
+            err.contains("graph[0].key_idle_ms") && err.contains("keyed graphs only"),
+            "{err}"
+        );
+        let config = parse(SAMPLE, &[]).unwrap();
+        let graphs = config.graphs(&FunctionRegistry::default()).unwrap();
+        assert!(graphs[0].keyed.is_none());
     }
 
     #[test]

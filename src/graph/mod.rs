@@ -320,6 +320,9 @@ pub struct Keying {
     pub max_keys_in_memory: usize,
     /// Lease TTL of each partition: how long a dead node's partitions wait.
     pub lease_ttl: std::time::Duration,
+    /// A key's state is removed once its partition has applied a message this much newer
+    /// (in the broker's message times) than the key's last one; `None` keeps every key.
+    pub key_idle: Option<std::time::Duration>,
 }
 
 impl Keying {
@@ -329,6 +332,7 @@ impl Keying {
             partitions: 6,
             max_keys_in_memory: 100_000,
             lease_ttl: std::time::Duration::from_secs(6),
+            key_idle: None,
         }
     }
 }

@@ -37,6 +37,13 @@ const MAX_BATCH: usize = 1024;
 const LINGER: Duration = Duration::from_millis(5);
 /// Events a source already holds, applied in one turn of the run loop, at most.
 const BURST: usize = 64;
+/// How often a partition whose graph expires idle keys looks for them.
+const IDLE_SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// Idle keys removed in one write, at most.
+const IDLE_KEYS_PER_PAGE: usize = 1000;
+/// Pages of idle keys removed in one look, at most: the partition reads nothing
+/// meanwhile.
+const IDLE_PAGES_PER_SWEEP: usize = 10;
 
 /// Runs the owned partitions of one keyed graph.
 pub(crate) struct KeyedPartitions {
@@ -142,6 +149,9 @@ struct KeyState {
     fires: u64,
     /// When the key was last used, in events of this partition.
     used: u64,
+    /// The message time (ms) of the last event that changed the key here; 0 for a key
+    /// loaded from the store and not changed since, whose time is the stored one.
+    touched_ms: i64,
     /// The number of the batch that last listed the key, and where in its list.
     listed_in: u64,
     listed_at: usize,
@@ -170,6 +180,9 @@ struct Serving<'a> {
     /// wrote a batch (it has no positions stored) until a key leaves memory.
     stored_keys: bool,
     events: u64,
+    /// The latest message time (ms) the partition applied: the clock idle keys expire by,
+    /// so that a backlog read after downtime expires no key its events still reach.
+    clock_ms: i64,
     batch: Batch,
     /// The number of the batch being gathered, from 1.
     batch_number: u64,
@@ -254,6 +267,7 @@ impl<'a> Serving<'a> {
             keys: HashMap::default(),
             stored_keys: !stored.is_empty(),
             events: 0,
+            clock_ms: 0,
             batch: Batch::default(),
             batch_number: 1,
             burst_ms: 0,
@@ -278,6 +292,9 @@ impl<'a> Serving<'a> {
         let mut timer_armed = false;
         // One wait across turns: a turn that finds no change takes no lock.
         let mut pause_changes = Box::pin(crate::write_behind::changes(self.pause_changes.clone()));
+        let key_idle = self.graph.keying.key_idle;
+        let mut idle_sweep = tokio::time::interval(IDLE_SWEEP_EVERY);
+        idle_sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             if let (Some(since), false) = (self.batch.since, timer_armed) {
                 flush_timer.as_mut().reset(since + LINGER);
@@ -293,6 +310,14 @@ impl<'a> Serving<'a> {
                 _ = &mut flush_timer, if timer_armed => {
                     timer_armed = false;
                     self.flush(false).await?;
+                }
+                // A paused partition removes nothing: its clock stands still as well.
+                _ = idle_sweep.tick(), if key_idle.is_some() && !self.paused => {
+                    if let Some(idle) = key_idle {
+                        timer_armed = false;
+                        self.flush(false).await?;
+                        self.expire_idle(idle).await?;
+                    }
                 }
                 Some(paused) = pause_changes.next() => {
                     // What was applied is still written on the flush timer: a pause leaves
@@ -439,6 +464,7 @@ impl<'a> Serving<'a> {
                     cache,
                     fires,
                     used: 0,
+                    touched_ms: 0,
                     listed_in: 0,
                     listed_at: 0,
                 });
@@ -463,6 +489,13 @@ impl<'a> Serving<'a> {
         }
         self.positions[source] = Some(offset);
         self.batch.applied += 1;
+        // A time ahead of this node's clock (a producer's clock, on Kafka) counts as now,
+        // so one message cannot expire every other key at once.
+        let at_ms = match message.timestamp_ms {
+            t if t > 0 => t.min(self.burst_ms),
+            _ => self.burst_ms,
+        };
+        self.clock_ms = self.clock_ms.max(at_ms);
         let value = match value {
             Ok(value) => value,
             Err(e) => return self.dead_letter(source, &message, &e.to_string()).await,
@@ -509,6 +542,7 @@ impl<'a> Serving<'a> {
         if state.cache.insert(source, boundary) == Inserted::Duplicate {
             return Ok(());
         }
+        state.touched_ms = state.touched_ms.max(at_ms);
         // Inline: an event mostly makes one fire.
         let mut fires: smallvec::SmallVec<[_; 1]> = smallvec::SmallVec::new();
         while state.cache.ready(criteria) {
@@ -710,6 +744,11 @@ impl<'a> Serving<'a> {
                     None => continue,
                 },
             };
+            if self.graph.keying.key_idle.is_some() {
+                if let Some(state) = self.keys.get(&key) {
+                    changes.touched.push((key.clone(), state.touched_ms));
+                }
+            }
             changes.keys.push((key, snapshot));
         }
         for (i, position) in self.positions.iter().enumerate() {
@@ -751,6 +790,95 @@ impl<'a> Serving<'a> {
         }
         self.evict();
         Ok(())
+    }
+
+    /// Removes the state of keys whose last event is more than `idle` older than the
+    /// latest the partition applied, in memory and in the store, a page at a time. Runs
+    /// between batches only, so no key it removes is half applied.
+    async fn expire_idle(&mut self, idle: Duration) -> Result<(), PartitionError> {
+        let idle_ms = i64::try_from(idle.as_millis()).unwrap_or(i64::MAX);
+        let before_ms = self.clock_ms.saturating_sub(idle_ms);
+        if before_ms <= 0 {
+            return Ok(());
+        }
+        for _ in 0..IDLE_PAGES_PER_SWEEP {
+            if !self.expire_idle_page(before_ms).await? {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes up to a page of keys whose last event is before `before_ms`; true when
+    /// the page was full, so that more may be idle.
+    async fn expire_idle_page(&mut self, before_ms: i64) -> Result<bool, PartitionError> {
+        let mut expired: hashbrown::HashSet<Arc<str>> = self
+            .keys
+            .iter()
+            .filter(|(_, state)| state.touched_ms > 0 && state.touched_ms < before_ms)
+            .map(|(key, _)| key.clone())
+            .take(IDLE_KEYS_PER_PAGE)
+            .collect();
+        let mut more = expired.len() >= IDLE_KEYS_PER_PAGE;
+        // A copy of the reference: what it names outlives this borrow of `self`.
+        let keyed = self.graph;
+        let (graph, partition) = (&keyed.graph, self.partition);
+        if self.stored_keys && !more {
+            let room = IDLE_KEYS_PER_PAGE - expired.len();
+            // Keys in memory were written with their time after their last change, so
+            // the store lists those idle among them too.
+            match keyed
+                .store
+                .idle_keys(graph, partition, before_ms, room)
+                .await
+            {
+                Ok(stored) => {
+                    more = stored.len() >= room;
+                    for key in stored {
+                        match self.keys.get_key_value(key.as_str()) {
+                            // Changed since the store's time: that newer time decides.
+                            Some((_, state)) if state.touched_ms >= before_ms => {}
+                            Some((key, _)) => {
+                                expired.insert(key.clone());
+                            }
+                            None => {
+                                expired.insert(Arc::from(key));
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    warn!(graph = %graph, partition, error = %e, "cannot look for idle keys; looking again later");
+                    return Ok(false);
+                }
+            }
+        }
+        if expired.is_empty() {
+            return Ok(false);
+        }
+        let removed: Vec<Arc<str>> = expired.into_iter().collect();
+        let mut changes = KeyedChanges {
+            expired: removed.clone(),
+            ..Default::default()
+        };
+        let mut retry =
+            StoreRetry::new(&keyed.group, partition, keyed.keying.lease_ttl, &self.lost);
+        loop {
+            let fence = self.held.write_fence()?;
+            match keyed
+                .store
+                .save_keys(graph, partition, &mut changes, &fence)
+                .await
+            {
+                Ok(()) => break,
+                Err(e) => retry.after(e).await?,
+            }
+        }
+        for key in &removed {
+            self.keys.remove(key);
+        }
+        crate::metrics::keys_expired(graph, removed.len() as u64);
+        Ok(more)
     }
 
     /// Drops the least recently used keys beyond the limit; their state is stored.

@@ -19,6 +19,10 @@ pub struct KeyedChanges {
     pub positions: BTreeMap<String, i64>,
     /// Set by an owner handing the partition over: its lease token and the time (ms).
     pub released: Option<(u64, i64)>,
+    /// Where idle keys expire: the message time (ms) of each changed key's last event.
+    pub touched: Vec<(Arc<str>, i64)>,
+    /// Keys idle past the graph's `key_idle`: their state and time removed.
+    pub expired: Vec<Arc<str>>,
 }
 
 /// Per graph and partition: every key's state, and how far each source was applied.
@@ -49,6 +53,16 @@ pub trait KeyedStore: Send + Sync {
     /// Whether the graph is paused (`weir graph pause`): its partitions read nothing
     /// until it is resumed, on whichever node owns them.
     async fn load_paused(&self, graph: &str) -> Result<bool, StoreError>;
+
+    /// Up to `limit` keys of the partition whose last event's time, as written in
+    /// [`KeyedChanges::touched`], is before `before_ms`: the oldest first.
+    async fn idle_keys(
+        &self,
+        graph: &str,
+        partition: i32,
+        before_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<String>, StoreError>;
 
     /// Pauses or resumes the graph on every node running it.
     async fn save_paused(&self, graph: &str, paused: bool) -> Result<(), StoreError>;

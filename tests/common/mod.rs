@@ -181,6 +181,18 @@ impl weir::keyed::KeyedStore for FlakyStore {
         self.inner.load_released(graph, partition).await
     }
 
+    async fn idle_keys(
+        &self,
+        graph: &str,
+        partition: i32,
+        before_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<String>, weir::store_error::StoreError> {
+        self.inner
+            .idle_keys(graph, partition, before_ms, limit)
+            .await
+    }
+
     async fn load_paused(&self, graph: &str) -> Result<bool, weir::store_error::StoreError> {
         self.inner.load_paused(graph).await
     }

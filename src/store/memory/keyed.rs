@@ -43,6 +43,26 @@ impl KeyedStore for MemoryStore {
             .and_then(|s| s.released))
     }
 
+    async fn idle_keys(
+        &self,
+        graph: &str,
+        partition: i32,
+        before_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<String>, StoreError> {
+        let state = self.state()?;
+        let Some(stored) = state.keyed.get(&(graph.to_string(), partition)) else {
+            return Ok(Vec::new());
+        };
+        Ok(stored
+            .by_touch
+            .iter()
+            .take_while(|(at, _)| *at < before_ms)
+            .take(limit)
+            .map(|(_, key)| key.to_string())
+            .collect())
+    }
+
     async fn load_paused(&self, graph: &str) -> Result<bool, StoreError> {
         Ok(self.state()?.keyed_paused.contains(graph))
     }
@@ -82,6 +102,18 @@ impl KeyedStore for MemoryStore {
             }
         }
         stored.keys.extend(changes.keys.drain(..));
+        for (key, at) in changes.touched.drain(..) {
+            if let Some(was) = stored.touched.insert(key.clone(), at) {
+                stored.by_touch.remove(&(was, key.clone()));
+            }
+            stored.by_touch.insert((at, key));
+        }
+        for key in changes.expired.drain(..) {
+            stored.keys.remove(&key);
+            if let Some(was) = stored.touched.remove(&key) {
+                stored.by_touch.remove(&(was, key));
+            }
+        }
         if let Some(released) = changes.released {
             stored.released = Some(released);
         }

@@ -10,7 +10,7 @@ mod recovery;
 mod schedule;
 mod workflow;
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -86,6 +86,9 @@ struct KeyedPartition {
     keys: HashMap<Arc<str>, CacheSnapshot, foldhash::fast::RandomState>,
     positions: BTreeMap<String, i64>,
     released: Option<(u64, i64)>,
+    /// Where idle keys expire: each key's last event's time, and the keys by that time.
+    touched: HashMap<Arc<str>, i64>,
+    by_touch: BTreeSet<(i64, Arc<str>)>,
 }
 
 #[derive(Default)]

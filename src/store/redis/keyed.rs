@@ -1,8 +1,10 @@
 //! Keyed graphs' per-key state on the Redis store: per graph and partition a hash
 //! `keyed:<graph>:<p>` (key → JSON cache snapshot) and a hash
 //! `keyed:<graph>:<p>:positions` (source → last position applied), and
-//! `keyed:<graph>:<p>:released` (`token:ms` of the last clean hand-over); per graph,
-//! `keyed:<graph>:paused` (`1`) while the graph is paused.
+//! `keyed:<graph>:<p>:released` (`token:ms` of the last clean hand-over), and, for a
+//! graph whose idle keys expire, a sorted set `keyed:<graph>:<p>:touched` (key scored by
+//! its last event's time, ms); per graph, `keyed:<graph>:paused` (`1`) while the graph
+//! is paused.
 
 use super::*;
 
@@ -13,6 +15,10 @@ impl RedisStore {
 
     fn keyed_positions_key(&self, graph: &str, partition: i32) -> String {
         self.key(&["keyed", graph, &partition.to_string(), "positions"])
+    }
+
+    fn keyed_touched_key(&self, graph: &str, partition: i32) -> String {
+        self.key(&["keyed", graph, &partition.to_string(), "touched"])
     }
 
     fn keyed_paused_key(&self, graph: &str) -> String {
@@ -98,6 +104,26 @@ impl KeyedStore for RedisStore {
         .transpose()
     }
 
+    async fn idle_keys(
+        &self,
+        graph: &str,
+        partition: i32,
+        before_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<String>, StoreError> {
+        let mut c = self.connection.clone();
+        redis::cmd("ZRANGEBYSCORE")
+            .arg(self.keyed_touched_key(graph, partition))
+            .arg("-inf")
+            .arg(format!("({before_ms}"))
+            .arg("LIMIT")
+            .arg(0)
+            .arg(limit)
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("ZRANGEBYSCORE", e))
+    }
+
     async fn load_paused(&self, graph: &str) -> Result<bool, StoreError> {
         let mut c = self.connection.clone();
         let paused: bool = c
@@ -129,13 +155,25 @@ impl KeyedStore for RedisStore {
         fence: &Fence,
     ) -> Result<(), StoreError> {
         let hash = self.keyed_key(graph, partition);
-        let mut writes = Vec::with_capacity(changes.keys.len() + 1);
+        let mut writes = Vec::with_capacity(
+            changes.keys.len() + changes.touched.len() + 2 * changes.expired.len() + 1,
+        );
         for (key, snapshot) in &changes.keys {
             writes.push(Write::Hset(
                 hash.clone(),
                 key.to_string(),
                 Self::encode(snapshot)?,
             ));
+        }
+        if !changes.touched.is_empty() || !changes.expired.is_empty() {
+            let touched = self.keyed_touched_key(graph, partition);
+            for (key, at_ms) in &changes.touched {
+                writes.push(Write::Zadd(touched.clone(), *at_ms, key.to_string()));
+            }
+            for key in &changes.expired {
+                writes.push(Write::Hdel(hash.clone(), key.to_string()));
+                writes.push(Write::Zrem(touched.clone(), key.to_string()));
+            }
         }
         // Only the partition's owner writes them, under its fence and in order, so
         // they only move forward.
