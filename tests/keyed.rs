@@ -931,10 +931,10 @@ async fn keys_leaving_memory_keep_their_queued_events_for_the_next_owner() {
     keys_leaving_memory_keep_their_queued_events(true).await;
 }
 
-/// Two keys wait in a join; once the partition applies an event more than `key_idle`
-/// newer than theirs, their state is removed, in memory and in the store, whether they
-/// are still in memory or left it. Their next events start afresh, their queued
-/// inputs gone, while a key with a recent event keeps its own.
+/// Two keys wait in a join; once both sources reach events more than `key_idle` newer
+/// than theirs, their state is removed, in memory and in the store, whether they are
+/// still in memory or left it. Their next events start afresh, their queued inputs
+/// gone, while keys with a recent event keep their own.
 async fn idle_keys_lose_their_state(max_keys_in_memory: usize) {
     let mut decl = graph("idle", &["a", "b"], Criteria::WhenAll);
     let keying = decl.keyed.as_mut().unwrap();
@@ -945,11 +945,14 @@ async fn idle_keys_lose_their_state(max_keys_in_memory: usize) {
     let node = cluster.node("n");
     cluster.send("a", "old1", 1).await;
     cluster.send("a", "old2", 2).await;
+    cluster.send("b", "other", 4).await;
     cluster.await_stored_queue("old1", "a", 1).await;
     cluster.await_stored_queue("old2", "a", 1).await;
-    // The next event's broker time is past both keys' idle time.
+    cluster.await_stored_queue("other", "b", 1).await;
+    // Events on both sources whose broker times are past both keys' idle time.
     tokio::time::sleep(Duration::from_millis(800)).await;
     cluster.send("a", "new", 3).await;
+    cluster.send("b", "other", 5).await;
     cluster.await_forgotten("old1").await;
     cluster.await_forgotten("old2").await;
     cluster.await_stored_queue("new", "a", 1).await;
@@ -978,4 +981,36 @@ async fn idle_keys_in_memory_lose_their_state() {
 #[tokio::test]
 async fn idle_keys_that_left_memory_lose_their_state() {
     idle_keys_lose_their_state(1).await;
+}
+
+/// A graph that stops expiring idle keys drops the times kept for it, so that times
+/// gone stale meanwhile expire nothing should expiry come back; every key keeps its
+/// state.
+#[tokio::test]
+async fn a_graph_no_longer_expiring_idle_keys_drops_their_times() {
+    let mut decl = graph("untimed", &["a", "b"], Criteria::WhenAll);
+    let keying = decl.keyed.as_mut().unwrap();
+    keying.partitions = 1;
+    keying.key_idle = Some(Duration::from_secs(3600));
+    let mut cluster = Cluster::new(decl).await;
+    let node = cluster.node("n");
+    cluster.send("a", "k", 1).await;
+    cluster.await_stored_queue("k", "a", 1).await;
+    let timed = |store: Arc<dyn Store>| async move {
+        store.idle_keys("untimed", 0, i64::MAX, 10).await.unwrap()
+    };
+    assert_eq!(timed(cluster.store.clone()).await, ["k"]);
+    node.stop().await;
+    cluster.decl.keyed.as_mut().unwrap().key_idle = None;
+    let node = cluster.node("m");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !timed(cluster.store.clone()).await.is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "times still kept after 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cluster.await_stored_queue("k", "a", 1).await;
+    node.stop().await;
 }

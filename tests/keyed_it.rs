@@ -4,7 +4,7 @@
 //! stopped past the lease TTL and started again, or the broker restarted; or the graph
 //! paused and resumed; and a plain NATS client producing to a graph keyed by message
 //! key. Every input reaches an output, each key's outputs keep its input order, and per
-//! key the fencing token never goes back.
+//! key the fencing token never goes back. An idle key's state expires.
 #![cfg(feature = "it")]
 
 mod common;
@@ -964,4 +964,78 @@ async fn nats_keyed_graph_dead_letters_an_output_whose_key_has_a_line_break() {
     assert_eq!(record["key"], broken, "{record}");
     assert_eq!(record["topic"], json!(cluster.output), "{record}");
     cluster.nodes.terminate(0);
+}
+
+/// The stored state of `key`, once it is there (within 30 s).
+async fn stored_key(cluster: &Cluster, run: &Running, key: &str) -> weir::keyed::KeyView {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let view = weir::keyed::view(run.store.as_ref(), &cluster.graph, PARTITIONS, key)
+            .await
+            .expect("redis reachable");
+        if let Some(view) = view {
+            return view;
+        }
+        assert!(Instant::now() < deadline, "{key} not stored within 30 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// With `key_idle_ms`, a key left idle loses its stored state once its partition reads
+/// an event that much newer (by the times the broker gives its messages); the key's next
+/// event starts it afresh.
+async fn an_idle_key_loses_its_state_and_starts_afresh(kind: Kind) {
+    let mut cluster = Cluster::on(kind, &services::redis_url(), 1);
+    let text = std::fs::read_to_string(cluster.config.path()).unwrap();
+    let text = text.replace(
+        "max_keys_in_memory = 400\n",
+        "max_keys_in_memory = 400\nkey_idle_ms = 2000\n",
+    );
+    std::fs::write(cluster.config.path(), text).unwrap();
+    let run = cluster.start_nodes(1).await;
+    let send = |key: &str, seq: u64| {
+        let event = json!({"user": key, "seq": seq}).to_string();
+        run.feed.sink.publish(run.feed.input.outbound(key, event))
+    };
+    send("old", 1).await.expect("published");
+    let old = stored_key(&cluster, &run, "old").await;
+    assert!(old.state.is_some());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Keys in turn until one shares the old key's partition: its clock moves on.
+    let mut moved = false;
+    for n in 0..200 {
+        let key = format!("new{n}");
+        send(&key, 1).await.expect("published");
+        if stored_key(&cluster, &run, &key).await.partition == old.partition {
+            moved = true;
+            break;
+        }
+    }
+    assert!(moved, "no key of 200 in partition {}", old.partition);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while weir::keyed::view(run.store.as_ref(), &cluster.graph, PARTITIONS, "old")
+        .await
+        .expect("redis reachable")
+        .is_some()
+    {
+        assert!(Instant::now() < deadline, "the idle key still stored");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    send("old", 2).await.expect("published");
+    let again = stored_key(&cluster, &run, "old").await;
+    // Kept, its count would be one more; afresh, it counts on from its new first
+    // event's time, past its old numbers.
+    let (before, after) = (old.state.map(|s| s.fires), again.state.map(|s| s.fires));
+    assert!(after > before.map(|f| f + 1), "{before:?} then {after:?}");
+    cluster.nodes.terminate(0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kafka_idle_key_loses_its_state_and_starts_afresh() {
+    an_idle_key_loses_its_state_and_starts_afresh(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nats_idle_key_loses_its_state_and_starts_afresh() {
+    an_idle_key_loses_its_state_and_starts_afresh(Kind::Nats).await;
 }

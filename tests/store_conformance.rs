@@ -550,6 +550,41 @@ mod cases {
                 store.idle_keys("g", 1, i64::MAX, 10).await.unwrap(),
                 ["bob", "dan"]
             );
+            // A deposed owner removes nothing.
+            assert!(store.release_lease(&lease).await.unwrap());
+            let (_, current) = deposed_and_current(store.as_ref(), "graph.g.1").await;
+            let mut stale = KeyedChanges {
+                expired: vec!["bob".into()],
+                ..Default::default()
+            };
+            assert!(is_fenced(
+                &store.save_keys("g", 1, &mut stale, &fence).await
+            ));
+            assert_eq!(
+                store.load_keys("g", 1, &["bob".into()]).await.unwrap(),
+                [Some(snapshot(2))]
+            );
+            // Times dropped: no key is listed, and every key keeps its state.
+            let mut dropped = KeyedChanges {
+                drop_times: true,
+                ..Default::default()
+            };
+            store
+                .save_keys("g", 1, &mut dropped, &current)
+                .await
+                .unwrap();
+            assert!(store
+                .idle_keys("g", 1, i64::MAX, 10)
+                .await
+                .unwrap()
+                .is_empty());
+            assert_eq!(
+                store
+                    .load_keys("g", 1, &["bob".into(), "dan".into()])
+                    .await
+                    .unwrap(),
+                [Some(snapshot(2)), Some(snapshot(1))]
+            );
         }
 
         pub async fn a_graph_stays_paused_until_resumed(store: Arc<dyn Store>) {

@@ -44,6 +44,54 @@ const IDLE_KEYS_PER_PAGE: usize = 1000;
 /// Pages of idle keys removed in one look, at most: the partition reads nothing
 /// meanwhile.
 const IDLE_PAGES_PER_SWEEP: usize = 10;
+/// How long a source must have had nothing to hand over, while the partition was
+/// reading, to count as caught up for the idle-key clock; before its first event of a
+/// run, how long it gets to deliver one (a consumer's first fetch can take seconds).
+const CAUGHT_UP_AFTER_MS: i64 = 5_000;
+const FIRST_EVENT_WITHIN_MS: i64 = 30_000;
+
+/// One source's part in the clock idle keys are measured against.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct SourceClock {
+    /// The latest broker time (ms) of an event applied from the source.
+    latest_ms: i64,
+    /// When (node ms) the source last handed over an event, moved on by the time the
+    /// partition spent not reading (writing batches, removing idle keys).
+    read_ms: i64,
+    /// Whether it handed over any event in this run.
+    read_any: bool,
+}
+
+/// The time idle keys are measured against: the least advanced source's latest event,
+/// a source with nothing to hand over counting as caught up, at `now_ms`. A source
+/// working off a backlog holds it back, so a key whose events it has not reached yet
+/// is not taken for idle because another source is ahead.
+fn idle_clock(sources: &[SourceClock], now_ms: i64) -> i64 {
+    sources
+        .iter()
+        .map(|source| {
+            let quiet_for = now_ms - source.read_ms;
+            let caught_up = if source.read_any {
+                quiet_for >= CAUGHT_UP_AFTER_MS
+            } else {
+                quiet_for >= FIRST_EVENT_WITHIN_MS
+            };
+            if caught_up {
+                now_ms
+            } else {
+                source.latest_ms
+            }
+        })
+        .min()
+        .unwrap_or(0)
+}
+
+/// A new key's first fire number where idle keys expire: its first event's time (ms)
+/// × 1,000, so the numbers of a key that expired and came back keep rising (unless it
+/// fired over 1,000 times a millisecond), and `weir-fire` stays an idempotency key.
+fn first_fire_base(at_ms: i64) -> u64 {
+    u64::try_from(at_ms).unwrap_or(0).saturating_mul(1000)
+}
 
 /// Runs the owned partitions of one keyed graph.
 pub(crate) struct KeyedPartitions {
@@ -149,8 +197,8 @@ struct KeyState {
     fires: u64,
     /// When the key was last used, in events of this partition.
     used: u64,
-    /// The message time (ms) of the last event that changed the key here; 0 for a key
-    /// loaded from the store and not changed since, whose time is the stored one.
+    /// The message time (ms) of the last event that changed the key here, written with
+    /// it where idle keys expire.
     touched_ms: i64,
     /// The number of the batch that last listed the key, and where in its list.
     listed_in: u64,
@@ -180,9 +228,8 @@ struct Serving<'a> {
     /// wrote a batch (it has no positions stored) until a key leaves memory.
     stored_keys: bool,
     events: u64,
-    /// The latest message time (ms) the partition applied: the clock idle keys expire by,
-    /// so that a backlog read after downtime expires no key its events still reach.
-    clock_ms: i64,
+    /// Per source: its part in the clock idle keys expire by.
+    clocks: Vec<SourceClock>,
     batch: Batch,
     /// The number of the batch being gathered, from 1.
     batch_number: u64,
@@ -248,6 +295,18 @@ impl<'a> Serving<'a> {
                 crate::metrics::partition_resumed(&graph.group, waited);
             }
         }
+        // Times written while idle keys expired would go stale now that they do not.
+        if graph.keying.key_idle.is_none() && !stored.is_empty() {
+            let mut changes = KeyedChanges {
+                drop_times: true,
+                ..Default::default()
+            };
+            let fence = held.write_fence()?;
+            graph
+                .store
+                .save_keys(&graph.graph, partition, &mut changes, &fence)
+                .await?;
+        }
         // The flag as the store has it now, rather than as the node last read it: a
         // partition taken over from a node that saw the pause is paused from its start.
         let mut pause_changes = graph.paused.clone();
@@ -267,7 +326,13 @@ impl<'a> Serving<'a> {
             keys: HashMap::default(),
             stored_keys: !stored.is_empty(),
             events: 0,
-            clock_ms: 0,
+            clocks: vec![
+                SourceClock {
+                    read_ms: now_ms(),
+                    ..SourceClock::default()
+                };
+                graph.names.len()
+            ],
             batch: Batch::default(),
             batch_number: 1,
             burst_ms: 0,
@@ -316,7 +381,9 @@ impl<'a> Serving<'a> {
                     if let Some(idle) = key_idle {
                         timer_armed = false;
                         self.flush(false).await?;
+                        let started = now_ms();
                         self.expire_idle(idle).await?;
+                        self.not_reading_since(started);
                     }
                 }
                 Some(paused) = pause_changes.next() => {
@@ -326,6 +393,11 @@ impl<'a> Serving<'a> {
                         info!(graph = %self.graph.graph, partition = self.partition, "keyed partition paused: nothing is read until the graph is resumed");
                     } else if !paused && self.paused {
                         info!(graph = %self.graph.graph, partition = self.partition, "keyed partition reading again");
+                        // Quiet while paused, not caught up.
+                        let now = now_ms();
+                        for clock in &mut self.clocks {
+                            clock.read_ms = now;
+                        }
                     }
                     self.paused = paused;
                 }
@@ -334,6 +406,8 @@ impl<'a> Serving<'a> {
                     let Some((source, message)) = read else { continue };
                     self.first_source = (source + 1) % self.sources.len();
                     self.burst_ms = now_ms();
+                    let clock = &mut self.clocks[source];
+                    (clock.read_ms, clock.read_any) = (self.burst_ms, true);
                     let read = self.read_burst(source, message?);
                     let mut burst = std::mem::take(&mut self.burst);
                     self.warm_keys(&burst);
@@ -422,7 +496,11 @@ impl<'a> Serving<'a> {
 
     /// The key's state, from memory or the store, with the key as the map holds it:
     /// one hash and one probe per event for a key in memory.
-    async fn key_state(&mut self, key: &str) -> Result<(Arc<str>, &mut KeyState), PartitionError> {
+    async fn key_state(
+        &mut self,
+        key: &str,
+        at_ms: i64,
+    ) -> Result<(Arc<str>, &mut KeyState), PartitionError> {
         self.events += 1;
         let state = match self.keys.entry_ref(key) {
             EntryRef::Occupied(entry) => (entry.key().clone(), entry.into_mut()),
@@ -458,6 +536,7 @@ impl<'a> Serving<'a> {
                         cache.restore(snapshot);
                         snapshot.fires
                     }
+                    None if self.graph.keying.key_idle.is_some() => first_fire_base(at_ms),
                     None => 0,
                 };
                 let entry = entry.insert_entry(KeyState {
@@ -490,12 +569,17 @@ impl<'a> Serving<'a> {
         self.positions[source] = Some(offset);
         self.batch.applied += 1;
         // A time ahead of this node's clock (a producer's clock, on Kafka) counts as now,
-        // so one message cannot expire every other key at once.
+        // so one message cannot expire every other key at once. A message without a time
+        // keeps its key alive and moves no clock.
         let at_ms = match message.timestamp_ms {
-            t if t > 0 => t.min(self.burst_ms),
+            t if t > 0 => {
+                let at_ms = t.min(self.burst_ms);
+                let clock = &mut self.clocks[source];
+                clock.latest_ms = clock.latest_ms.max(at_ms);
+                at_ms
+            }
             _ => self.burst_ms,
         };
-        self.clock_ms = self.clock_ms.max(at_ms);
         let value = match value {
             Ok(value) => value,
             Err(e) => return self.dead_letter(source, &message, &e.to_string()).await,
@@ -519,7 +603,7 @@ impl<'a> Serving<'a> {
         let (batch_number, next_listed) = (self.batch_number, self.batch.keys.len());
         let emit_time_ms = self.burst_ms;
         let capacity = self.graph.decl.reactor.queue_capacity;
-        let (key, state) = self.key_state(&key).await?;
+        let (key, state) = self.key_state(&key, at_ms).await?;
         let boundary = Boundary {
             source: source_name,
             sequence: 0,
@@ -714,6 +798,28 @@ impl<'a> Serving<'a> {
     /// Awaits the batch's outputs, writes its keys with the sources' positions, commits
     /// the positions, and lets cold keys leave memory.
     async fn flush(&mut self, releasing: bool) -> Result<(), PartitionError> {
+        if self.graph.keying.key_idle.is_none() {
+            return self.write_batch(releasing).await;
+        }
+        let started = now_ms();
+        let written = self.write_batch(releasing).await;
+        self.not_reading_since(started);
+        written
+    }
+
+    /// Time spent since `started` not reading (a slow write, say) does not count
+    /// towards any source's quiet.
+    fn not_reading_since(&mut self, started: i64) {
+        let spent = now_ms() - started;
+        if spent > 0 {
+            for clock in &mut self.clocks {
+                clock.read_ms += spent;
+            }
+        }
+    }
+
+    /// [`Self::flush`]'s work.
+    async fn write_batch(&mut self, releasing: bool) -> Result<(), PartitionError> {
         let batch = std::mem::take(&mut self.batch);
         if batch.commit.is_empty() && batch.acks.is_empty() && !releasing {
             return Ok(());
@@ -793,11 +899,12 @@ impl<'a> Serving<'a> {
     }
 
     /// Removes the state of keys whose last event is more than `idle` older than the
-    /// latest the partition applied, in memory and in the store, a page at a time. Runs
-    /// between batches only, so no key it removes is half applied.
+    /// partition's [`idle_clock`], in memory and in the store, a page at a time. Runs
+    /// between batches only, after one is written, so the store has the time of every
+    /// key changed and no key it removes is half applied.
     async fn expire_idle(&mut self, idle: Duration) -> Result<(), PartitionError> {
         let idle_ms = i64::try_from(idle.as_millis()).unwrap_or(i64::MAX);
-        let before_ms = self.clock_ms.saturating_sub(idle_ms);
+        let before_ms = idle_clock(&self.clocks, now_ms()).saturating_sub(idle_ms);
         if before_ms <= 0 {
             return Ok(());
         }
@@ -812,53 +919,26 @@ impl<'a> Serving<'a> {
     /// Removes up to a page of keys whose last event is before `before_ms`; true when
     /// the page was full, so that more may be idle.
     async fn expire_idle_page(&mut self, before_ms: i64) -> Result<bool, PartitionError> {
-        let mut expired: hashbrown::HashSet<Arc<str>> = self
-            .keys
-            .iter()
-            .filter(|(_, state)| state.touched_ms > 0 && state.touched_ms < before_ms)
-            .map(|(key, _)| key.clone())
-            .take(IDLE_KEYS_PER_PAGE)
-            .collect();
-        let mut more = expired.len() >= IDLE_KEYS_PER_PAGE;
         // A copy of the reference: what it names outlives this borrow of `self`.
         let keyed = self.graph;
         let (graph, partition) = (&keyed.graph, self.partition);
-        if self.stored_keys && !more {
-            let room = IDLE_KEYS_PER_PAGE - expired.len();
-            // Keys in memory were written with their time after their last change, so
-            // the store lists those idle among them too.
-            match keyed
-                .store
-                .idle_keys(graph, partition, before_ms, room)
-                .await
-            {
-                Ok(stored) => {
-                    more = stored.len() >= room;
-                    for key in stored {
-                        match self.keys.get_key_value(key.as_str()) {
-                            // Changed since the store's time: that newer time decides.
-                            Some((_, state)) if state.touched_ms >= before_ms => {}
-                            Some((key, _)) => {
-                                expired.insert(key.clone());
-                            }
-                            None => {
-                                expired.insert(Arc::from(key));
-                            }
-                        }
-                    }
-                }
-                Err(e) => {
-                    warn!(graph = %graph, partition, error = %e, "cannot look for idle keys; looking again later");
-                    return Ok(false);
-                }
+        let idle = match keyed
+            .store
+            .idle_keys(graph, partition, before_ms, IDLE_KEYS_PER_PAGE)
+            .await
+        {
+            Ok(idle) => idle,
+            Err(e) => {
+                warn!(graph = %graph, partition, error = %e, "cannot look for idle keys; looking again later");
+                return Ok(false);
             }
-        }
-        if expired.is_empty() {
+        };
+        if idle.is_empty() {
             return Ok(false);
         }
-        let removed: Vec<Arc<str>> = expired.into_iter().collect();
+        let full = idle.len() >= IDLE_KEYS_PER_PAGE;
         let mut changes = KeyedChanges {
-            expired: removed.clone(),
+            expired: idle.iter().map(|key| Arc::from(key.as_str())).collect(),
             ..Default::default()
         };
         let mut retry =
@@ -874,11 +954,11 @@ impl<'a> Serving<'a> {
                 Err(e) => retry.after(e).await?,
             }
         }
-        for key in &removed {
-            self.keys.remove(key);
+        for key in &idle {
+            self.keys.remove(key.as_str());
         }
-        crate::metrics::keys_expired(graph, removed.len() as u64);
-        Ok(more)
+        crate::metrics::keys_expired(graph, idle.len() as u64);
+        Ok(full)
     }
 
     /// Drops the least recently used keys beyond the limit; their state is stored.
@@ -939,4 +1019,60 @@ async fn next_message(
     )
     .map(|(first, _, _)| first)
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn source(latest_ms: i64, read_ms: i64) -> SourceClock {
+        SourceClock {
+            latest_ms,
+            read_ms,
+            read_any: true,
+        }
+    }
+
+    #[test]
+    fn a_source_working_off_a_backlog_holds_the_idle_clock_back() {
+        let now = 1_000_000;
+        // One source is at now, the other still reading events an hour old.
+        let sources = [source(now - 10, now - 1), source(now - 3_600_000, now - 2)];
+        assert_eq!(idle_clock(&sources, now), now - 3_600_000);
+    }
+
+    #[test]
+    fn a_source_with_nothing_to_hand_over_counts_as_caught_up() {
+        let now = 1_000_000;
+        let quiet = source(now - 3_600_000, now - CAUGHT_UP_AFTER_MS);
+        assert_eq!(
+            idle_clock(&[source(now - 10, now - 1), quiet], now),
+            now - 10
+        );
+        // Before its first event it gets longer to deliver one.
+        let waiting = SourceClock {
+            latest_ms: 0,
+            read_ms: now - CAUGHT_UP_AFTER_MS,
+            read_any: false,
+        };
+        assert_eq!(idle_clock(&[source(now - 10, now - 1), waiting], now), 0);
+        let given_up = SourceClock {
+            read_ms: now - FIRST_EVENT_WITHIN_MS,
+            ..waiting
+        };
+        assert_eq!(
+            idle_clock(&[source(now - 10, now - 1), given_up], now),
+            now - 10
+        );
+    }
+
+    #[test]
+    fn a_key_back_after_expiring_fires_under_higher_numbers() {
+        // A key first seen at t, firing a thousand times a second until t + 10 s, idle
+        // an hour, then back.
+        let t = 1_700_000_000_000;
+        let last_fire = first_fire_base(t) + 10_000;
+        assert!(first_fire_base(t + 10_000 + 3_600_000) > last_fire);
+        assert_eq!(first_fire_base(-5), 0);
+    }
 }

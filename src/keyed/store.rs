@@ -23,6 +23,9 @@ pub struct KeyedChanges {
     pub touched: Vec<(Arc<str>, i64)>,
     /// Keys idle past the graph's `key_idle`: their state and time removed.
     pub expired: Vec<Arc<str>>,
+    /// Set by an owner whose graph no longer expires idle keys: every key's time is
+    /// dropped, so that times gone stale meanwhile expire no key should expiry come back.
+    pub drop_times: bool,
 }
 
 /// Per graph and partition: every key's state, and how far each source was applied.

@@ -102,6 +102,10 @@ impl KeyedStore for MemoryStore {
             }
         }
         stored.keys.extend(changes.keys.drain(..));
+        if changes.drop_times {
+            stored.touched.clear();
+            stored.by_touch.clear();
+        }
         for (key, at) in changes.touched.drain(..) {
             if let Some(was) = stored.touched.insert(key.clone(), at) {
                 stored.by_touch.remove(&(was, key.clone()));

@@ -165,6 +165,9 @@ impl KeyedStore for RedisStore {
                 Self::encode(snapshot)?,
             ));
         }
+        if changes.drop_times {
+            writes.push(Write::Del(self.keyed_touched_key(graph, partition)));
+        }
         if !changes.touched.is_empty() || !changes.expired.is_empty() {
             let touched = self.keyed_touched_key(graph, partition);
             for (key, at_ms) in &changes.touched {
