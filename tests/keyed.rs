@@ -983,9 +983,9 @@ async fn idle_keys_that_left_memory_lose_their_state() {
     idle_keys_lose_their_state(1).await;
 }
 
-/// A graph that stops expiring idle keys drops the times kept for it, so that times
-/// gone stale meanwhile expire nothing should expiry come back; every key keeps its
-/// state.
+/// A graph that stops expiring idle keys drops the times kept for it with the first
+/// batch it writes, so that times gone stale meanwhile expire nothing should expiry
+/// come back; every key keeps its state.
 #[tokio::test]
 async fn a_graph_no_longer_expiring_idle_keys_drops_their_times() {
     let mut decl = graph("untimed", &["a", "b"], Criteria::WhenAll);
@@ -1003,6 +1003,8 @@ async fn a_graph_no_longer_expiring_idle_keys_drops_their_times() {
     node.stop().await;
     cluster.decl.keyed.as_mut().unwrap().key_idle = None;
     let node = cluster.node("m");
+    // Dropped with the first batch the partition writes.
+    cluster.send("b", "z", 2).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !timed(cluster.store.clone()).await.is_empty() {
         assert!(
@@ -1012,5 +1014,42 @@ async fn a_graph_no_longer_expiring_idle_keys_drops_their_times() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     cluster.await_stored_queue("k", "a", 1).await;
+    node.stop().await;
+}
+
+/// A key that expired and came back numbers its fires past the ones it had, on the node
+/// that saw it go or on the next owner, so `weir-fire` stays an idempotency key.
+#[tokio::test]
+async fn a_key_back_after_expiring_fires_under_higher_numbers() {
+    let mut decl = graph("again", &["a"], Criteria::WhenAny);
+    let keying = decl.keyed.as_mut().unwrap();
+    keying.partitions = 1;
+    keying.key_idle = Some(Duration::from_millis(500));
+    let cluster = Cluster::new(decl).await;
+    let node = cluster.node("n");
+    for seq in 0..3 {
+        cluster.send("a", "k", seq).await;
+    }
+    cluster
+        .await_count("again.out", 3, Duration::from_secs(10))
+        .await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    cluster.send("a", "other", 10).await;
+    cluster.await_forgotten("k").await;
+    node.stop().await;
+    let node = cluster.node("m");
+    cluster.send("a", "k", 20).await;
+    cluster
+        .await_count("again.out", 5, Duration::from_secs(10))
+        .await;
+    let fires: Vec<u64> = cluster
+        .memory
+        .messages("again.out")
+        .iter()
+        .filter(|m| m.key.as_deref() == Some(&b"k"[..]))
+        .map(|m| m.header(weir::wire::FIRE_HEADER).unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(fires.len(), 4, "{fires:?}");
+    assert!(fires.windows(2).all(|w| w[0] < w[1]), "{fires:?}");
     node.stop().await;
 }

@@ -512,6 +512,13 @@ mod cases {
                 ..Default::default()
             };
             store.save_keys("g", 1, &mut later, &fence).await.unwrap();
+            // A key's time only moves forward (events of several sources, or producer
+            // times, can come out of order).
+            let mut earlier = KeyedChanges {
+                touched: vec![("bob".into(), 50)],
+                ..Default::default()
+            };
+            store.save_keys("g", 1, &mut earlier, &fence).await.unwrap();
             // Before 300 is not at 300; another partition's keys are not listed.
             assert_eq!(store.idle_keys("g", 1, 300, 10).await.unwrap(), ["cid"]);
             assert_eq!(
@@ -564,6 +571,15 @@ mod cases {
                 store.load_keys("g", 1, &["bob".into()]).await.unwrap(),
                 [Some(snapshot(2))]
             );
+            // The fire floor round-trips, per partition.
+            assert_eq!(store.load_fire_floor("g", 1).await.unwrap(), 0);
+            let mut floor = KeyedChanges {
+                fire_floor: Some(42),
+                ..Default::default()
+            };
+            store.save_keys("g", 1, &mut floor, &current).await.unwrap();
+            assert_eq!(store.load_fire_floor("g", 1).await.unwrap(), 42);
+            assert_eq!(store.load_fire_floor("g", 2).await.unwrap(), 0);
             // Times dropped: no key is listed, and every key keeps its state.
             let mut dropped = KeyedChanges {
                 drop_times: true,

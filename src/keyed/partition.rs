@@ -44,53 +44,12 @@ const IDLE_KEYS_PER_PAGE: usize = 1000;
 /// Pages of idle keys removed in one look, at most: the partition reads nothing
 /// meanwhile.
 const IDLE_PAGES_PER_SWEEP: usize = 10;
-/// How long a source must have had nothing to hand over, while the partition was
-/// reading, to count as caught up for the idle-key clock; before its first event of a
-/// run, how long it gets to deliver one (a consumer's first fetch can take seconds).
-const CAUGHT_UP_AFTER_MS: i64 = 5_000;
-const FIRST_EVENT_WITHIN_MS: i64 = 30_000;
-
-/// One source's part in the clock idle keys are measured against.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct SourceClock {
-    /// The latest broker time (ms) of an event applied from the source.
-    latest_ms: i64,
-    /// When (node ms) the source last handed over an event, moved on by the time the
-    /// partition spent not reading (writing batches, removing idle keys).
-    read_ms: i64,
-    /// Whether it handed over any event in this run.
-    read_any: bool,
-}
-
-/// The time idle keys are measured against: the least advanced source's latest event,
-/// a source with nothing to hand over counting as caught up, at `now_ms`. A source
-/// working off a backlog holds it back, so a key whose events it has not reached yet
-/// is not taken for idle because another source is ahead.
-fn idle_clock(sources: &[SourceClock], now_ms: i64) -> i64 {
-    sources
-        .iter()
-        .map(|source| {
-            let quiet_for = now_ms - source.read_ms;
-            let caught_up = if source.read_any {
-                quiet_for >= CAUGHT_UP_AFTER_MS
-            } else {
-                quiet_for >= FIRST_EVENT_WITHIN_MS
-            };
-            if caught_up {
-                now_ms
-            } else {
-                source.latest_ms
-            }
-        })
-        .min()
-        .unwrap_or(0)
-}
-
-/// A new key's first fire number where idle keys expire: its first event's time (ms)
-/// × 1,000, so the numbers of a key that expired and came back keep rising (unless it
-/// fired over 1,000 times a millisecond), and `weir-fire` stays an idempotency key.
-fn first_fire_base(at_ms: i64) -> u64 {
-    u64::try_from(at_ms).unwrap_or(0).saturating_mul(1000)
+/// The time idle keys are measured against: the least advanced source's latest event
+/// time (ms), 0 until every source has handed over an event in this run. A source
+/// working off a backlog holds it back, so a key whose events it has not reached yet is
+/// not taken for idle because another source is ahead.
+fn idle_clock(latest_ms: &[i64]) -> i64 {
+    latest_ms.iter().copied().min().unwrap_or(0)
 }
 
 /// Runs the owned partitions of one keyed graph.
@@ -228,8 +187,18 @@ struct Serving<'a> {
     /// wrote a batch (it has no positions stored) until a key leaves memory.
     stored_keys: bool,
     events: u64,
-    /// Per source: its part in the clock idle keys expire by.
-    clocks: Vec<SourceClock>,
+    /// Per source: the latest broker time (ms) of an event applied from it, for the
+    /// clock idle keys expire by.
+    latest_ms: Vec<i64>,
+    /// Where a key met afresh starts numbering its fires: the partition's highest fire
+    /// number as last written. It changes only with a write, so a run carried on from
+    /// the store after a crash numbers the keys it meets afresh as the run before did.
+    fire_floor: u64,
+    /// The highest fire number of any key the partition has in memory or has had.
+    fire_high: u64,
+    /// Whether this run wrote a batch yet: the first, where idle keys do not expire,
+    /// drops the times kept for expiry.
+    wrote: bool,
     batch: Batch,
     /// The number of the batch being gathered, from 1.
     batch_number: u64,
@@ -295,18 +264,7 @@ impl<'a> Serving<'a> {
                 crate::metrics::partition_resumed(&graph.group, waited);
             }
         }
-        // Times written while idle keys expired would go stale now that they do not.
-        if graph.keying.key_idle.is_none() && !stored.is_empty() {
-            let mut changes = KeyedChanges {
-                drop_times: true,
-                ..Default::default()
-            };
-            let fence = held.write_fence()?;
-            graph
-                .store
-                .save_keys(&graph.graph, partition, &mut changes, &fence)
-                .await?;
-        }
+        let fire_floor = graph.store.load_fire_floor(&graph.graph, partition).await?;
         // The flag as the store has it now, rather than as the node last read it: a
         // partition taken over from a node that saw the pause is paused from its start.
         let mut pause_changes = graph.paused.clone();
@@ -326,13 +284,10 @@ impl<'a> Serving<'a> {
             keys: HashMap::default(),
             stored_keys: !stored.is_empty(),
             events: 0,
-            clocks: vec![
-                SourceClock {
-                    read_ms: now_ms(),
-                    ..SourceClock::default()
-                };
-                graph.names.len()
-            ],
+            latest_ms: vec![0; graph.names.len()],
+            fire_floor,
+            fire_high: fire_floor,
+            wrote: false,
             batch: Batch::default(),
             batch_number: 1,
             burst_ms: 0,
@@ -381,9 +336,7 @@ impl<'a> Serving<'a> {
                     if let Some(idle) = key_idle {
                         timer_armed = false;
                         self.flush(false).await?;
-                        let started = now_ms();
                         self.expire_idle(idle).await?;
-                        self.not_reading_since(started);
                     }
                 }
                 Some(paused) = pause_changes.next() => {
@@ -393,11 +346,6 @@ impl<'a> Serving<'a> {
                         info!(graph = %self.graph.graph, partition = self.partition, "keyed partition paused: nothing is read until the graph is resumed");
                     } else if !paused && self.paused {
                         info!(graph = %self.graph.graph, partition = self.partition, "keyed partition reading again");
-                        // Quiet while paused, not caught up.
-                        let now = now_ms();
-                        for clock in &mut self.clocks {
-                            clock.read_ms = now;
-                        }
                     }
                     self.paused = paused;
                 }
@@ -406,8 +354,6 @@ impl<'a> Serving<'a> {
                     let Some((source, message)) = read else { continue };
                     self.first_source = (source + 1) % self.sources.len();
                     self.burst_ms = now_ms();
-                    let clock = &mut self.clocks[source];
-                    (clock.read_ms, clock.read_any) = (self.burst_ms, true);
                     let read = self.read_burst(source, message?);
                     let mut burst = std::mem::take(&mut self.burst);
                     self.warm_keys(&burst);
@@ -496,11 +442,7 @@ impl<'a> Serving<'a> {
 
     /// The key's state, from memory or the store, with the key as the map holds it:
     /// one hash and one probe per event for a key in memory.
-    async fn key_state(
-        &mut self,
-        key: &str,
-        at_ms: i64,
-    ) -> Result<(Arc<str>, &mut KeyState), PartitionError> {
+    async fn key_state(&mut self, key: &str) -> Result<(Arc<str>, &mut KeyState), PartitionError> {
         self.events += 1;
         let state = match self.keys.entry_ref(key) {
             EntryRef::Occupied(entry) => (entry.key().clone(), entry.into_mut()),
@@ -536,9 +478,9 @@ impl<'a> Serving<'a> {
                         cache.restore(snapshot);
                         snapshot.fires
                     }
-                    None if self.graph.keying.key_idle.is_some() => first_fire_base(at_ms),
-                    None => 0,
+                    None => self.fire_floor,
                 };
+                self.fire_high = self.fire_high.max(fires);
                 let entry = entry.insert_entry(KeyState {
                     cache,
                     fires,
@@ -574,8 +516,8 @@ impl<'a> Serving<'a> {
         let at_ms = match message.timestamp_ms {
             t if t > 0 => {
                 let at_ms = t.min(self.burst_ms);
-                let clock = &mut self.clocks[source];
-                clock.latest_ms = clock.latest_ms.max(at_ms);
+                let latest = &mut self.latest_ms[source];
+                *latest = (*latest).max(at_ms);
                 at_ms
             }
             _ => self.burst_ms,
@@ -603,7 +545,7 @@ impl<'a> Serving<'a> {
         let (batch_number, next_listed) = (self.batch_number, self.batch.keys.len());
         let emit_time_ms = self.burst_ms;
         let capacity = self.graph.decl.reactor.queue_capacity;
-        let (key, state) = self.key_state(&key, at_ms).await?;
+        let (key, state) = self.key_state(&key).await?;
         let boundary = Boundary {
             source: source_name,
             sequence: 0,
@@ -634,6 +576,7 @@ impl<'a> Serving<'a> {
             state.fires += 1;
             fires.push((state.fires, values));
         }
+        let fired_up_to = state.fires;
         if state.listed_in == batch_number {
             let at = state.listed_at;
             self.batch.keys[at].1 = None;
@@ -642,6 +585,7 @@ impl<'a> Serving<'a> {
             let snapshot = state.cache.snapshot(state.fires, std::iter::empty());
             self.batch.keys.push((key.clone(), Some(snapshot)));
         }
+        self.fire_high = self.fire_high.max(fired_up_to);
         for (fire, values) in fires {
             self.fire(&key, fire, values).await?;
         }
@@ -798,28 +742,6 @@ impl<'a> Serving<'a> {
     /// Awaits the batch's outputs, writes its keys with the sources' positions, commits
     /// the positions, and lets cold keys leave memory.
     async fn flush(&mut self, releasing: bool) -> Result<(), PartitionError> {
-        if self.graph.keying.key_idle.is_none() {
-            return self.write_batch(releasing).await;
-        }
-        let started = now_ms();
-        let written = self.write_batch(releasing).await;
-        self.not_reading_since(started);
-        written
-    }
-
-    /// Time spent since `started` not reading (a slow write, say) does not count
-    /// towards any source's quiet.
-    fn not_reading_since(&mut self, started: i64) {
-        let spent = now_ms() - started;
-        if spent > 0 {
-            for clock in &mut self.clocks {
-                clock.read_ms += spent;
-            }
-        }
-    }
-
-    /// [`Self::flush`]'s work.
-    async fn write_batch(&mut self, releasing: bool) -> Result<(), PartitionError> {
         let batch = std::mem::take(&mut self.batch);
         if batch.commit.is_empty() && batch.acks.is_empty() && !releasing {
             return Ok(());
@@ -836,9 +758,13 @@ impl<'a> Serving<'a> {
             }
         }
         self.batch_number += 1;
+        let expiring = self.graph.keying.key_idle.is_some();
         let mut changes = KeyedChanges {
             keys: Vec::with_capacity(batch.keys.len()),
             released: releasing.then(|| (self.held.lease.token, now_ms())),
+            // Times written while idle keys expired would go stale now that they do not.
+            drop_times: !expiring && !self.wrote,
+            fire_floor: expiring.then_some(self.fire_high),
             ..Default::default()
         };
         for (key, listed) in batch.keys {
@@ -850,7 +776,7 @@ impl<'a> Serving<'a> {
                     None => continue,
                 },
             };
-            if self.graph.keying.key_idle.is_some() {
+            if expiring {
                 if let Some(state) = self.keys.get(&key) {
                     changes.touched.push((key.clone(), state.touched_ms));
                 }
@@ -889,6 +815,10 @@ impl<'a> Serving<'a> {
                 Err(e) => retry.after(e).await?,
             }
         }
+        self.wrote = true;
+        if let Some(floor) = changes.fire_floor {
+            self.fire_floor = floor;
+        }
         for (source, position) in batch.commit {
             if let Err(e) = self.sources[source].commit(&[position]).await {
                 warn!(graph = %self.graph.graph, partition = self.partition, error = %e, "cannot commit a source position; a restart skips what it reads again");
@@ -904,7 +834,7 @@ impl<'a> Serving<'a> {
     /// key changed and no key it removes is half applied.
     async fn expire_idle(&mut self, idle: Duration) -> Result<(), PartitionError> {
         let idle_ms = i64::try_from(idle.as_millis()).unwrap_or(i64::MAX);
-        let before_ms = idle_clock(&self.clocks, now_ms()).saturating_sub(idle_ms);
+        let before_ms = idle_clock(&self.latest_ms).saturating_sub(idle_ms);
         if before_ms <= 0 {
             return Ok(());
         }
@@ -939,6 +869,7 @@ impl<'a> Serving<'a> {
         let full = idle.len() >= IDLE_KEYS_PER_PAGE;
         let mut changes = KeyedChanges {
             expired: idle.iter().map(|key| Arc::from(key.as_str())).collect(),
+            fire_floor: Some(self.fire_high),
             ..Default::default()
         };
         let mut retry =
@@ -954,6 +885,7 @@ impl<'a> Serving<'a> {
                 Err(e) => retry.after(e).await?,
             }
         }
+        self.fire_floor = self.fire_high;
         for key in &idle {
             self.keys.remove(key.as_str());
         }
@@ -1025,54 +957,13 @@ async fn next_message(
 mod tests {
     use super::*;
 
-    fn source(latest_ms: i64, read_ms: i64) -> SourceClock {
-        SourceClock {
-            latest_ms,
-            read_ms,
-            read_any: true,
-        }
-    }
-
     #[test]
     fn a_source_working_off_a_backlog_holds_the_idle_clock_back() {
         let now = 1_000_000;
         // One source is at now, the other still reading events an hour old.
-        let sources = [source(now - 10, now - 1), source(now - 3_600_000, now - 2)];
-        assert_eq!(idle_clock(&sources, now), now - 3_600_000);
-    }
-
-    #[test]
-    fn a_source_with_nothing_to_hand_over_counts_as_caught_up() {
-        let now = 1_000_000;
-        let quiet = source(now - 3_600_000, now - CAUGHT_UP_AFTER_MS);
-        assert_eq!(
-            idle_clock(&[source(now - 10, now - 1), quiet], now),
-            now - 10
-        );
-        // Before its first event it gets longer to deliver one.
-        let waiting = SourceClock {
-            latest_ms: 0,
-            read_ms: now - CAUGHT_UP_AFTER_MS,
-            read_any: false,
-        };
-        assert_eq!(idle_clock(&[source(now - 10, now - 1), waiting], now), 0);
-        let given_up = SourceClock {
-            read_ms: now - FIRST_EVENT_WITHIN_MS,
-            ..waiting
-        };
-        assert_eq!(
-            idle_clock(&[source(now - 10, now - 1), given_up], now),
-            now - 10
-        );
-    }
-
-    #[test]
-    fn a_key_back_after_expiring_fires_under_higher_numbers() {
-        // A key first seen at t, firing a thousand times a second until t + 10 s, idle
-        // an hour, then back.
-        let t = 1_700_000_000_000;
-        let last_fire = first_fire_base(t) + 10_000;
-        assert!(first_fire_base(t + 10_000 + 3_600_000) > last_fire);
-        assert_eq!(first_fire_base(-5), 0);
+        assert_eq!(idle_clock(&[now - 10, now - 3_600_000]), now - 3_600_000);
+        // One that has handed over nothing yet in this run may have a backlog too.
+        assert_eq!(idle_clock(&[now - 10, 0]), 0);
+        assert_eq!(idle_clock(&[now - 10]), now - 10);
     }
 }

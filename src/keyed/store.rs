@@ -20,12 +20,17 @@ pub struct KeyedChanges {
     /// Set by an owner handing the partition over: its lease token and the time (ms).
     pub released: Option<(u64, i64)>,
     /// Where idle keys expire: the message time (ms) of each changed key's last event.
+    /// A key's stored time only moves forward.
     pub touched: Vec<(Arc<str>, i64)>,
     /// Keys idle past the graph's `key_idle`: their state and time removed.
     pub expired: Vec<Arc<str>>,
     /// Set by an owner whose graph no longer expires idle keys: every key's time is
     /// dropped, so that times gone stale meanwhile expire no key should expiry come back.
     pub drop_times: bool,
+    /// Where idle keys expire: the highest fire number of any key of the partition, so
+    /// far. A key met afresh numbers its fires from there, so a key that expired and came
+    /// back never repeats a number it had.
+    pub fire_floor: Option<u64>,
 }
 
 /// Per graph and partition: every key's state, and how far each source was applied.
@@ -45,6 +50,9 @@ pub trait KeyedStore: Send + Sync {
         graph: &str,
         partition: i32,
     ) -> Result<BTreeMap<String, i64>, StoreError>;
+
+    /// The last [`KeyedChanges::fire_floor`] written, 0 if none.
+    async fn load_fire_floor(&self, graph: &str, partition: i32) -> Result<u64, StoreError>;
 
     /// The lease token and time (ms) of the partition's last clean hand-over, if any.
     async fn load_released(

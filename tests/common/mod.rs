@@ -193,6 +193,14 @@ impl weir::keyed::KeyedStore for FlakyStore {
             .await
     }
 
+    async fn load_fire_floor(
+        &self,
+        graph: &str,
+        partition: i32,
+    ) -> Result<u64, weir::store_error::StoreError> {
+        self.inner.load_fire_floor(graph, partition).await
+    }
+
     async fn load_paused(&self, graph: &str) -> Result<bool, weir::store_error::StoreError> {
         self.inner.load_paused(graph).await
     }

@@ -63,6 +63,14 @@ impl KeyedStore for MemoryStore {
             .collect())
     }
 
+    async fn load_fire_floor(&self, graph: &str, partition: i32) -> Result<u64, StoreError> {
+        let state = self.state()?;
+        Ok(state
+            .keyed
+            .get(&(graph.to_string(), partition))
+            .map_or(0, |s| s.fire_floor))
+    }
+
     async fn load_paused(&self, graph: &str) -> Result<bool, StoreError> {
         Ok(self.state()?.keyed_paused.contains(graph))
     }
@@ -107,10 +115,18 @@ impl KeyedStore for MemoryStore {
             stored.by_touch.clear();
         }
         for (key, at) in changes.touched.drain(..) {
-            if let Some(was) = stored.touched.insert(key.clone(), at) {
+            let was = stored.touched.get(&key).copied();
+            if was.is_some_and(|was| was >= at) {
+                continue;
+            }
+            if let Some(was) = was {
                 stored.by_touch.remove(&(was, key.clone()));
             }
+            stored.touched.insert(key.clone(), at);
             stored.by_touch.insert((at, key));
+        }
+        if let Some(floor) = changes.fire_floor {
+            stored.fire_floor = floor;
         }
         for key in changes.expired.drain(..) {
             stored.keys.remove(&key);

@@ -89,6 +89,7 @@ struct KeyedPartition {
     /// Where idle keys expire: each key's last event's time, and the keys by that time.
     touched: HashMap<Arc<str>, i64>,
     by_touch: BTreeSet<(i64, Arc<str>)>,
+    fire_floor: u64,
 }
 
 #[derive(Default)]

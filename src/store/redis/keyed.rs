@@ -3,8 +3,9 @@
 //! `keyed:<graph>:<p>:positions` (source → last position applied), and
 //! `keyed:<graph>:<p>:released` (`token:ms` of the last clean hand-over), and, for a
 //! graph whose idle keys expire, a sorted set `keyed:<graph>:<p>:touched` (key scored by
-//! its last event's time, ms); per graph, `keyed:<graph>:paused` (`1`) while the graph
-//! is paused.
+//! its last event's time, ms) with `keyed:<graph>:<p>:fire-floor` (the highest fire
+//! number of the partition); per graph, `keyed:<graph>:paused` (`1`) while the graph is
+//! paused.
 
 use super::*;
 
@@ -19,6 +20,10 @@ impl RedisStore {
 
     fn keyed_touched_key(&self, graph: &str, partition: i32) -> String {
         self.key(&["keyed", graph, &partition.to_string(), "touched"])
+    }
+
+    fn keyed_fire_floor_key(&self, graph: &str, partition: i32) -> String {
+        self.key(&["keyed", graph, &partition.to_string(), "fire-floor"])
     }
 
     fn keyed_paused_key(&self, graph: &str) -> String {
@@ -124,6 +129,19 @@ impl KeyedStore for RedisStore {
             .map_err(|e| store_error("ZRANGEBYSCORE", e))
     }
 
+    async fn load_fire_floor(&self, graph: &str, partition: i32) -> Result<u64, StoreError> {
+        let key = self.keyed_fire_floor_key(graph, partition);
+        let mut c = self.connection.clone();
+        let text: Option<String> = c.get(&key).await.map_err(|e| store_error("GET", e))?;
+        text.map_or(Ok(0), |text| {
+            text.parse()
+                .map_err(|e: std::num::ParseIntError| StoreError::Corrupt {
+                    key,
+                    source: e.into(),
+                })
+        })
+    }
+
     async fn load_paused(&self, graph: &str) -> Result<bool, StoreError> {
         let mut c = self.connection.clone();
         let paused: bool = c
@@ -168,10 +186,16 @@ impl KeyedStore for RedisStore {
         if changes.drop_times {
             writes.push(Write::Del(self.keyed_touched_key(graph, partition)));
         }
+        if let Some(floor) = changes.fire_floor {
+            writes.push(Write::Set(
+                self.keyed_fire_floor_key(graph, partition),
+                floor.to_string(),
+            ));
+        }
         if !changes.touched.is_empty() || !changes.expired.is_empty() {
             let touched = self.keyed_touched_key(graph, partition);
             for (key, at_ms) in &changes.touched {
-                writes.push(Write::Zadd(touched.clone(), *at_ms, key.to_string()));
+                writes.push(Write::Zmax(touched.clone(), *at_ms, key.to_string()));
             }
             for key in &changes.expired {
                 writes.push(Write::Hdel(hash.clone(), key.to_string()));

@@ -59,7 +59,8 @@ pub struct RedisStore {
 /// holder has the lease. The token counters must never be evicted (no `allkeys-*`
 /// eviction policy): a counter that started again would fence the new holder.
 /// KEYS: the lease's token counter. ARGV: the writer's token, then operations, each
-/// `SET key value`, `ZADD key score member`, `ZREM key member`, `DEL key`,
+/// `SET key value`, `ZADD key score member`, `ZMAX key score member` (a member's score
+/// only moving up), `ZREM key member`, `DEL key`,
 /// `HSET key field value`, `HDEL key field` or `EXECUTION key record index member since` (a cron
 /// execution's record and its place in the open index, `since` '' to leave it; written
 /// only over a stored record whose status is neither `completed` nor `failed`).
@@ -78,6 +79,12 @@ while i <= #ARGV do
     i = i + 3
   elseif op == 'ZADD' then
     redis.call('ZADD', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
+    i = i + 4
+  elseif op == 'ZMAX' then
+    local was = redis.call('ZSCORE', ARGV[i + 1], ARGV[i + 3])
+    if not was or tonumber(was) < tonumber(ARGV[i + 2]) then
+      redis.call('ZADD', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
+    end
     i = i + 4
   elseif op == 'DEL' then
     redis.call('DEL', ARGV[i + 1])
@@ -123,6 +130,8 @@ return 1
 enum Write {
     Set(String, String),
     Zadd(String, i64, String),
+    /// A member's score that only moves up.
+    Zmax(String, i64, String),
     Zrem(String, String),
     Del(String),
     Hset(String, String, String),
@@ -304,6 +313,15 @@ impl RedisStore {
                 match w {
                     Write::Set(key, value) => pipe.set(key, value).ignore(),
                     Write::Zadd(key, score, member) => pipe.zadd(key, member, score).ignore(),
+                    // ZADD GT (Redis 6.2 or later); the fenced script needs no such
+                    // version.
+                    Write::Zmax(key, score, member) => pipe
+                        .cmd("ZADD")
+                        .arg(key)
+                        .arg("GT")
+                        .arg(score)
+                        .arg(member)
+                        .ignore(),
                     Write::Zrem(key, member) => pipe.zrem(key, member).ignore(),
                     Write::Del(key) => pipe.del(key).ignore(),
                     Write::Hset(key, field, value) => pipe.hset(key, field, value).ignore(),
@@ -335,6 +353,9 @@ impl RedisStore {
                 Write::Set(key, value) => script.arg("SET").arg(key).arg(value),
                 Write::Zadd(key, score, member) => {
                     script.arg("ZADD").arg(key).arg(score).arg(member)
+                }
+                Write::Zmax(key, score, member) => {
+                    script.arg("ZMAX").arg(key).arg(score).arg(member)
                 }
                 Write::Zrem(key, member) => script.arg("ZREM").arg(key).arg(member),
                 Write::Del(key) => script.arg("DEL").arg(key),
