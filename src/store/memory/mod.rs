@@ -54,8 +54,8 @@ struct State {
     leases: HashMap<String, HeldLease>,
     fencing: HashMap<String, u64>,
     schedules: std::collections::BTreeMap<String, Schedule>,
-    /// Per shard: (next fire ms, schedule id).
-    due: HashMap<u32, std::collections::BTreeSet<(i64, String)>>,
+    /// Per shard: its schedules' next fire times.
+    due: HashMap<u32, ShardFires>,
     /// Per (shard, schedule id): what its master held back.
     held_back: HashMap<(u32, String), HeldBack>,
     executions: HashMap<String, VecDeque<Execution>>,
@@ -77,6 +77,26 @@ struct State {
     keyed: HashMap<(String, i32), KeyedPartition>,
     /// Keyed graphs paused.
     keyed_paused: HashSet<String>,
+}
+
+/// One cron shard's next fire times, by time and by schedule id, so that each call
+/// costs the log of the shard's size, not a walk over it.
+#[derive(Default)]
+struct ShardFires {
+    by_time: BTreeSet<(i64, String)>,
+    by_id: BTreeMap<String, i64>,
+}
+
+impl ShardFires {
+    fn set(&mut self, id: &str, at: Option<i64>) {
+        if let Some(was) = self.by_id.remove(id) {
+            self.by_time.remove(&(was, id.to_string()));
+        }
+        if let Some(at) = at {
+            self.by_id.insert(id.to_string(), at);
+            self.by_time.insert((at, id.to_string()));
+        }
+    }
 }
 
 #[derive(Default)]

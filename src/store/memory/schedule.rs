@@ -26,8 +26,8 @@ impl ScheduleStore for MemoryStore {
     async fn delete_schedule(&self, id: &str, shard: u32) -> Result<bool, StoreError> {
         let existed = {
             let mut state = self.state()?;
-            if let Some(set) = state.due.get_mut(&shard) {
-                set.retain(|(_, s)| s != id);
+            if let Some(fires) = state.due.get_mut(&shard) {
+                fires.set(id, None);
             }
             state.held_back.remove(&(shard, id.to_string()));
             state.schedules.remove(id).is_some()
@@ -43,15 +43,9 @@ impl ScheduleStore for MemoryStore {
         at_ms: Option<i64>,
     ) -> Result<(), StoreError> {
         let mut state = self.state()?;
-        let set = state.due.entry(shard).or_default();
-        set.retain(|(_, s)| s != id);
-        match at_ms {
-            Some(at) => {
-                set.insert((at, id.to_string()));
-            }
-            None => {
-                state.held_back.remove(&(shard, id.to_string()));
-            }
+        state.due.entry(shard).or_default().set(id, at_ms);
+        if at_ms.is_none() {
+            state.held_back.remove(&(shard, id.to_string()));
         }
         Ok(())
     }
@@ -61,7 +55,7 @@ impl ScheduleStore for MemoryStore {
             .state()?
             .due
             .get(&shard)
-            .and_then(|set| set.iter().find(|(_, s)| s == id).map(|(at, _)| *at)))
+            .and_then(|fires| fires.by_id.get(id).copied()))
     }
 
     async fn due_schedules(
@@ -74,8 +68,10 @@ impl ScheduleStore for MemoryStore {
         Ok(state
             .due
             .get(&shard)
-            .map(|set| {
-                set.iter()
+            .map(|fires| {
+                fires
+                    .by_time
+                    .iter()
                     .take_while(|(at, _)| *at <= until_ms)
                     .take(limit)
                     .map(|(at, id)| (id.clone(), *at))
@@ -111,20 +107,19 @@ impl ScheduleStore for MemoryStore {
     ) -> Result<(Vec<String>, Option<String>), StoreError> {
         // The cursor is the last id listed: ids in their order stay put while others
         // come and go.
+        use std::ops::Bound::{Excluded, Unbounded};
         let state = self.state()?;
-        let mut ids: Vec<&String> = state
-            .due
-            .get(&shard)
-            .map(|set| set.iter().map(|(_, id)| id).collect())
-            .unwrap_or_default();
-        ids.sort();
-        let after: Vec<String> = ids
-            .into_iter()
-            .filter(|id| from.is_none_or(|from| id.as_str() > from))
+        let Some(fires) = state.due.get(&shard) else {
+            return Ok((Vec::new(), None));
+        };
+        let after = match from {
+            Some(from) => fires.by_id.range::<str, _>((Excluded(from), Unbounded)),
+            None => fires.by_id.range::<str, _>(..),
+        };
+        let mut page: Vec<String> = after
             .take(count.max(1) + 1)
-            .cloned()
+            .map(|(id, _)| id.clone())
             .collect();
-        let mut page = after;
         let next = if page.len() > count.max(1) {
             page.pop();
             page.last().cloned()
@@ -139,7 +134,7 @@ impl ScheduleStore for MemoryStore {
             .state()?
             .due
             .get(&shard)
-            .and_then(|set| set.first().map(|(at, _)| *at)))
+            .and_then(|fires| fires.by_time.first().map(|(at, _)| *at)))
     }
 
     async fn claim_execution(&self, execution: &Execution) -> Result<bool, StoreError> {
