@@ -1053,3 +1053,56 @@ async fn a_key_back_after_expiring_fires_under_higher_numbers() {
     assert!(fires.windows(2).all(|w| w[0] < w[1]), "{fires:?}");
     node.stop().await;
 }
+
+/// Where idle keys expire, keys met afresh number their fires from a floor that only a
+/// removal of idle keys raises, not each batch's write: a run carried on from the store
+/// after a crash, cutting its batches elsewhere, numbers them as the run before did.
+#[tokio::test]
+async fn keys_met_afresh_number_their_fires_from_a_floor_that_batches_leave_alone() {
+    let mut decl = graph("floor", &["a"], Criteria::WhenAny);
+    let keying = decl.keyed.as_mut().unwrap();
+    keying.partitions = 1;
+    keying.key_idle = Some(Duration::from_secs(3600));
+    let cluster = Cluster::new(decl).await;
+    let node = cluster.node("n");
+    cluster.send("a", "k1", 1).await;
+    cluster.send("a", "k1", 2).await;
+    cluster
+        .await_count("floor.out", 2, Duration::from_secs(10))
+        .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    // Written: k1's two fires, and the high with them.
+    while cluster
+        .store
+        .load_fire_numbers("floor", 0)
+        .await
+        .unwrap()
+        .high
+        < 2
+    {
+        assert!(tokio::time::Instant::now() < deadline, "high not written");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cluster.send("a", "k2", 3).await;
+    cluster
+        .await_count("floor.out", 3, Duration::from_secs(10))
+        .await;
+    let fires: Vec<(Vec<u8>, String)> = cluster
+        .memory
+        .messages("floor.out")
+        .iter()
+        .map(|m| {
+            let key = m.key.as_deref().unwrap_or_default().to_vec();
+            (key, m.header(weir::wire::FIRE_HEADER).unwrap().to_string())
+        })
+        .collect();
+    assert_eq!(
+        fires,
+        [
+            (b"k1".to_vec(), "1".to_string()),
+            (b"k1".to_vec(), "2".to_string()),
+            (b"k2".to_vec(), "1".to_string()),
+        ]
+    );
+    node.stop().await;
+}

@@ -571,15 +571,33 @@ mod cases {
                 store.load_keys("g", 1, &["bob".into()]).await.unwrap(),
                 [Some(snapshot(2))]
             );
-            // The fire floor round-trips, per partition.
-            assert_eq!(store.load_fire_floor("g", 1).await.unwrap(), 0);
+            // Fire numbers round-trip, per partition, each written on its own.
+            use weir::keyed::FireNumbers;
+            assert_eq!(
+                store.load_fire_numbers("g", 1).await.unwrap(),
+                FireNumbers::default()
+            );
+            let mut high = KeyedChanges {
+                fire_high: Some(42),
+                ..Default::default()
+            };
+            store.save_keys("g", 1, &mut high, &current).await.unwrap();
             let mut floor = KeyedChanges {
-                fire_floor: Some(42),
+                fire_floor: Some(40),
                 ..Default::default()
             };
             store.save_keys("g", 1, &mut floor, &current).await.unwrap();
-            assert_eq!(store.load_fire_floor("g", 1).await.unwrap(), 42);
-            assert_eq!(store.load_fire_floor("g", 2).await.unwrap(), 0);
+            assert_eq!(
+                store.load_fire_numbers("g", 1).await.unwrap(),
+                FireNumbers {
+                    floor: 40,
+                    high: 42
+                }
+            );
+            assert_eq!(
+                store.load_fire_numbers("g", 2).await.unwrap(),
+                FireNumbers::default()
+            );
             // Times dropped: no key is listed, and every key keeps its state.
             let mut dropped = KeyedChanges {
                 drop_times: true,

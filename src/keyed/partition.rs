@@ -156,8 +156,9 @@ struct KeyState {
     fires: u64,
     /// When the key was last used, in events of this partition.
     used: u64,
-    /// The message time (ms) of the last event that changed the key here, written with
-    /// it where idle keys expire.
+    /// The key's time (ms), written with it where idle keys expire: its source's latest
+    /// event time when the key last changed (the node's clock for a message without a
+    /// time), so that events out of time order within a source cannot make it look idle.
     touched_ms: i64,
     /// The number of the batch that last listed the key, and where in its list.
     listed_in: u64,
@@ -190,11 +191,13 @@ struct Serving<'a> {
     /// Per source: the latest broker time (ms) of an event applied from it, for the
     /// clock idle keys expire by.
     latest_ms: Vec<i64>,
-    /// Where a key met afresh starts numbering its fires: the partition's highest fire
-    /// number as last written. It changes only with a write, so a run carried on from
-    /// the store after a crash numbers the keys it meets afresh as the run before did.
+    /// Where a key met afresh starts numbering its fires: raised to the high only when
+    /// idle keys are removed, which is done right after a batch is written and before
+    /// anything more is applied, so a run carried on from the stored positions after a
+    /// crash numbers the keys it meets afresh as the run before did.
     fire_floor: u64,
-    /// The highest fire number of any key the partition has in memory or has had.
+    /// The highest fire number of any key the partition has in memory or has had,
+    /// written with each batch where idle keys expire.
     fire_high: u64,
     /// Whether this run wrote a batch yet: the first, where idle keys do not expire,
     /// drops the times kept for expiry.
@@ -264,7 +267,10 @@ impl<'a> Serving<'a> {
                 crate::metrics::partition_resumed(&graph.group, waited);
             }
         }
-        let fire_floor = graph.store.load_fire_floor(&graph.graph, partition).await?;
+        let fires = graph
+            .store
+            .load_fire_numbers(&graph.graph, partition)
+            .await?;
         // The flag as the store has it now, rather than as the node last read it: a
         // partition taken over from a node that saw the pause is paused from its start.
         let mut pause_changes = graph.paused.clone();
@@ -285,8 +291,8 @@ impl<'a> Serving<'a> {
             stored_keys: !stored.is_empty(),
             events: 0,
             latest_ms: vec![0; graph.names.len()],
-            fire_floor,
-            fire_high: fire_floor,
+            fire_floor: fires.floor,
+            fire_high: fires.high.max(fires.floor),
             wrote: false,
             batch: Batch::default(),
             batch_number: 1,
@@ -515,10 +521,9 @@ impl<'a> Serving<'a> {
         // keeps its key alive and moves no clock.
         let at_ms = match message.timestamp_ms {
             t if t > 0 => {
-                let at_ms = t.min(self.burst_ms);
                 let latest = &mut self.latest_ms[source];
-                *latest = (*latest).max(at_ms);
-                at_ms
+                *latest = (*latest).max(t.min(self.burst_ms));
+                *latest
             }
             _ => self.burst_ms,
         };
@@ -764,7 +769,7 @@ impl<'a> Serving<'a> {
             released: releasing.then(|| (self.held.lease.token, now_ms())),
             // Times written while idle keys expired would go stale now that they do not.
             drop_times: !expiring && !self.wrote,
-            fire_floor: expiring.then_some(self.fire_high),
+            fire_high: expiring.then_some(self.fire_high),
             ..Default::default()
         };
         for (key, listed) in batch.keys {
@@ -816,9 +821,6 @@ impl<'a> Serving<'a> {
             }
         }
         self.wrote = true;
-        if let Some(floor) = changes.fire_floor {
-            self.fire_floor = floor;
-        }
         for (source, position) in batch.commit {
             if let Err(e) = self.sources[source].commit(&[position]).await {
                 warn!(graph = %self.graph.graph, partition = self.partition, error = %e, "cannot commit a source position; a restart skips what it reads again");
@@ -869,7 +871,7 @@ impl<'a> Serving<'a> {
         let full = idle.len() >= IDLE_KEYS_PER_PAGE;
         let mut changes = KeyedChanges {
             expired: idle.iter().map(|key| Arc::from(key.as_str())).collect(),
-            fire_floor: Some(self.fire_high),
+            fire_floor: Some(self.fire_high.max(self.fire_floor)),
             ..Default::default()
         };
         let mut retry =
@@ -885,7 +887,7 @@ impl<'a> Serving<'a> {
                 Err(e) => retry.after(e).await?,
             }
         }
-        self.fire_floor = self.fire_high;
+        self.fire_floor = self.fire_high.max(self.fire_floor);
         for key in &idle {
             self.keys.remove(key.as_str());
         }

@@ -19,18 +19,30 @@ pub struct KeyedChanges {
     pub positions: BTreeMap<String, i64>,
     /// Set by an owner handing the partition over: its lease token and the time (ms).
     pub released: Option<(u64, i64)>,
-    /// Where idle keys expire: the message time (ms) of each changed key's last event.
-    /// A key's stored time only moves forward.
+    /// Where idle keys expire: each changed key's time (ms), its source's latest event
+    /// time when the key last changed (the node's clock for a message without one). A
+    /// key's stored time only moves forward.
     pub touched: Vec<(Arc<str>, i64)>,
     /// Keys idle past the graph's `key_idle`: their state and time removed.
     pub expired: Vec<Arc<str>>,
     /// Set by an owner whose graph no longer expires idle keys: every key's time is
     /// dropped, so that times gone stale meanwhile expire no key should expiry come back.
     pub drop_times: bool,
-    /// Where idle keys expire: the highest fire number of any key of the partition, so
-    /// far. A key met afresh numbers its fires from there, so a key that expired and came
-    /// back never repeats a number it had.
+    /// Where idle keys expire: the highest fire number of any key of the partition so
+    /// far, written with each batch.
+    pub fire_high: Option<u64>,
+    /// Where idle keys expire: where keys met afresh number their fires from, written
+    /// with each removal of idle keys (the high as it stands then), so a key that
+    /// expired and came back never repeats a number it had.
     pub fire_floor: Option<u64>,
+}
+
+/// A partition's fire numbers as last written: see [`KeyedChanges::fire_floor`] and
+/// [`KeyedChanges::fire_high`]; 0 where never written.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FireNumbers {
+    pub floor: u64,
+    pub high: u64,
 }
 
 /// Per graph and partition: every key's state, and how far each source was applied.
@@ -51,8 +63,12 @@ pub trait KeyedStore: Send + Sync {
         partition: i32,
     ) -> Result<BTreeMap<String, i64>, StoreError>;
 
-    /// The last [`KeyedChanges::fire_floor`] written, 0 if none.
-    async fn load_fire_floor(&self, graph: &str, partition: i32) -> Result<u64, StoreError>;
+    /// The partition's fire numbers as last written.
+    async fn load_fire_numbers(
+        &self,
+        graph: &str,
+        partition: i32,
+    ) -> Result<FireNumbers, StoreError>;
 
     /// The lease token and time (ms) of the partition's last clean hand-over, if any.
     async fn load_released(

@@ -21,7 +21,7 @@ pub use crate::cron::store::{
 };
 pub use crate::dispatch::store::{DispatchStore, TickOutcomes, WorkflowStore};
 pub use crate::jobs::store::{JobRecord, JobStore, PartitionChanges, PartitionSnapshot};
-pub use crate::keyed::store::{KeyedChanges, KeyedStore};
+pub use crate::keyed::store::{FireNumbers, KeyedChanges, KeyedStore};
 pub use crate::lease::{Fence, Lease, LeaseStore};
 pub use crate::ownership::MembershipStore;
 pub use crate::reactor::cache::CacheStore;

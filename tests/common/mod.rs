@@ -193,12 +193,12 @@ impl weir::keyed::KeyedStore for FlakyStore {
             .await
     }
 
-    async fn load_fire_floor(
+    async fn load_fire_numbers(
         &self,
         graph: &str,
         partition: i32,
-    ) -> Result<u64, weir::store_error::StoreError> {
-        self.inner.load_fire_floor(graph, partition).await
+    ) -> Result<weir::keyed::FireNumbers, weir::store_error::StoreError> {
+        self.inner.load_fire_numbers(graph, partition).await
     }
 
     async fn load_paused(&self, graph: &str) -> Result<bool, weir::store_error::StoreError> {

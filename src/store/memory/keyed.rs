@@ -63,12 +63,17 @@ impl KeyedStore for MemoryStore {
             .collect())
     }
 
-    async fn load_fire_floor(&self, graph: &str, partition: i32) -> Result<u64, StoreError> {
+    async fn load_fire_numbers(
+        &self,
+        graph: &str,
+        partition: i32,
+    ) -> Result<FireNumbers, StoreError> {
         let state = self.state()?;
         Ok(state
             .keyed
             .get(&(graph.to_string(), partition))
-            .map_or(0, |s| s.fire_floor))
+            .map(|s| s.fires)
+            .unwrap_or_default())
     }
 
     async fn load_paused(&self, graph: &str) -> Result<bool, StoreError> {
@@ -125,8 +130,11 @@ impl KeyedStore for MemoryStore {
             stored.touched.insert(key.clone(), at);
             stored.by_touch.insert((at, key));
         }
+        if let Some(high) = changes.fire_high {
+            stored.fires.high = high;
+        }
         if let Some(floor) = changes.fire_floor {
-            stored.fire_floor = floor;
+            stored.fires.floor = floor;
         }
         for key in changes.expired.drain(..) {
             stored.keys.remove(&key);

@@ -19,8 +19,8 @@ use async_trait::async_trait;
 use tokio::time::Instant;
 
 use super::{
-    Backend, CacheStore, Checkpoint, CheckpointStore, Execution, Fence, JobRecord, JobStore,
-    KeyedChanges, KeyedStore, Lease, LeaseStore, MembershipStore, PartitionChanges,
+    Backend, CacheStore, Checkpoint, CheckpointStore, Execution, Fence, FireNumbers, JobRecord,
+    JobStore, KeyedChanges, KeyedStore, Lease, LeaseStore, MembershipStore, PartitionChanges,
     PartitionSnapshot, RecoveryEvent, RecoveryLog, ScheduleChanges, ScheduleStore, StoreError,
     WorkflowStore,
 };
@@ -106,10 +106,10 @@ struct KeyedPartition {
     keys: HashMap<Arc<str>, CacheSnapshot, foldhash::fast::RandomState>,
     positions: BTreeMap<String, i64>,
     released: Option<(u64, i64)>,
-    /// Where idle keys expire: each key's last event's time, and the keys by that time.
+    /// Where idle keys expire: each key's time, and the keys by that time.
     touched: HashMap<Arc<str>, i64>,
     by_touch: BTreeSet<(i64, Arc<str>)>,
-    fire_floor: u64,
+    fires: FireNumbers,
 }
 
 #[derive(Default)]

@@ -3,8 +3,8 @@
 //! `keyed:<graph>:<p>:positions` (source → last position applied), and
 //! `keyed:<graph>:<p>:released` (`token:ms` of the last clean hand-over), and, for a
 //! graph whose idle keys expire, a sorted set `keyed:<graph>:<p>:touched` (key scored by
-//! its last event's time, ms) with `keyed:<graph>:<p>:fire-floor` (the highest fire
-//! number of the partition); per graph, `keyed:<graph>:paused` (`1`) while the graph is
+//! its time, ms) with a hash `keyed:<graph>:<p>:fires` (`floor` and `high`, the
+//! partition's fire numbers); per graph, `keyed:<graph>:paused` (`1`) while the graph is
 //! paused.
 
 use super::*;
@@ -22,8 +22,8 @@ impl RedisStore {
         self.key(&["keyed", graph, &partition.to_string(), "touched"])
     }
 
-    fn keyed_fire_floor_key(&self, graph: &str, partition: i32) -> String {
-        self.key(&["keyed", graph, &partition.to_string(), "fire-floor"])
+    fn keyed_fires_key(&self, graph: &str, partition: i32) -> String {
+        self.key(&["keyed", graph, &partition.to_string(), "fires"])
     }
 
     fn keyed_paused_key(&self, graph: &str) -> String {
@@ -129,16 +129,32 @@ impl KeyedStore for RedisStore {
             .map_err(|e| store_error("ZRANGEBYSCORE", e))
     }
 
-    async fn load_fire_floor(&self, graph: &str, partition: i32) -> Result<u64, StoreError> {
-        let key = self.keyed_fire_floor_key(graph, partition);
+    async fn load_fire_numbers(
+        &self,
+        graph: &str,
+        partition: i32,
+    ) -> Result<FireNumbers, StoreError> {
+        let key = self.keyed_fires_key(graph, partition);
         let mut c = self.connection.clone();
-        let text: Option<String> = c.get(&key).await.map_err(|e| store_error("GET", e))?;
-        text.map_or(Ok(0), |text| {
-            text.parse()
-                .map_err(|e: std::num::ParseIntError| StoreError::Corrupt {
-                    key,
-                    source: e.into(),
-                })
+        let (floor, high): (Option<String>, Option<String>) = redis::cmd("HMGET")
+            .arg(&key)
+            .arg("floor")
+            .arg("high")
+            .query_async(&mut c)
+            .await
+            .map_err(|e| store_error("HMGET", e))?;
+        let number = |field: &str, text: Option<String>| {
+            text.map_or(Ok(0), |text| {
+                text.parse()
+                    .map_err(|e: std::num::ParseIntError| StoreError::Corrupt {
+                        key: format!("{key} {field}"),
+                        source: e.into(),
+                    })
+            })
+        };
+        Ok(FireNumbers {
+            floor: number("floor", floor)?,
+            high: number("high", high)?,
         })
     }
 
@@ -186,11 +202,14 @@ impl KeyedStore for RedisStore {
         if changes.drop_times {
             writes.push(Write::Del(self.keyed_touched_key(graph, partition)));
         }
-        if let Some(floor) = changes.fire_floor {
-            writes.push(Write::Set(
-                self.keyed_fire_floor_key(graph, partition),
-                floor.to_string(),
-            ));
+        for (field, number) in [("high", changes.fire_high), ("floor", changes.fire_floor)] {
+            if let Some(number) = number {
+                writes.push(Write::Hset(
+                    self.keyed_fires_key(graph, partition),
+                    field.to_string(),
+                    number.to_string(),
+                ));
+            }
         }
         if !changes.touched.is_empty() || !changes.expired.is_empty() {
             let touched = self.keyed_touched_key(graph, partition);

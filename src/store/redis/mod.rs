@@ -25,8 +25,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::{
-    Backend, CacheStore, Checkpoint, CheckpointStore, Execution, Fence, JobRecord, JobStore,
-    KeyedChanges, KeyedStore, Lease, LeaseStore, MembershipStore, PartitionChanges,
+    Backend, CacheStore, Checkpoint, CheckpointStore, Execution, Fence, FireNumbers, JobRecord,
+    JobStore, KeyedChanges, KeyedStore, Lease, LeaseStore, MembershipStore, PartitionChanges,
     PartitionSnapshot, RecoveryEvent, RecoveryLog, ScheduleChanges, ScheduleStore, StoreError,
     WorkflowStore,
 };
@@ -121,8 +121,8 @@ return 1
     )
 });
 
-/// One write of a batch: `SET key value`, `ZADD key score member`, `ZREM key member`,
-/// `DEL key`, `HSET key field value`, `HDEL key field`, or a cron execution's record with its place in
+/// One write of a batch: `SET key value`, `ZADD key score member`, a score that only
+/// moves up, `ZREM key member`, `DEL key`, `HSET key field value`, `HDEL key field`, or a cron execution's record with its place in
 /// the open index (`open_since`, or out of it). Under a fence (a shard master's write)
 /// it only updates a stored record that has not finished: the state manager may have
 /// recorded the tick's workflow's outcome first, and a record gone from its schedule's
