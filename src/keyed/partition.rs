@@ -797,29 +797,14 @@ impl<'a> Serving<'a> {
         }
         // The batch's outputs are out: a store away for a moment is waited for, not a
         // reason to serve the partition again from the store and repeat them.
-        let (graph, partition) = (&self.graph.graph, self.partition);
-        let mut retry = StoreRetry::new(
-            &self.graph.group,
-            partition,
-            self.graph.keying.lease_ttl,
+        save(
+            self.graph,
+            self.partition,
+            self.held,
             &self.lost,
-        );
-        loop {
-            let fence = self.held.write_fence()?;
-            // Handing over: the next owner's wait counts from the write that lands.
-            if let Some((_, at_ms)) = &mut changes.released {
-                *at_ms = now_ms();
-            }
-            match self
-                .graph
-                .store
-                .save_keys(graph, partition, &mut changes, &fence)
-                .await
-            {
-                Ok(()) => break,
-                Err(e) => retry.after(e).await?,
-            }
-        }
+            &mut changes,
+        )
+        .await?;
         self.wrote = true;
         for (source, position) in batch.commit {
             if let Err(e) = self.sources[source].commit(&[position]).await {
@@ -874,19 +859,14 @@ impl<'a> Serving<'a> {
             fire_floor: Some(self.fire_high.max(self.fire_floor)),
             ..Default::default()
         };
-        let mut retry =
-            StoreRetry::new(&keyed.group, partition, keyed.keying.lease_ttl, &self.lost);
-        loop {
-            let fence = self.held.write_fence()?;
-            match keyed
-                .store
-                .save_keys(graph, partition, &mut changes, &fence)
-                .await
-            {
-                Ok(()) => break,
-                Err(e) => retry.after(e).await?,
-            }
-        }
+        save(
+            self.graph,
+            self.partition,
+            self.held,
+            &self.lost,
+            &mut changes,
+        )
+        .await?;
         self.fire_floor = self.fire_high.max(self.fire_floor);
         for key in &idle {
             self.keys.remove(key.as_str());
@@ -916,6 +896,33 @@ impl<'a> Serving<'a> {
 /// sources stop fetching instead (a Kafka consumer would go on filling its queue with
 /// what the partition does not read), and `None` is answered once one of them has
 /// something to look at again. A source failing while held answers its error.
+/// Writes `changes` to `partition` under its fence, waiting out a store away for a
+/// moment for up to half the lease TTL (until `lost`).
+async fn save(
+    graph: &KeyedPartitions,
+    partition: i32,
+    held: &Held,
+    lost: &CancellationToken,
+    changes: &mut KeyedChanges,
+) -> Result<(), PartitionError> {
+    let mut retry = StoreRetry::new(&graph.group, partition, graph.keying.lease_ttl, lost);
+    loop {
+        let fence = held.write_fence()?;
+        // Handing over: the next owner's wait counts from the write that lands.
+        if let Some((_, at_ms)) = &mut changes.released {
+            *at_ms = now_ms();
+        }
+        match graph
+            .store
+            .save_keys(&graph.graph, partition, changes, &fence)
+            .await
+        {
+            Ok(()) => return Ok(()),
+            Err(e) => retry.after(e).await?,
+        }
+    }
+}
+
 async fn next_unless_paused(
     sources: &mut [Box<dyn Source>],
     first: usize,
