@@ -2117,6 +2117,67 @@ async fn an_at_least_once_schedule_first_due_in_a_store_outage_fires_from_local_
     assert_eq!(run.stop("rare").await, minutes(&["00:01:00"]));
 }
 
+/// Hands ticks to the broker, and cuts the store off as the first one goes out: the
+/// master's record of that emission, and of the schedule's next fire time, fails.
+struct CuttingOffOnSend {
+    broker: MemoryBroker,
+    store: Arc<MemoryStore>,
+}
+
+#[async_trait::async_trait]
+impl weir::transport::Sink for CuttingOffOnSend {
+    async fn publish(
+        &self,
+        message: weir::transport::Outbound,
+    ) -> Result<weir::transport::Position, weir::transport::TransportError> {
+        self.store.set_reachable(false);
+        self.broker.publish(message).await
+    }
+}
+
+/// A schedule the master first meets already due (read in the pass that fires it, not
+/// ahead of it) is known locally from then on: a store outage starting as that pass
+/// emits its tick, before the pass records the next fire time, still has every later
+/// second fired from local state.
+#[tokio::test(start_paused = true)]
+async fn an_at_least_once_schedule_read_as_it_fell_due_fires_from_local_state_in_an_outage() {
+    use weir::cron::scheduler::{register_at, Clock, TokioClock};
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
+    let mut schedule = every_second("cut", "cut.ticks");
+    schedule.delivery = Delivery::AtLeastOnce;
+    // Due at 00:00:30, as the scheduler starts.
+    let registered = clock.now() - chrono::Duration::milliseconds(500);
+    register_at(store.as_ref(), &schedule, 1, registered)
+        .await
+        .unwrap();
+    let sink = CuttingOffOnSend {
+        broker: broker.clone(),
+        store: store.clone(),
+    };
+    let cfg = SchedulerConfig {
+        clock: clock.clone(),
+        ..config("a", 0)
+    };
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(Scheduler::new(store.clone(), Arc::new(sink), cfg).run(cancel.clone()));
+    // To 00:00:35.
+    tokio::time::sleep(Duration::from_millis(5100)).await;
+    cancel.cancel();
+    let _ = task.await;
+    let second = |s: i64| at("2026-01-01T00:00:00Z").timestamp_millis() + s * 1000;
+    let fired: std::collections::BTreeSet<i64> =
+        fired_times(&broker, "cut.ticks").into_iter().collect();
+    assert!(fired.contains(&second(30)), "the first tick: {fired:?}");
+    for s in 31..=34 {
+        assert!(
+            fired.contains(&second(s)),
+            "no tick for 00:00:{s} in the outage: {fired:?}"
+        );
+    }
+}
+
 /// A schedule changed is read afresh at the master's next look, not only when next due:
 /// changed just before a store outage, it fires through the outage as changed.
 #[tokio::test(start_paused = true)]

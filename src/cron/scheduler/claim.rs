@@ -148,7 +148,15 @@ impl Scheduler {
                     }
                     Some(schedule) => match schedule.validate() {
                         Ok((expr, tz)) => {
-                            self.cache.insert(id, (Cached { schedule, expr, tz }, None));
+                            // Known from the time it was found due until this pass
+                            // records the next one: should the store go away before
+                            // that, it fires from local state from there on (a time
+                            // this pass emits goes out again, under the same tick id).
+                            let next = due_at
+                                .get(id.as_str())
+                                .and_then(|ms| Utc.timestamp_millis_opt(ms - 1).single())
+                                .and_then(|t| schedule.next_after(&expr, tz, t));
+                            self.cache.insert(id, (Cached { schedule, expr, tz }, next));
                             continue;
                         }
                         // Invalid here (a zone this version's time zone data lacks, say),
