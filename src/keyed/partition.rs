@@ -203,6 +203,8 @@ struct Serving<'a> {
     /// drops the times kept for expiry.
     wrote: bool,
     batch: Batch,
+    /// The buffers of the last batch's write, empty, for the next one.
+    changes: KeyedChanges,
     /// The number of the batch being gathered, from 1.
     batch_number: u64,
     /// When the burst being applied was read: its events' emit time. One clock reading
@@ -295,6 +297,7 @@ impl<'a> Serving<'a> {
             fire_high: fires.high.max(fires.floor),
             wrote: false,
             batch: Batch::default(),
+            changes: KeyedChanges::default(),
             batch_number: 1,
             burst_ms: 0,
             burst: Vec::with_capacity(BURST),
@@ -747,15 +750,15 @@ impl<'a> Serving<'a> {
     /// Awaits the batch's outputs, writes its keys with the sources' positions, commits
     /// the positions, and lets cold keys leave memory.
     async fn flush(&mut self, releasing: bool) -> Result<(), PartitionError> {
-        let batch = std::mem::take(&mut self.batch);
-        if batch.commit.is_empty() && batch.acks.is_empty() && !releasing {
+        if self.batch.commit.is_empty() && self.batch.acks.is_empty() && !releasing {
             return Ok(());
         }
-        // The next batch is likely as large as this one: room made once, not grown
-        // key by key.
-        self.batch.keys.reserve(batch.keys.len());
-        self.batch.acks.reserve(batch.acks.len());
-        for (ack, sent) in batch.acks {
+        // Taken for the write, and handed back empty once it is done: the next batch
+        // fills the same buffers. A batch's lists run to a thousand keys of a hundred
+        // bytes or more each, and new ones per batch cost the allocator fresh pages,
+        // which the kernel zeroes, every batch.
+        let mut batch = std::mem::take(&mut self.batch);
+        for (ack, sent) in batch.acks.drain(..) {
             match ack.await {
                 Ok(_) => {}
                 Err(e) if !e.is_retryable() => self.dead_letter_output(&sent, &e).await?,
@@ -764,15 +767,12 @@ impl<'a> Serving<'a> {
         }
         self.batch_number += 1;
         let expiring = self.graph.keying.key_idle.is_some();
-        let mut changes = KeyedChanges {
-            keys: Vec::with_capacity(batch.keys.len()),
-            released: releasing.then(|| (self.held.lease.token, now_ms())),
-            // Times written while idle keys expired would go stale now that they do not.
-            drop_times: !expiring && !self.wrote,
-            fire_high: expiring.then_some(self.fire_high),
-            ..Default::default()
-        };
-        for (key, listed) in batch.keys {
+        let mut changes = std::mem::take(&mut self.changes);
+        changes.released = releasing.then(|| (self.held.lease.token, now_ms()));
+        // Times written while idle keys expired would go stale now that they do not.
+        changes.drop_times = !expiring && !self.wrote;
+        changes.fire_high = expiring.then_some(self.fire_high);
+        for (key, listed) in batch.keys.drain(..) {
             let snapshot = match listed {
                 Some(snapshot) => snapshot,
                 None => match self.keys.get(&key) {
@@ -806,11 +806,19 @@ impl<'a> Serving<'a> {
         )
         .await?;
         self.wrote = true;
-        for (source, position) in batch.commit {
+        self.changes = KeyedChanges::emptied(changes);
+        for (source, position) in std::mem::take(&mut batch.commit) {
             if let Err(e) = self.sources[source].commit(&[position]).await {
                 warn!(graph = %self.graph.graph, partition = self.partition, error = %e, "cannot commit a source position; a restart skips what it reads again");
             }
         }
+        // Nothing is applied while a batch is written: the batch gathered meanwhile is
+        // still empty, and takes the buffers back.
+        self.batch = Batch {
+            keys: batch.keys,
+            acks: batch.acks,
+            ..Batch::default()
+        };
         self.evict();
         Ok(())
     }
@@ -892,10 +900,6 @@ impl<'a> Serving<'a> {
     }
 }
 
-/// The next message of any source, as [`next_message`]; while `paused`, no message: the
-/// sources stop fetching instead (a Kafka consumer would go on filling its queue with
-/// what the partition does not read), and `None` is answered once one of them has
-/// something to look at again. A source failing while held answers its error.
 /// Writes `changes` to `partition` under its fence, waiting out a store away for a
 /// moment for up to half the lease TTL (until `lost`).
 async fn save(
@@ -923,6 +927,10 @@ async fn save(
     }
 }
 
+/// The next message of any source, as [`next_message`]; while `paused`, no message: the
+/// sources stop fetching instead (a Kafka consumer would go on filling its queue with
+/// what the partition does not read), and `None` is answered once one of them has
+/// something to look at again. A source failing while held answers its error.
 async fn next_unless_paused(
     sources: &mut [Box<dyn Source>],
     first: usize,

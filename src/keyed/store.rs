@@ -37,6 +37,28 @@ pub struct KeyedChanges {
     pub fire_floor: Option<u64>,
 }
 
+impl KeyedChanges {
+    /// `changes` with nothing in it, keeping the room its lists have for the next
+    /// batch's.
+    pub(crate) fn emptied(changes: KeyedChanges) -> Self {
+        let KeyedChanges {
+            mut keys,
+            mut touched,
+            mut expired,
+            ..
+        } = changes;
+        keys.clear();
+        touched.clear();
+        expired.clear();
+        Self {
+            keys,
+            touched,
+            expired,
+            ..Self::default()
+        }
+    }
+}
+
 /// A partition's fire numbers as last written: see [`KeyedChanges::fire_floor`] and
 /// [`KeyedChanges::fire_high`]; 0 where never written.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -14,7 +14,11 @@ impl KeyedStore for MemoryStore {
         let stored = state.keyed.get(&(graph.to_string(), partition));
         Ok(keys
             .iter()
-            .map(|k| stored.and_then(|s| s.keys.get(k.as_str())).cloned())
+            .map(|k| {
+                stored
+                    .and_then(|s| s.keys.get(k.as_str()))
+                    .map(|s| (**s).clone())
+            })
             .collect())
     }
 
@@ -114,7 +118,12 @@ impl KeyedStore for MemoryStore {
                 }
             }
         }
-        stored.keys.extend(changes.keys.drain(..));
+        stored.keys.extend(
+            changes
+                .keys
+                .drain(..)
+                .map(|(key, snapshot)| (key, Box::new(snapshot))),
+        );
         if changes.drop_times {
             stored.touched.clear();
             stored.by_touch.clear();

@@ -102,8 +102,11 @@ impl ShardFires {
 #[derive(Default)]
 struct KeyedPartition {
     /// Written once per changed key per batch: a fast hash, as the graph's own key map
-    /// has, rather than SipHash.
-    keys: HashMap<Arc<str>, CacheSnapshot, foldhash::fast::RandomState>,
+    /// has, rather than SipHash. Each snapshot boxed, so the table's slots stay small
+    /// (a key and a pointer): a partition's keys run to hundreds of thousands, and a
+    /// table of whole snapshots spreads over far more memory than the processor's
+    /// caches hold, which every write of a key then waits on.
+    keys: HashMap<Arc<str>, Box<CacheSnapshot>, foldhash::fast::RandomState>,
     positions: BTreeMap<String, i64>,
     released: Option<(u64, i64)>,
     /// Where idle keys expire: each key's time, and the keys by that time.
