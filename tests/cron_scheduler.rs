@@ -2178,6 +2178,55 @@ async fn an_at_least_once_schedule_read_as_it_fell_due_fires_from_local_state_in
     }
 }
 
+/// As above, after downtime: a schedule the store files under a time an hour past, with
+/// `catchup = "skip"`, is fired from local state through the outage from where a pass
+/// with the store would fire it, not from every second of the hour it missed.
+#[tokio::test(start_paused = true)]
+async fn an_at_least_once_schedule_read_after_downtime_fires_from_local_state_by_its_catch_up_policy(
+) {
+    use weir::cron::scheduler::{register_at, Clock, TokioClock};
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
+    let mut schedule = every_second("stale", "stale.ticks");
+    schedule.delivery = Delivery::AtLeastOnce;
+    schedule.catchup = weir::cron::CatchUp::Skip;
+    let an_hour_ago = clock.now() - chrono::Duration::hours(1);
+    register_at(store.as_ref(), &schedule, 1, an_hour_ago)
+        .await
+        .unwrap();
+    let sink = CuttingOffOnSend {
+        broker: broker.clone(),
+        store: store.clone(),
+    };
+    let cfg = SchedulerConfig {
+        clock: clock.clone(),
+        ..config("a", 0)
+    };
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(Scheduler::new(store.clone(), Arc::new(sink), cfg).run(cancel.clone()));
+    // To 00:00:35.
+    tokio::time::sleep(Duration::from_millis(5100)).await;
+    cancel.cancel();
+    let _ = task.await;
+    let second = |s: i64| at("2026-01-01T00:00:00Z").timestamp_millis() + s * 1000;
+    let fired: std::collections::BTreeSet<i64> =
+        fired_times(&broker, "stale.ticks").into_iter().collect();
+    // Late by the failover grace at most (the lease TTL and a third, and the look-ahead).
+    let missed: Vec<i64> = fired.iter().copied().filter(|t| *t < second(29)).collect();
+    assert!(
+        missed.is_empty(),
+        "missed times fired: {} of them",
+        missed.len()
+    );
+    for s in 31..=34 {
+        assert!(
+            fired.contains(&second(s)),
+            "no tick for 00:00:{s} in the outage: {fired:?}"
+        );
+    }
+}
+
 /// A schedule changed is read afresh at the master's next look, not only when next due:
 /// changed just before a store outage, it fires through the outage as changed.
 #[tokio::test(start_paused = true)]

@@ -99,6 +99,8 @@ impl Scheduler {
             .buffer_unordered(CONCURRENCY)
             .collect::<Vec<_>>();
         let read = self.bounded(async { Ok(reading.await) }).await?;
+        let horizon =
+            self.config.clock.now() + chrono::Duration::from_std(LOOKAHEAD).unwrap_or_default();
         for (id, schedule, next) in read {
             let (schedule, next) = match (schedule, next) {
                 (Ok(Some(schedule)), Ok(Some(next))) => (schedule, next),
@@ -115,11 +117,15 @@ impl Scheduler {
             // The stored time if the definition fires then, else its first fire time
             // after: read the moment it changed, a definition may come with the time its
             // predecessor was next due, and a schedule its shard holds back (unreadable
-            // when last due) is filed at the time to look at it again.
-            let next = Utc
-                .timestamp_millis_opt(next - 1)
-                .single()
-                .and_then(|t| schedule.next_after(&expr, tz, t));
+            // when last due) is filed at the time to look at it again. A time long past
+            // (filed before downtime) is caught up as the catch-up policy says.
+            let next = plan::first_local_fire(
+                &schedule,
+                (&expr, tz),
+                next,
+                horizon,
+                self.config.lease_ttl,
+            );
             self.cache.insert(id, (Cached { schedule, expr, tz }, next));
         }
         Ok(())

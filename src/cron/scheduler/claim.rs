@@ -152,10 +152,15 @@ impl Scheduler {
                             // records the next one: should the store go away before
                             // that, it fires from local state from there on (a time
                             // this pass emits goes out again, under the same tick id).
-                            let next = due_at
-                                .get(id.as_str())
-                                .and_then(|ms| Utc.timestamp_millis_opt(ms - 1).single())
-                                .and_then(|t| schedule.next_after(&expr, tz, t));
+                            let next = due_at.get(id.as_str()).and_then(|&due_ms| {
+                                plan::first_local_fire(
+                                    &schedule,
+                                    (&expr, tz),
+                                    due_ms,
+                                    horizon,
+                                    self.config.lease_ttl,
+                                )
+                            });
                             self.cache.insert(id, (Cached { schedule, expr, tz }, next));
                             continue;
                         }

@@ -61,6 +61,25 @@ pub(super) fn failover_grace(schedule: &Schedule, lease_ttl: Duration) -> Durati
     }
 }
 
+/// The first time a master that knows `schedule` only from memory fires it, given the
+/// time the store files it under (`due_ms`) and the planning horizon: that time when it
+/// is recent, or, after downtime, the first of the times since that the catch-up policy
+/// keeps, as a pass with the store plans them. Fired from there, one time after the
+/// other, up to the horizon, it fires what such a pass would: every policy keeps the
+/// newest missed times, one after the other, then every recent one.
+pub(super) fn first_local_fire(
+    schedule: &Schedule,
+    (expr, tz): (&CronExpr, Tz),
+    due_ms: i64,
+    horizon: DateTime<Utc>,
+    lease_ttl: Duration,
+) -> Option<DateTime<Utc>> {
+    let last = Utc.timestamp_millis_opt(due_ms - 1).single()?;
+    let grace = failover_grace(schedule, lease_ttl);
+    let (times, next) = schedule.due_and_next(expr, tz, last, horizon, grace);
+    times.first().copied().or(next)
+}
+
 /// The firings of `schedule` after `last` up to `horizon`.
 pub(super) fn plan(
     schedule: &Schedule,
