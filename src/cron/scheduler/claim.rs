@@ -148,15 +148,16 @@ impl Scheduler {
                     }
                     Some(schedule) => match schedule.validate() {
                         Ok((expr, tz)) => {
-                            // Known from the time it was found due until this pass
-                            // records the next one: should the store go away before
-                            // that, it fires from local state from there on (a time
-                            // this pass emits goes out again, under the same tick id).
+                            // Known from the time it was found due (or first due,
+                            // held back) until this pass records the next one: should
+                            // the store go away before that, it fires from local state
+                            // from there on (a time this pass emits goes out again,
+                            // under the same tick id).
                             let next = due_at.get(id.as_str()).and_then(|&due_ms| {
                                 plan::first_local_fire(
                                     &schedule,
                                     (&expr, tz),
-                                    due_ms,
+                                    first_due(&id, due_ms),
                                     horizon,
                                     self.config.lease_ttl,
                                 )
