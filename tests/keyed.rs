@@ -933,8 +933,8 @@ async fn keys_leaving_memory_keep_their_queued_events_for_the_next_owner() {
 
 /// Two keys wait in a join; once both sources reach events more than `key_idle` newer
 /// than theirs, their state is removed, in memory and in the store, whether they are
-/// still in memory or left it. Their next events start afresh, their queued inputs
-/// gone, while keys with a recent event keep their own.
+/// still in memory or left it, and their queued inputs are dead-lettered. Their next
+/// events start afresh, while keys with a recent event keep their own.
 async fn idle_keys_lose_their_state(max_keys_in_memory: usize) {
     let mut decl = graph("idle", &["a", "b"], Criteria::WhenAll);
     let keying = decl.keyed.as_mut().unwrap();
@@ -970,6 +970,27 @@ async fn idle_keys_lose_their_state(max_keys_in_memory: usize) {
     assert_eq!(outputs[0]["inputs"]["b"]["seq"], 13, "{outputs:?}");
     cluster.await_stored_queue("old1", "b", 1).await;
     cluster.await_stored_queue("old1", "a", 0).await;
+    // What the removed keys held unfired went to the dead-letter topic first, with the
+    // key and the reason; the key that stayed lost nothing there.
+    let dead = cluster.memory.messages("idle.a.dlq");
+    let mut letters: Vec<(String, u64)> = dead
+        .iter()
+        .map(|letter| {
+            let error = letter.header(weir::wire::ERROR_HEADER).unwrap_or_default();
+            assert!(error.contains("key_idle_ms"), "{error}");
+            let value: Value = serde_json::from_slice(&letter.payload).unwrap();
+            let key = String::from_utf8(letter.key.clone().unwrap().to_vec()).unwrap();
+            assert_eq!(value["user"], key.as_str());
+            (key, value["seq"].as_u64().unwrap())
+        })
+        .collect();
+    letters.sort();
+    assert_eq!(
+        letters,
+        [("old1".to_string(), 1), ("old2".to_string(), 2)],
+        "{dead:?}"
+    );
+    assert!(cluster.memory.messages("idle.b.dlq").is_empty());
     node.stop().await;
 }
 
@@ -981,6 +1002,38 @@ async fn idle_keys_in_memory_lose_their_state() {
 #[tokio::test]
 async fn idle_keys_that_left_memory_lose_their_state() {
     idle_keys_lose_their_state(1).await;
+}
+
+/// With the latest strategy, an idle key's latest value that no fire took (its other
+/// source never came) is dead-lettered as the key is removed; one that fired is not.
+#[tokio::test]
+async fn an_idle_keys_unfired_latest_value_is_dead_lettered() {
+    let mut decl = graph("latest", &["a", "b"], Criteria::WhenAll);
+    decl.reactor.strategy = Strategy::Latest;
+    let keying = decl.keyed.as_mut().unwrap();
+    keying.partitions = 1;
+    keying.key_idle = Some(Duration::from_millis(500));
+    let cluster = Cluster::new(decl).await;
+    let node = cluster.node("n");
+    cluster.send("a", "lone", 1).await;
+    cluster.send("a", "done", 2).await;
+    cluster.send("b", "done", 3).await;
+    cluster
+        .await_count("latest.out", 1, Duration::from_secs(10))
+        .await;
+    // Events on both sources whose broker times are past both keys' idle time.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    cluster.send("a", "fresh", 4).await;
+    cluster.send("b", "fresh", 5).await;
+    cluster.await_forgotten("lone").await;
+    cluster.await_forgotten("done").await;
+    let dead = cluster.memory.messages("latest.a.dlq");
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].key.as_deref(), Some(&b"lone"[..]));
+    let value: Value = serde_json::from_slice(&dead[0].payload).unwrap();
+    assert_eq!(value["seq"], 1);
+    assert!(cluster.memory.messages("latest.b.dlq").is_empty());
+    node.stop().await;
 }
 
 /// A graph that stops expiring idle keys drops the times kept for it with the first

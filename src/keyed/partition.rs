@@ -862,6 +862,9 @@ impl<'a> Serving<'a> {
             return Ok(false);
         }
         let full = idle.len() >= IDLE_KEYS_PER_PAGE;
+        if !self.dead_letter_unfired(&idle).await? {
+            return Ok(false);
+        }
         let mut changes = KeyedChanges {
             expired: idle.iter().map(|key| Arc::from(key.as_str())).collect(),
             fire_floor: Some(self.fire_high.max(self.fire_floor)),
@@ -881,6 +884,96 @@ impl<'a> Serving<'a> {
         }
         crate::metrics::keys_expired(graph, idle.len() as u64);
         Ok(full)
+    }
+
+    /// Sends what the idle keys hold that no fire has taken yet (inputs queued for a
+    /// join, or a latest value not fired) to their sources' dead-letter topics, before
+    /// the keys are removed: an input is fired or recorded there, never dropped. The
+    /// keys not in memory are read from the store; false when it cannot be read now, to
+    /// remove nothing until the next look. A crash between these letters and the
+    /// removal sends them again from the next owner's look.
+    async fn dead_letter_unfired(&mut self, idle: &[String]) -> Result<bool, PartitionError> {
+        let keyed = self.graph;
+        let (graph, partition) = (&keyed.graph, self.partition);
+        let stored_only: Vec<String> = idle
+            .iter()
+            .filter(|key| !self.keys.contains_key(key.as_str()))
+            .cloned()
+            .collect();
+        let loaded = if stored_only.is_empty() {
+            Vec::new()
+        } else {
+            match keyed.store.load_keys(graph, partition, &stored_only).await {
+                Ok(loaded) => loaded,
+                Err(e) => {
+                    warn!(graph = %graph, partition, error = %e, "cannot read idle keys before removing them; looking again later");
+                    return Ok(false);
+                }
+            }
+        };
+        let in_memory = idle.iter().filter_map(|key| {
+            let state = self.keys.get(key.as_str())?;
+            Some((key, state.cache.snapshot(state.fires, std::iter::empty())))
+        });
+        let stored = stored_only
+            .iter()
+            .zip(loaded)
+            .filter_map(|(key, snapshot)| Some((key, snapshot?)));
+        let latest = keyed.decl.reactor.strategy == crate::graph::Strategy::Latest;
+        let mut unfired: Vec<(&String, usize, Arc<Boundary>)> = Vec::new();
+        for (key, snapshot) in in_memory.collect::<Vec<_>>().into_iter().chain(stored) {
+            for (name, slot) in snapshot.sources.iter() {
+                let Some(source) = keyed.names.iter().position(|n| &**n == name) else {
+                    continue;
+                };
+                let waiting = slot.queue.iter().cloned();
+                let not_fired = slot.current.clone().filter(|_| latest && slot.dirty);
+                for boundary in waiting.chain(not_fired) {
+                    unfired.push((key, source, boundary));
+                }
+            }
+        }
+        for (key, source, boundary) in unfired {
+            self.dead_letter_unfired_input(key, source, &boundary)
+                .await?;
+        }
+        Ok(true)
+    }
+
+    /// One input of an idle key that no fire took, on its source's dead-letter topic:
+    /// its JSON value, where it was read, and why it was not fired.
+    async fn dead_letter_unfired_input(
+        &mut self,
+        key: &str,
+        source: usize,
+        boundary: &Boundary,
+    ) -> Result<(), PartitionError> {
+        self.held.write_fence()?;
+        let keyed = self.graph;
+        let reason = format!(
+            "key {} went key_idle_ms without an event and was removed; no fire had taken \
+             this input yet (the graph's other sources sent the key nothing)",
+            crate::transport::quoted_key(key)
+        );
+        let topic = keyed.dead_letters[source].clone();
+        let mut letter = Outbound::new(topic.clone(), crate::codec::json::encode(&boundary.value))
+            .header(wire::ERROR_HEADER, reason.as_str())
+            .header(wire::GRAPH_HEADER, keyed.graph.to_string())
+            .header(wire::ACCUMULATOR_HEADER, keyed.names[source].to_string())
+            .header(
+                wire::SOURCE_TOPIC_HEADER,
+                keyed.topics.sources[source].topic_for(key.as_bytes()),
+            )
+            .header(wire::PARTITION_HEADER, self.partition.to_string());
+        if let Some(at) = boundary.positions.first() {
+            letter = letter.header(wire::OFFSET_HEADER, at.offset.to_string());
+        }
+        if crate::transport::key_travels_everywhere(key.as_bytes()) {
+            letter = letter.key(key.to_string());
+        }
+        publish_dead_letter(keyed.sink.as_ref(), letter, &self.stopping).await?;
+        warn!(graph = %keyed.graph, partition = self.partition, %topic, %reason, "input of an idle key dead-lettered");
+        Ok(())
     }
 
     /// Drops the least recently used keys beyond the limit; their state is stored.
