@@ -306,7 +306,7 @@ impl NatsBroker {
                 max_age: self.inner.retention.unwrap_or_default(),
                 ..Default::default()
             };
-            let mut stream = match js.get_or_create_stream(config).await {
+            let mut stream = match get_or_create_riding_out_server_failures(js, config).await {
                 Ok(stream) => stream,
                 Err(e) => {
                     // Another client (a reader, another node) may have made the subject's
@@ -868,6 +868,36 @@ fn no_jetstream_answered(e: &jetstream::context::RequestError) -> bool {
     false
 }
 
+/// Tries a stream creation the server failed on its side again, up to this many times.
+const SERVER_FAILURE_RETRIES: u32 = 3;
+
+/// Creates or opens a stream, trying again, briefly (pauses of 50 ms doubling, 350 ms in
+/// all), when the server fails on its side: nats-server answers a 5xx when it makes a
+/// stream's store just as the account's last stream is deleted, a race that passes at
+/// once, and callers that publish once (a command's line) should not see it.
+async fn get_or_create_riding_out_server_failures(
+    js: &jetstream::Context,
+    config: stream::Config,
+) -> Result<stream::Stream, async_nats::jetstream::context::CreateStreamError> {
+    let mut pause = Duration::from_millis(50);
+    let mut tries = 0;
+    loop {
+        match js.get_or_create_stream(config.clone()).await {
+            Err(e) if tries < SERVER_FAILURE_RETRIES && server_failed(&e.kind()) => {
+                tries += 1;
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+            }
+            created => return created,
+        }
+    }
+}
+
+/// Whether the server failed on its side (a 5xx answer) rather than refused the stream.
+fn server_failed(kind: &CreateStreamErrorKind) -> bool {
+    matches!(kind, CreateStreamErrorKind::JetStream(api) if api.code() >= 500)
+}
+
 /// Whether a stream creation that failed may succeed if tried again: no answer in time,
 /// JetStream not answering at all (restarting, electing a leader), or the server failing
 /// on its side (a 5xx answer, such as its store's directory vanishing as the last stream
@@ -878,8 +908,7 @@ fn creation_failed_for_now(kind: &CreateStreamErrorKind) -> bool {
         CreateStreamErrorKind::TimedOut
         | CreateStreamErrorKind::JetStreamUnavailable
         | CreateStreamErrorKind::Response => true,
-        CreateStreamErrorKind::JetStream(api) => api.code() >= 500,
-        _ => false,
+        kind => server_failed(kind),
     }
 }
 
@@ -1285,6 +1314,19 @@ mod tests {
             400,
             10052,
             "invalid stream config"
+        )));
+        // Only the server's own failures are tried again at once, inside the creation;
+        // a timeout is left to the caller, which knows how long it may wait.
+        assert!(server_failed(&answer(
+            500,
+            10049,
+            "could not create storage directory"
+        )));
+        assert!(!server_failed(&CreateStreamErrorKind::TimedOut));
+        assert!(!server_failed(&answer(
+            400,
+            10065,
+            "subjects overlap with an existing stream"
         )));
     }
 
