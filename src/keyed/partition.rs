@@ -2,7 +2,7 @@
 //! in one loop, each event fired through its key's input cache, and the keys' state
 //! written with the sources' positions once the batch's outputs are acknowledged.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -862,9 +862,10 @@ impl<'a> Serving<'a> {
             return Ok(false);
         }
         let full = idle.len() >= IDLE_KEYS_PER_PAGE;
-        if !self.dead_letter_unfired(&idle).await? {
+        let Some(kept) = self.dead_letter_unfired(&idle).await? else {
             return Ok(false);
-        }
+        };
+        let idle: Vec<String> = idle.into_iter().filter(|key| !kept.contains(key)).collect();
         let mut changes = KeyedChanges {
             expired: idle.iter().map(|key| Arc::from(key.as_str())).collect(),
             fire_floor: Some(self.fire_high.max(self.fire_floor)),
@@ -889,10 +890,15 @@ impl<'a> Serving<'a> {
     /// Sends what the idle keys hold that no fire has taken yet (inputs queued for a
     /// join, or a latest value not fired) to their sources' dead-letter topics, before
     /// the keys are removed: an input is fired or recorded there, never dropped. The
-    /// keys not in memory are read from the store; false when it cannot be read now, to
-    /// remove nothing until the next look. A crash between these letters and the
-    /// removal sends them again from the next owner's look.
-    async fn dead_letter_unfired(&mut self, idle: &[String]) -> Result<bool, PartitionError> {
+    /// keys not in memory are read from the store; `None` when it cannot be read now, to
+    /// remove nothing until the next look. Else the keys to keep for now: those a letter
+    /// of was refused for good, to be tried again at the next look rather than lose the
+    /// input or stop the partition. The letters go out again should the removal not be
+    /// written (a crash, a store away, the partition let go of meanwhile).
+    async fn dead_letter_unfired(
+        &mut self,
+        idle: &[String],
+    ) -> Result<Option<HashSet<String>>, PartitionError> {
         let keyed = self.graph;
         let (graph, partition) = (&keyed.graph, self.partition);
         let stored_only: Vec<String> = idle
@@ -905,9 +911,30 @@ impl<'a> Serving<'a> {
         } else {
             match keyed.store.load_keys(graph, partition, &stored_only).await {
                 Ok(loaded) => loaded,
+                // One key's state unreadable (another version's, say) would fail the
+                // page at every look, and no idle key would ever go: read them one by
+                // one, and remove an unreadable one without letters, saying so.
+                Err(e) if !e.is_retryable() => {
+                    let mut loaded = Vec::with_capacity(stored_only.len());
+                    for key in &stored_only {
+                        let wanted = std::slice::from_ref(key);
+                        match keyed.store.load_keys(graph, partition, wanted).await {
+                            Ok(mut one) => loaded.push(one.pop().flatten()),
+                            Err(e) if !e.is_retryable() => {
+                                warn!(graph = %graph, partition, key = %key, error = %e, "idle key's stored state cannot be read; removed without dead-lettering what it held");
+                                loaded.push(None);
+                            }
+                            Err(e) => {
+                                warn!(graph = %graph, partition, error = %e, "cannot read idle keys before removing them; looking again later");
+                                return Ok(None);
+                            }
+                        }
+                    }
+                    loaded
+                }
                 Err(e) => {
                     warn!(graph = %graph, partition, error = %e, "cannot read idle keys before removing them; looking again later");
-                    return Ok(false);
+                    return Ok(None);
                 }
             }
         };
@@ -933,11 +960,26 @@ impl<'a> Serving<'a> {
                 }
             }
         }
+        let mut kept = HashSet::new();
         for (key, source, boundary) in unfired {
-            self.dead_letter_unfired_input(key, source, &boundary)
-                .await?;
+            // Let go of meanwhile: nothing is removed yet, and the next owner sends the
+            // letters.
+            if self.stopping.is_cancelled() {
+                return Ok(None);
+            }
+            if kept.contains(key) {
+                continue;
+            }
+            match self.dead_letter_unfired_input(key, source, &boundary).await {
+                Ok(()) => {}
+                Err(PartitionError::Transport(e)) if !e.is_retryable() => {
+                    warn!(graph = %graph, partition, key = %key, error = %e, "idle key's dead letter refused; the key is kept for now");
+                    kept.insert(key.clone());
+                }
+                Err(e) => return Err(e),
+            }
         }
-        Ok(true)
+        Ok(Some(kept))
     }
 
     /// One input of an idle key that no fire took, on its source's dead-letter topic:
@@ -952,7 +994,8 @@ impl<'a> Serving<'a> {
         let keyed = self.graph;
         let reason = format!(
             "key {} went key_idle_ms without an event and was removed; no fire had taken \
-             this input yet (the graph's other sources sent the key nothing)",
+             this input yet (the graph's other sources had not sent the key enough \
+             since its last fire)",
             crate::transport::quoted_key(key)
         );
         let topic = keyed.dead_letters[source].clone();
