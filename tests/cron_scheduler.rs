@@ -2135,21 +2135,18 @@ impl weir::transport::Sink for CuttingOffOnSend {
     }
 }
 
-/// A schedule the master first meets already due (read in the pass that fires it, not
-/// ahead of it) is known locally from then on: a store outage starting as that pass
-/// emits its tick, before the pass records the next fire time, still has every later
-/// second fired from local state.
-#[tokio::test(start_paused = true)]
-async fn an_at_least_once_schedule_read_as_it_fell_due_fires_from_local_state_in_an_outage() {
+/// Registers `schedule` (sent to `<id>.ticks`) `before` 00:00:30, runs a scheduler from
+/// 00:00:30 to 00:00:35 that is cut off from the store as its first tick goes out, and
+/// gives the times it fired.
+async fn fired_through_an_outage_from_the_first_tick(
+    schedule: &Schedule,
+    before: chrono::Duration,
+) -> std::collections::BTreeSet<i64> {
     use weir::cron::scheduler::{register_at, Clock, TokioClock};
     let store = Arc::new(MemoryStore::new());
     let broker = MemoryBroker::default();
     let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
-    let mut schedule = every_second("cut", "cut.ticks");
-    schedule.delivery = Delivery::AtLeastOnce;
-    // Due at 00:00:30, as the scheduler starts.
-    let registered = clock.now() - chrono::Duration::milliseconds(500);
-    register_at(store.as_ref(), &schedule, 1, registered)
+    register_at(store.as_ref(), schedule, 1, clock.now() - before)
         .await
         .unwrap();
     let sink = CuttingOffOnSend {
@@ -2162,13 +2159,31 @@ async fn an_at_least_once_schedule_read_as_it_fell_due_fires_from_local_state_in
     };
     let cancel = CancellationToken::new();
     let task = tokio::spawn(Scheduler::new(store.clone(), Arc::new(sink), cfg).run(cancel.clone()));
-    // To 00:00:35.
     tokio::time::sleep(Duration::from_millis(5100)).await;
     cancel.cancel();
     let _ = task.await;
-    let second = |s: i64| at("2026-01-01T00:00:00Z").timestamp_millis() + s * 1000;
-    let fired: std::collections::BTreeSet<i64> =
-        fired_times(&broker, "cut.ticks").into_iter().collect();
+    fired_times(&broker, &format!("{}.ticks", schedule.id))
+        .into_iter()
+        .collect()
+}
+
+/// Second `s` of 2026-01-01T00:00, in ms.
+fn second(s: i64) -> i64 {
+    at("2026-01-01T00:00:00Z").timestamp_millis() + s * 1000
+}
+
+/// A schedule the master first meets already due (read in the pass that fires it, not
+/// ahead of it) is known locally from then on: a store outage starting as that pass
+/// emits its tick, before the pass records the next fire time, still has every later
+/// second fired from local state.
+#[tokio::test(start_paused = true)]
+async fn an_at_least_once_schedule_read_as_it_fell_due_fires_from_local_state_in_an_outage() {
+    let mut schedule = every_second("cut", "cut.ticks");
+    schedule.delivery = Delivery::AtLeastOnce;
+    // Due at 00:00:30, as the scheduler starts.
+    let fired =
+        fired_through_an_outage_from_the_first_tick(&schedule, chrono::Duration::milliseconds(500))
+            .await;
     assert!(fired.contains(&second(30)), "the first tick: {fired:?}");
     for s in 31..=34 {
         assert!(
@@ -2184,34 +2199,11 @@ async fn an_at_least_once_schedule_read_as_it_fell_due_fires_from_local_state_in
 #[tokio::test(start_paused = true)]
 async fn an_at_least_once_schedule_read_after_downtime_fires_from_local_state_by_its_catch_up_policy(
 ) {
-    use weir::cron::scheduler::{register_at, Clock, TokioClock};
-    let store = Arc::new(MemoryStore::new());
-    let broker = MemoryBroker::default();
-    let clock = Arc::new(TokioClock::starting_at(at("2026-01-01T00:00:30Z")));
     let mut schedule = every_second("stale", "stale.ticks");
     schedule.delivery = Delivery::AtLeastOnce;
     schedule.catchup = weir::cron::CatchUp::Skip;
-    let an_hour_ago = clock.now() - chrono::Duration::hours(1);
-    register_at(store.as_ref(), &schedule, 1, an_hour_ago)
-        .await
-        .unwrap();
-    let sink = CuttingOffOnSend {
-        broker: broker.clone(),
-        store: store.clone(),
-    };
-    let cfg = SchedulerConfig {
-        clock: clock.clone(),
-        ..config("a", 0)
-    };
-    let cancel = CancellationToken::new();
-    let task = tokio::spawn(Scheduler::new(store.clone(), Arc::new(sink), cfg).run(cancel.clone()));
-    // To 00:00:35.
-    tokio::time::sleep(Duration::from_millis(5100)).await;
-    cancel.cancel();
-    let _ = task.await;
-    let second = |s: i64| at("2026-01-01T00:00:00Z").timestamp_millis() + s * 1000;
-    let fired: std::collections::BTreeSet<i64> =
-        fired_times(&broker, "stale.ticks").into_iter().collect();
+    let fired =
+        fired_through_an_outage_from_the_first_tick(&schedule, chrono::Duration::hours(1)).await;
     // Late by the failover grace at most (the lease TTL and a third, and the look-ahead).
     let missed: Vec<i64> = fired.iter().copied().filter(|t| *t < second(29)).collect();
     assert!(

@@ -727,21 +727,45 @@ impl<'a> Serving<'a> {
         message: &Message,
         reason: &str,
     ) -> Result<(), PartitionError> {
+        let at = Some(message.position.offset);
+        let (payload, key) = (message.payload.clone(), message.key.clone());
+        self.dead_letter_input(
+            source,
+            (payload, key),
+            message.topic.to_string(),
+            at,
+            reason,
+        )
+        .await
+    }
+
+    /// An input of `source` on its dead-letter topic, with where it was read (the topic
+    /// or subject, the partition, the offset) and `reason`.
+    async fn dead_letter_input(
+        &mut self,
+        source: usize,
+        (payload, key): (bytes::Bytes, Option<bytes::Bytes>),
+        source_topic: String,
+        offset: Option<i64>,
+        reason: &str,
+    ) -> Result<(), PartitionError> {
         // As for outputs: a node paused past its lease dead-letters nothing more, or the
         // owner after it would record the same event a second time.
         self.held.write_fence()?;
         let topic = self.graph.dead_letters[source].clone();
-        let mut outbound = Outbound::new(topic.clone(), message.payload.clone())
+        let mut outbound = Outbound::new(topic.clone(), payload)
             .header(wire::ERROR_HEADER, reason)
             .header(wire::GRAPH_HEADER, self.graph.graph.to_string())
             .header(
                 wire::ACCUMULATOR_HEADER,
                 self.graph.names[source].to_string(),
             )
-            .header(wire::SOURCE_TOPIC_HEADER, message.topic.to_string())
-            .header(wire::PARTITION_HEADER, self.partition.to_string())
-            .header(wire::OFFSET_HEADER, message.position.offset.to_string());
-        outbound.key = message.key.clone();
+            .header(wire::SOURCE_TOPIC_HEADER, source_topic)
+            .header(wire::PARTITION_HEADER, self.partition.to_string());
+        if let Some(offset) = offset {
+            outbound = outbound.header(wire::OFFSET_HEADER, offset.to_string());
+        }
+        outbound.key = key;
         publish_dead_letter(self.graph.sink.as_ref(), outbound, &self.stopping).await?;
         warn!(graph = %self.graph.graph, partition = self.partition, %topic, %reason, "event dead-lettered");
         Ok(())
@@ -990,33 +1014,27 @@ impl<'a> Serving<'a> {
         source: usize,
         boundary: &Boundary,
     ) -> Result<(), PartitionError> {
-        self.held.write_fence()?;
-        let keyed = self.graph;
         let reason = format!(
             "key {} went key_idle_ms without an event and was removed; no fire had taken \
              this input yet (the graph's other sources had not sent the key enough \
              since its last fire)",
             crate::transport::quoted_key(key)
         );
-        let topic = keyed.dead_letters[source].clone();
-        let mut letter = Outbound::new(topic.clone(), crate::codec::json::encode(&boundary.value))
-            .header(wire::ERROR_HEADER, reason.as_str())
-            .header(wire::GRAPH_HEADER, keyed.graph.to_string())
-            .header(wire::ACCUMULATOR_HEADER, keyed.names[source].to_string())
-            .header(
-                wire::SOURCE_TOPIC_HEADER,
-                keyed.topics.sources[source].topic_for(key.as_bytes()),
-            )
-            .header(wire::PARTITION_HEADER, self.partition.to_string());
-        if let Some(at) = boundary.positions.first() {
-            letter = letter.header(wire::OFFSET_HEADER, at.offset.to_string());
-        }
-        if crate::transport::key_travels_everywhere(key.as_bytes()) {
-            letter = letter.key(key.to_string());
-        }
-        publish_dead_letter(keyed.sink.as_ref(), letter, &self.stopping).await?;
-        warn!(graph = %keyed.graph, partition = self.partition, %topic, %reason, "input of an idle key dead-lettered");
-        Ok(())
+        let payload = crate::codec::json::encode(&boundary.value).into();
+        // In the error header either way; as the message key only where every broker
+        // can carry it.
+        let message_key = crate::transport::key_travels_everywhere(key.as_bytes())
+            .then(|| bytes::Bytes::copy_from_slice(key.as_bytes()));
+        let source_topic = self.graph.topics.sources[source].topic_for(key.as_bytes());
+        let offset = boundary.positions.first().map(|at| at.offset);
+        self.dead_letter_input(
+            source,
+            (payload, message_key),
+            source_topic,
+            offset,
+            &reason,
+        )
+        .await
     }
 
     /// Drops the least recently used keys beyond the limit; their state is stored.
