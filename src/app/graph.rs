@@ -77,6 +77,16 @@ pub async fn tail(
     out: &mut impl Write,
 ) -> Result<(), Error> {
     let broker = broker(&args.config, "tail").await?;
+    tail_from(&*broker, args, cancel, out).await
+}
+
+/// [`tail`] on a broker already connected.
+async fn tail_from(
+    broker: &dyn Broker,
+    args: &TailArgs,
+    cancel: CancellationToken,
+    out: &mut impl Write,
+) -> Result<(), Error> {
     let mut subscription = Subscription::new(
         args.topic.clone(),
         format!("weir.tail.{}", std::process::id()),
@@ -87,12 +97,18 @@ pub async fn tail(
     } else {
         StartFrom::Latest
     };
-    let mut source = broker.subscribe(&subscription).await?;
-    let mut printed = 0;
     // Reopens in a row, each reader failing soon with nothing printed: a reader failing
     // again and again (the broker gone, not a connection that broke once) ends the
     // command. One that ran a while before failing starts the count again.
     let mut failed_in_a_row = 0;
+    // The broker answered as it was connected to: a first open failing for a reason that
+    // may pass (the connection dropped while the stream is looked up) is made again, as
+    // a reopen is. Nothing was read yet, so nothing can be skipped or printed twice.
+    let Some(mut source) = reopen(broker, &subscription, &cancel, &mut failed_in_a_row).await?
+    else {
+        return Ok(());
+    };
+    let mut printed = 0;
     let mut opened_at = tokio::time::Instant::now();
     let mut last_printed = std::collections::BTreeMap::new();
     while args.count.is_none_or(|n| printed < n) {
@@ -119,7 +135,7 @@ pub async fn tail(
                 }
                 warn!(topic = %args.topic, error = %e, "reading again after the last message printed");
                 subscription.resume_after = last_printed.values().copied().collect();
-                match reopen(&*broker, &subscription, &cancel, &mut failed_in_a_row).await? {
+                match reopen(broker, &subscription, &cancel, &mut failed_in_a_row).await? {
                     Some(reopened) => source = reopened,
                     None => break,
                 }
@@ -426,6 +442,90 @@ mod tests {
         );
         assert_eq!(failed.exit_code(), 1);
         assert!(failed.hint().is_some(), "{failed}");
+    }
+
+    /// The memory broker, but its first `failures` subscribes fail as a connection
+    /// dropped mid-call does: for a reason that may pass.
+    struct FirstSubscribesFail {
+        inner: weir::transport::memory::MemoryBroker,
+        failures: usize,
+        calls: std::sync::atomic::AtomicUsize,
+    }
+
+    #[async_trait::async_trait]
+    impl Broker for FirstSubscribesFail {
+        fn kind(&self) -> &'static str {
+            self.inner.kind()
+        }
+
+        async fn subscribe(
+            &self,
+            subscription: &Subscription,
+        ) -> Result<Box<dyn weir::transport::Source>, TransportError> {
+            let call = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if call < self.failures {
+                return Err(TransportError::Consume {
+                    topic: subscription.topic.clone(),
+                    source: "connection closed while listing streams".into(),
+                    retryable: true,
+                });
+            }
+            self.inner.subscribe(subscription).await
+        }
+
+        fn sink(&self) -> std::sync::Arc<dyn Sink> {
+            self.inner.sink()
+        }
+
+        async fn partitioned(
+            &self,
+            topic: &str,
+            partitions: u32,
+        ) -> Result<weir::transport::PartitionedTopic, TransportError> {
+            self.inner.partitioned(topic, partitions).await
+        }
+
+        async fn ping(&self) -> Result<(), TransportError> {
+            self.inner.ping().await
+        }
+    }
+
+    async fn tail_through_first_opens_failing(failures: usize) -> (Result<(), Error>, String) {
+        let memory = weir::transport::memory::MemoryBroker::new(1);
+        for id in 0..3 {
+            let event = Outbound::new("t", serde_json::json!({ "id": id }).to_string());
+            memory.sink().publish(event).await.unwrap();
+        }
+        let broker = FirstSubscribesFail {
+            inner: memory,
+            failures,
+            calls: Default::default(),
+        };
+        let args = TailArgs {
+            topic: "t".into(),
+            config: Default::default(),
+            from_beginning: true,
+            count: Some(3),
+        };
+        let mut out = Vec::new();
+        let tailed = tail_from(&broker, &args, CancellationToken::new(), &mut out).await;
+        (tailed, String::from_utf8(out).unwrap())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_first_open_failing_for_now_is_made_again() {
+        let (tailed, out) = tail_through_first_opens_failing(2).await;
+        tailed.expect("the third open reads");
+        assert_eq!(out, "{\"id\":0}\n{\"id\":1}\n{\"id\":2}\n");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_first_open_failing_again_and_again_ends_the_command() {
+        let (tailed, out) = tail_through_first_opens_failing(usize::MAX).await;
+        let failed = tailed.expect_err("the broker never lets it read");
+        assert_eq!(failed.exit_code(), 1, "{failed}");
+        assert!(failed.to_string().contains("listing streams"), "{failed}");
+        assert_eq!(out, "");
     }
 
     #[test]
