@@ -1036,6 +1036,115 @@ async fn an_idle_keys_unfired_latest_value_is_dead_lettered() {
     node.stop().await;
 }
 
+/// The memory broker, but every message to `topic` is refused for good while `refusing`
+/// is set, as a broker refusing a topic it does not allow.
+#[derive(Clone)]
+struct RefusesTopic {
+    memory: MemoryBroker,
+    topic: String,
+    refusing: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[async_trait::async_trait]
+impl weir::transport::Sink for RefusesTopic {
+    async fn publish(
+        &self,
+        message: Outbound,
+    ) -> Result<weir::transport::Position, weir::transport::TransportError> {
+        if message.topic == self.topic && self.refusing.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(weir::transport::TransportError::Publish {
+                topic: message.topic,
+                source: "not allowed".into(),
+                retryable: false,
+            });
+        }
+        self.memory.publish(message).await
+    }
+}
+
+#[async_trait::async_trait]
+impl Broker for RefusesTopic {
+    fn kind(&self) -> &'static str {
+        self.memory.kind()
+    }
+
+    async fn subscribe(
+        &self,
+        subscription: &weir::transport::Subscription,
+    ) -> Result<Box<dyn weir::transport::Source>, weir::transport::TransportError> {
+        self.memory.subscribe(subscription).await
+    }
+
+    fn sink(&self) -> Arc<dyn weir::transport::Sink> {
+        Arc::new(self.clone())
+    }
+
+    async fn partitioned(
+        &self,
+        topic: &str,
+        partitions: u32,
+    ) -> Result<weir::transport::PartitionedTopic, weir::transport::TransportError> {
+        self.memory.partitioned(topic, partitions).await
+    }
+
+    async fn ping(&self) -> Result<(), weir::transport::TransportError> {
+        self.memory.ping().await
+    }
+}
+
+/// An idle key whose dead letter the broker refuses for good is kept, state and all,
+/// while the other idle keys go; once the letter is taken, at a later look, the key
+/// goes too, its input dead-lettered once.
+#[tokio::test]
+async fn an_idle_key_whose_dead_letter_is_refused_is_kept_until_it_is_taken() {
+    let mut decl = graph("refused", &["a", "b"], Criteria::WhenAll);
+    decl.reactor.strategy = Strategy::Latest;
+    let keying = decl.keyed.as_mut().unwrap();
+    keying.partitions = 1;
+    keying.key_idle = Some(Duration::from_millis(500));
+    let mut cluster = Cluster::new(decl).await;
+    let refusing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    cluster.broker = Arc::new(RefusesTopic {
+        memory: cluster.memory.clone(),
+        topic: "refused.a.dlq".into(),
+        refusing: refusing.clone(),
+    });
+    let node = cluster.node("n");
+    cluster.send("a", "lone", 1).await;
+    cluster.send("a", "done", 2).await;
+    cluster.send("b", "done", 3).await;
+    cluster
+        .await_count("refused.out", 1, Duration::from_secs(10))
+        .await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    cluster.send("a", "fresh", 4).await;
+    cluster.send("b", "fresh", 5).await;
+    cluster.await_forgotten("done").await;
+    let view = |key: &'static str| {
+        let (store, name) = (cluster.store.clone(), cluster.decl.name.clone());
+        async move {
+            weir::keyed::view(store.as_ref(), &name, 1, key)
+                .await
+                .unwrap()
+        }
+    };
+    // Idle keys are looked for every second: "lone" stays through the next look too.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        view("lone").await.is_some(),
+        "kept while its letter is refused"
+    );
+    assert!(cluster.memory.messages("refused.a.dlq").is_empty());
+    refusing.store(false, std::sync::atomic::Ordering::SeqCst);
+    cluster.await_forgotten("lone").await;
+    let dead = cluster.memory.messages("refused.a.dlq");
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].key.as_deref(), Some(&b"lone"[..]));
+    let value: Value = serde_json::from_slice(&dead[0].payload).unwrap();
+    assert_eq!(value["seq"], 1);
+    node.stop().await;
+}
+
 /// A graph that stops expiring idle keys drops the times kept for it with the first
 /// batch it writes, so that times gone stale meanwhile expire nothing should expiry
 /// come back; every key keeps its state.

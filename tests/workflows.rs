@@ -1867,6 +1867,73 @@ mod memory {
 
     suite!(env());
 
+    /// Refuses for good every subscription to one topic; passes the rest on.
+    struct RefusesSubscribing {
+        inner: Arc<dyn Broker>,
+        topic: String,
+    }
+
+    #[async_trait]
+    impl Broker for RefusesSubscribing {
+        fn kind(&self) -> &'static str {
+            self.inner.kind()
+        }
+
+        async fn subscribe(
+            &self,
+            subscription: &Subscription,
+        ) -> Result<Box<dyn weir::transport::Source>, TransportError> {
+            if subscription.topic == self.topic {
+                return Err(TransportError::InvalidTopic {
+                    topic: subscription.topic.clone(),
+                    reason: "not allowed".into(),
+                });
+            }
+            self.inner.subscribe(subscription).await
+        }
+
+        fn sink(&self) -> Arc<dyn Sink> {
+            self.inner.sink()
+        }
+
+        async fn partitioned(
+            &self,
+            topic: &str,
+            partitions: u32,
+        ) -> Result<weir::transport::PartitionedTopic, TransportError> {
+            self.inner.partitioned(topic, partitions).await
+        }
+
+        async fn ping(&self) -> Result<(), TransportError> {
+            self.inner.ping().await
+        }
+    }
+
+    /// A consumer the state manager cannot start (its start topic refused, after the
+    /// results topic's loop started) ends it with the reason, as one failing later does:
+    /// the node's token is cancelled, so what it started stops on it, and the run waits
+    /// for that before it returns.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_consumer_that_cannot_start_stops_the_state_manager_on_its_token() {
+        let env = env();
+        let w = flow(&env.name("unstartable"), vec![task("a", "builtin::echo")]);
+        let start_topic = w.topic(&workflow_start_topic(&w.name));
+        let broker: Arc<dyn Broker> = Arc::new(RefusesSubscribing {
+            inner: env.broker.clone(),
+            topic: start_topic.clone(),
+        });
+        let manager = env.new_state_manager(&[w], Router::new(Vec::new(), "x").unwrap());
+        let stopped = tokio::time::timeout(WAIT, manager.run(broker, env.cancel.clone()))
+            .await
+            .expect("the run returns");
+        let e = stopped.expect_err("the start topic cannot be read");
+        assert!(e.to_string().contains(&start_topic), "{e}");
+        assert!(
+            env.cancel.is_cancelled(),
+            "the loops it started stop on the token"
+        );
+    }
+
     /// Refuses for good every message to one topic, keeping them; passes the rest on.
     struct Refusing {
         inner: Arc<dyn Sink>,

@@ -529,6 +529,31 @@ impl StateManager {
         cancel: CancellationToken,
     ) -> Result<(), DispatchError> {
         let mut loops = tokio::task::JoinSet::new();
+        // A consumer that cannot start ends the state manager as one failing later does:
+        // the loops started before it stop on the token and are waited for, not aborted.
+        let mut outcome = self.start_loops(&broker, &cancel, &mut loops).await;
+        if let Err(e) = &outcome {
+            warn!(error = %e, "state manager consumer cannot start");
+            cancel.cancel();
+        }
+        while let Some(joined) = loops.join_next().await {
+            if let Ok(Err(e)) = joined {
+                warn!(error = %e, "state manager consumer stopped");
+                cancel.cancel();
+                outcome = Err(e.into());
+            }
+        }
+        outcome
+    }
+
+    /// Subscribes to the results and start topics of every declared workflow, and
+    /// starts a loop consuming each (and the timeout sweep) in `loops`.
+    async fn start_loops(
+        &self,
+        broker: &Arc<dyn Broker>,
+        cancel: &CancellationToken,
+        loops: &mut tokio::task::JoinSet<Result<(), TransportError>>,
+    ) -> Result<(), DispatchError> {
         // Nodes may declare different workflows while their workers report on one
         // results topic. Each workflow reads that topic in a consumer group of its own,
         // so every result reaches a node that declares its workflow, and a node skips
@@ -543,7 +568,7 @@ impl StateManager {
                 RESULTS_IN_FLIGHT,
             );
             let subscribed =
-                subscribe_patiently(&*broker, &subscription, SUBSCRIBE_PATIENCE, &cancel).await?;
+                subscribe_patiently(&**broker, &subscription, SUBSCRIBE_PATIENCE, cancel).await?;
             // Shutdown came first: the loops already running are waited for below.
             let Some(results) = subscribed else {
                 continue;
@@ -614,7 +639,7 @@ impl StateManager {
             let subscription =
                 Subscription::work_queue(&topic, state_manager_group(&topic), RESULTS_IN_FLIGHT);
             let subscribed =
-                subscribe_patiently(&*broker, &subscription, SUBSCRIBE_PATIENCE, &cancel).await?;
+                subscribe_patiently(&**broker, &subscription, SUBSCRIBE_PATIENCE, cancel).await?;
             let Some(starts) = subscribed else {
                 continue;
             };
@@ -652,15 +677,7 @@ impl StateManager {
                 Ok(())
             });
         }
-        let mut outcome = Ok(());
-        while let Some(joined) = loops.join_next().await {
-            if let Ok(Err(e)) = joined {
-                warn!(error = %e, "state manager consumer stopped");
-                cancel.cancel();
-                outcome = Err(e.into());
-            }
-        }
-        outcome
+        Ok(())
     }
 
     /// Fails executions that outlive their workflow's timeout, looking every
