@@ -1145,6 +1145,43 @@ async fn an_idle_key_whose_dead_letter_is_refused_is_kept_until_it_is_taken() {
     node.stop().await;
 }
 
+/// An idle key, out of memory, whose stored state does not read back is removed without
+/// letters and holds up none of the others: the idle key beside it still has its unfired
+/// input dead-lettered, and both go.
+#[tokio::test]
+async fn an_idle_key_whose_state_cannot_be_read_is_removed_without_holding_up_the_others() {
+    let mut decl = graph("unreadable", &["a", "b"], Criteria::WhenAll);
+    decl.reactor.strategy = Strategy::Latest;
+    let keying = decl.keyed.as_mut().unwrap();
+    keying.partitions = 1;
+    keying.max_keys_in_memory = 1;
+    keying.key_idle = Some(Duration::from_millis(500));
+    let cluster = Cluster::new(decl).await;
+    let flaky = Arc::new(common::FlakyStore::new(cluster.store.clone()));
+    let node = cluster.node_on("n", flaky.clone());
+    cluster.send("a", "bad", 1).await;
+    cluster.send("a", "lone", 2).await;
+    cluster.send("a", "done", 3).await;
+    cluster.send("b", "done", 4).await;
+    cluster
+        .await_count("unreadable.out", 1, Duration::from_secs(10))
+        .await;
+    flaky.make_unreadable("bad");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    // A key of their own: the idle ones are out of memory, and read from the store.
+    cluster.send("a", "fresh", 5).await;
+    cluster.send("b", "fresh", 6).await;
+    for key in ["bad", "lone", "done"] {
+        cluster.await_forgotten(key).await;
+    }
+    let dead = cluster.memory.messages("unreadable.a.dlq");
+    assert_eq!(dead.len(), 1, "only lone's input: {dead:?}");
+    assert_eq!(dead[0].key.as_deref(), Some(&b"lone"[..]));
+    let value: Value = serde_json::from_slice(&dead[0].payload).unwrap();
+    assert_eq!(value["seq"], 2);
+    node.stop().await;
+}
+
 /// A graph that stops expiring idle keys drops the times kept for it with the first
 /// batch it writes, so that times gone stale meanwhile expire nothing should expiry
 /// come back; every key keeps its state.

@@ -78,6 +78,9 @@ pub struct FlakyStore {
     /// Loads of keys or jobs left to fail, and left to pass before them.
     loads: std::sync::atomic::AtomicUsize,
     loads_passing: std::sync::atomic::AtomicUsize,
+    /// Keys whose stored state does not read back (written by another version, say):
+    /// a load of keys naming one fails with no retry helping.
+    unreadable: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl FlakyStore {
@@ -89,7 +92,13 @@ impl FlakyStore {
             released_once: Default::default(),
             loads: Default::default(),
             loads_passing: Default::default(),
+            unreadable: Default::default(),
         }
+    }
+
+    /// From now on the stored state of `key` does not read back.
+    pub fn make_unreadable(&self, key: &str) {
+        self.unreadable.lock().unwrap().insert(key.to_string());
     }
 
     /// The next `count` partition writes fail.
@@ -162,6 +171,13 @@ impl weir::keyed::KeyedStore for FlakyStore {
         keys: &[String],
     ) -> Result<Vec<Option<weir::reactor::CacheSnapshot>>, weir::store_error::StoreError> {
         self.load_fails()?;
+        let unreadable = self.unreadable.lock().unwrap().clone();
+        if let Some(key) = keys.iter().find(|k| unreadable.contains(*k)) {
+            return Err(weir::store_error::StoreError::Corrupt {
+                key: key.clone(),
+                source: "not a cache snapshot".into(),
+            });
+        }
         self.inner.load_keys(graph, partition, keys).await
     }
 
