@@ -1954,6 +1954,80 @@ async fn a_held_back_schedule_moved_out_of_a_stranded_shard_still_catches_up() {
     assert_eq!(store.held_back(0, &[id]).await.unwrap(), [None]);
 }
 
+/// Cuts the store off as the first tick is handed over, and loses that tick: the pass
+/// that catches a schedule up publishes the rest of its times and cannot record any.
+struct CuttingOffAndLosingTheFirst {
+    broker: MemoryBroker,
+    store: Arc<MemoryStore>,
+    lost: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl weir::transport::Sink for CuttingOffAndLosingTheFirst {
+    async fn publish(
+        &self,
+        message: weir::transport::Outbound,
+    ) -> Result<weir::transport::Position, weir::transport::TransportError> {
+        if !self.lost.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            self.store.set_reachable(false);
+            return Err(weir::transport::TransportError::Publish {
+                topic: message.topic,
+                source: "connection closed".into(),
+                retryable: true,
+            });
+        }
+        self.broker.publish(message).await
+    }
+}
+
+/// A held-back schedule the master read ahead of its retry time (cached then at the
+/// time its shard files it under) catches up from when it was first due in local state
+/// too: the store going away in the pass that catches it up, the time that pass lost is
+/// fired from local state through the outage, with every time after.
+#[tokio::test(start_paused = true)]
+async fn a_held_back_schedule_read_ahead_catches_up_from_local_state_in_an_outage() {
+    use weir::cron::scheduler::TokioClock;
+    use weir::cron::HeldBack;
+    let store = Arc::new(MemoryStore::new());
+    let broker = MemoryBroker::default();
+    let mut schedule = Schedule::new("behind", "* * * * *", "UTC");
+    schedule.target = Target::Topic("behind.ticks".into());
+    schedule.catchup = weir::cron::CatchUp::All { cap: 10 };
+    schedule.delivery = Delivery::AtLeastOnce;
+    store.put_schedule(&schedule).await.unwrap();
+    // First due at 00:01:00 while unreadable, to be looked at again at 00:03:00.
+    let retry_ms = minutes(&["00:03:00"])[0];
+    store
+        .set_next_fire(0, "behind", Some(retry_ms))
+        .await
+        .unwrap();
+    let held = HeldBack {
+        first_due_ms: minutes(&["00:01:00"])[0],
+        retry_ms,
+    };
+    store.hold_back(0, "behind", held).await.unwrap();
+    let sink = CuttingOffAndLosingTheFirst {
+        broker: broker.clone(),
+        store: store.clone(),
+        lost: Default::default(),
+    };
+    let cfg = SchedulerConfig {
+        clock: Arc::new(TokioClock::starting_at(at("2026-01-01T00:02:30Z"))),
+        ..config("a", 0)
+    };
+    let cancel = CancellationToken::new();
+    let node = tokio::spawn(Scheduler::new(store.clone(), Arc::new(sink), cfg).run(cancel.clone()));
+    // To 00:04:10: the pass at 00:03:00 loses 00:01:00, and 00:04:00 falls in the outage.
+    tokio::time::sleep(Duration::from_secs(100)).await;
+    cancel.cancel();
+    let _ = node.await;
+    let fired: std::collections::BTreeSet<i64> =
+        fired_times(&broker, "behind.ticks").into_iter().collect();
+    for time in minutes(&["00:01:00", "00:02:00", "00:03:00", "00:04:00"]) {
+        assert!(fired.contains(&time), "{time} not fired: {fired:?}");
+    }
+}
+
 /// What the shard holds back of a schedule is read even while the master has that
 /// schedule cached (from before another master held it back, or from a pass that read
 /// it back and then failed to record): the master catches it up from when it was first

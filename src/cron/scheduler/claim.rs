@@ -184,6 +184,24 @@ impl Scheduler {
             ));
             unreadable.insert(id);
         }
+        // Held back and cached before this pass (read ahead of it, at the time its shard
+        // files it under: the retry), it is known locally from when it was first due, as
+        // one loaded now is: should the store go away before this pass records, it
+        // catches up from local state from there.
+        for (id, due_ms) in &due {
+            if !held_back.contains_key(id) {
+                continue;
+            }
+            if let Some((cached, next)) = self.cache.get_mut(id) {
+                *next = plan::first_local_fire(
+                    &cached.schedule,
+                    (&cached.expr, cached.tz),
+                    first_due(id, *due_ms),
+                    horizon,
+                    self.config.lease_ttl,
+                );
+            }
+        }
         // Plan every firing, claim them all in one round trip, publish the claimed ones
         // concurrently, then record statuses and next fire times in one more.
         let mut next_fires = Vec::with_capacity(due.len());
