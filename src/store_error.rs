@@ -28,6 +28,10 @@ pub enum StoreError {
         operation: &'static str,
         #[source]
         source: BoxError,
+        /// Whether the same call may succeed later (a server loading its data, a
+        /// failover under way), or is refused the same way every time (no permission for
+        /// the command, a value that cannot be encoded).
+        retryable: bool,
     },
     #[error("stored value under {key} is corrupt: {source}")]
     Corrupt {
@@ -64,9 +68,10 @@ impl StoreError {
     /// Whether the same call may succeed later: the store came back, a transient error
     /// passed. A corrupt value or a lost lease stays as it is.
     pub fn is_retryable(&self) -> bool {
-        matches!(
-            self.kind(),
-            StoreErrorKind::Unreachable | StoreErrorKind::Operation
-        )
+        match self {
+            Self::Unreachable { .. } => true,
+            Self::Operation { retryable, .. } => *retryable,
+            Self::Settings { .. } | Self::Corrupt { .. } | Self::Fenced { .. } => false,
+        }
     }
 }

@@ -372,10 +372,37 @@ mod failover {
         connection
     }
 
+    /// Overwrites the stored schedule `id` with a value of another Redis type (a hash,
+    /// as another program sharing the prefix might write), which reading it as a string
+    /// fails on.
+    async fn make_another_type(prefix: &str, id: &str) -> redis::aio::MultiplexedConnection {
+        let mut connection = make_unreadable(prefix, id).await;
+        let key = format!("{prefix}:sched:{id}");
+        redis::pipe()
+            .atomic()
+            .del(&key)
+            .hset(&key, "id", id)
+            .query_async::<()>(&mut connection)
+            .await
+            .unwrap();
+        connection
+    }
+
     /// A stored schedule this version cannot read (another version wrote it, say) is
     /// left unfired; the other schedules of its shard fire on.
     #[tokio::test(flavor = "multi_thread")]
     async fn an_unreadable_stored_schedule_leaves_the_rest_of_its_shard_firing() {
+        a_spoiled_schedule_leaves_the_rest_of_its_shard_firing(false).await;
+    }
+
+    /// As above for a key of another type under the schedule's name: Redis refuses to
+    /// read it, every time, and the shard's other schedules fire on.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_schedule_key_of_another_type_leaves_the_rest_of_its_shard_firing() {
+        a_spoiled_schedule_leaves_the_rest_of_its_shard_firing(true).await;
+    }
+
+    async fn a_spoiled_schedule_leaves_the_rest_of_its_shard_firing(another_type: bool) {
         let prefix = services::unique("cronbad");
         let _cleanup_prefix = services::cleanup(&prefix);
         let store = services::redis(&prefix).await;
@@ -385,7 +412,11 @@ mod failover {
         register(store.as_ref(), &every_second("bad", "bad.ticks"), 1)
             .await
             .unwrap();
-        let mut connection = make_unreadable(&prefix, "bad").await;
+        let mut connection = if another_type {
+            make_another_type(&prefix, "bad").await
+        } else {
+            make_unreadable(&prefix, "bad").await
+        };
         let broker = MemoryBroker::default();
         let cancel = CancellationToken::new();
         let scheduler = tokio::spawn(

@@ -25,6 +25,7 @@ use crate::lease::Held;
 use crate::ownership::{PartitionError, PartitionWork, StoreRetry};
 use crate::reactor::cache::{InputCache, Inserted};
 use crate::reactor::CacheSnapshot;
+use crate::store_error::StoreErrorKind;
 use crate::transport::{
     now_ms, publish_dead_letter, Broker, HeaderValue, Message, Outbound, PendingAck, Position,
     Sink, Source, TransportError,
@@ -938,13 +939,13 @@ impl<'a> Serving<'a> {
                 // One key's state unreadable (another version's, say) would fail the
                 // page at every look, and no idle key would ever go: read them one by
                 // one, and remove an unreadable one without letters, saying so.
-                Err(e) if !e.is_retryable() => {
+                Err(e) if e.kind() == StoreErrorKind::Corrupt => {
                     let mut loaded = Vec::with_capacity(stored_only.len());
                     for key in &stored_only {
                         let wanted = std::slice::from_ref(key);
                         match keyed.store.load_keys(graph, partition, wanted).await {
                             Ok(mut one) => loaded.push(one.pop().flatten()),
-                            Err(e) if !e.is_retryable() => {
+                            Err(e) if e.kind() == StoreErrorKind::Corrupt => {
                                 warn!(graph = %graph, partition, key = %key, error = %e, "idle key's stored state cannot be read; removed without dead-lettering what it held");
                                 loaded.push(None);
                             }

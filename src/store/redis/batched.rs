@@ -75,6 +75,7 @@ impl BatchedScript {
         let stopped = || StoreError::Operation {
             operation: self.operation,
             source: "the task making the calls has stopped".into(),
+            retryable: true,
         };
         let (made, outcome) = oneshot::channel();
         let write = Write { key, args, made };
@@ -140,6 +141,7 @@ async fn call(
                 let _ = write.made.send(Err(StoreError::Operation {
                     operation,
                     source: why.clone().into(),
+                    retryable: true,
                 }));
             }
         }
@@ -173,14 +175,24 @@ fn same_class(error: &StoreError) -> StoreError {
             what: what.clone(),
             source: source.to_string().into(),
         },
-        StoreError::Operation { operation, source } => StoreError::Operation {
+        StoreError::Operation {
+            operation,
+            source,
+            retryable,
+        } => StoreError::Operation {
             operation,
             source: source.to_string().into(),
+            retryable: *retryable,
         },
-        // `store_error` makes only the two above.
+        StoreError::Corrupt { key, source } => StoreError::Corrupt {
+            key: key.clone(),
+            source: source.to_string().into(),
+        },
+        // `store_error` makes only the three above.
         other => StoreError::Operation {
             operation: "shared script call",
             source: other.to_string().into(),
+            retryable: other.is_retryable(),
         },
     }
 }

@@ -147,15 +147,55 @@ enum Write {
 
 fn store_error(operation: &'static str, e: redis::RedisError) -> StoreError {
     if e.is_io_error() || e.is_connection_refusal() || e.is_timeout() || e.is_connection_dropped() {
-        StoreError::Unreachable {
+        return StoreError::Unreachable {
             what: format!("redis {operation}"),
             source: e.into(),
-        }
-    } else {
-        StoreError::Operation {
+        };
+    }
+    match refusal(&e) {
+        Refusal::StoredValue => StoreError::Corrupt {
+            key: format!("a key {operation} reads or writes"),
+            source: e.into(),
+        },
+        Refusal::ForGood => StoreError::Operation {
             operation,
             source: e.into(),
+            retryable: false,
+        },
+        Refusal::MayPass => StoreError::Operation {
+            operation,
+            source: e.into(),
+            retryable: true,
+        },
+    }
+}
+
+/// What a Redis error that is not a lost connection says of trying again.
+#[derive(Debug, PartialEq, Eq)]
+enum Refusal {
+    /// A key holds what this version cannot read (another type, bytes that are not
+    /// text): the same every time, and confined to that value, so a caller reading many
+    /// can pass over it as over a record that does not parse.
+    StoredValue,
+    /// The server refuses the command itself (no permission for it, keys of one call
+    /// across cluster slots, a client setting it cannot serve): the same every time.
+    ForGood,
+    /// Anything else, a server loading its data, a failover under way, a script running
+    /// or memory full among them (a transaction aborted for one of those too): it may
+    /// pass.
+    MayPass,
+}
+
+fn refusal(e: &redis::RedisError) -> Refusal {
+    use redis::ErrorKind;
+    match e.kind() {
+        ErrorKind::TypeError => Refusal::StoredValue,
+        ErrorKind::ExtensionError if e.code() == Some("WRONGTYPE") => Refusal::StoredValue,
+        ErrorKind::ExtensionError if e.code() == Some("NOPERM") => Refusal::ForGood,
+        ErrorKind::CrossSlot | ErrorKind::InvalidClientConfig | ErrorKind::RESP3NotSupported => {
+            Refusal::ForGood
         }
+        _ => Refusal::MayPass,
     }
 }
 
@@ -419,6 +459,7 @@ impl RedisStore {
         let text = serde_json::to_string(value).map_err(|e| StoreError::Operation {
             operation: "encode",
             source: e.into(),
+            retryable: false,
         })?;
         let mut c = self.connection.clone();
         c.set::<_, _, ()>(key, text)
@@ -446,6 +487,7 @@ impl RedisStore {
         serde_json::to_string(value).map_err(|e| StoreError::Operation {
             operation: "encode",
             source: e.into(),
+            retryable: false,
         })
     }
 }
@@ -470,5 +512,56 @@ impl Backend for RedisStore {
                 },
                 other => other,
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server_says(code: &str, detail: &str) -> redis::RedisError {
+        redis::make_extension_error(code.into(), Some(detail.into()))
+    }
+
+    #[test]
+    fn a_value_of_another_type_is_corrupt_and_not_retried() {
+        let wrong_type = server_says(
+            "WRONGTYPE",
+            "Operation against a key holding the wrong kind of value",
+        );
+        let e = store_error("HMGET", wrong_type);
+        assert_eq!(e.kind(), crate::store_error::StoreErrorKind::Corrupt, "{e}");
+        assert!(!e.is_retryable());
+        assert!(e.to_string().contains("HMGET"), "{e}");
+        let not_text = redis::RedisError::from((
+            redis::ErrorKind::TypeError,
+            "Response was of incompatible type",
+        ));
+        assert!(!store_error("GET", not_text).is_retryable());
+    }
+
+    #[test]
+    fn a_command_refused_for_good_is_not_retried() {
+        let e = store_error(
+            "EVALSHA",
+            server_says("NOPERM", "this user has no permissions"),
+        );
+        assert_eq!(e.kind(), crate::store_error::StoreErrorKind::Operation);
+        assert!(!e.is_retryable(), "{e}");
+    }
+
+    #[test]
+    fn a_refusal_that_may_pass_is_retried() {
+        for e in [
+            server_says("OOM", "command not allowed when used memory > 'maxmemory'"),
+            server_says("BUSY", "Redis is busy running a script"),
+            redis::RedisError::from((redis::ErrorKind::BusyLoadingError, "loading")),
+            redis::RedisError::from((redis::ErrorKind::ReadOnly, "replica")),
+            redis::RedisError::from((redis::ErrorKind::ResponseError, "max clients reached")),
+        ] {
+            let e = store_error("SET", e);
+            assert_eq!(e.kind(), crate::store_error::StoreErrorKind::Operation);
+            assert!(e.is_retryable(), "{e}");
+        }
     }
 }

@@ -11,6 +11,7 @@ impl RecoveryLog for RedisStore {
         let text = serde_json::to_string(event).map_err(|e| StoreError::Operation {
             operation: "encode",
             source: e.into(),
+            retryable: false,
         })?;
         let per_graph = self.key(&["recovery", &event.graph]);
         let all = self.key(&["recovery"]);
