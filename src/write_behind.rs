@@ -194,8 +194,9 @@ async fn run<T>(
                     break true;
                 }
                 Err(e) if !e.is_retryable() => {
-                    // Refused for good (its writer's lease has a newer holder): a retry
-                    // would be refused too, and a newer value will be tried in its turn.
+                    // Refused for good (its writer's lease has a newer holder, or a key
+                    // holds another type than the write expects): a retry would be
+                    // refused too, and a newer value will be tried in its turn.
                     warn!(%what, error = %e, "store refused the write; given up");
                     outcomes.ended.send_replace(handed.version);
                     break false;

@@ -428,6 +428,24 @@ mod failover {
         let _ = scheduler.await;
         assert!(ticks(&broker, "good.ticks").len() >= 2);
         assert!(ticks(&broker, "bad.ticks").is_empty());
+        let listed = store.list_schedules().await.unwrap();
+        assert_eq!(
+            listed
+                .schedules
+                .iter()
+                .map(|s| s.id.as_str())
+                .collect::<Vec<_>>(),
+            ["good"]
+        );
+        assert_eq!(
+            listed
+                .unreadable
+                .iter()
+                .map(|u| u.id.as_str())
+                .collect::<Vec<_>>(),
+            ["bad"],
+            "listed as unreadable"
+        );
         // Still due, a while later: once readable again (every node upgraded) it fires.
         let score: Option<f64> = redis::cmd("ZSCORE")
             .arg(format!("{prefix}:sched:due:0"))

@@ -103,7 +103,8 @@ async fn tail_from(
     let mut failed_in_a_row = 0;
     // The broker answered as it was connected to: a first open failing for a reason that
     // may pass (the connection dropped while the stream is looked up) is made again, as
-    // a reopen is. Nothing was read yet, so nothing can be skipped or printed twice.
+    // a reopen is. Nothing was printed yet, so nothing is printed twice; reading from the
+    // latest message, what comes before an open succeeds is not shown, as with any open.
     let Some(mut source) = reopen(broker, &subscription, &cancel, &mut failed_in_a_row).await?
     else {
         return Ok(());

@@ -540,7 +540,10 @@ impl StateManager {
             if let Ok(Err(e)) = joined {
                 warn!(error = %e, "state manager consumer stopped");
                 cancel.cancel();
-                outcome = Err(e.into());
+                // The first failure is the cause; the rest may follow from the stop.
+                if outcome.is_ok() {
+                    outcome = Err(e.into());
+                }
             }
         }
         outcome

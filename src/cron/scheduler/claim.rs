@@ -184,10 +184,10 @@ impl Scheduler {
             ));
             unreadable.insert(id);
         }
-        // Held back and cached before this pass (read ahead of it, at the time its shard
-        // files it under: the retry), it is known locally from when it was first due, as
-        // one loaded now is: should the store go away before this pass records, it
-        // catches up from local state from there.
+        // Held back, it is known locally from when it was first due, whether loaded in
+        // this pass (done above, and the same again here) or cached before it (read
+        // ahead, at the time its shard files it under: the retry): should the store go
+        // away before this pass records, it catches up from local state from there.
         for (id, due_ms) in &due {
             if !held_back.contains_key(id) {
                 continue;

@@ -152,50 +152,31 @@ fn store_error(operation: &'static str, e: redis::RedisError) -> StoreError {
             source: e.into(),
         };
     }
-    match refusal(&e) {
-        Refusal::StoredValue => StoreError::Corrupt {
+    if holds_what_cannot_be_read(&e) {
+        return StoreError::Corrupt {
             key: format!("a key {operation} reads or writes"),
             source: e.into(),
-        },
-        Refusal::ForGood => StoreError::Operation {
-            operation,
-            source: e.into(),
-            retryable: false,
-        },
-        Refusal::MayPass => StoreError::Operation {
-            operation,
-            source: e.into(),
-            retryable: true,
-        },
+        };
+    }
+    StoreError::Operation {
+        operation,
+        source: e.into(),
+        retryable: true,
     }
 }
 
-/// What a Redis error that is not a lost connection says of trying again.
-#[derive(Debug, PartialEq, Eq)]
-enum Refusal {
-    /// A key holds what this version cannot read (another type, bytes that are not
-    /// text): the same every time, and confined to that value, so a caller reading many
-    /// can pass over it as over a record that does not parse.
-    StoredValue,
-    /// The server refuses the command itself (no permission for it, keys of one call
-    /// across cluster slots, a client setting it cannot serve): the same every time.
-    ForGood,
-    /// Anything else, a server loading its data, a failover under way, a script running
-    /// or memory full among them (a transaction aborted for one of those too): it may
-    /// pass.
-    MayPass,
-}
-
-fn refusal(e: &redis::RedisError) -> Refusal {
-    use redis::ErrorKind;
+/// Whether Redis answered that what the keys of a call hold is not what this version
+/// reads there: a key of another type (another program sharing the prefix), or a reply
+/// that does not convert (bytes that are not text). The same every time, so callers
+/// reading many records pass over it as over one that does not parse. Every other
+/// refusal (a server loading its data, a failover under way, a script running, memory
+/// full, a command an ACL denies, which an operator can put right while weir waits) is
+/// tried again.
+fn holds_what_cannot_be_read(e: &redis::RedisError) -> bool {
     match e.kind() {
-        ErrorKind::TypeError => Refusal::StoredValue,
-        ErrorKind::ExtensionError if e.code() == Some("WRONGTYPE") => Refusal::StoredValue,
-        ErrorKind::ExtensionError if e.code() == Some("NOPERM") => Refusal::ForGood,
-        ErrorKind::CrossSlot | ErrorKind::InvalidClientConfig | ErrorKind::RESP3NotSupported => {
-            Refusal::ForGood
-        }
-        _ => Refusal::MayPass,
+        redis::ErrorKind::TypeError => true,
+        redis::ErrorKind::ExtensionError => e.code() == Some("WRONGTYPE"),
+        _ => false,
     }
 }
 
@@ -541,20 +522,14 @@ mod tests {
     }
 
     #[test]
-    fn a_command_refused_for_good_is_not_retried() {
-        let e = store_error(
-            "EVALSHA",
-            server_says("NOPERM", "this user has no permissions"),
-        );
-        assert_eq!(e.kind(), crate::store_error::StoreErrorKind::Operation);
-        assert!(!e.is_retryable(), "{e}");
-    }
-
-    #[test]
     fn a_refusal_that_may_pass_is_retried() {
         for e in [
             server_says("OOM", "command not allowed when used memory > 'maxmemory'"),
             server_says("BUSY", "Redis is busy running a script"),
+            server_says(
+                "NOPERM",
+                "this user has no permissions to run the 'evalsha' command",
+            ),
             redis::RedisError::from((redis::ErrorKind::BusyLoadingError, "loading")),
             redis::RedisError::from((redis::ErrorKind::ReadOnly, "replica")),
             redis::RedisError::from((redis::ErrorKind::ResponseError, "max clients reached")),

@@ -129,7 +129,27 @@ impl ScheduleStore for RedisStore {
                 .await
                 .map_err(|e| store_error("MGET", e))?;
             for ((id, key), text) in chunk.iter().zip(keys).zip(raw) {
-                let Some(text) = text else { continue };
+                // MGET answers nothing for a key of another type, as for one deleted
+                // since the ids were read: told apart by its type, looked up for those
+                // only.
+                let Some(text) = text else {
+                    let kind: String = redis::cmd("TYPE")
+                        .arg(&key)
+                        .query_async(&mut c)
+                        .await
+                        .map_err(|e| store_error("TYPE", e))?;
+                    if kind != "none" {
+                        list.unreadable.push(UnreadableSchedule {
+                            id: id.clone(),
+                            error: StoreError::Corrupt {
+                                source: format!("the key holds a Redis {kind}, not a schedule")
+                                    .into(),
+                                key,
+                            },
+                        });
+                    }
+                    continue;
+                };
                 match serde_json::from_str::<Schedule>(&text) {
                     Ok(schedule) => list.schedules.push(schedule),
                     Err(e) => list.unreadable.push(UnreadableSchedule {
