@@ -451,6 +451,9 @@ mod tests {
         inner: weir::transport::memory::MemoryBroker,
         failures: usize,
         calls: std::sync::atomic::AtomicUsize,
+        /// Whether a retry may help, as a dropped connection, or cannot, as a topic
+        /// the broker does not allow.
+        retryable: bool,
     }
 
     #[async_trait::async_trait]
@@ -468,7 +471,7 @@ mod tests {
                 return Err(TransportError::Consume {
                     topic: subscription.topic.clone(),
                     source: "connection closed while listing streams".into(),
-                    retryable: true,
+                    retryable: self.retryable,
                 });
             }
             self.inner.subscribe(subscription).await
@@ -491,7 +494,10 @@ mod tests {
         }
     }
 
-    async fn tail_through_first_opens_failing(failures: usize) -> (Result<(), Error>, String) {
+    async fn tail_through_first_opens_failing(
+        failures: usize,
+        retryable: bool,
+    ) -> (Result<(), Error>, String, usize) {
         let memory = weir::transport::memory::MemoryBroker::new(1);
         for id in 0..3 {
             let event = Outbound::new("t", serde_json::json!({ "id": id }).to_string());
@@ -501,6 +507,7 @@ mod tests {
             inner: memory,
             failures,
             calls: Default::default(),
+            retryable,
         };
         let args = TailArgs {
             topic: "t".into(),
@@ -510,23 +517,34 @@ mod tests {
         };
         let mut out = Vec::new();
         let tailed = tail_from(&broker, &args, CancellationToken::new(), &mut out).await;
-        (tailed, String::from_utf8(out).unwrap())
+        let opens = broker.calls.load(std::sync::atomic::Ordering::SeqCst);
+        (tailed, String::from_utf8(out).unwrap(), opens)
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_first_open_failing_for_now_is_made_again() {
-        let (tailed, out) = tail_through_first_opens_failing(2).await;
+        let (tailed, out, opens) = tail_through_first_opens_failing(2, true).await;
         tailed.expect("the third open reads");
+        assert_eq!(opens, 3);
         assert_eq!(out, "{\"id\":0}\n{\"id\":1}\n{\"id\":2}\n");
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_first_open_failing_again_and_again_ends_the_command() {
-        let (tailed, out) = tail_through_first_opens_failing(usize::MAX).await;
+        let (tailed, out, opens) = tail_through_first_opens_failing(usize::MAX, true).await;
         let failed = tailed.expect_err("the broker never lets it read");
         assert_eq!(failed.exit_code(), 1, "{failed}");
         assert!(failed.to_string().contains("listing streams"), "{failed}");
         assert_eq!(out, "");
+        assert_eq!(opens, 1 + TAIL_REOPENS as usize);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_first_open_no_retry_can_help_ends_the_command_at_once() {
+        let (tailed, out, opens) = tail_through_first_opens_failing(usize::MAX, false).await;
+        tailed.expect_err("the broker refuses the reader");
+        assert_eq!(out, "");
+        assert_eq!(opens, 1, "not tried again");
     }
 
     #[test]
