@@ -994,6 +994,59 @@ async fn idle_keys_lose_their_state(max_keys_in_memory: usize) {
     node.stop().await;
 }
 
+/// Idle keys by the hundred, most out of memory, have every unfired input
+/// dead-lettered once, each key's in its queue's order, however many go out at once.
+#[tokio::test]
+async fn many_idle_keys_have_each_unfired_input_dead_lettered_once_in_order() {
+    let mut decl = graph("many", &["a", "b"], Criteria::WhenAll);
+    let keying = decl.keyed.as_mut().unwrap();
+    keying.partitions = 1;
+    keying.key_idle = Some(Duration::from_millis(500));
+    let cluster = Cluster::new(decl).await;
+    let node = cluster.node("n");
+    let keys = 150;
+    for n in 0..keys {
+        cluster.send("a", &format!("k{n}"), n).await;
+    }
+    for seq in [1000, 1001, 1002] {
+        cluster.send("a", "deep", seq).await;
+    }
+    cluster.await_stored_queue("deep", "a", 3).await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    cluster.send("a", "fresh", 2000).await;
+    cluster.send("b", "fresh", 2001).await;
+    cluster.await_forgotten("deep").await;
+    cluster.await_forgotten(&format!("k{}", keys - 1)).await;
+    cluster
+        .await_count("many.a.dlq", keys as usize + 3, Duration::from_secs(10))
+        .await;
+    let letters: Vec<(String, u64)> = cluster
+        .memory
+        .messages("many.a.dlq")
+        .iter()
+        .map(|letter| {
+            let value: Value = serde_json::from_slice(&letter.payload).unwrap();
+            let key = String::from_utf8(letter.key.clone().unwrap().to_vec()).unwrap();
+            (key, value["seq"].as_u64().unwrap())
+        })
+        .collect();
+    let deep: Vec<u64> = letters
+        .iter()
+        .filter(|(key, _)| key == "deep")
+        .map(|(_, seq)| *seq)
+        .collect();
+    assert_eq!(deep, [1000, 1001, 1002], "in the queue's order");
+    assert_eq!(letters.len(), keys as usize + 3, "{letters:?}");
+    let mut each = letters.clone();
+    each.sort();
+    each.dedup();
+    assert_eq!(each.len(), letters.len(), "each once");
+    for n in 0..keys {
+        assert!(each.contains(&(format!("k{n}"), n)), "k{n}");
+    }
+    node.stop().await;
+}
+
 #[tokio::test]
 async fn idle_keys_in_memory_lose_their_state() {
     idle_keys_lose_their_state(10).await;

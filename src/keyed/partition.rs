@@ -45,6 +45,10 @@ const IDLE_KEYS_PER_PAGE: usize = 1000;
 /// Pages of idle keys removed in one look, at most: the partition reads nothing
 /// meanwhile.
 const IDLE_PAGES_PER_SWEEP: usize = 10;
+/// Idle keys whose dead letters are out at once: a page may carry a letter for each of
+/// its keys, and one round trip after another would hold the partition's events up for
+/// seconds.
+const IDLE_LETTERS_IN_FLIGHT: usize = 64;
 /// The time idle keys are measured against: the least advanced source's latest event
 /// time (ms), 0 until every source has handed over an event in this run. A source
 /// working off a backlog holds it back, so a key whose events it has not reached yet is
@@ -753,8 +757,24 @@ impl<'a> Serving<'a> {
         // As for outputs: a node paused past its lease dead-letters nothing more, or the
         // owner after it would record the same event a second time.
         self.held.write_fence()?;
+        let letter = self.input_letter(source, (payload, key), source_topic, offset, reason);
+        let topic = letter.topic.clone();
+        publish_dead_letter(self.graph.sink.as_ref(), letter, &self.stopping).await?;
+        warn!(graph = %self.graph.graph, partition = self.partition, %topic, %reason, "event dead-lettered");
+        Ok(())
+    }
+
+    /// The dead letter of an input of `source`: see [`Self::dead_letter_input`].
+    fn input_letter(
+        &self,
+        source: usize,
+        (payload, key): (bytes::Bytes, Option<bytes::Bytes>),
+        source_topic: String,
+        offset: Option<i64>,
+        reason: &str,
+    ) -> Outbound {
         let topic = self.graph.dead_letters[source].clone();
-        let mut outbound = Outbound::new(topic.clone(), payload)
+        let mut outbound = Outbound::new(topic, payload)
             .header(wire::ERROR_HEADER, reason)
             .header(wire::GRAPH_HEADER, self.graph.graph.to_string())
             .header(
@@ -767,9 +787,7 @@ impl<'a> Serving<'a> {
             outbound = outbound.header(wire::OFFSET_HEADER, offset.to_string());
         }
         outbound.key = key;
-        publish_dead_letter(self.graph.sink.as_ref(), outbound, &self.stopping).await?;
-        warn!(graph = %self.graph.graph, partition = self.partition, %topic, %reason, "event dead-lettered");
-        Ok(())
+        outbound
     }
 
     /// Awaits the batch's outputs, writes its keys with the sources' positions, commits
@@ -985,18 +1003,35 @@ impl<'a> Serving<'a> {
                 }
             }
         }
-        let mut kept = HashSet::new();
+        // Each key's letters in order, the keys' side by side.
+        let mut letters: Vec<(&String, Vec<Outbound>)> = Vec::new();
         for (key, source, boundary) in unfired {
-            // Let go of meanwhile: nothing is removed yet, and the next owner sends the
-            // letters.
-            if self.stopping.is_cancelled() {
-                return Ok(None);
+            let letter = self.unfired_letter(key, source, &boundary);
+            match letters.last_mut() {
+                Some((last, of_key)) if *last == key => of_key.push(letter),
+                _ => letters.push((key, vec![letter])),
             }
-            if kept.contains(key) {
-                continue;
-            }
-            match self.dead_letter_unfired_input(key, source, &boundary).await {
-                Ok(()) => {}
+        }
+        let (held, sink, stopping) = (self.held, self.graph.sink.as_ref(), &self.stopping);
+        let mut sending = Vec::with_capacity(letters.len());
+        for (key, of_key) in letters {
+            sending.push(send_in_order(held, sink, stopping, key, of_key));
+        }
+        let sent: Vec<(&String, Result<usize, PartitionError>)> = futures::stream::iter(sending)
+            .buffered(IDLE_LETTERS_IN_FLIGHT)
+            .collect()
+            .await;
+        // Let go of meanwhile: nothing is removed yet, and the next owner sends the
+        // letters (again, for those that went).
+        if self.stopping.is_cancelled() {
+            return Ok(None);
+        }
+        let mut kept = HashSet::new();
+        for (key, outcome) in sent {
+            match outcome {
+                Ok(letters) => {
+                    warn!(graph = %graph, partition, key = %key, letters, "idle key's unfired inputs dead-lettered");
+                }
                 Err(PartitionError::Transport(e)) if !e.is_retryable() => {
                     warn!(graph = %graph, partition, key = %key, error = %e, "idle key's dead letter refused; the key is kept for now");
                     kept.insert(key.clone());
@@ -1007,14 +1042,9 @@ impl<'a> Serving<'a> {
         Ok(Some(kept))
     }
 
-    /// One input of an idle key that no fire took, on its source's dead-letter topic:
-    /// its JSON value, where it was read, and why it was not fired.
-    async fn dead_letter_unfired_input(
-        &mut self,
-        key: &str,
-        source: usize,
-        boundary: &Boundary,
-    ) -> Result<(), PartitionError> {
+    /// The dead letter of an input of an idle key that no fire took, for its source's
+    /// dead-letter topic: its JSON value, where it was read, and why it was not fired.
+    fn unfired_letter(&self, key: &str, source: usize, boundary: &Boundary) -> Outbound {
         let reason = format!(
             "key {} went key_idle_ms without an event and was removed; no fire had taken \
              this input yet (the graph's other sources had not sent the key enough \
@@ -1028,14 +1058,13 @@ impl<'a> Serving<'a> {
             .then(|| bytes::Bytes::copy_from_slice(key.as_bytes()));
         let source_topic = self.graph.topics.sources[source].topic_for(key.as_bytes());
         let offset = boundary.positions.first().map(|at| at.offset);
-        self.dead_letter_input(
+        self.input_letter(
             source,
             (payload, message_key),
             source_topic,
             offset,
             &reason,
         )
-        .await
     }
 
     /// Drops the least recently used keys beyond the limit; their state is stored.
@@ -1053,6 +1082,30 @@ impl<'a> Serving<'a> {
         let threshold = used[cut - 1];
         self.keys.retain(|_, s| s.used > threshold);
     }
+}
+
+/// Sends one idle key's dead letters in order, stopping at the first that does not go:
+/// how many went, or why one did not.
+async fn send_in_order<'k>(
+    held: &Held,
+    sink: &dyn crate::transport::Sink,
+    stopping: &CancellationToken,
+    key: &'k String,
+    letters: Vec<Outbound>,
+) -> (&'k String, Result<usize, PartitionError>) {
+    let mut went = 0;
+    for letter in letters {
+        // As for outputs: a node paused past its lease dead-letters nothing more, or the
+        // owner after it would record the same input again.
+        if let Err(e) = held.write_fence() {
+            return (key, Err(e.into()));
+        }
+        if let Err(e) = publish_dead_letter(sink, letter, stopping).await {
+            return (key, Err(e.into()));
+        }
+        went += 1;
+    }
+    (key, Ok(went))
 }
 
 /// Writes `changes` to `partition` under its fence, waiting out a store away for a
