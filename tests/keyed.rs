@@ -995,14 +995,22 @@ async fn idle_keys_lose_their_state(max_keys_in_memory: usize) {
 }
 
 /// Idle keys by the hundred, most out of memory, have every unfired input
-/// dead-lettered once, each key's in its queue's order, however many go out at once.
+/// dead-lettered once, each key's in its queue's order, though the broker takes the
+/// letters sent side by side in another order than they were sent in.
 #[tokio::test]
 async fn many_idle_keys_have_each_unfired_input_dead_lettered_once_in_order() {
     let mut decl = graph("many", &["a", "b"], Criteria::WhenAll);
     let keying = decl.keyed.as_mut().unwrap();
     keying.partitions = 1;
     keying.key_idle = Some(Duration::from_millis(500));
-    let cluster = Cluster::new(decl).await;
+    let mut cluster = Cluster::new(decl).await;
+    cluster.broker = Arc::new(RefusesTopic {
+        memory: cluster.memory.clone(),
+        topic: String::new(),
+        refusing: Arc::default(),
+        slow: true,
+        taken: Arc::default(),
+    });
     let node = cluster.node("n");
     let keys = 150;
     for n in 0..keys {
@@ -1090,12 +1098,16 @@ async fn an_idle_keys_unfired_latest_value_is_dead_lettered() {
 }
 
 /// The memory broker, but every message to `topic` is refused for good while `refusing`
-/// is set, as a broker refusing a topic it does not allow.
+/// is set, as a broker refusing a topic it does not allow; and, `slow`, each message is
+/// taken after a pause of 0 to 3 ms, so that messages handed over side by side are taken
+/// in another order than they were handed over in.
 #[derive(Clone)]
 struct RefusesTopic {
     memory: MemoryBroker,
     topic: String,
     refusing: Arc<std::sync::atomic::AtomicBool>,
+    slow: bool,
+    taken: Arc<std::sync::atomic::AtomicU64>,
 }
 
 #[async_trait::async_trait]
@@ -1104,7 +1116,12 @@ impl weir::transport::Sink for RefusesTopic {
         &self,
         message: Outbound,
     ) -> Result<weir::transport::Position, weir::transport::TransportError> {
-        if message.topic == self.topic && self.refusing.load(std::sync::atomic::Ordering::SeqCst) {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.slow {
+            let n = self.taken.fetch_add(1, SeqCst);
+            tokio::time::sleep(Duration::from_millis(n * 7 % 4)).await;
+        }
+        if message.topic == self.topic && self.refusing.load(SeqCst) {
             return Err(weir::transport::TransportError::Publish {
                 topic: message.topic,
                 source: "not allowed".into(),
@@ -1161,6 +1178,8 @@ async fn an_idle_key_whose_dead_letter_is_refused_is_kept_until_it_is_taken() {
         memory: cluster.memory.clone(),
         topic: "refused.a.dlq".into(),
         refusing: refusing.clone(),
+        slow: false,
+        taken: Arc::default(),
     });
     let node = cluster.node("n");
     cluster.send("a", "lone", 1).await;

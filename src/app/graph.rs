@@ -445,8 +445,9 @@ mod tests {
         assert!(failed.hint().is_some(), "{failed}");
     }
 
-    /// The memory broker, but its first `failures` subscribes fail as a connection
-    /// dropped mid-call does: for a reason that may pass.
+    /// The memory broker, but its first `failures` subscribes fail: as a connection
+    /// dropped mid-call does, for a reason that may pass, or, not `retryable`, as a
+    /// reader the broker refuses does.
     struct FirstSubscribesFail {
         inner: weir::transport::memory::MemoryBroker,
         failures: usize,

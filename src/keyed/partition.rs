@@ -1012,12 +1012,18 @@ impl<'a> Serving<'a> {
                 _ => letters.push((key, vec![letter])),
             }
         }
-        let (held, sink, stopping) = (self.held, self.graph.sink.as_ref(), &self.stopping);
+        let sender = LetterSender {
+            graph,
+            partition,
+            held: self.held,
+            sink: self.graph.sink.as_ref(),
+            stopping: &self.stopping,
+        };
         let mut sending = Vec::with_capacity(letters.len());
         for (key, of_key) in letters {
-            sending.push(send_in_order(held, sink, stopping, key, of_key));
+            sending.push(sender.send_in_order(key, of_key));
         }
-        let sent: Vec<(&String, Result<usize, PartitionError>)> = futures::stream::iter(sending)
+        let sent: Vec<(&String, Result<(), PartitionError>)> = futures::stream::iter(sending)
             .buffered(IDLE_LETTERS_IN_FLIGHT)
             .collect()
             .await;
@@ -1029,9 +1035,7 @@ impl<'a> Serving<'a> {
         let mut kept = HashSet::new();
         for (key, outcome) in sent {
             match outcome {
-                Ok(letters) => {
-                    warn!(graph = %graph, partition, key = %key, letters, "idle key's unfired inputs dead-lettered");
-                }
+                Ok(()) => {}
                 Err(PartitionError::Transport(e)) if !e.is_retryable() => {
                     warn!(graph = %graph, partition, key = %key, error = %e, "idle key's dead letter refused; the key is kept for now");
                     kept.insert(key.clone());
@@ -1084,28 +1088,41 @@ impl<'a> Serving<'a> {
     }
 }
 
-/// Sends one idle key's dead letters in order, stopping at the first that does not go:
-/// how many went, or why one did not.
-async fn send_in_order<'k>(
-    held: &Held,
-    sink: &dyn crate::transport::Sink,
-    stopping: &CancellationToken,
-    key: &'k String,
-    letters: Vec<Outbound>,
-) -> (&'k String, Result<usize, PartitionError>) {
-    let mut went = 0;
-    for letter in letters {
-        // As for outputs: a node paused past its lease dead-letters nothing more, or the
-        // owner after it would record the same input again.
-        if let Err(e) = held.write_fence() {
-            return (key, Err(e.into()));
+/// What sends idle keys' dead letters, side by side.
+struct LetterSender<'a> {
+    graph: &'a str,
+    partition: i32,
+    held: &'a Held,
+    sink: &'a dyn crate::transport::Sink,
+    stopping: &'a CancellationToken,
+}
+
+impl LetterSender<'_> {
+    /// Sends one idle key's dead letters in order, stopping at the first that does not
+    /// go, or as the partition is let go of.
+    async fn send_in_order<'k>(
+        &self,
+        key: &'k String,
+        letters: Vec<Outbound>,
+    ) -> (&'k String, Result<(), PartitionError>) {
+        for letter in letters {
+            // Let go of: no more letters, and the page removes nothing.
+            if self.stopping.is_cancelled() {
+                return (key, Err(PartitionError::StoppedRetrying));
+            }
+            // As for outputs: a node paused past its lease dead-letters nothing more,
+            // or the owner after it would record the same input again.
+            if let Err(e) = self.held.write_fence() {
+                return (key, Err(e.into()));
+            }
+            let topic = letter.topic.clone();
+            if let Err(e) = publish_dead_letter(self.sink, letter, self.stopping).await {
+                return (key, Err(e.into()));
+            }
+            warn!(graph = %self.graph, partition = self.partition, key = %key, %topic, "idle key's unfired input dead-lettered");
         }
-        if let Err(e) = publish_dead_letter(sink, letter, stopping).await {
-            return (key, Err(e.into()));
-        }
-        went += 1;
+        (key, Ok(()))
     }
-    (key, Ok(went))
 }
 
 /// Writes `changes` to `partition` under its fence, waiting out a store away for a
