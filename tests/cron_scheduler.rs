@@ -2003,32 +2003,6 @@ async fn a_held_back_schedule_moved_out_of_a_stranded_shard_still_catches_up() {
     assert_eq!(store.held_back(0, &[id]).await.unwrap(), [None]);
 }
 
-/// Cuts the store off as the first tick is handed over, and loses that tick: the pass
-/// that catches a schedule up publishes the rest of its times and cannot record any.
-struct CuttingOffAndLosingTheFirst {
-    broker: MemoryBroker,
-    store: Arc<MemoryStore>,
-    lost: std::sync::atomic::AtomicBool,
-}
-
-#[async_trait::async_trait]
-impl weir::transport::Sink for CuttingOffAndLosingTheFirst {
-    async fn publish(
-        &self,
-        message: weir::transport::Outbound,
-    ) -> Result<weir::transport::Position, weir::transport::TransportError> {
-        if !self.lost.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            self.store.set_reachable(false);
-            return Err(weir::transport::TransportError::Publish {
-                topic: message.topic,
-                source: "connection closed".into(),
-                retryable: true,
-            });
-        }
-        self.broker.publish(message).await
-    }
-}
-
 /// A held-back schedule the master read ahead of its retry time (cached then at the
 /// time its shard files it under) catches up from when it was first due in local state
 /// too: the store going away in the pass that catches it up, the time that pass lost is
@@ -2055,10 +2029,11 @@ async fn a_held_back_schedule_read_ahead_catches_up_from_local_state_in_an_outag
         retry_ms,
     };
     store.hold_back(0, "behind", held).await.unwrap();
-    let sink = CuttingOffAndLosingTheFirst {
+    let sink = CuttingOffOnSend {
         broker: broker.clone(),
         store: store.clone(),
-        lost: Default::default(),
+        losing_the_first: true,
+        sent: Default::default(),
     };
     let cfg = SchedulerConfig {
         clock: Arc::new(TokioClock::starting_at(at("2026-01-01T00:02:30Z"))),
@@ -2241,10 +2216,14 @@ async fn an_at_least_once_schedule_first_due_in_a_store_outage_fires_from_local_
 }
 
 /// Hands ticks to the broker, and cuts the store off as the first one goes out: the
-/// master's record of that emission, and of the schedule's next fire time, fails.
+/// master's record of that emission, and of the schedule's next fire time, fails. With
+/// `losing_the_first`, that first tick is lost too (its publish fails, for a reason that
+/// may pass), so the pass that catches a schedule up publishes only the rest of its times.
 struct CuttingOffOnSend {
     broker: MemoryBroker,
     store: Arc<MemoryStore>,
+    losing_the_first: bool,
+    sent: std::sync::atomic::AtomicBool,
 }
 
 #[async_trait::async_trait]
@@ -2254,6 +2233,14 @@ impl weir::transport::Sink for CuttingOffOnSend {
         message: weir::transport::Outbound,
     ) -> Result<weir::transport::Position, weir::transport::TransportError> {
         self.store.set_reachable(false);
+        let first = !self.sent.swap(true, std::sync::atomic::Ordering::SeqCst);
+        if first && self.losing_the_first {
+            return Err(weir::transport::TransportError::Publish {
+                topic: message.topic,
+                source: "connection closed".into(),
+                retryable: true,
+            });
+        }
         self.broker.publish(message).await
     }
 }
@@ -2275,6 +2262,8 @@ async fn fired_through_an_outage_from_the_first_tick(
     let sink = CuttingOffOnSend {
         broker: broker.clone(),
         store: store.clone(),
+        losing_the_first: false,
+        sent: Default::default(),
     };
     let cfg = SchedulerConfig {
         clock: clock.clone(),

@@ -1004,12 +1004,12 @@ async fn many_idle_keys_have_each_unfired_input_dead_lettered_once_in_order() {
     keying.partitions = 1;
     keying.key_idle = Some(Duration::from_millis(500));
     let mut cluster = Cluster::new(decl).await;
-    cluster.broker = Arc::new(RefusesTopic {
-        memory: cluster.memory.clone(),
-        topic: String::new(),
-        refusing: Arc::default(),
-        slow: true,
-        taken: Arc::default(),
+    cluster.broker = Arc::new(common::WithSink {
+        broker: cluster.broker.clone(),
+        sink: Arc::new(TakesSlowly {
+            inner: cluster.broker.sink(),
+            taken: Default::default(),
+        }),
     });
     let node = cluster.node("n");
     let keys = 150;
@@ -1065,15 +1065,31 @@ async fn idle_keys_that_left_memory_lose_their_state() {
     idle_keys_lose_their_state(1).await;
 }
 
-/// With the latest strategy, an idle key's latest value that no fire took (its other
-/// source never came) is dead-lettered as the key is removed; one that fired is not.
-#[tokio::test]
-async fn an_idle_keys_unfired_latest_value_is_dead_lettered() {
-    let mut decl = graph("latest", &["a", "b"], Criteria::WhenAll);
+/// A graph of sources `a` and `b` joined with `when_all` on their latest values, one
+/// partition, whose keys expire after 500 ms without an event.
+fn latest_expiring_idle_keys(name: &str) -> GraphDeclaration {
+    let mut decl = graph(name, &["a", "b"], Criteria::WhenAll);
     decl.reactor.strategy = Strategy::Latest;
     let keying = decl.keyed.as_mut().unwrap();
     keying.partitions = 1;
     keying.key_idle = Some(Duration::from_millis(500));
+    decl
+}
+
+/// `topic` holds one dead letter: key `lone`'s event `seq`.
+fn assert_lone_letter(cluster: &Cluster, topic: &str, seq: u64) {
+    let dead = cluster.memory.messages(topic);
+    assert_eq!(dead.len(), 1, "only lone's input: {dead:?}");
+    assert_eq!(dead[0].key.as_deref(), Some(&b"lone"[..]));
+    let value: Value = serde_json::from_slice(&dead[0].payload).unwrap();
+    assert_eq!(value["seq"], seq);
+}
+
+/// With the latest strategy, an idle key's latest value that no fire took (its other
+/// source never came) is dead-lettered as the key is removed; one that fired is not.
+#[tokio::test]
+async fn an_idle_keys_unfired_latest_value_is_dead_lettered() {
+    let decl = latest_expiring_idle_keys("latest");
     let cluster = Cluster::new(decl).await;
     let node = cluster.node("n");
     cluster.send("a", "lone", 1).await;
@@ -1088,77 +1104,27 @@ async fn an_idle_keys_unfired_latest_value_is_dead_lettered() {
     cluster.send("b", "fresh", 5).await;
     cluster.await_forgotten("lone").await;
     cluster.await_forgotten("done").await;
-    let dead = cluster.memory.messages("latest.a.dlq");
-    assert_eq!(dead.len(), 1, "{dead:?}");
-    assert_eq!(dead[0].key.as_deref(), Some(&b"lone"[..]));
-    let value: Value = serde_json::from_slice(&dead[0].payload).unwrap();
-    assert_eq!(value["seq"], 1);
+    assert_lone_letter(&cluster, "latest.a.dlq", 1);
     assert!(cluster.memory.messages("latest.b.dlq").is_empty());
     node.stop().await;
 }
 
-/// The memory broker, but every message to `topic` is refused for good while `refusing`
-/// is set, as a broker refusing a topic it does not allow; and, `slow`, each message is
-/// taken after a pause of 0 to 3 ms, so that messages handed over side by side are taken
-/// in another order than they were handed over in.
-#[derive(Clone)]
-struct RefusesTopic {
-    memory: MemoryBroker,
-    topic: String,
-    refusing: Arc<std::sync::atomic::AtomicBool>,
-    slow: bool,
-    taken: Arc<std::sync::atomic::AtomicU64>,
+/// Takes each message after a pause of 0 to 3 ms, so that messages handed over side by
+/// side are taken in another order than they were handed over in.
+struct TakesSlowly {
+    inner: Arc<dyn weir::transport::Sink>,
+    taken: std::sync::atomic::AtomicU64,
 }
 
 #[async_trait::async_trait]
-impl weir::transport::Sink for RefusesTopic {
+impl weir::transport::Sink for TakesSlowly {
     async fn publish(
         &self,
         message: Outbound,
     ) -> Result<weir::transport::Position, weir::transport::TransportError> {
-        use std::sync::atomic::Ordering::SeqCst;
-        if self.slow {
-            let n = self.taken.fetch_add(1, SeqCst);
-            tokio::time::sleep(Duration::from_millis(n * 7 % 4)).await;
-        }
-        if message.topic == self.topic && self.refusing.load(SeqCst) {
-            return Err(weir::transport::TransportError::Publish {
-                topic: message.topic,
-                source: "not allowed".into(),
-                retryable: false,
-            });
-        }
-        self.memory.publish(message).await
-    }
-}
-
-#[async_trait::async_trait]
-impl Broker for RefusesTopic {
-    fn kind(&self) -> &'static str {
-        self.memory.kind()
-    }
-
-    async fn subscribe(
-        &self,
-        subscription: &weir::transport::Subscription,
-    ) -> Result<Box<dyn weir::transport::Source>, weir::transport::TransportError> {
-        self.memory.subscribe(subscription).await
-    }
-
-    fn sink(&self) -> Arc<dyn weir::transport::Sink> {
-        Arc::new(self.clone())
-    }
-
-    async fn partitioned(
-        &self,
-        topic: &str,
-        partitions: u32,
-    ) -> Result<weir::transport::PartitionedTopic, weir::transport::TransportError> {
-        self.memory.partitioned(topic, partitions).await
-    }
-
-    async fn ping(&self) -> Result<(), weir::transport::TransportError> {
-        self.memory.ping().await
+        let n = self.taken.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(n * 7 % 4)).await;
+        self.inner.publish(message).await
     }
 }
 
@@ -1167,19 +1133,17 @@ impl Broker for RefusesTopic {
 /// goes too, its input dead-lettered once.
 #[tokio::test]
 async fn an_idle_key_whose_dead_letter_is_refused_is_kept_until_it_is_taken() {
-    let mut decl = graph("refused", &["a", "b"], Criteria::WhenAll);
-    decl.reactor.strategy = Strategy::Latest;
-    let keying = decl.keyed.as_mut().unwrap();
-    keying.partitions = 1;
-    keying.key_idle = Some(Duration::from_millis(500));
+    let decl = latest_expiring_idle_keys("refused");
     let mut cluster = Cluster::new(decl).await;
     let refusing = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    cluster.broker = Arc::new(RefusesTopic {
-        memory: cluster.memory.clone(),
-        topic: "refused.a.dlq".into(),
-        refusing: refusing.clone(),
-        slow: false,
-        taken: Arc::default(),
+    cluster.broker = Arc::new(common::WithSink {
+        broker: cluster.broker.clone(),
+        sink: Arc::new(common::DeadLettersDown {
+            inner: cluster.broker.sink(),
+            down: refusing.clone(),
+            refused: Arc::default(),
+            for_good: true,
+        }),
     });
     let node = cluster.node("n");
     cluster.send("a", "lone", 1).await;
@@ -1209,11 +1173,7 @@ async fn an_idle_key_whose_dead_letter_is_refused_is_kept_until_it_is_taken() {
     assert!(cluster.memory.messages("refused.a.dlq").is_empty());
     refusing.store(false, std::sync::atomic::Ordering::SeqCst);
     cluster.await_forgotten("lone").await;
-    let dead = cluster.memory.messages("refused.a.dlq");
-    assert_eq!(dead.len(), 1, "{dead:?}");
-    assert_eq!(dead[0].key.as_deref(), Some(&b"lone"[..]));
-    let value: Value = serde_json::from_slice(&dead[0].payload).unwrap();
-    assert_eq!(value["seq"], 1);
+    assert_lone_letter(&cluster, "refused.a.dlq", 1);
     node.stop().await;
 }
 
@@ -1222,12 +1182,8 @@ async fn an_idle_key_whose_dead_letter_is_refused_is_kept_until_it_is_taken() {
 /// input dead-lettered, and both go.
 #[tokio::test]
 async fn an_idle_key_whose_state_cannot_be_read_is_removed_without_holding_up_the_others() {
-    let mut decl = graph("unreadable", &["a", "b"], Criteria::WhenAll);
-    decl.reactor.strategy = Strategy::Latest;
-    let keying = decl.keyed.as_mut().unwrap();
-    keying.partitions = 1;
-    keying.max_keys_in_memory = 1;
-    keying.key_idle = Some(Duration::from_millis(500));
+    let mut decl = latest_expiring_idle_keys("unreadable");
+    decl.keyed.as_mut().unwrap().max_keys_in_memory = 1;
     let cluster = Cluster::new(decl).await;
     let flaky = Arc::new(common::FlakyStore::new(cluster.store.clone()));
     let node = cluster.node_on("n", flaky.clone());
@@ -1246,11 +1202,7 @@ async fn an_idle_key_whose_state_cannot_be_read_is_removed_without_holding_up_th
     for key in ["bad", "lone", "done"] {
         cluster.await_forgotten(key).await;
     }
-    let dead = cluster.memory.messages("unreadable.a.dlq");
-    assert_eq!(dead.len(), 1, "only lone's input: {dead:?}");
-    assert_eq!(dead[0].key.as_deref(), Some(&b"lone"[..]));
-    let value: Value = serde_json::from_slice(&dead[0].payload).unwrap();
-    assert_eq!(value["seq"], 2);
+    assert_lone_letter(&cluster, "unreadable.a.dlq", 2);
     node.stop().await;
 }
 

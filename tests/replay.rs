@@ -414,9 +414,9 @@ fn node_refusing(
     policy: weir::SupervisionPolicy,
 ) -> weir::Supervisor {
     let runtime = weir::Runtime {
-        broker: Arc::new(common::WithDeadLettersDown {
+        broker: Arc::new(common::WithSink {
             broker: Arc::new(h.broker.clone()),
-            dead_letters: dead_letters.clone(),
+            sink: dead_letters.clone(),
         }),
         store: h.store.clone(),
         node_id: "test-node".into(),

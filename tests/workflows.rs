@@ -1116,11 +1116,13 @@ async fn a_diamond_runs_in_dependency_order(env: &Env) {
 }
 
 /// A broker whose first subscribes to each topic fail as a server restarting would
-/// make them fail; everything else goes through.
+/// make them fail, and every subscribe to `refused` as a topic the broker does not
+/// allow; everything else goes through.
 struct SubscribesFailAtFirst {
     inner: Arc<dyn Broker>,
     failures: usize,
     attempts: Mutex<BTreeMap<String, usize>>,
+    refused: Option<String>,
 }
 
 #[async_trait]
@@ -1139,6 +1141,12 @@ impl Broker for SubscribesFailAtFirst {
             *attempt += 1;
             *attempt
         };
+        if self.refused.as_ref() == Some(&subscription.topic) {
+            return Err(TransportError::InvalidTopic {
+                topic: subscription.topic.clone(),
+                reason: "not allowed".into(),
+            });
+        }
         if attempt <= self.failures {
             return Err(TransportError::Unreachable {
                 broker: self.inner.kind().into(),
@@ -1180,6 +1188,7 @@ async fn subscribing_that_fails_for_now_at_start_is_tried_again(env: &Env) {
         inner: env.broker.clone(),
         failures: 2,
         attempts: Mutex::default(),
+        refused: None,
     });
     let starting = Env {
         broker: flaky.clone(),
@@ -1867,48 +1876,6 @@ mod memory {
 
     suite!(env());
 
-    /// Refuses for good every subscription to one topic; passes the rest on.
-    struct RefusesSubscribing {
-        inner: Arc<dyn Broker>,
-        topic: String,
-    }
-
-    #[async_trait]
-    impl Broker for RefusesSubscribing {
-        fn kind(&self) -> &'static str {
-            self.inner.kind()
-        }
-
-        async fn subscribe(
-            &self,
-            subscription: &Subscription,
-        ) -> Result<Box<dyn weir::transport::Source>, TransportError> {
-            if subscription.topic == self.topic {
-                return Err(TransportError::InvalidTopic {
-                    topic: subscription.topic.clone(),
-                    reason: "not allowed".into(),
-                });
-            }
-            self.inner.subscribe(subscription).await
-        }
-
-        fn sink(&self) -> Arc<dyn Sink> {
-            self.inner.sink()
-        }
-
-        async fn partitioned(
-            &self,
-            topic: &str,
-            partitions: u32,
-        ) -> Result<weir::transport::PartitionedTopic, TransportError> {
-            self.inner.partitioned(topic, partitions).await
-        }
-
-        async fn ping(&self) -> Result<(), TransportError> {
-            self.inner.ping().await
-        }
-    }
-
     /// A consumer the state manager cannot start (its start topic refused, after the
     /// results topic's loop started) ends it with the reason, as one failing later does:
     /// the node's token is cancelled, so what it started stops on it, and the run waits
@@ -1918,9 +1885,11 @@ mod memory {
         let env = env();
         let w = flow(&env.name("unstartable"), vec![task("a", "builtin::echo")]);
         let start_topic = w.topic(&workflow_start_topic(&w.name));
-        let broker: Arc<dyn Broker> = Arc::new(RefusesSubscribing {
+        let broker: Arc<dyn Broker> = Arc::new(SubscribesFailAtFirst {
             inner: env.broker.clone(),
-            topic: start_topic.clone(),
+            failures: 0,
+            attempts: Mutex::default(),
+            refused: Some(start_topic.clone()),
         });
         let manager = env.new_state_manager(&[w], Router::new(Vec::new(), "x").unwrap());
         let stopped = tokio::time::timeout(WAIT, manager.run(broker, env.cancel.clone()))
@@ -2040,9 +2009,9 @@ mod memory {
         };
         let first_stop = CancellationToken::new();
         let first = Worker::new(
-            Arc::new(common::WithDeadLettersDown {
+            Arc::new(common::WithSink {
                 broker: env.broker.clone(),
-                dead_letters: down.clone(),
+                sink: down.clone(),
             }),
             env.store.clone(),
             env.builtins(),

@@ -407,14 +407,15 @@ impl weir::transport::Sink for DeadLettersDown {
     }
 }
 
-/// A broker whose dead letters go through [`DeadLettersDown`]; the rest is `broker`'s.
-pub struct WithDeadLettersDown {
+/// A broker whose messages go out through `sink` (a [`DeadLettersDown`], say); the rest
+/// is `broker`'s.
+pub struct WithSink {
     pub broker: std::sync::Arc<dyn weir::transport::Broker>,
-    pub dead_letters: std::sync::Arc<DeadLettersDown>,
+    pub sink: std::sync::Arc<dyn weir::transport::Sink>,
 }
 
 #[async_trait::async_trait]
-impl weir::transport::Broker for WithDeadLettersDown {
+impl weir::transport::Broker for WithSink {
     fn kind(&self) -> &'static str {
         self.broker.kind()
     }
@@ -427,7 +428,7 @@ impl weir::transport::Broker for WithDeadLettersDown {
     }
 
     fn sink(&self) -> std::sync::Arc<dyn weir::transport::Sink> {
-        self.dead_letters.clone()
+        self.sink.clone()
     }
 
     async fn partitioned(
