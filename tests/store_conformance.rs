@@ -69,7 +69,8 @@ macro_rules! store_conformance {
                 keys_and_positions_round_trip,
                 a_deposed_owners_batch_is_refused_whole,
                 a_graph_stays_paused_until_resumed,
-                idle_keys_are_listed_oldest_first_and_expire_with_their_state);
+                idle_keys_are_listed_oldest_first_and_expire_with_their_state,
+                keys_written_through_their_slots_round_trip);
             store_conformance!(@role $open; jobs:
                 a_partition_batch_round_trips,
                 removed_jobs_lose_their_timeouts,
@@ -449,13 +450,16 @@ mod cases {
             assert!(store.load_positions("g", 1).await.unwrap().is_empty());
             assert_eq!(store.load_released("g", 1).await.unwrap(), None);
             let mut changes = KeyedChanges {
-                keys: vec![("ann".into(), snapshot(3)), ("bob".into(), snapshot(1))],
+                keys: vec![
+                    ("ann".into(), None, snapshot(3)),
+                    ("bob".into(), None, snapshot(1)),
+                ],
                 positions: [("a".to_string(), 17), ("b".to_string(), 4)].into(),
                 ..Default::default()
             };
             store.save_keys("g", 1, &mut changes, &fence).await.unwrap();
             let mut later = KeyedChanges {
-                keys: vec![("ann".into(), snapshot(4))],
+                keys: vec![("ann".into(), None, snapshot(4))],
                 positions: [("a".to_string(), 18)].into(),
                 released: Some((lease.token, 1_234)),
                 ..Default::default()
@@ -494,7 +498,7 @@ mod cases {
             let mut changes = KeyedChanges {
                 keys: ["ann", "bob", "cid", "dan"]
                     .iter()
-                    .map(|k| ((*k).into(), snapshot(1)))
+                    .map(|k| ((*k).into(), None, snapshot(1)))
                     .collect(),
                 touched: vec![
                     ("ann".into(), 300),
@@ -507,7 +511,7 @@ mod cases {
             store.save_keys("g", 1, &mut changes, &fence).await.unwrap();
             // A later event moves a key's time on.
             let mut later = KeyedChanges {
-                keys: vec![("bob".into(), snapshot(2))],
+                keys: vec![("bob".into(), None, snapshot(2))],
                 touched: vec![("bob".into(), 800)],
                 ..Default::default()
             };
@@ -549,7 +553,7 @@ mod cases {
             );
             // A key stored without a time is never listed.
             let mut untimed = KeyedChanges {
-                keys: vec![("eve".into(), snapshot(1))],
+                keys: vec![("eve".into(), None, snapshot(1))],
                 ..Default::default()
             };
             store.save_keys("g", 1, &mut untimed, &fence).await.unwrap();
@@ -621,6 +625,88 @@ mod cases {
             );
         }
 
+        /// A store kept in this process hands out slots (the memory store); one
+        /// elsewhere none (Redis), and the same writes go by name.
+        pub async fn keys_written_through_their_slots_round_trip(store: Arc<dyn Store>) {
+            let (old, fence) = deposed_and_current(store.as_ref(), "graph.g.1").await;
+            let ann: Arc<str> = "ann".into();
+            let ann_slot = store.key_slot("g", 1, &ann);
+            // The same slot to every caller; a slot alone stores nothing.
+            assert_eq!(store.key_slot("g", 1, &ann), ann_slot);
+            assert_eq!(
+                store.load_keys("g", 1, &["ann".into()]).await.unwrap(),
+                [None]
+            );
+            let mut changes = KeyedChanges {
+                keys: vec![
+                    (ann.clone(), ann_slot, snapshot(3)),
+                    ("bob".into(), None, snapshot(1)),
+                ],
+                ..Default::default()
+            };
+            store.save_keys("g", 1, &mut changes, &fence).await.unwrap();
+            assert_eq!(
+                store
+                    .load_keys("g", 1, &["ann".into(), "bob".into()])
+                    .await
+                    .unwrap(),
+                [Some(snapshot(3)), Some(snapshot(1))]
+            );
+            // A deposed owner writes nothing through its slots.
+            let mut stale = KeyedChanges {
+                keys: vec![(ann.clone(), ann_slot, snapshot(9))],
+                ..Default::default()
+            };
+            assert!(is_fenced(&store.save_keys("g", 1, &mut stale, &old).await));
+            assert_eq!(
+                store.load_keys("g", 1, &["ann".into()]).await.unwrap(),
+                [Some(snapshot(3))]
+            );
+            // Once the key is removed its slot may hold another key: a write through the
+            // old slot goes to its own key, and leaves the other as it was.
+            let mut expired = KeyedChanges {
+                expired: vec![ann.clone()],
+                ..Default::default()
+            };
+            store.save_keys("g", 1, &mut expired, &fence).await.unwrap();
+            let cid: Arc<str> = "cid".into();
+            let cid_slot = store.key_slot("g", 1, &cid);
+            if ann_slot.is_some() {
+                assert_eq!(cid_slot, ann_slot, "a removed key's slot is taken again");
+            }
+            let mut back = KeyedChanges {
+                keys: vec![(ann.clone(), ann_slot, snapshot(4))],
+                ..Default::default()
+            };
+            store.save_keys("g", 1, &mut back, &fence).await.unwrap();
+            assert_eq!(
+                store
+                    .load_keys("g", 1, &["ann".into(), "cid".into()])
+                    .await
+                    .unwrap(),
+                [Some(snapshot(4)), None]
+            );
+            // The same key under another copy of its name (an owner started again), with
+            // a slot handed out before: still the one key.
+            let mut again = KeyedChanges {
+                keys: vec![("cid".into(), cid_slot, snapshot(5))],
+                ..Default::default()
+            };
+            store.save_keys("g", 1, &mut again, &fence).await.unwrap();
+            assert_eq!(
+                store
+                    .load_keys("g", 1, &["cid".into(), "ann".into()])
+                    .await
+                    .unwrap(),
+                [Some(snapshot(5)), Some(snapshot(4))]
+            );
+            // Slots are per partition.
+            assert_eq!(
+                store.load_keys("g", 2, &["cid".into()]).await.unwrap(),
+                [None]
+            );
+        }
+
         pub async fn a_graph_stays_paused_until_resumed(store: Arc<dyn Store>) {
             assert!(!store.load_paused("g").await.unwrap());
             store.save_paused("g", true).await.unwrap();
@@ -637,7 +723,7 @@ mod cases {
         pub async fn a_deposed_owners_batch_is_refused_whole(store: Arc<dyn Store>) {
             let (old, new) = deposed_and_current(store.as_ref(), "graph.g.1").await;
             let mut stale = KeyedChanges {
-                keys: vec![("ann".into(), snapshot(9))],
+                keys: vec![("ann".into(), None, snapshot(9))],
                 positions: [("a".to_string(), 99)].into(),
                 touched: vec![("ann".into(), 5)],
                 ..Default::default()

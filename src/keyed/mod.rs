@@ -32,7 +32,7 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
-pub use store::{FireNumbers, KeyedChanges, KeyedStore};
+pub use store::{FireNumbers, KeySlot, KeyedChanges, KeyedStore};
 
 use crate::accumulator::SourceSpec;
 use crate::graph::{GraphDeclaration, KeySource};

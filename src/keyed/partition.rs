@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::store::{KeyedChanges, KeyedStore};
+use super::store::{KeySlot, KeyedChanges, KeyedStore};
 use super::KeyedTopics;
 use crate::accumulator::Boundary;
 use crate::codec::CodecError;
@@ -168,6 +168,8 @@ struct KeyState {
     /// The number of the batch that last listed the key, and where in its list.
     listed_in: u64,
     listed_at: usize,
+    /// Where the store keeps the key, if it hands out slots.
+    slot: Option<KeySlot>,
 }
 
 struct Serving<'a> {
@@ -234,11 +236,12 @@ struct Sent {
 
 #[derive(Default)]
 struct Batch {
-    /// Keys changed since the last write, each once. With the state it had when first
-    /// listed: most keys change once per batch, and writing the batch then needs no
-    /// look-up of them. `None` once the key changed again: looked up when written, so a
-    /// key changed often takes one snapshot per batch, not one per event.
-    keys: Vec<(Arc<str>, Option<CacheSnapshot>)>,
+    /// Keys changed since the last write, each once, with the store's slot for it.
+    /// With the state it had when first listed: most keys change once per batch, and
+    /// writing the batch then needs no look-up of them. `None` once the key changed
+    /// again: looked up when written, so a key changed often takes one snapshot per
+    /// batch, not one per event.
+    keys: Vec<(Arc<str>, Option<KeySlot>, Option<CacheSnapshot>)>,
     acks: Vec<(PendingAck, Sent)>,
     /// Per source: the broker position to commit once written.
     commit: BTreeMap<usize, Position>,
@@ -458,6 +461,7 @@ impl<'a> Serving<'a> {
     /// one hash and one probe per event for a key in memory.
     async fn key_state(&mut self, key: &str) -> Result<(Arc<str>, &mut KeyState), PartitionError> {
         self.events += 1;
+        let graph = self.graph;
         let state = match self.keys.entry_ref(key) {
             EntryRef::Occupied(entry) => (entry.key().clone(), entry.into_mut()),
             EntryRef::Vacant(entry) => {
@@ -502,8 +506,12 @@ impl<'a> Serving<'a> {
                     touched_ms: 0,
                     listed_in: 0,
                     listed_at: 0,
+                    slot: None,
                 });
-                (entry.key().clone(), entry.into_mut())
+                let key = entry.key().clone();
+                let state = entry.into_mut();
+                state.slot = graph.store.key_slot(&graph.graph, self.partition, &key);
+                (key, state)
             }
         };
         state.1.used = self.events;
@@ -592,11 +600,12 @@ impl<'a> Serving<'a> {
         let fired_up_to = state.fires;
         if state.listed_in == batch_number {
             let at = state.listed_at;
-            self.batch.keys[at].1 = None;
+            self.batch.keys[at].2 = None;
         } else {
             (state.listed_in, state.listed_at) = (batch_number, next_listed);
             let snapshot = state.cache.snapshot(state.fires, std::iter::empty());
-            self.batch.keys.push((key.clone(), Some(snapshot)));
+            let slot = state.slot;
+            self.batch.keys.push((key.clone(), slot, Some(snapshot)));
         }
         self.fire_high = self.fire_high.max(fired_up_to);
         for (fire, values) in fires {
@@ -815,7 +824,7 @@ impl<'a> Serving<'a> {
         // Times written while idle keys expired would go stale now that they do not.
         changes.drop_times = !expiring && !self.wrote;
         changes.fire_high = expiring.then_some(self.fire_high);
-        for (key, listed) in batch.keys.drain(..) {
+        for (key, slot, listed) in batch.keys.drain(..) {
             let snapshot = match listed {
                 Some(snapshot) => snapshot,
                 None => match self.keys.get(&key) {
@@ -829,7 +838,7 @@ impl<'a> Serving<'a> {
                     changes.touched.push((key.clone(), state.touched_ms));
                 }
             }
-            changes.keys.push((key, snapshot));
+            changes.keys.push((key, slot, snapshot));
         }
         for (i, position) in self.positions.iter().enumerate() {
             if let Some(position) = position {

@@ -13,8 +13,9 @@ use crate::store_error::StoreError;
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct KeyedChanges {
     /// Each changed key's cache, dirty flags, queues and fire count; the key shared
-    /// with the owner's memory, since a batch lists every key it changed.
-    pub keys: Vec<(Arc<str>, CacheSnapshot)>,
+    /// with the owner's memory, since a batch lists every key it changed; and the slot
+    /// the store handed out for the key, if any ([`KeyedStore::key_slot`]).
+    pub keys: Vec<(Arc<str>, Option<KeySlot>, CacheSnapshot)>,
     /// Per source, the last position applied in the partition.
     pub positions: BTreeMap<String, i64>,
     /// Set by an owner handing the partition over: its lease token and the time (ms).
@@ -56,6 +57,24 @@ impl KeyedChanges {
             expired,
             ..Self::default()
         }
+    }
+}
+
+/// Where a store kept in this process holds one key of a partition
+/// ([`KeyedStore::key_slot`]), handed to the partition's owner and given back with the
+/// key's changes, so that the store writes the key where it is instead of finding it by
+/// name: a partition's keys run to hundreds of thousands, and finding each changed key
+/// in a table of them all costs every batch write a wait on memory per key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeySlot(usize);
+
+impl KeySlot {
+    pub(crate) fn new(index: usize) -> Self {
+        Self(index)
+    }
+
+    pub(crate) fn index(self) -> usize {
+        self.0
     }
 }
 
@@ -115,6 +134,13 @@ pub trait KeyedStore: Send + Sync {
 
     /// Pauses or resumes the graph on every node running it.
     async fn save_paused(&self, graph: &str, paused: bool) -> Result<(), StoreError>;
+
+    /// The key's slot, for a store kept in this process: where the key stays until it
+    /// is removed, written or not. `None` for a store elsewhere. A slot is a hint: a
+    /// write finds a key by name whenever its slot no longer holds it.
+    fn key_slot(&self, _graph: &str, _partition: i32, _key: &Arc<str>) -> Option<KeySlot> {
+        None
+    }
 
     /// Writes a batch, all or nothing, refused whole once the fence's lease has a newer
     /// token. Only the partition's owner writes, in order, so its positions only move

@@ -229,6 +229,15 @@ impl weir::keyed::KeyedStore for FlakyStore {
         self.inner.save_paused(graph, paused).await
     }
 
+    fn key_slot(
+        &self,
+        graph: &str,
+        partition: i32,
+        key: &std::sync::Arc<str>,
+    ) -> Option<weir::keyed::KeySlot> {
+        self.inner.key_slot(graph, partition, key)
+    }
+
     async fn save_keys(
         &self,
         graph: &str,

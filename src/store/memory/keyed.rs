@@ -14,11 +14,7 @@ impl KeyedStore for MemoryStore {
         let stored = state.keyed.get(&(graph.to_string(), partition));
         Ok(keys
             .iter()
-            .map(|k| {
-                stored
-                    .and_then(|s| s.keys.get(k.as_str()))
-                    .map(|s| (**s).clone())
-            })
+            .map(|k| stored.and_then(|s| s.keys.get(k.as_str())).cloned())
             .collect())
     }
 
@@ -94,6 +90,15 @@ impl KeyedStore for MemoryStore {
         Ok(())
     }
 
+    fn key_slot(&self, graph: &str, partition: i32, key: &Arc<str>) -> Option<KeySlot> {
+        let mut state = self.state().ok()?;
+        let stored = state
+            .keyed
+            .entry((graph.to_string(), partition))
+            .or_default();
+        Some(KeySlot::new(stored.keys.slot(key)))
+    }
+
     async fn save_keys(
         &self,
         graph: &str,
@@ -107,23 +112,12 @@ impl KeyedStore for MemoryStore {
             .keyed
             .entry((graph.to_string(), partition))
             .or_default();
-        // A partition's keys spread over far more memory than the cache holds: each is
-        // looked up first, with the events its stored state holds (dropped when it is
-        // replaced), in a loop of independent look-ups whose cache misses overlap, so the
-        // inserts after it find what they touch cached instead of waiting on each.
-        for (key, _) in &changes.keys {
-            if let Some(replaced) = stored.keys.get(key) {
-                for (_, source) in replaced.sources.iter() {
-                    std::hint::black_box(source.current.as_ref().map(Arc::strong_count));
-                }
-            }
+        for (key, slot, _) in &changes.keys {
+            stored.keys.warm(key, *slot);
         }
-        stored.keys.extend(
-            changes
-                .keys
-                .drain(..)
-                .map(|(key, snapshot)| (key, Box::new(snapshot))),
-        );
+        for (key, slot, snapshot) in changes.keys.drain(..) {
+            stored.keys.write(&key, slot, snapshot);
+        }
         if changes.drop_times {
             stored.touched.clear();
             stored.by_touch.clear();

@@ -26,6 +26,7 @@ use super::{
 };
 use crate::cron::{ExecutionList, HeldBack, Schedule, ScheduleList};
 use crate::dispatch::WorkflowExecution;
+use crate::keyed::KeySlot;
 use crate::reactor::CacheSnapshot;
 use workflow::WorkflowDeadlines;
 
@@ -101,18 +102,131 @@ impl ShardFires {
 
 #[derive(Default)]
 struct KeyedPartition {
-    /// Written once per changed key per batch: a fast hash, as the graph's own key map
-    /// has, rather than SipHash. Each snapshot boxed, so the table's slots stay small
-    /// (a key and a pointer): a partition's keys run to hundreds of thousands, and a
-    /// table of whole snapshots spreads over far more memory than the processor's
-    /// caches hold, which every write of a key then waits on.
-    keys: HashMap<Arc<str>, Box<CacheSnapshot>, foldhash::fast::RandomState>,
+    keys: StoredKeys,
     positions: BTreeMap<String, i64>,
     released: Option<(u64, i64)>,
     /// Where idle keys expire: each key's time, and the keys by that time.
     touched: HashMap<Arc<str>, i64>,
     by_touch: BTreeSet<(i64, Arc<str>)>,
     fires: FireNumbers,
+}
+
+/// A keyed partition's keys: each in a slot of its own, found by name through the
+/// index, or written straight through the slot its owner was handed ([`KeySlot`]).
+#[derive(Default)]
+struct StoredKeys {
+    /// A fast hash, as the graph's own key map has, rather than SipHash; small per key
+    /// (a key and a number), as a partition's keys run to hundreds of thousands.
+    index: HashMap<Arc<str>, usize, foldhash::fast::RandomState>,
+    /// The slots, [`SLOTS_PER_CHUNK`] to a chunk, made as keys come and never moved: one
+    /// table grown by doubling would copy every key's state each time, and leave as much
+    /// memory again mapped until the allocator hands it back. `None` where a key was
+    /// removed, until a new key takes the slot.
+    chunks: Vec<Vec<Option<StoredKey>>>,
+    free: Vec<usize>,
+}
+
+const SLOTS_PER_CHUNK: usize = 256;
+
+struct StoredKey {
+    /// The key as its owner holds it: a write through a slot checks that the slot still
+    /// holds its key by comparing pointers, with no read of the key.
+    key: Arc<str>,
+    /// `None` until first written.
+    state: Option<CacheSnapshot>,
+}
+
+impl StoredKeys {
+    fn at(&self, at: usize) -> Option<&StoredKey> {
+        self.chunks
+            .get(at / SLOTS_PER_CHUNK)?
+            .get(at % SLOTS_PER_CHUNK)?
+            .as_ref()
+    }
+
+    fn at_mut(&mut self, at: usize) -> Option<&mut Option<StoredKey>> {
+        self.chunks
+            .get_mut(at / SLOTS_PER_CHUNK)?
+            .get_mut(at % SLOTS_PER_CHUNK)
+    }
+
+    /// The key's slot, made for it if it has none; the slot takes the caller's copy
+    /// of the key.
+    fn slot(&mut self, key: &Arc<str>) -> usize {
+        let stored = StoredKey {
+            key: key.clone(),
+            state: None,
+        };
+        if let Some(&at) = self.index.get(key) {
+            if let Some(Some(held)) = self.at_mut(at) {
+                held.key = stored.key;
+            }
+            return at;
+        }
+        let at = match self.free.pop() {
+            Some(at) => at,
+            None => {
+                if self
+                    .chunks
+                    .last()
+                    .is_none_or(|c| c.len() == SLOTS_PER_CHUNK)
+                {
+                    self.chunks.push(Vec::with_capacity(SLOTS_PER_CHUNK));
+                }
+                let last = self.chunks.len() - 1;
+                let chunk = &mut self.chunks[last];
+                chunk.push(None);
+                last * SLOTS_PER_CHUNK + chunk.len() - 1
+            }
+        };
+        if let Some(slot) = self.at_mut(at) {
+            *slot = Some(stored);
+        }
+        self.index.insert(key.clone(), at);
+        at
+    }
+
+    fn get(&self, key: &str) -> Option<&CacheSnapshot> {
+        self.at(*self.index.get(key)?)?.state.as_ref()
+    }
+
+    /// Reads what a write of the key replaces (the events its stored state holds,
+    /// dropped with it), ahead of the write: a batch reading its keys so in a row has
+    /// their cache misses outstanding at once, instead of waiting on each as it writes.
+    fn warm(&self, key: &Arc<str>, slot: Option<KeySlot>) {
+        let at = match slot {
+            Some(slot) => Some(slot.index()),
+            None => self.index.get(key).copied(),
+        };
+        let Some(stored) = at.and_then(|at| self.at(at)) else {
+            return;
+        };
+        for (_, source) in stored.state.iter().flat_map(|s| s.sources.iter()) {
+            std::hint::black_box(source.current.as_ref().map(Arc::strong_count));
+        }
+    }
+
+    /// Writes the key through its slot if the slot still holds it (a removed key's
+    /// slot may hold another by now), else finds it by name.
+    fn write(&mut self, key: &Arc<str>, slot: Option<KeySlot>, snapshot: CacheSnapshot) {
+        let held = |stored: &StoredKey| Arc::ptr_eq(&stored.key, key);
+        let at = match slot.map(KeySlot::index) {
+            Some(at) if self.at(at).is_some_and(held) => at,
+            _ => self.slot(key),
+        };
+        if let Some(Some(stored)) = self.at_mut(at) {
+            stored.state = Some(snapshot);
+        }
+    }
+
+    fn remove(&mut self, key: &str) {
+        if let Some(at) = self.index.remove(key) {
+            if let Some(slot) = self.at_mut(at) {
+                *slot = None;
+            }
+            self.free.push(at);
+        }
+    }
 }
 
 #[derive(Default)]

@@ -192,7 +192,7 @@ impl KeyedStore for RedisStore {
         let mut writes = Vec::with_capacity(
             changes.keys.len() + changes.touched.len() + 2 * changes.expired.len() + 1,
         );
-        for (key, snapshot) in &changes.keys {
+        for (key, _, snapshot) in &changes.keys {
             writes.push(Write::Hset(
                 hash.clone(),
                 key.to_string(),
