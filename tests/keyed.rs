@@ -1,8 +1,8 @@
 //! Keyed graphs on the memory backends, with several nodes in one process: one reactor
 //! state per key, every input reaching an output in its key's order across joins and
 //! kills, per-key `when_all`, keys leaving memory with events queued, an output too large
-//! for the broker, a failed fire, events that cannot be read or keyed, and the
-//! co-partitioning check.
+//! for the broker, a failed fire, events that cannot be read or keyed, the
+//! co-partitioning check, and idle keys expiring by event time.
 
 mod common;
 
@@ -1106,6 +1106,141 @@ async fn an_idle_keys_unfired_latest_value_is_dead_lettered() {
     cluster.await_forgotten("done").await;
     assert_lone_letter(&cluster, "latest.a.dlq", 1);
     assert!(cluster.memory.messages("latest.b.dlq").is_empty());
+    node.stop().await;
+}
+
+/// The broker, but the sources of `topic` hand over nothing until `until`, as a source
+/// behind the others on a long backlog; counts the sources it holds back.
+struct ReadsHeldBack {
+    broker: Arc<dyn Broker>,
+    topic: String,
+    until: tokio::time::Instant,
+    held: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[async_trait::async_trait]
+impl Broker for ReadsHeldBack {
+    fn kind(&self) -> &'static str {
+        self.broker.kind()
+    }
+
+    async fn subscribe(
+        &self,
+        subscription: &weir::transport::Subscription,
+    ) -> Result<Box<dyn weir::transport::Source>, weir::transport::TransportError> {
+        let source = self.broker.subscribe(subscription).await?;
+        if subscription.topic != self.topic {
+            return Ok(source);
+        }
+        self.held.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(Box::new(HeldBack {
+            source,
+            until: self.until,
+        }))
+    }
+
+    fn sink(&self) -> Arc<dyn weir::transport::Sink> {
+        self.broker.sink()
+    }
+
+    async fn partitioned(
+        &self,
+        topic: &str,
+        partitions: u32,
+    ) -> Result<weir::transport::PartitionedTopic, weir::transport::TransportError> {
+        self.broker.partitioned(topic, partitions).await
+    }
+
+    async fn ping(&self) -> Result<(), weir::transport::TransportError> {
+        self.broker.ping().await
+    }
+}
+
+struct HeldBack {
+    source: Box<dyn weir::transport::Source>,
+    until: tokio::time::Instant,
+}
+
+#[async_trait::async_trait]
+impl weir::transport::Source for HeldBack {
+    async fn next(&mut self) -> Result<weir::transport::Message, weir::transport::TransportError> {
+        tokio::time::sleep_until(self.until).await;
+        self.source.next().await
+    }
+
+    fn ready(
+        &mut self,
+    ) -> Option<Result<weir::transport::Message, weir::transport::TransportError>> {
+        if tokio::time::Instant::now() < self.until {
+            return None;
+        }
+        self.source.ready()
+    }
+
+    async fn commit(
+        &mut self,
+        through: &[weir::transport::Position],
+    ) -> Result<(), weir::transport::TransportError> {
+        self.source.commit(through).await
+    }
+}
+
+/// A node down for longer than `key_idle_ms`, then started again on a backlog whose
+/// second source it reaches seconds after the first: the idle clock follows the
+/// sources' event times, held back by the source behind, so neither the downtime nor
+/// the other source's newer events make a key idle whose next event is still to be
+/// read. The key fires with its queued input once that event comes; nothing is
+/// dead-lettered.
+#[tokio::test]
+async fn neither_downtime_nor_a_source_ahead_on_its_backlog_makes_a_key_idle() {
+    let mut decl = graph("held", &["a", "b"], Criteria::WhenAll);
+    let keying = decl.keyed.as_mut().unwrap();
+    keying.partitions = 1;
+    keying.key_idle = Some(Duration::from_millis(500));
+    let cluster = Cluster::new(decl).await;
+    let node = cluster.node("n1");
+    cluster.send("a", "waiting", 1).await;
+    cluster.await_stored_queue("waiting", "a", 1).await;
+    node.stop().await;
+    // The key's next event, on the other source, 100 ms of event time later; then,
+    // past the key's idle time, newer events on the first source.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    cluster.send("b", "waiting", 2).await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    cluster.send("a", "later", 3).await;
+    cluster.send("a", "latest", 4).await;
+    // Two looks for idle keys (one a second) while `b` is held back and `a` is read.
+    let held = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let behind = Cluster {
+        broker: Arc::new(ReadsHeldBack {
+            broker: cluster.broker.clone(),
+            topic: "held.b".into(),
+            until: tokio::time::Instant::now() + Duration::from_millis(2500),
+            held: held.clone(),
+        }),
+        memory: cluster.memory.clone(),
+        store: cluster.store.clone(),
+        decl: cluster.decl.clone(),
+        topics: cluster.topics.clone(),
+    };
+    let node = behind.node("n2");
+    cluster.await_stored_queue("later", "a", 1).await;
+    cluster.await_stored_queue("latest", "a", 1).await;
+    assert_eq!(
+        held.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "source b held back"
+    );
+    cluster
+        .await_count("held.out", 1, Duration::from_secs(10))
+        .await;
+    let outputs = cluster.outputs();
+    assert_eq!(outputs.len(), 1, "{outputs:?}");
+    assert_eq!(outputs[0]["key"], "waiting", "{outputs:?}");
+    assert_eq!(outputs[0]["inputs"]["a"]["seq"], 1, "{outputs:?}");
+    assert_eq!(outputs[0]["inputs"]["b"]["seq"], 2, "{outputs:?}");
+    assert!(cluster.memory.messages("held.a.dlq").is_empty());
+    assert!(cluster.memory.messages("held.b.dlq").is_empty());
     node.stop().await;
 }
 
