@@ -508,6 +508,55 @@ async fn malformed_messages_are_dead_lettered_and_the_partition_goes_on() {
     node.stop().await;
 }
 
+/// A dead letter goes out at least once: a malformed message dead-lettered by a node
+/// that dies before the position past it is stored is dead-lettered again by the node
+/// owning the partition next; once that position is stored, never again.
+#[tokio::test]
+async fn a_message_dead_lettered_just_before_its_node_dies_is_dead_lettered_again() {
+    let cluster = Cluster::new().await;
+    let client = cluster.client().await;
+    let topic = weir::wire::job_topic(TYPE);
+    cluster
+        .broker
+        .sink()
+        .publish(cluster.topic.outbound("j", "not json"))
+        .await
+        .unwrap();
+    client.send("j", &json!(1)).await.unwrap();
+    // The node's partition writes fail, as with Redis away: the letter goes out and the
+    // position past it is never stored before the node dies.
+    let flaky = Arc::new(common::FlakyStore::new(cluster.store.clone()));
+    flaky.fail_writes(usize::MAX);
+    let counting = JobHandlers::default().get("builtin::count").unwrap();
+    let node = cluster.node_on("a", counting, flaky.clone());
+    let dead = || {
+        cluster
+            .memory
+            .messages(&weir::wire::dead_letter_topic(&topic))
+    };
+    common::eventually("the first dead letter", || async { !dead().is_empty() }).await;
+    node.kill();
+    assert_eq!(cluster.state("j").await, None, "nothing stored");
+    let first = dead().len();
+    let node = cluster.node("b");
+    cluster.await_counts(&["j".to_string()], 1).await;
+    common::eventually("the next owner's dead letter", || async {
+        dead().len() > first
+    })
+    .await;
+    for letter in dead() {
+        assert_eq!(&letter.payload[..], b"not json");
+    }
+    node.stop().await;
+    // Read again from the stored position: the letter does not go out again.
+    let letters = dead().len();
+    let node = cluster.node("c");
+    client.send("j", &json!(2)).await.unwrap();
+    cluster.await_counts(&["j".to_string()], 2).await;
+    assert_eq!(dead().len(), letters);
+    node.stop().await;
+}
+
 /// Counts messages, but panics on the message `"boom"`.
 struct PanicsOnBoom;
 

@@ -542,6 +542,68 @@ async fn events_that_cannot_be_read_or_keyed_are_dead_lettered_and_the_key_goes_
     node.stop().await;
 }
 
+/// A dead letter goes out at least once: an unreadable event dead-lettered by a node
+/// that dies before the position past it is stored is dead-lettered again by the node
+/// reading the partition next; once that position is stored, never again.
+#[tokio::test]
+async fn an_event_dead_lettered_just_before_its_node_dies_is_dead_lettered_again() {
+    let mut decl = graph("letter", &["a"], Criteria::WhenAny);
+    decl.keyed.as_mut().unwrap().partitions = 1;
+    let cluster = Cluster::new(decl).await;
+    let sink = cluster.broker.sink();
+    for event in [
+        "{not json".to_string(),
+        json!({"user": "u1", "seq": 1}).to_string(),
+    ] {
+        sink.publish(Outbound::new("letter.a", event).key("u1"))
+            .await
+            .unwrap();
+    }
+    // The node's batch writes fail, as with Redis away: the letter goes out and the
+    // position past it is never stored before the node dies.
+    let flaky = Arc::new(common::FlakyStore::new(cluster.store.clone()));
+    flaky.fail_writes(usize::MAX);
+    let node = cluster.node_on("n1", flaky.clone());
+    let dead = || cluster.memory.messages("letter.a.dlq");
+    common::eventually("the first dead letter", || async { !dead().is_empty() }).await;
+    node.kill();
+    assert!(
+        cluster
+            .store
+            .load_positions("letter", 0)
+            .await
+            .unwrap()
+            .is_empty(),
+        "no position stored"
+    );
+    let first = dead().len();
+    let node = cluster.node("n2");
+    let sent: HashSet<(String, u64)> = [("u1".to_string(), 1)].into();
+    cluster.await_outputs(&sent).await;
+    common::eventually("the next owner's dead letter", || async {
+        dead().len() > first
+    })
+    .await;
+    for letter in dead() {
+        assert_eq!(&letter.payload[..], b"{not json");
+        assert_eq!(letter.header(weir::wire::OFFSET_HEADER), Some("0"));
+    }
+    common::eventually("the positions stored", || async {
+        let stored = cluster.store.load_positions("letter", 0).await.unwrap();
+        stored.get("a").is_some_and(|&at| at >= 1)
+    })
+    .await;
+    node.stop().await;
+    // Read again from the stored position: the letter does not go out again.
+    let letters = dead().len();
+    let node = cluster.node("n3");
+    cluster.send("a", "u1", 2).await;
+    let sent: HashSet<(String, u64)> = [("u1".to_string(), 1), ("u1".to_string(), 2)].into();
+    cluster.await_outputs(&sent).await;
+    assert_eq!(dead().len(), letters);
+    node.stop().await;
+}
+
 /// An event just small enough for the broker that cannot be read makes a dead letter
 /// too large for it: the letter goes without the payload, giving its size, and the key
 /// goes on.

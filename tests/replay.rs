@@ -396,6 +396,50 @@ async fn a_rejected_message_whose_dead_letter_a_stop_cut_short_is_dead_lettered_
     assert!(second.shutdown().await, "stopped in time");
 }
 
+/// A dead letter goes out at least once: a rejected message dead-lettered while the
+/// store is away, so that no checkpoint past it is stored before the node goes down,
+/// is dead-lettered again by the node reading the topic next.
+#[tokio::test(start_paused = true)]
+async fn a_message_dead_lettered_before_any_checkpoint_past_it_is_dead_lettered_again() {
+    let h = Harness::new();
+    let picky = || {
+        graph(
+            "again",
+            AccumulatorSpec::custom("a", || RejectsBad).topic("again.in"),
+        )
+    };
+    let g = h.spawn(picky());
+    g.wait_for_state(ReactorState::Live).await;
+    h.store.set_reachable(false);
+    publish_all(&h, "again.in", &[json!("bad"), json!("later")]).await;
+    eventually("the dead letter", || async {
+        !h.broker.messages("again.in.dlq").is_empty()
+    })
+    .await;
+    assert!(h.shutdown().await, "stopped in time, the store away");
+    use weir::store::prelude::*;
+    h.store.set_reachable(true);
+    assert_eq!(
+        h.store.load_checkpoint("again", "a").await.unwrap(),
+        None,
+        "no checkpoint past the message"
+    );
+    let h = h.restart().await;
+    let _g = h.spawn(picky());
+    eventually("the message dead-lettered again", || async {
+        h.broker.messages("again.in.dlq").len() == 2
+    })
+    .await;
+    for letter in h.broker.messages("again.in.dlq") {
+        assert_eq!(letter.payload, json!("bad").to_string().as_bytes());
+    }
+    eventually("the later one fired", || async {
+        fired(&h, "again").contains(&json!("later"))
+    })
+    .await;
+    assert!(h.shutdown().await, "stopped in time");
+}
+
 /// A broker whose dead letters are refused (`for_good`: even without their payload)
 /// until its `down` flag is cleared.
 fn dead_letters_down(h: &Harness, for_good: bool) -> Arc<common::DeadLettersDown> {
