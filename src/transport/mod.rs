@@ -877,6 +877,44 @@ mod tests {
     }
 
     #[test]
+    fn a_letter_sent_again_without_its_payload_keeps_4_kib_of_its_error() {
+        let refused = TransportError::Publish {
+            topic: "t.dlq".into(),
+            source: "message too large".into(),
+            retryable: false,
+        };
+        // A failure quoting a huge input, a two-byte character across the limit.
+        let error = format!("{}é{}", "e".repeat(4095), "x".repeat(100_000));
+        let letter = Outbound::new("t.dlq", "payload").header(crate::wire::ERROR_HEADER, error);
+        let letter = without_payload(letter, &refused);
+        let kept = letter
+            .headers
+            .iter()
+            .find(|(name, _)| name == crate::wire::ERROR_HEADER)
+            .map(|(_, value)| value.as_str().to_string())
+            .unwrap();
+        let expected = format!(
+            "{}… ({} bytes); payload left out, the letter with it was refused: ",
+            "e".repeat(4095),
+            4095 + 2 + 100_000
+        );
+        assert!(kept.starts_with(&expected), "{}", &kept[4000..4200]);
+        assert!(
+            kept.len() < REFUSED_LETTER_ERROR_LIMIT + 200,
+            "{}",
+            kept.len()
+        );
+        assert_eq!(REFUSED_LETTER_ERROR_LIMIT, 4096);
+        assert!(letter.payload.is_empty());
+        let omitted = letter
+            .headers
+            .iter()
+            .find(|(name, _)| name == crate::wire::PAYLOAD_OMITTED_HEADER)
+            .map(|(_, value)| value.as_str());
+        assert_eq!(omitted, Some("7"));
+    }
+
+    #[test]
     fn keys_are_placed_by_crc32_as_librdkafka_and_zlib_do() {
         assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
         assert_eq!(crc32(b""), 0);
