@@ -1325,6 +1325,80 @@ impl weir::transport::Sink for TakesSlowly {
     }
 }
 
+/// Passes every message on; once a dead letter has gone, the store's partition
+/// writes start failing, as Redis going away right after the letter was sent.
+struct StoreGoesAfterALetter {
+    inner: Arc<dyn weir::transport::Sink>,
+    store: Arc<common::FlakyStore>,
+}
+
+#[async_trait::async_trait]
+impl weir::transport::Sink for StoreGoesAfterALetter {
+    async fn publish(
+        &self,
+        message: Outbound,
+    ) -> Result<weir::transport::Position, weir::transport::TransportError> {
+        let letter = message.topic.ends_with(".dlq");
+        let sent = self.inner.publish(message).await;
+        if letter {
+            self.store.fail_writes(usize::MAX);
+        }
+        sent
+    }
+}
+
+/// An idle key's dead letters go out before its removal is written: when the removal
+/// is not (the store gone right after the letter, and the node with it), the next
+/// owner finds the key still stored and sends its letters again, then removes it.
+#[tokio::test]
+async fn an_idle_keys_letters_go_out_again_when_its_removal_was_not_written() {
+    let mut decl = graph("unremoved", &["a", "b"], Criteria::WhenAll);
+    let keying = decl.keyed.as_mut().unwrap();
+    keying.partitions = 1;
+    keying.key_idle = Some(Duration::from_millis(500));
+    let cluster = Cluster::new(decl).await;
+    let flaky = Arc::new(common::FlakyStore::new(cluster.store.clone()));
+    let going = Cluster {
+        broker: Arc::new(common::WithSink {
+            broker: cluster.broker.clone(),
+            sink: Arc::new(StoreGoesAfterALetter {
+                inner: cluster.broker.sink(),
+                store: flaky.clone(),
+            }),
+        }),
+        memory: cluster.memory.clone(),
+        store: cluster.store.clone(),
+        decl: cluster.decl.clone(),
+        topics: cluster.topics.clone(),
+    };
+    let node = going.node_on("n1", flaky.clone());
+    cluster.send("a", "lone", 1).await;
+    cluster.await_stored_queue("lone", "a", 1).await;
+    // Events on both sources past the key's idle time.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    cluster.send("a", "fresh", 2).await;
+    cluster.send("b", "fresh", 3).await;
+    let dead = || cluster.memory.messages("unremoved.a.dlq");
+    common::eventually("the idle key's letter", || async { !dead().is_empty() }).await;
+    node.kill();
+    cluster.await_stored_queue("lone", "a", 1).await;
+    assert_eq!(dead().len(), 1, "{:?}", dead());
+    let node = cluster.node("n2");
+    // The next owner's clock moves with the events it reads.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    cluster.send("a", "later", 4).await;
+    cluster.send("b", "later", 5).await;
+    cluster.await_forgotten("lone").await;
+    let letters = dead();
+    assert_eq!(letters.len(), 2, "{letters:?}");
+    for letter in &letters {
+        assert_eq!(letter.key.as_deref(), Some(&b"lone"[..]));
+        let value: Value = serde_json::from_slice(&letter.payload).unwrap();
+        assert_eq!(value["seq"], 1);
+    }
+    node.stop().await;
+}
+
 /// An idle key whose dead letter the broker refuses for good is kept, state and all,
 /// while the other idle keys go; once the letter is taken, at a later look, the key
 /// goes too, its input dead-lettered once.
