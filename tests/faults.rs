@@ -608,13 +608,15 @@ async fn a_dead_letter_due_while_nats_is_down_survives_a_restart_of_the_node() {
     cancel.cancel();
     first.shutdown().await;
     drop(first);
+    // The next node starts with the server still away, and meets it coming back.
+    let (second, cancel, _, _, _) = start(true);
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let _server = tokio::task::spawn_blocking(move || {
         server.start();
         server
     })
     .await
     .unwrap();
-    let (second, cancel, _, _, _) = start(true);
     let dead = read_until(
         &broker,
         &format!("{prefix}.out.dlq"),
