@@ -692,6 +692,131 @@ async fn get_status(addr: std::net::SocketAddr, path: &str) -> u16 {
         .unwrap_or(0)
 }
 
+/// Redis refusing every write with `OOM` (memory full, no eviction) for a while: the
+/// graph fires on, its checkpoint writes are waited out rather than failing it, and
+/// once memory is freed the checkpoint catches up with what was applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_refusing_writes_with_oom_is_waited_out_and_fails_no_graph() {
+    use weir::store::prelude::*;
+    let redis_server = Server::redis();
+    let prefix = services::unique("faults");
+    let store = Arc::new(
+        weir::store::redis::RedisStore::connect(&redis_server.redis_url(), &prefix)
+            .await
+            .unwrap(),
+    );
+    let memory = weir::transport::memory::MemoryBroker::default();
+    let runtime = Runtime {
+        broker: Arc::new(memory.clone()),
+        store: store.clone(),
+        node_id: "faults".into(),
+    };
+    let cancel = CancellationToken::new();
+    let supervisor = Supervisor::new(runtime, SupervisionPolicy::default(), cancel.clone());
+    let graph = supervisor.spawn(padding_graph(&prefix)).unwrap();
+    graph.wait_for_state(weir::ReactorState::Live).await;
+    let watcher = {
+        let status = graph.clone();
+        tokio::spawn(async move {
+            status
+                .wait_for_status(|s| matches!(s, weir::supervisor::GraphStatus::Failed { .. }))
+                .await
+        })
+    };
+    let publish = |ids: std::ops::Range<u64>| {
+        let sink = memory.clone();
+        let topic = format!("{prefix}.in");
+        async move {
+            for id in ids {
+                let event = json!({"id": id}).to_string();
+                weir::transport::Sink::publish(&sink, Outbound::new(topic.clone(), event))
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+    let outputs = |count: usize| {
+        let memory = memory.clone();
+        let topic = format!("{prefix}.out");
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while memory.messages(&topic).len() < count {
+                assert!(
+                    Instant::now() < deadline,
+                    "{} of {count} outputs",
+                    memory.messages(&topic).len()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let checkpointed = || async {
+        store
+            .load_checkpoint(&format!("{prefix}g"), "a")
+            .await
+            .unwrap()
+            .and_then(|c| c.positions.iter().map(|p| p.offset).max())
+    };
+    publish(0..10).await;
+    outputs(10).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while checkpointed().await != Some(9) {
+        assert!(Instant::now() < deadline, "first checkpoint never stored");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let client = redis::Client::open(redis_server.redis_url()).unwrap();
+    let admin = client.get_multiplexed_async_connection().await.unwrap();
+    let config = |setting: &'static str, value: &'static str| {
+        let mut admin = admin.clone();
+        async move {
+            let _: () = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg(setting)
+                .arg(value)
+                .query_async(&mut admin)
+                .await
+                .unwrap();
+        }
+    };
+    config("maxmemory-policy", "noeviction").await;
+    config("maxmemory", "1").await;
+    let refused: Result<(), redis::RedisError> = redis::cmd("SET")
+        .arg(format!("{prefix}probe"))
+        .arg("x")
+        .query_async(&mut admin.clone())
+        .await;
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("OOM")),
+        "{refused:?}"
+    );
+    publish(10..20).await;
+    outputs(20).await;
+    // Several checkpoint intervals with every write refused.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        checkpointed().await,
+        Some(9),
+        "nothing written while refused"
+    );
+    config("maxmemory", "0").await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while checkpointed().await != Some(19) {
+        assert!(
+            Instant::now() < deadline,
+            "checkpoint at {:?} after memory was freed",
+            checkpointed().await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(memory.messages(&format!("{prefix}.out")).len(), 20);
+    assert!(!watcher.is_finished(), "the graph failed");
+    watcher.abort();
+    cancel.cancel();
+    assert!(supervisor.shutdown().await, "stopped in time");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_stopped_for_45_seconds_stalls_no_fire_and_loses_no_input() {
     const OUTAGE: Duration = Duration::from_secs(45);
