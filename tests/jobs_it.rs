@@ -551,17 +551,39 @@ handler = "builtin::count"
 /// job's partition is its id's hash modulo the count.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_job_type_started_with_another_partition_count_exits_2_naming_both() {
+    // As a first run with 4 partitions left it; the config says 6.
+    refused_with_another_partition_count(Kind::Nats, 4, None).await;
+}
+
+/// On Kafka the count is the topic's own: partitions added to the job type's topic
+/// since its first run refuse it as a changed `partitions` does.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_type_whose_kafka_topic_gained_partitions_exits_2_naming_both() {
+    refused_with_another_partition_count(Kind::Kafka, PARTITIONS, Some(PARTITIONS + 2)).await;
+}
+
+/// `weir run` on a job type recorded with `recorded` partitions, its topic made first
+/// with `topic` partitions if given, exits 2 naming the recorded count and the one now.
+async fn refused_with_another_partition_count(kind: Kind, recorded: u32, topic: Option<u32>) {
     use weir::ownership::MembershipStore;
-    let cluster = Cluster::new(Kind::Nats);
+    let cluster = Cluster::new(kind);
     let group = weir::jobs::ownership_group(&cluster.job_type);
-    // As a first run with 4 partitions left it.
-    let recorded = cluster
+    if let Some(partitions) = topic {
+        let made = cluster
+            .broker()
+            .await
+            .partitioned(&weir::wire::job_topic(&cluster.job_type), partitions)
+            .await
+            .unwrap();
+        assert_eq!(made.partitions, partitions);
+    }
+    let settled = cluster
         .redis()
         .await
-        .settle_partition_count(&group, 4)
+        .settle_partition_count(&group, recorded)
         .await
         .unwrap();
-    assert_eq!(recorded, 4);
+    assert_eq!(settled, recorded);
     let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
         .args(["run", "--config"])
         .arg(cluster.config.path())
@@ -580,8 +602,11 @@ async fn a_job_type_started_with_another_partition_count_exits_2_naming_both() {
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
+    let now = topic.unwrap_or(PARTITIONS);
     assert!(
-        err.contains(&group) && err.contains("4 partitions") && err.contains("6 now"),
+        err.contains(&group)
+            && err.contains(&format!("{recorded} partitions"))
+            && err.contains(&format!("{now} now")),
         "{err}"
     );
 }
