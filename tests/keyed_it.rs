@@ -1038,3 +1038,69 @@ async fn a_kafka_idle_key_loses_its_state_and_starts_afresh() {
 async fn a_nats_idle_key_loses_its_state_and_starts_afresh() {
     an_idle_key_loses_its_state_and_starts_afresh(Kind::Nats).await;
 }
+
+/// A keyed graph's state is stored by partition: `weir run` refuses to start one with
+/// another partition count than it first ran with (exit 2, naming both): on NATS a
+/// changed `partitions`, on Kafka partitions added to its source topic since.
+async fn a_keyed_graph_with_another_partition_count_exits_2_naming_both(kind: Kind) {
+    use weir::ownership::MembershipStore;
+    let cluster = Cluster::new(kind);
+    let (recorded, now) = match kind {
+        Kind::Nats => (4, PARTITIONS),
+        Kind::Kafka => (PARTITIONS, PARTITIONS + 2),
+    };
+    if let Kind::Kafka = kind {
+        let made = cluster
+            .broker()
+            .await
+            .partitioned(&cluster.input, now)
+            .await
+            .unwrap();
+        assert_eq!(made.partitions, now);
+    }
+    let store = RedisStore::connect(&cluster.redis_url, &cluster.prefix)
+        .await
+        .expect("redis reachable");
+    let group = weir::keyed::ownership_group(&cluster.graph);
+    assert_eq!(
+        store
+            .settle_partition_count(&group, recorded)
+            .await
+            .unwrap(),
+        recorded
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(["run", "--config"])
+        .arg(cluster.config.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("weir runs");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("weir run did not refuse the changed partition count");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&group)
+            && err.contains(&format!("{recorded} partitions"))
+            && err.contains(&format!("{now} now")),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kafka_keyed_graph_whose_source_gained_partitions_exits_2_naming_both() {
+    a_keyed_graph_with_another_partition_count_exits_2_naming_both(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nats_keyed_graph_with_another_partition_count_exits_2_naming_both() {
+    a_keyed_graph_with_another_partition_count_exits_2_naming_both(Kind::Nats).await;
+}
