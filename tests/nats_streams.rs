@@ -2,7 +2,8 @@
 //! written through that stream; a stream is made only for a subject no stream captures,
 //! never one overlapping another; wildcard subjects work as sources; subjects whose
 //! sanitised names collide get streams of their own; clients racing to make a subject's
-//! stream share the one made; header values with line breaks travel on one line.
+//! stream share the one made; header values with line breaks travel on one line; a
+//! reader's consumer holds at most 100,000 messages unacknowledged.
 #![cfg(feature = "it")]
 
 mod common;
@@ -289,4 +290,35 @@ async fn clients_racing_to_make_a_subjects_stream_share_the_one_made() {
         outcome.unwrap_or_else(|e| panic!("client {i}: {e}"));
     }
     assert_eq!(made.len(), 1, "{made:?}");
+}
+
+/// A reader's consumer holds at most 100,000 messages unacknowledged: past that the
+/// server delivers nothing more until some are acknowledged, so a reader whose
+/// acknowledgements wait (on a store away, say) does not grow its memory with the
+/// backlog.
+#[tokio::test]
+async fn a_readers_consumer_holds_at_most_100000_unacknowledged_messages() {
+    let prefix = unique("capped");
+    let mut streams = Streams::connect().await;
+    let name = unique("CAPPED");
+    streams.create(&name, &[format!("{prefix}.>")]).await;
+    let broker = nats(true).await;
+    let subject = format!("{prefix}.in");
+    let mut sole = Subscription::new(subject.clone(), unique("g"));
+    sole.assignment = weir::transport::Assignment::All;
+    let _readers = [
+        broker
+            .subscribe(&Subscription::new(subject.clone(), unique("g")))
+            .await
+            .unwrap(),
+        broker.subscribe(&sole).await.unwrap(),
+    ];
+    let stream = streams.js.get_stream(&name).await.unwrap();
+    let consumers: Vec<_> = stream.consumers().try_collect().await.unwrap();
+    assert_eq!(consumers.len(), 2, "{consumers:?}");
+    for consumer in consumers {
+        assert_eq!(consumer.config.filter_subject, subject);
+        assert_eq!(consumer.config.max_ack_pending, 100_000, "{consumer:?}");
+    }
+    streams.clean(&[]).await;
 }
