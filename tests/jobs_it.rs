@@ -526,23 +526,8 @@ handler = "builtin::count"
     );
     let mut config = tempfile::NamedTempFile::new().unwrap();
     config.write_all(text.as_bytes()).unwrap();
-    let mut weir = Command::new(env!("CARGO_BIN_EXE_weir"))
-        .args(["run", "--config"])
-        .arg(config.path())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("weir runs");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while weir.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            weir.kill().unwrap();
-            panic!("weir run did not refuse the jobs");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let out = weir.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let (code, err) = common::nodes::run_refused(config.path());
+    assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("broker.jetstream = true"), "{err}");
 }
 
@@ -584,24 +569,8 @@ async fn refused_with_another_partition_count(kind: Kind, recorded: u32, topic: 
         .await
         .unwrap();
     assert_eq!(settled, recorded);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
-        .args(["run", "--config"])
-        .arg(cluster.config.path())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("weir runs");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("weir run did not refuse the changed partition count");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let out = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let (code, err) = common::nodes::run_refused(cluster.config.path());
+    assert_eq!(code, Some(2), "{err}");
     let now = topic.unwrap_or(PARTITIONS);
     assert!(
         err.contains(&group)

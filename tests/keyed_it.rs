@@ -1069,24 +1069,8 @@ async fn a_keyed_graph_with_another_partition_count_exits_2_naming_both(kind: Ki
             .unwrap(),
         recorded
     );
-    let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
-        .args(["run", "--config"])
-        .arg(cluster.config.path())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("weir runs");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("weir run did not refuse the changed partition count");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let out = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let (code, err) = common::nodes::run_refused(cluster.config.path());
+    assert_eq!(code, Some(2), "{err}");
     assert!(
         err.contains(&group)
             && err.contains(&format!("{recorded} partitions"))

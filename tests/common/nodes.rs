@@ -81,3 +81,29 @@ impl Drop for Nodes {
         }
     }
 }
+
+/// Runs `weir run` on `config` as a node refused at start would be: waits up to 30 s for
+/// it to exit (killing it and failing the test if it does not), and returns its exit
+/// code and what it wrote to stderr.
+pub fn run_refused(config: &Path) -> (Option<i32>, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(["run", "--config"])
+        .arg(config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("weir runs");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("weir run was not refused at start within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
