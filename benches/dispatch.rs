@@ -720,7 +720,7 @@ async fn run(kind: &str, bin: &Path, dir: &Path, finished: &Arc<AtomicU64>) {
 
 /// The allocator the `weir` binary uses, for the state manager hosted here.
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: weir::allocator::Allocator = weir::allocator::Allocator;
 
 #[tokio::main]
 async fn main() {

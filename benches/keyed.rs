@@ -112,7 +112,7 @@ impl Broker for OutputsDropped {
 
 /// The allocator of the `weir` binary, so both graphs allocate as they do in production.
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: weir::allocator::Allocator = weir::allocator::Allocator;
 
 fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)

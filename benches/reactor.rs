@@ -25,7 +25,7 @@ const SOURCES: [&str; 3] = ["a", "b", "c"];
 
 /// The allocator of the `weir` binary, so the path allocates as it does in production.
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: weir::allocator::Allocator = weir::allocator::Allocator;
 
 /// Counts outputs and wakes whoever waits for one.
 #[derive(Default)]

@@ -129,14 +129,20 @@ impl Held {
     /// The fence a store write carries; refused here already once the deadline passed,
     /// since another node may hold the lease by then.
     pub fn write_fence(&self) -> Result<Fence, StoreError> {
-        let fence = self.fence();
+        self.check_deadline()?;
+        Ok(self.fence())
+    }
+
+    /// Refused as [`Held::write_fence`] is once the deadline passed, for a holder about to
+    /// publish rather than write: nothing is made when it has not.
+    pub fn check_deadline(&self) -> Result<(), StoreError> {
         if self.deadline.passed() {
             return Err(StoreError::Fenced {
-                lease: fence.lease,
-                token: fence.token,
+                lease: self.lease.name.clone(),
+                token: self.lease.token,
             });
         }
-        Ok(fence)
+        Ok(())
     }
 }
 

@@ -58,13 +58,16 @@
 //!   so tenants sharing a broker and a store never meet.
 //! - [`store_error`]: the error every store role returns. [`secret`]: passwords and
 //!   tokens that never print, and server URLs shown without their credentials.
-//!   [`shutdown`], [`metrics`]: signals and metric names.
+//!   [`shutdown`], [`metrics`]: signals and metric names. [`allocator`]: the binary's
+//!   global allocator (mimalloc). `woken`: the rare branches of a busy loop's
+//!   `select!`, polled only once they woke it.
 //!
 //! The `weir` command line is an application over this library (`src/app/`, in the
 //! binary): its arguments, commands and exit statuses.
 
 pub mod accumulator;
 pub mod admin;
+pub mod allocator;
 pub mod codec;
 pub mod config;
 pub mod connect;
@@ -89,6 +92,7 @@ pub mod tenant;
 pub mod testing;
 pub mod transport;
 pub mod wire;
+mod woken;
 pub mod worker;
 mod write_behind;
 

@@ -5,7 +5,7 @@ mod app;
 use clap::Parser;
 
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: weir::allocator::Allocator = weir::allocator::Allocator;
 
 #[tokio::main]
 async fn main() {

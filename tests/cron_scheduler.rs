@@ -1062,7 +1062,7 @@ impl weir::transport::Sink for Unacknowledged {
         message: weir::transport::Outbound,
     ) -> Result<weir::transport::Position, weir::transport::TransportError> {
         Err(weir::transport::TransportError::Publish {
-            topic: message.topic,
+            topic: message.topic.to_string(),
             source: "no acknowledgement".into(),
             retryable: true,
         })
@@ -2236,7 +2236,7 @@ impl weir::transport::Sink for CuttingOffOnSend {
         let first = !self.sent.swap(true, std::sync::atomic::Ordering::SeqCst);
         if first && self.losing_the_first {
             return Err(weir::transport::TransportError::Publish {
-                topic: message.topic,
+                topic: message.topic.to_string(),
                 source: "connection closed".into(),
                 retryable: true,
             });

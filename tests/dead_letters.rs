@@ -222,7 +222,7 @@ impl Sink for SizeLimited {
     async fn publish(&self, message: Outbound) -> Result<Position, TransportError> {
         if message.payload.len() > self.limit {
             return Err(TransportError::Publish {
-                topic: message.topic,
+                topic: message.topic.to_string(),
                 source: "message too large".into(),
                 retryable: false,
             });

@@ -1572,7 +1572,7 @@ impl weir::transport::Sink for FailsOnce {
         if id == Some(self.fail_on) && !self.failed.swap(true, std::sync::atomic::Ordering::SeqCst)
         {
             return Err(weir::transport::TransportError::Publish {
-                topic: message.topic,
+                topic: message.topic.to_string(),
                 source: "the broker went away".into(),
                 retryable: true,
             });
@@ -2469,7 +2469,7 @@ impl weir::transport::Sink for AckFailsOnce {
             return Ok(Box::pin(async move {
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 Err(weir::transport::TransportError::Publish {
-                    topic,
+                    topic: topic.to_string(),
                     source: "no acknowledgement in time".into(),
                     retryable: true,
                 })

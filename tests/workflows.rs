@@ -1917,7 +1917,7 @@ mod memory {
                 let topic = message.topic.clone();
                 self.refused.lock().unwrap().push(message);
                 return Err(TransportError::Publish {
-                    topic,
+                    topic: topic.to_string(),
                     source: "not allowed".into(),
                     retryable: false,
                 });

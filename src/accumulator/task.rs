@@ -568,7 +568,7 @@ impl AccumulatorTask {
         let written = run.checkpoints.written();
         self.checkpoint_stored(&mut run, source.as_deref_mut(), written)
             .await;
-        let mut durable_changes = Box::pin(changes(self.durable.clone()));
+        let mut durable_changes = crate::woken::woken(changes(self.durable.clone()));
         match self
             .read(&mut run, &mut source, &mut socket, &mut durable_changes)
             .await
@@ -668,11 +668,11 @@ impl AccumulatorTask {
             interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             interval
         });
-        // Made once, not per turn of the loop: each would register a waiter afresh.
+        // Made once, not per turn of the loop: each would register a waiter afresh; and
+        // polled only once woken, not on every turn.
         let cancel = self.cancel.clone();
-        let stopping = cancel.cancelled();
-        tokio::pin!(stopping);
-        let mut stored = Box::pin(run.checkpoints.stored_versions());
+        let mut stopping = crate::woken::woken(cancel.cancelled());
+        let mut stored = crate::woken::woken(run.checkpoints.stored_versions());
 
         loop {
             // Enough waits for a stored snapshot: the source is held (a Kafka consumer

@@ -285,7 +285,7 @@ impl<'a> Serving<'a> {
             &self.lost,
         );
         loop {
-            self.held.write_fence()?;
+            self.held.check_deadline()?;
             match self
                 .jobs
                 .store
@@ -540,7 +540,7 @@ impl<'a> Serving<'a> {
     async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), PartitionError> {
         // A node paused past its lease dead-letters nothing more, or the owner after it
         // would record the same message a second time.
-        self.held.write_fence()?;
+        self.held.check_deadline()?;
         let mut outbound =
             Outbound::new(self.jobs.dead_letter_topic.clone(), message.payload.clone())
                 .header(wire::ERROR_HEADER, reason)
@@ -560,7 +560,7 @@ impl<'a> Serving<'a> {
         error: &TransportError,
     ) -> Result<(), PartitionError> {
         // A node paused past its lease publishes nothing more, dead letters included.
-        self.held.write_fence()?;
+        self.held.check_deadline()?;
         let letter = crate::transport::undeliverable(output, error);
         warn!(job_type = %self.jobs.job_type.name, partition = self.partition, topic = %letter.topic, %error, "job output cannot be published; dead-lettered");
         publish_dead_letter(self.jobs.sink.as_ref(), letter, &self.stopping).await?;
@@ -575,7 +575,7 @@ impl<'a> Serving<'a> {
         }
         // Checked before the outputs leave too: a node paused past its lease publishes
         // nothing more.
-        self.held.write_fence()?;
+        self.held.check_deadline()?;
         let batch = std::mem::take(&mut self.batch);
         // Each output is kept until acknowledged: one the broker refuses for good (too
         // large, say) is recorded on the output's dead-letter topic instead, so the

@@ -28,7 +28,7 @@ use crate::reactor::CacheSnapshot;
 use crate::store_error::StoreErrorKind;
 use crate::transport::{
     now_ms, publish_dead_letter, Broker, HeaderValue, Message, Outbound, PendingAck, Position,
-    Sink, Source, TransportError,
+    Sink, Source, TopicName, TransportError,
 };
 use crate::wire;
 
@@ -71,7 +71,7 @@ pub(crate) struct KeyedPartitions {
     /// Per source: its dead-letter topic.
     dead_letters: Vec<String>,
     /// Per output binding: the topic, qualified for the tenant.
-    outputs: Vec<String>,
+    outputs: Vec<TopicName>,
     /// Per source: the consumer group it reads under.
     groups: Vec<String>,
     broker: Arc<dyn Broker>,
@@ -107,7 +107,7 @@ impl KeyedPartitions {
         let outputs = decl
             .outputs
             .iter()
-            .map(|o| decl.qualify_topic(&o.topic))
+            .map(|o| TopicName::from(decl.qualify_topic(&o.topic)))
             .collect();
         Self {
             graph: Arc::from(decl.key()),
@@ -476,7 +476,7 @@ impl<'a> Serving<'a> {
                         &self.lost,
                     );
                     loop {
-                        self.held.write_fence()?;
+                        self.held.check_deadline()?;
                         match graph
                             .store
                             .load_keys(&graph.graph, partition, &wanted)
@@ -648,7 +648,7 @@ impl<'a> Serving<'a> {
             result = Self::run_graph(&self.graph.decl.graph, &input).await;
         }
         // A node paused past its lease publishes nothing more, dead letters included.
-        self.held.write_fence()?;
+        self.held.check_deadline()?;
         let outputs = match result {
             Ok(outputs) => outputs,
             Err(reason) => {
@@ -728,7 +728,7 @@ impl<'a> Serving<'a> {
         sent: &Sent,
         error: &TransportError,
     ) -> Result<(), PartitionError> {
-        self.held.write_fence()?;
+        self.held.check_deadline()?;
         let letter = crate::transport::undeliverable(&self.output_message(sent, Vec::new()), error);
         warn!(graph = %self.graph.graph, key = %sent.key, fire = sent.fire, topic = %letter.topic, %error, "output cannot be published; dead-lettered");
         publish_dead_letter(self.graph.sink.as_ref(), letter, &self.stopping).await?;
@@ -765,7 +765,7 @@ impl<'a> Serving<'a> {
     ) -> Result<(), PartitionError> {
         // As for outputs: a node paused past its lease dead-letters nothing more, or the
         // owner after it would record the same event a second time.
-        self.held.write_fence()?;
+        self.held.check_deadline()?;
         let letter = self.input_letter(source, (payload, key), source_topic, offset, reason);
         let topic = letter.topic.clone();
         publish_dead_letter(self.graph.sink.as_ref(), letter, &self.stopping).await?;
@@ -1121,7 +1121,7 @@ impl LetterSender<'_> {
             }
             // As for outputs: a node paused past its lease dead-letters nothing more,
             // or the owner after it would record the same input again.
-            if let Err(e) = self.held.write_fence() {
+            if let Err(e) = self.held.check_deadline() {
                 return (key, Err(e.into()));
             }
             let topic = letter.topic.clone();

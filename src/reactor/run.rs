@@ -25,7 +25,9 @@ use crate::accumulator::{Boundary, Health, Positions, PUSH_PARTITION};
 use crate::graph::{CompiledGraph, FireInput, FireValues, GraphDeclaration};
 use crate::stats::{FireClock, GraphStats};
 use crate::store_error::StoreError;
-use crate::transport::{now_ms, HeaderValue, Outbound, PendingAck, Sink, TransportError};
+use crate::transport::{
+    now_ms, HeaderValue, Outbound, PendingAck, Sink, TopicName, TransportError,
+};
 use crate::write_behind::WriteBehind;
 
 /// Boundaries drained per wakeup before criteria are evaluated, so a burst becomes one
@@ -132,7 +134,7 @@ impl Reactor {
     /// Builds a reactor from its declaration, restoring the cache from the store.
     pub(crate) async fn restore(
         decl: &GraphDeclaration,
-        outputs: Arc<[(String, Arc<dyn Sink>)]>,
+        outputs: Arc<[(TopicName, Arc<dyn Sink>)]>,
         store: Arc<dyn CacheStore>,
         stats: Arc<GraphStats>,
         state_tx: watch::Sender<ReactorState>,
@@ -266,10 +268,10 @@ impl Reactor {
         self.update_state();
         let snapshot_timer = tokio::time::sleep(self.config.snapshot_interval);
         tokio::pin!(snapshot_timer);
-        // Made once, not per turn of the loop: each would register a waiter afresh.
-        let stopping = cancel.cancelled();
-        tokio::pin!(stopping);
-        let mut stored = Box::pin(self.snapshots.stored_versions());
+        // Made once, not per turn of the loop: each would register a waiter afresh; and
+        // polled only once woken, not on every turn.
+        let mut stopping = crate::woken::woken(cancel.cancelled());
+        let mut stored = crate::woken::woken(self.snapshots.stored_versions());
         let mut timer_armed = false;
         let turns: Result<(), ReactorError> = async {
             loop {
@@ -853,7 +855,7 @@ enum Target {
 
 impl Target {
     /// The message's topic and the sink taking it.
-    fn resolve(self, outputs: &[(String, Arc<dyn Sink>)]) -> (Cow<'_, str>, &Arc<dyn Sink>) {
+    fn resolve(self, outputs: &[(TopicName, Arc<dyn Sink>)]) -> (Cow<'_, str>, &Arc<dyn Sink>) {
         match self {
             Self::Output(i) => (Cow::Borrowed(outputs[i].0.as_str()), &outputs[i].1),
             Self::FireDeadLetter => (
@@ -871,7 +873,7 @@ struct Publishing {
     /// The graph's lease: nothing is published once its deadline passed.
     lease: Option<crate::lease::Held>,
     /// Per output binding: its topic and the sink taking it.
-    outputs: Arc<[(String, Arc<dyn Sink>)]>,
+    outputs: Arc<[(TopicName, Arc<dyn Sink>)]>,
     stats: Arc<GraphStats>,
 }
 

@@ -7,7 +7,7 @@ use super::*;
 pub(super) struct GraphWiring {
     pub(super) sources: Vec<Option<Arc<dyn SourceFactory>>>,
     pub(super) dead_letter_topics: Vec<String>,
-    pub(super) outputs: Arc<[(String, Arc<dyn Sink>)]>,
+    pub(super) outputs: Arc<[(TopicName, Arc<dyn Sink>)]>,
 }
 
 impl GraphWiring {
@@ -57,7 +57,7 @@ impl GraphWiring {
             .iter()
             .map(|o| {
                 let sink = o.sink.clone().unwrap_or_else(|| runtime.broker.sink());
-                (decl.qualify_topic(&o.topic), sink)
+                (TopicName::from(decl.qualify_topic(&o.topic)), sink)
             })
             .collect();
         Self {

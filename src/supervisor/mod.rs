@@ -38,7 +38,7 @@ use crate::reactor::{Command, ReactorError, ReactorHandle, ReactorInput, Reactor
 use crate::stats::{GraphStats, StatsSnapshot};
 use crate::store::{RecoveryAction, RecoveryEvent, Store};
 use crate::transport::{
-    now_ms, Assignment, Broker, BrokerSource, Sink, SourceFactory, Subscription,
+    now_ms, Assignment, Broker, BrokerSource, Sink, SourceFactory, Subscription, TopicName,
 };
 
 /// Command queue depth per graph.

@@ -796,7 +796,7 @@ impl Sink for KafkaBroker {
                     Err(publish_error(&topic, &e))
                 }
                 Err(_) => Err(TransportError::Publish {
-                    topic,
+                    topic: topic.to_string(),
                     source: "the producer was dropped before the broker acknowledged".into(),
                     retryable: true,
                 }),

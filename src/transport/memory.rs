@@ -141,7 +141,7 @@ impl MemoryBroker {
                         "message of {size} bytes is larger than the broker takes ({limit})"
                     )
                     .into(),
-                    topic: message.topic,
+                    topic: message.topic.to_string(),
                     retryable: false,
                 });
             }

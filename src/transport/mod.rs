@@ -35,6 +35,11 @@ pub type Headers = Vec<(Cow<'static, str>, HeaderValue)>;
 /// every output with the same few headers allocates nothing per message.
 pub type HeaderValue = smol_str::SmolStr;
 
+/// The topic an outbound message goes to. A graph publishes every fire to the same few
+/// topics: a short name is kept inline and a longer one shared on clone, so addressing a
+/// message allocates nothing.
+pub type TopicName = smol_str::SmolStr;
+
 /// A consumed message.
 #[derive(Debug, Clone)]
 pub struct Message {
@@ -59,14 +64,14 @@ impl Message {
 /// A message to publish.
 #[derive(Debug, Clone)]
 pub struct Outbound {
-    pub topic: String,
+    pub topic: TopicName,
     pub key: Option<Bytes>,
     pub payload: Bytes,
     pub headers: Headers,
 }
 
 impl Outbound {
-    pub fn new(topic: impl Into<String>, payload: impl Into<Bytes>) -> Self {
+    pub fn new(topic: impl Into<TopicName>, payload: impl Into<Bytes>) -> Self {
         Self {
             topic: topic.into(),
             key: None,
@@ -769,7 +774,7 @@ pub fn key_travels_everywhere(key: &[u8]) -> bool {
 /// `key` instead.
 pub fn undeliverable(output: &Outbound, error: &TransportError) -> Outbound {
     let mut record = serde_json::Map::new();
-    record.insert("topic".into(), output.topic.clone().into());
+    record.insert("topic".into(), output.topic.as_str().into());
     record.insert("error".into(), error.to_string().into());
     let key = match &output.key {
         Some(key) if key.len() > DEAD_LETTER_KEY_LIMIT => {

@@ -773,7 +773,7 @@ impl Sink for NatsBroker {
         let mut headers = async_nats::HeaderMap::new();
         for (name, value) in &message.headers {
             let name = header_name(name).map_err(|e| TransportError::Publish {
-                topic: message.topic.clone(),
+                topic: message.topic.to_string(),
                 source: format!("header name {name:?} cannot travel on NATS: {e}").into(),
                 retryable: false,
             })?;
@@ -785,7 +785,7 @@ impl Sink for NatsBroker {
             // Changed, it would be another key: refused instead.
             if key.contains(['\r', '\n']) {
                 return Err(TransportError::Publish {
-                    topic: message.topic.clone(),
+                    topic: message.topic.to_string(),
                     source: "a message key with a line break cannot travel on NATS".into(),
                     retryable: false,
                 });
@@ -811,7 +811,7 @@ impl Sink for NatsBroker {
                     turn.set_up();
                 }
                 let ack = js
-                    .publish_with_headers(topic.clone(), headers, payload)
+                    .publish_with_headers(topic.to_string(), headers, payload)
                     .await
                     .map_err(|e| {
                         let too_large = jetstream_too_large(&e);
@@ -832,7 +832,7 @@ impl Sink for NatsBroker {
             None => {
                 self.inner
                     .client
-                    .publish_with_headers(topic.clone(), headers, payload)
+                    .publish_with_headers(topic.to_string(), headers, payload)
                     .await
                     .map_err(|e| {
                         let too_large =

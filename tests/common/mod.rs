@@ -403,7 +403,7 @@ impl weir::transport::Sink for DeadLettersDown {
         if message.topic.ends_with(".dlq") && self.down.load(Ordering::SeqCst) {
             self.refused.fetch_add(1, Ordering::SeqCst);
             return Err(weir::transport::TransportError::Publish {
-                topic: message.topic,
+                topic: message.topic.to_string(),
                 source: if self.for_good {
                     "topic authorization failed".into()
                 } else {
