@@ -321,14 +321,15 @@ impl<'a> Serving<'a> {
     ) -> Result<(), PartitionError> {
         let lost_token = lost;
         // Made once and polled again each turn: a new timer or token wait per event
-        // would cost more than the event.
-        let lost = lost.cancelled();
-        let release = release.cancelled();
+        // would cost more than the event. The waits on tokens and on pauses are polled
+        // only once woken: each poll of a waiting one takes its notifier's lock.
+        let mut lost = crate::woken::woken(lost.cancelled());
+        let mut release = crate::woken::woken(release.cancelled());
         let flush_timer = tokio::time::sleep(LINGER);
-        tokio::pin!(lost, release, flush_timer);
+        tokio::pin!(flush_timer);
         let mut timer_armed = false;
-        // One wait across turns: a turn that finds no change takes no lock.
-        let mut pause_changes = Box::pin(crate::write_behind::changes(self.pause_changes.clone()));
+        let mut pause_changes =
+            crate::woken::woken(crate::write_behind::changes(self.pause_changes.clone()));
         let key_idle = self.graph.keying.key_idle;
         let mut idle_sweep = tokio::time::interval(IDLE_SWEEP_EVERY);
         idle_sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
