@@ -19,10 +19,10 @@ const MIN_ALIGN: usize = 16;
 /// mimalloc as the global allocator: `#[global_allocator] static A: Allocator = Allocator;`.
 pub struct Allocator;
 
-/// Whether a plain allocation of `layout` is aligned enough. Smaller blocks than the
-/// alignment asked for would be aligned to less.
-fn plain(layout: &Layout) -> bool {
-    layout.align() <= MIN_ALIGN && layout.align() <= layout.size()
+/// Whether a plain block of `size` bytes is aligned to `align`. Blocks smaller than the
+/// alignment asked for may be aligned to less.
+fn plain(align: usize, size: usize) -> bool {
+    align <= MIN_ALIGN && align <= size
 }
 
 // SAFETY: each method hands mimalloc's result through unchanged, asking for at least the
@@ -32,7 +32,7 @@ unsafe impl GlobalAlloc for Allocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         // SAFETY: mimalloc takes any size and a power-of-two alignment, as a layout has.
         unsafe {
-            if plain(&layout) {
+            if plain(layout.align(), layout.size()) {
                 ffi::mi_malloc(layout.size()) as *mut u8
             } else {
                 ffi::mi_malloc_aligned(layout.size(), layout.align()) as *mut u8
@@ -44,7 +44,7 @@ unsafe impl GlobalAlloc for Allocator {
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         // SAFETY: as for `alloc`.
         unsafe {
-            if plain(&layout) {
+            if plain(layout.align(), layout.size()) {
                 ffi::mi_zalloc(layout.size()) as *mut u8
             } else {
                 ffi::mi_zalloc_aligned(layout.size(), layout.align()) as *mut u8
@@ -62,7 +62,7 @@ unsafe impl GlobalAlloc for Allocator {
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         // SAFETY: `ptr` came from this allocator; the new block keeps the alignment.
         unsafe {
-            if layout.align() <= MIN_ALIGN && layout.align() <= new_size {
+            if plain(layout.align(), new_size) {
                 ffi::mi_realloc(ptr as *mut c_void, new_size) as *mut u8
             } else {
                 ffi::mi_realloc_aligned(ptr as *mut c_void, new_size, layout.align()) as *mut u8
