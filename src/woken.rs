@@ -65,6 +65,13 @@ impl Wake for Signal {
 }
 
 impl<T> Woken<T> {
+    /// Whether the inner future or stream may be ready: it woke since it was last
+    /// polled, or was never polled. A load, no lock: for a loop that looks between two
+    /// polls whether to stop, and asks the exact question only when this says so.
+    pub(crate) fn may_be_ready(&self) -> bool {
+        self.signal.woken.load(Ordering::SeqCst)
+    }
+
     /// Whether the inner future or stream is to be polled: registers the task's waker
     /// first, so a wake coming after the flag is read reaches this task.
     fn due(&mut self, cx: &Context<'_>) -> bool {
@@ -125,6 +132,18 @@ mod tests {
     use futures::StreamExt;
     use std::time::Duration;
     use tokio_util::sync::CancellationToken;
+
+    #[tokio::test]
+    async fn may_be_ready_says_so_until_polled_and_again_once_woken() {
+        let cancel = CancellationToken::new();
+        let mut stopping = woken(cancel.clone().cancelled_owned());
+        assert!(stopping.may_be_ready(), "never polled");
+        assert!(futures::poll!(&mut stopping).is_pending());
+        assert!(!stopping.may_be_ready());
+        cancel.cancel();
+        assert!(stopping.may_be_ready());
+        assert!(futures::poll!(&mut stopping).is_ready());
+    }
 
     #[tokio::test]
     async fn a_future_completes_once_its_inner_one_wakes_it() {

@@ -629,7 +629,7 @@ mod cases {
         /// elsewhere none (Redis), and the same writes go by name.
         pub async fn keys_written_through_their_slots_round_trip(store: Arc<dyn Store>) {
             let (old, fence) = deposed_and_current(store.as_ref(), "graph.g.1").await;
-            let ann: Arc<str> = "ann".into();
+            let ann: weir::graph::Key = "ann".into();
             let ann_slot = store.key_slot("g", 1, &ann);
             // The same slot to every caller; a slot alone stores nothing.
             assert_eq!(store.key_slot("g", 1, &ann), ann_slot);
@@ -669,7 +669,7 @@ mod cases {
                 ..Default::default()
             };
             store.save_keys("g", 1, &mut expired, &fence).await.unwrap();
-            let cid: Arc<str> = "cid".into();
+            let cid: weir::graph::Key = "cid".into();
             let cid_slot = store.key_slot("g", 1, &cid);
             if ann_slot.is_some() {
                 assert_eq!(cid_slot, ann_slot, "a removed key's slot is taken again");

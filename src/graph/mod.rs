@@ -20,6 +20,11 @@ pub use dag::CompiledGraph;
 pub use firing::{Criteria, ReactorConfig, Strategy};
 pub use registry::FunctionRegistry;
 
+/// A keyed graph's key, as its events give it. A key of up to 23 bytes, as most are, is
+/// held inline: copying it, as each of the key's fires and outputs does, is a copy of a
+/// few words, not a shared count kept on memory of the key's own.
+pub type Key = smol_str::SmolStr;
+
 /// Everything one fire sees: the graph, the fire sequence number, whether the reactor
 /// is degraded, and per source the cached boundary (if the source ever emitted).
 #[derive(Debug)]
@@ -28,7 +33,7 @@ pub struct FireInput {
     pub fire: u64,
     pub degraded: bool,
     /// The key fired for, in a keyed graph.
-    pub key: Option<Arc<str>>,
+    pub key: Option<Key>,
     pub(crate) names: Arc<[Arc<str>]>,
     pub(crate) values: FireValues,
 }
@@ -56,7 +61,7 @@ impl FireInput {
     }
 
     /// The same input, fired for one key of a keyed graph.
-    pub fn with_key(mut self, key: Arc<str>) -> Self {
+    pub fn with_key(mut self, key: Key) -> Self {
         self.key = Some(key);
         self
     }

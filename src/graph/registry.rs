@@ -176,7 +176,7 @@ mod tests {
             None,
             boundary(json!("é")),
         ];
-        for key in [None, Some(Arc::<str>::from("user\"7"))] {
+        for key in [None, Some(crate::graph::Key::from("user\"7"))] {
             let mut input =
                 FireInput::new(Arc::from("q\"uote"), 3, true, names.clone(), values.clone());
             input.key = key.clone();

@@ -20,7 +20,7 @@ use super::KeyedTopics;
 use crate::accumulator::Boundary;
 use crate::codec::CodecError;
 use crate::graph::dag::FireOutputs;
-use crate::graph::{FireInput, FireValues, GraphDeclaration, Keying};
+use crate::graph::{FireInput, FireValues, GraphDeclaration, Key, Keying};
 use crate::lease::Held;
 use crate::ownership::{PartitionError, PartitionWork, StoreRetry};
 use crate::reactor::cache::{InputCache, Inserted};
@@ -190,7 +190,7 @@ struct Serving<'a> {
     positions: Vec<Option<i64>>,
     /// Keys come from events: a seeded hash, and a fast one, since every event hashes
     /// its key.
-    keys: HashMap<Arc<str>, KeyState, foldhash::fast::RandomState>,
+    keys: HashMap<Key, KeyState, foldhash::fast::RandomState>,
     /// Whether the store may hold keys not in memory: not for a partition that never
     /// wrote a batch (it has no positions stored) until a key leaves memory.
     stored_keys: bool,
@@ -230,7 +230,7 @@ struct Serving<'a> {
 /// again, should the broker refuse it for good.
 struct Sent {
     output: usize,
-    key: Arc<str>,
+    key: Key,
     fire: u64,
 }
 
@@ -241,7 +241,7 @@ struct Batch {
     /// writing the batch then needs no look-up of them. `None` once the key changed
     /// again: looked up when written, so a key changed often takes one snapshot per
     /// batch, not one per event.
-    keys: Vec<(Arc<str>, Option<KeySlot>, Option<CacheSnapshot>)>,
+    keys: Vec<(Key, Option<KeySlot>, Option<CacheSnapshot>)>,
     acks: Vec<(PendingAck, Sent)>,
     /// Per source: the broker position to commit once written.
     commit: BTreeMap<usize, Position>,
@@ -378,8 +378,9 @@ impl<'a> Serving<'a> {
                     for (message, value) in burst.drain(..) {
                         // A lease found taken over ends the burst: nothing more is
                         // published under its token, and what is left of the burst is
-                        // read again by the next owner.
-                        if lost_token.is_cancelled() {
+                        // read again by the next owner. The token is asked (under its
+                        // lock) only once its wait woke.
+                        if lost.may_be_ready() && lost_token.is_cancelled() {
                             break;
                         }
                         self.apply(source, message, value).await?;
@@ -460,7 +461,7 @@ impl<'a> Serving<'a> {
 
     /// The key's state, from memory or the store, with the key as the map holds it:
     /// one hash and one probe per event for a key in memory.
-    async fn key_state(&mut self, key: &str) -> Result<(Arc<str>, &mut KeyState), PartitionError> {
+    async fn key_state(&mut self, key: &str) -> Result<(Key, &mut KeyState), PartitionError> {
         self.events += 1;
         let graph = self.graph;
         let state = match self.keys.entry_ref(key) {
@@ -618,7 +619,7 @@ impl<'a> Serving<'a> {
     /// Runs the graph for one key and hands its outputs to the broker.
     async fn fire(
         &mut self,
-        key: &Arc<str>,
+        key: &Key,
         fire: u64,
         values: FireValues,
     ) -> Result<(), PartitionError> {
@@ -920,7 +921,7 @@ impl<'a> Serving<'a> {
         };
         let idle: Vec<String> = idle.into_iter().filter(|key| !kept.contains(key)).collect();
         let mut changes = KeyedChanges {
-            expired: idle.iter().map(|key| Arc::from(key.as_str())).collect(),
+            expired: idle.iter().map(|key| Key::from(key.as_str())).collect(),
             fire_floor: Some(self.fire_high.max(self.fire_floor)),
             ..Default::default()
         };

@@ -1,10 +1,10 @@
 //! Where keyed graphs keep each key's reactor state: the [`KeyedStore`] role.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use async_trait::async_trait;
 
+use crate::graph::Key;
 use crate::lease::Fence;
 use crate::reactor::CacheSnapshot;
 use crate::store_error::StoreError;
@@ -15,7 +15,7 @@ pub struct KeyedChanges {
     /// Each changed key's cache, dirty flags, queues and fire count; the key shared
     /// with the owner's memory, since a batch lists every key it changed; and the slot
     /// the store handed out for the key, if any ([`KeyedStore::key_slot`]).
-    pub keys: Vec<(Arc<str>, Option<KeySlot>, CacheSnapshot)>,
+    pub keys: Vec<(Key, Option<KeySlot>, CacheSnapshot)>,
     /// Per source, the last position applied in the partition.
     pub positions: BTreeMap<String, i64>,
     /// Set by an owner handing the partition over: its lease token and the time (ms).
@@ -23,9 +23,9 @@ pub struct KeyedChanges {
     /// Where idle keys expire: each changed key's time (ms), its source's latest event
     /// time when the key last changed (the node's clock for a message without one). A
     /// key's stored time only moves forward.
-    pub touched: Vec<(Arc<str>, i64)>,
+    pub touched: Vec<(Key, i64)>,
     /// Keys idle past the graph's `key_idle`: their state and time removed.
-    pub expired: Vec<Arc<str>>,
+    pub expired: Vec<Key>,
     /// Set by an owner whose graph no longer expires idle keys: every key's time is
     /// dropped, so that times gone stale meanwhile expire no key should expiry come back.
     pub drop_times: bool,
@@ -138,7 +138,7 @@ pub trait KeyedStore: Send + Sync {
     /// The key's slot, for a store kept in this process: where the key stays until it
     /// is removed, written or not. `None` for a store elsewhere. A slot is a hint: a
     /// write finds a key by name whenever its slot no longer holds it.
-    fn key_slot(&self, _graph: &str, _partition: i32, _key: &Arc<str>) -> Option<KeySlot> {
+    fn key_slot(&self, _graph: &str, _partition: i32, _key: &Key) -> Option<KeySlot> {
         None
     }
 

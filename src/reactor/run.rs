@@ -639,6 +639,11 @@ impl Reactor {
         handing: impl std::future::Future<Output = Result<PendingAck, TransportError>>,
     ) -> Result<Option<PendingAck>, TransportError> {
         tokio::pin!(handing);
+        // Most sinks take a message at once: then there is nothing to wait beside, and
+        // no copy of the shutdown token to make (each copy takes the token's lock).
+        if let Poll::Ready(handed) = futures::poll!(&mut handing) {
+            return handed.map(Some);
+        }
         let cancel = self.cancel.clone();
         loop {
             tokio::select! {

@@ -233,7 +233,7 @@ impl weir::keyed::KeyedStore for FlakyStore {
         &self,
         graph: &str,
         partition: i32,
-        key: &std::sync::Arc<str>,
+        key: &weir::graph::Key,
     ) -> Option<weir::keyed::KeySlot> {
         self.inner.key_slot(graph, partition, key)
     }

@@ -90,7 +90,7 @@ impl KeyedStore for MemoryStore {
         Ok(())
     }
 
-    fn key_slot(&self, graph: &str, partition: i32, key: &Arc<str>) -> Option<KeySlot> {
+    fn key_slot(&self, graph: &str, partition: i32, key: &Key) -> Option<KeySlot> {
         let mut state = self.state().ok()?;
         let stored = state
             .keyed

@@ -26,6 +26,7 @@ use super::{
 };
 use crate::cron::{ExecutionList, HeldBack, Schedule, ScheduleList};
 use crate::dispatch::WorkflowExecution;
+use crate::graph::Key;
 use crate::keyed::KeySlot;
 use crate::reactor::CacheSnapshot;
 use workflow::WorkflowDeadlines;
@@ -106,8 +107,8 @@ struct KeyedPartition {
     positions: BTreeMap<String, i64>,
     released: Option<(u64, i64)>,
     /// Where idle keys expire: each key's time, and the keys by that time.
-    touched: HashMap<Arc<str>, i64>,
-    by_touch: BTreeSet<(i64, Arc<str>)>,
+    touched: HashMap<Key, i64>,
+    by_touch: BTreeSet<(i64, Key)>,
     fires: FireNumbers,
 }
 
@@ -117,7 +118,7 @@ struct KeyedPartition {
 struct StoredKeys {
     /// A fast hash, as the graph's own key map has, rather than SipHash; small per key
     /// (a key and a number), as a partition's keys run to hundreds of thousands.
-    index: HashMap<Arc<str>, usize, foldhash::fast::RandomState>,
+    index: HashMap<Key, usize, foldhash::fast::RandomState>,
     /// The slots, [`SLOTS_PER_CHUNK`] to a chunk, made as keys come and never moved: one
     /// table grown by doubling would copy every key's state each time, and leave as much
     /// memory again mapped until the allocator hands it back. `None` where a key was
@@ -129,9 +130,9 @@ struct StoredKeys {
 const SLOTS_PER_CHUNK: usize = 256;
 
 struct StoredKey {
-    /// The key as its owner holds it: a write through a slot checks that the slot still
-    /// holds its key by comparing pointers, with no read of the key.
-    key: Arc<str>,
+    /// A write through a slot checks that the slot still holds its key: a removed key's
+    /// slot may hold another by now.
+    key: Key,
     /// `None` until first written.
     state: Option<CacheSnapshot>,
 }
@@ -152,7 +153,7 @@ impl StoredKeys {
 
     /// The key's slot, made for it if it has none; the slot takes the caller's copy
     /// of the key.
-    fn slot(&mut self, key: &Arc<str>) -> usize {
+    fn slot(&mut self, key: &Key) -> usize {
         let stored = StoredKey {
             key: key.clone(),
             state: None,
@@ -193,7 +194,7 @@ impl StoredKeys {
     /// Reads what a write of the key replaces (the events its stored state holds,
     /// dropped with it), ahead of the write: a batch reading its keys so in a row has
     /// their cache misses outstanding at once, instead of waiting on each as it writes.
-    fn warm(&self, key: &Arc<str>, slot: Option<KeySlot>) {
+    fn warm(&self, key: &Key, slot: Option<KeySlot>) {
         let at = match slot {
             Some(slot) => Some(slot.index()),
             None => self.index.get(key).copied(),
@@ -208,8 +209,8 @@ impl StoredKeys {
 
     /// Writes the key through its slot if the slot still holds it (a removed key's
     /// slot may hold another by now), else finds it by name.
-    fn write(&mut self, key: &Arc<str>, slot: Option<KeySlot>, snapshot: CacheSnapshot) {
-        let held = |stored: &StoredKey| Arc::ptr_eq(&stored.key, key);
+    fn write(&mut self, key: &Key, slot: Option<KeySlot>, snapshot: CacheSnapshot) {
+        let held = |stored: &StoredKey| stored.key == *key;
         let at = match slot.map(KeySlot::index) {
             Some(at) if self.at(at).is_some_and(held) => at,
             _ => self.slot(key),
