@@ -12,9 +12,8 @@ use crate::store_error::StoreError;
 /// One batch of a partition's changes, written at once.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct KeyedChanges {
-    /// Each changed key's cache, dirty flags, queues and fire count; the key shared
-    /// with the owner's memory, since a batch lists every key it changed; and the slot
-    /// the store handed out for the key, if any ([`KeyedStore::key_slot`]).
+    /// Each changed key's cache, dirty flags, queues and fire count; the key; and the
+    /// slot the store handed out for the key, if any ([`KeyedStore::key_slot`]).
     pub keys: Vec<(Key, Option<KeySlot>, CacheSnapshot)>,
     /// Per source, the last position applied in the partition.
     pub positions: BTreeMap<String, i64>,

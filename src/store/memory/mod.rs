@@ -151,19 +151,15 @@ impl StoredKeys {
             .get_mut(at % SLOTS_PER_CHUNK)
     }
 
-    /// The key's slot, made for it if it has none; the slot takes the caller's copy
-    /// of the key.
+    /// The key's slot, made for it if it has none.
     fn slot(&mut self, key: &Key) -> usize {
+        if let Some(&at) = self.index.get(key) {
+            return at;
+        }
         let stored = StoredKey {
             key: key.clone(),
             state: None,
         };
-        if let Some(&at) = self.index.get(key) {
-            if let Some(Some(held)) = self.at_mut(at) {
-                held.key = stored.key;
-            }
-            return at;
-        }
         let at = match self.free.pop() {
             Some(at) => at,
             None => {
