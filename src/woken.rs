@@ -66,7 +66,8 @@ impl Wake for Signal {
 
 impl<T> Woken<T> {
     /// Whether the inner future or stream may be ready: it woke since it was last
-    /// polled, or was never polled. A load, no lock: for a loop that looks between two
+    /// polled, or was never polled, or (a stream) its last poll gave an item. Not for a
+    /// future that completed already. A load, no lock: for a loop that looks between two
     /// polls whether to stop, and asks the exact question only when this says so.
     pub(crate) fn may_be_ready(&self) -> bool {
         self.signal.woken.load(Ordering::SeqCst)

@@ -700,6 +700,35 @@ mod cases {
                     .unwrap(),
                 [Some(snapshot(5)), Some(snapshot(4))]
             );
+            // So too for a name too long to be held inline: each copy of it is an
+            // allocation of its own, a slot handed out for one serves the others.
+            let long = "a user whose name is too long to be held inline";
+            let first: weir::graph::Key = long.into();
+            let long_slot = store.key_slot("g", 1, &first);
+            let mut written = KeyedChanges {
+                keys: vec![(first, long_slot, snapshot(6))],
+                ..Default::default()
+            };
+            store.save_keys("g", 1, &mut written, &fence).await.unwrap();
+            let second: weir::graph::Key = long.into();
+            assert_eq!(store.key_slot("g", 1, &second), long_slot);
+            for (copy, fires) in [(second, 7), (long.into(), 8)] {
+                let mut rewritten = KeyedChanges {
+                    keys: vec![(copy, long_slot, snapshot(fires))],
+                    ..Default::default()
+                };
+                store
+                    .save_keys("g", 1, &mut rewritten, &fence)
+                    .await
+                    .unwrap();
+            }
+            assert_eq!(
+                store
+                    .load_keys("g", 1, &[long.into(), "cid".into(), "ann".into()])
+                    .await
+                    .unwrap(),
+                [Some(snapshot(8)), Some(snapshot(5)), Some(snapshot(4))]
+            );
             // Slots are per partition.
             assert_eq!(
                 store.load_keys("g", 2, &["cid".into()]).await.unwrap(),

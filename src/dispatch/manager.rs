@@ -578,7 +578,8 @@ impl StateManager {
             };
             let me = self.clone();
             let sink = broker.sink();
-            let stop = cancel.clone();
+            // Behind an `Arc`: a token's own clone takes its lock, once per message here.
+            let stop = Arc::new(cancel.clone());
             loops.spawn(consume_concurrently(
                 results,
                 RESULTS_IN_FLIGHT,
@@ -648,7 +649,8 @@ impl StateManager {
             };
             let me = self.clone();
             let sink = broker.sink();
-            let stop = cancel.clone();
+            // Behind an `Arc`: a token's own clone takes its lock, once per message here.
+            let stop = Arc::new(cancel.clone());
             let name = workflow.key();
             loops.spawn(consume_concurrently(
                 starts,

@@ -220,12 +220,13 @@ impl<'a> Serving<'a> {
         lost: &CancellationToken,
     ) -> Result<(), PartitionError> {
         // Made once and polled again each turn: a new timer or token wait per message
-        // would cost more than the message.
-        let lost = lost.cancelled();
-        let release = release.cancelled();
+        // would cost more than the message. The token waits are polled only once woken:
+        // each poll of a waiting one takes its notifier's lock.
+        let mut lost = crate::woken::woken(lost.cancelled());
+        let mut release = crate::woken::woken(release.cancelled());
         let flush_timer = tokio::time::sleep(LINGER);
         let due_timer = tokio::time::sleep(LINGER);
-        tokio::pin!(lost, release, flush_timer, due_timer);
+        tokio::pin!(flush_timer, due_timer);
         let mut flush_armed = false;
         // The due time (ms) the due timer is set for.
         let mut due_armed: Option<i64> = None;

@@ -217,7 +217,8 @@ impl Worker {
             .set(settings.concurrency as f64);
         let shared = self.shared.clone();
         let metrics = Arc::new(TaskMetrics::new(&executor));
-        let stop = cancel.clone();
+        // Behind an `Arc`: a token's own clone takes its lock, and this is one per message.
+        let stop = Arc::new(cancel.clone());
         consume_concurrently(source, read_ahead, cancel, move |message| {
             let (shared, metrics, stop) = (shared.clone(), metrics.clone(), stop.clone());
             async move { shared.execute(message, &metrics, &stop).await }

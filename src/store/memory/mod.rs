@@ -154,6 +154,14 @@ impl StoredKeys {
     /// The key's slot, made for it if it has none.
     fn slot(&mut self, key: &Key) -> usize {
         if let Some(&at) = self.index.get(key) {
+            // A name too long to be held inline lies on the heap: the slot takes the
+            // caller's copy, so that the writes through it find the key by its pointer
+            // instead of reading the stored copy's bytes.
+            if key.is_heap_allocated() {
+                if let Some(Some(stored)) = self.at_mut(at) {
+                    stored.key = key.clone();
+                }
+            }
             return at;
         }
         let stored = StoredKey {
@@ -206,7 +214,9 @@ impl StoredKeys {
     /// Writes the key through its slot if the slot still holds it (a removed key's
     /// slot may hold another by now), else finds it by name.
     fn write(&mut self, key: &Key, slot: Option<KeySlot>, snapshot: CacheSnapshot) {
-        let held = |stored: &StoredKey| stored.key == *key;
+        let held = |stored: &StoredKey| {
+            std::ptr::eq(stored.key.as_str(), key.as_str()) || stored.key == *key
+        };
         let at = match slot.map(KeySlot::index) {
             Some(at) if self.at(at).is_some_and(held) => at,
             _ => self.slot(key),
