@@ -158,6 +158,16 @@ fn store_error(operation: &'static str, e: redis::RedisError) -> StoreError {
             source: e.into(),
         };
     }
+    // A Redis Cluster node refuses a call whose keys hash to several slots, and weir's
+    // calls keep a record's keys together only on a single server: the same refusal
+    // every time, until the store's URL names one.
+    if e.kind() == redis::ErrorKind::CrossSlot {
+        return StoreError::Operation {
+            operation,
+            source: format!("{e} (weir's store needs a single Redis server or a primary with replicas, not a Redis Cluster)").into(),
+            retryable: false,
+        };
+    }
     StoreError::Operation {
         operation,
         source: e.into(),
@@ -176,9 +186,17 @@ fn holds_what_cannot_be_read(e: &redis::RedisError) -> bool {
     match e.kind() {
         redis::ErrorKind::TypeError => true,
         redis::ErrorKind::ExtensionError => e.code() == Some("WRONGTYPE"),
+        // Before Redis 7 an error inside a script comes back as the script's own ("ERR
+        // Error running script …: WRONGTYPE …"), not under the command's code.
+        redis::ErrorKind::ResponseError => e
+            .detail()
+            .is_some_and(|detail| detail.contains(WRONGTYPE_IN_SCRIPT)),
         _ => false,
     }
 }
+
+/// What Redis says of a key of another type, as a script's error quotes it.
+const WRONGTYPE_IN_SCRIPT: &str = "WRONGTYPE Operation against a key holding the wrong kind";
 
 /// Where Redis is and how to prove who we are to it.
 #[derive(Clone, Default)]
@@ -519,6 +537,46 @@ mod tests {
             "Response was of incompatible type",
         ));
         assert!(!store_error("GET", not_text).is_retryable());
+    }
+
+    #[test]
+    fn a_value_of_another_type_met_by_a_script_on_redis_6_is_corrupt() {
+        let in_script = redis::RedisError::from((
+            redis::ErrorKind::ResponseError,
+            "An error was signalled by the server",
+            "Error running script (call to f_3f9a): @user_script:4: WRONGTYPE Operation \
+             against a key holding the wrong kind of value"
+                .to_string(),
+        ));
+        let e = store_error("EVALSHA", in_script);
+        assert_eq!(e.kind(), crate::store_error::StoreErrorKind::Corrupt, "{e}");
+        assert!(!e.is_retryable());
+        // Another error of a script is not.
+        let other = redis::RedisError::from((
+            redis::ErrorKind::ResponseError,
+            "An error was signalled by the server",
+            "Error running script (call to f_3f9a): @user_script:4: some other failure".to_string(),
+        ));
+        assert!(store_error("EVALSHA", other).is_retryable());
+    }
+
+    #[test]
+    fn keys_over_several_slots_of_a_redis_cluster_are_refused_for_good_naming_the_cause() {
+        let cross_slot = redis::RedisError::from((
+            redis::ErrorKind::CrossSlot,
+            "An error was signalled by the server",
+            "Keys in request don't hash to the same slot".to_string(),
+        ));
+        let e = store_error("EVALSHA", cross_slot);
+        assert_eq!(e.kind(), crate::store_error::StoreErrorKind::Operation);
+        assert!(!e.is_retryable());
+        let cause = std::error::Error::source(&e).map(ToString::to_string);
+        assert!(
+            cause
+                .as_deref()
+                .is_some_and(|c| c.contains("Redis Cluster")),
+            "{cause:?}"
+        );
     }
 
     #[test]
