@@ -2,7 +2,8 @@
 //! applied exactly once across hand-overs, timeouts that fell due while a partition had
 //! no owner fired once, a stopped job's output kept through its owner's death, and
 //! malformed messages and outputs too large for the broker dead-lettered without stopping
-//! anything, and each due time's timeout fired once while partitions move.
+//! anything, a message placed on another partition than its job's dead-lettered, and
+//! each due time's timeout fired once while partitions move.
 
 mod common;
 
@@ -505,6 +506,50 @@ async fn malformed_messages_are_dead_lettered_and_the_partition_goes_on() {
         output,
         json!({"type": TYPE, "id": "j", "output": {"count": 2}})
     );
+    node.stop().await;
+}
+
+/// A producer placing job ids otherwise than the job's first messages were placed
+/// (another client's partitioner) cannot give the job a second owner: its message, on
+/// another partition, is dead-lettered naming both, and the job keeps what it had.
+#[tokio::test]
+async fn a_message_for_a_job_living_on_another_partition_is_dead_lettered() {
+    let cluster = Cluster::new().await;
+    let client = cluster.client().await;
+    let node = cluster.node("a");
+    let ids = ["j".to_string()];
+    client.send("j", &json!(1)).await.unwrap();
+    cluster.await_counts(&ids, 1).await;
+    let home = cluster.topic.partition_of(b"j");
+    let elsewhere = (home + 1) % PARTITIONS as i32;
+    let topic = weir::wire::job_topic(TYPE);
+    cluster
+        .memory
+        .publish_to_partition(Outbound::new(topic.clone(), "2").key("j"), elsewhere)
+        .unwrap();
+    client.send("j", &json!(3)).await.unwrap();
+    cluster.await_counts(&ids, 2).await;
+    let dead_letters = weir::wire::dead_letter_topic(&topic);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while cluster.memory.messages(&dead_letters).is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never dead-lettered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let dead = cluster.memory.messages(&dead_letters);
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let reason = dead[0].header(weir::wire::ERROR_HEADER).unwrap();
+    assert!(
+        reason.contains(&format!("lives on partition {home}"))
+            && reason.contains(&format!("came on partition {elsewhere}")),
+        "{reason}"
+    );
+    assert_eq!(&dead[0].payload[..], b"2");
+    // Its owner still applies what comes where the job lives.
+    client.send("j", &json!(4)).await.unwrap();
+    cluster.await_counts(&ids, 3).await;
     node.stop().await;
 }
 

@@ -378,6 +378,24 @@ impl<'a> Serving<'a> {
             return self.dead_letter(&message, &format!("job {reason}")).await;
         }
         let record = self.job(&id).await?;
+        // On a broker's own partitions the producer's partitioner places the id: one
+        // placing it otherwise than the job's first messages were (another client's
+        // partitioner) would give the job two owners, each overwriting the other's state.
+        if let Some(home) = record
+            .as_ref()
+            .map(|r| r.partition)
+            .filter(|home| *home != self.partition)
+        {
+            let reason = format!(
+                "job {} lives on partition {home}, and this message came on partition {}: \
+                 its producer places job ids otherwise than the job's first messages' did \
+                 (weir places an id on crc32(id) mod partitions, as librdkafka's default \
+                 partitioner does)",
+                crate::transport::quoted_key(&id),
+                self.partition
+            );
+            return self.dead_letter(&message, &reason).await;
+        }
         let applied = match (&event, record) {
             (JobEvent::Start, _) => {
                 let state = if message.payload.is_empty() {

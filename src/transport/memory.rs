@@ -124,7 +124,26 @@ impl MemoryBroker {
         topic.appended.notify_waiters();
     }
 
+    /// Appends `message` to `partition` of its topic whatever its key says, as a producer
+    /// whose partitioner places keys its own way would (Java's murmur2, say). A
+    /// partition past the topic's count is an error.
+    pub fn publish_to_partition(
+        &self,
+        message: Outbound,
+        partition: i32,
+    ) -> Result<Position, TransportError> {
+        self.append_at(message, Some(partition))
+    }
+
     fn append(&self, message: Outbound) -> Result<Position, TransportError> {
+        self.append_at(message, None)
+    }
+
+    fn append_at(
+        &self,
+        message: Outbound,
+        chosen: Option<i32>,
+    ) -> Result<Position, TransportError> {
         validate_topic(&message.topic)?;
         if let Some(limit) = self.inner.max_message_bytes {
             // Key and headers count, as they do on Kafka and NATS.
@@ -150,10 +169,23 @@ impl MemoryBroker {
         let position = {
             let mut log = lock(&topic.log);
             let count = log.partitions.len();
-            let partition = match &message.key {
+            let partition = match (chosen, &message.key) {
+                (Some(chosen), _) => match usize::try_from(chosen) {
+                    Ok(chosen) if chosen < count => chosen,
+                    _ => {
+                        return Err(TransportError::Publish {
+                            source: format!(
+                                "partition {chosen} does not exist: the topic has {count}"
+                            )
+                            .into(),
+                            topic: message.topic.to_string(),
+                            retryable: false,
+                        })
+                    }
+                },
                 // As librdkafka's default partitioner places keys.
-                Some(key) => (super::crc32(key) % count as u32) as usize,
-                None => {
+                (None, Some(key)) => (super::crc32(key) % count as u32) as usize,
+                (None, None) => {
                     log.round_robin = (log.round_robin + 1) % count;
                     log.round_robin
                 }

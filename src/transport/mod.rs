@@ -236,7 +236,8 @@ impl PartitionedTopic {
     /// Why a message of `key` read from `partition` does not belong there, if it does
     /// not: on subjects the producer names the partition, and one counting partitions
     /// differently would split a key's messages between two owners. On a broker's own
-    /// partitions the producer's partitioner decides, and nothing can be checked.
+    /// partitions the producer's partitioner decides, and nothing is checked here (jobs
+    /// check the partition their stored record names).
     pub fn misplaced(&self, key: &str, partition: i32) -> Option<String> {
         if self.layout != PartitionLayout::Subjects {
             return None;
