@@ -1477,6 +1477,53 @@ async fn an_idle_key_whose_state_cannot_be_read_is_removed_without_holding_up_th
     node.stop().await;
 }
 
+/// An event for a key out of memory whose stored state does not read back (written by
+/// another version, say) is dead-lettered naming the cause, and holds up no other key:
+/// the partition goes on past it.
+#[tokio::test]
+async fn an_event_for_a_key_whose_stored_state_cannot_be_read_is_dead_lettered() {
+    let mut decl = graph("badstate", &["a"], Criteria::WhenAny);
+    decl.keyed.as_mut().unwrap().partitions = 1;
+    let cluster = Cluster::new(decl).await;
+    let flaky = Arc::new(common::FlakyStore::new(cluster.store.clone()));
+    let mut sent = HashSet::new();
+    let first = cluster.node_on("first", flaky.clone());
+    for (user, seq) in [("bad", 1), ("good", 2)] {
+        cluster.send("a", user, seq).await;
+        sent.insert((user.to_string(), seq));
+    }
+    cluster.await_outputs(&sent).await;
+    first.stop().await;
+    // The next node has neither key in memory, so it reads both from the store.
+    flaky.make_unreadable("bad");
+    let next = cluster.node_on("next", flaky.clone());
+    for (user, seq) in [("bad", 3), ("good", 4), ("good", 5)] {
+        cluster.send("a", user, seq).await;
+    }
+    sent.extend([("good".to_string(), 4), ("good".to_string(), 5)]);
+    cluster.await_outputs(&sent).await;
+    cluster
+        .await_count("badstate.a.dlq", 1, Duration::from_secs(10))
+        .await;
+    let dead = cluster.memory.messages("badstate.a.dlq");
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let reason = dead[0].header(weir::wire::ERROR_HEADER).unwrap();
+    assert!(
+        reason.contains("stored state of key bad cannot be read"),
+        "{reason}"
+    );
+    let letter: Value = serde_json::from_slice(&dead[0].payload).unwrap();
+    assert_eq!(letter["seq"], json!(3));
+    assert!(
+        !cluster
+            .outputs()
+            .iter()
+            .any(|o| o["inputs"]["a"]["seq"] == json!(3)),
+        "the unreadable key's event fired"
+    );
+    next.stop().await;
+}
+
 /// A graph that stops expiring idle keys drops the times kept for it with the first
 /// batch it writes, so that times gone stale meanwhile expire nothing should expiry
 /// come back; every key keeps its state.

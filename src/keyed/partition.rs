@@ -25,7 +25,7 @@ use crate::lease::Held;
 use crate::ownership::{PartitionError, PartitionWork, StoreRetry};
 use crate::reactor::cache::{InputCache, Inserted};
 use crate::reactor::CacheSnapshot;
-use crate::store_error::StoreErrorKind;
+use crate::store_error::{StoreError, StoreErrorKind};
 use crate::transport::{
     now_ms, publish_dead_letter, Broker, HeaderValue, Message, Outbound, PendingAck, Position,
     Sink, Source, TopicName, TransportError,
@@ -460,8 +460,13 @@ impl<'a> Serving<'a> {
     }
 
     /// The key's state, from memory or the store, with the key as the map holds it:
-    /// one hash and one probe per event for a key in memory.
-    async fn key_state(&mut self, key: &str) -> Result<(Key, &mut KeyState), PartitionError> {
+    /// one hash and one probe per event for a key in memory. The inner error: the key's
+    /// stored state does not read back (written by another version, say), which holds
+    /// up that key alone.
+    async fn key_state(
+        &mut self,
+        key: &str,
+    ) -> Result<Result<(Key, &mut KeyState), StoreError>, PartitionError> {
         self.events += 1;
         let graph = self.graph;
         let state = match self.keys.entry_ref(key) {
@@ -485,6 +490,7 @@ impl<'a> Serving<'a> {
                             .await
                         {
                             Ok(loaded) => break loaded.into_iter().next().flatten(),
+                            Err(e) if e.kind() == StoreErrorKind::Corrupt => return Ok(Err(e)),
                             Err(e) => retry.after(e).await?,
                         }
                     }
@@ -517,7 +523,7 @@ impl<'a> Serving<'a> {
             }
         };
         state.1.used = self.events;
-        Ok(state)
+        Ok(Ok(state))
     }
 
     async fn apply(
@@ -568,7 +574,18 @@ impl<'a> Serving<'a> {
         let (batch_number, next_listed) = (self.batch_number, self.batch.keys.len());
         let emit_time_ms = self.burst_ms;
         let capacity = self.graph.decl.reactor.queue_capacity;
-        let (key, state) = self.key_state(&key).await?;
+        let (key, state) = match self.key_state(&key).await? {
+            Ok(found) => found,
+            // Its events go to the dead-letter topic, the partition's other keys on, and
+            // the stored state stays as it is for an operator to look at.
+            Err(unreadable) => {
+                let reason = format!(
+                    "the stored state of key {} cannot be read: {unreadable}",
+                    crate::transport::quoted_key(&key)
+                );
+                return self.dead_letter(source, &message, &reason).await;
+            }
+        };
         let boundary = Boundary {
             source: source_name,
             sequence: 0,
