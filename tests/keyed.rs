@@ -2,7 +2,8 @@
 //! state per key, every input reaching an output in its key's order across joins and
 //! kills, per-key `when_all`, keys leaving memory with events queued, an output too large
 //! for the broker, a failed fire, events that cannot be read or keyed, the
-//! co-partitioning check, and idle keys expiring by event time.
+//! co-partitioning check, idle keys expiring by event time, a key whose stored state
+//! does not read back, and a lease running out between a fire's outputs.
 
 mod common;
 
@@ -1522,6 +1523,108 @@ async fn an_event_for_a_key_whose_stored_state_cannot_be_read_is_dead_lettered()
         "the unreadable key's event fired"
     );
     next.stop().await;
+}
+
+/// A sink whose first message to `topic` waits until `release` is set, as a hand-over
+/// does that a client keeps waiting (its queue full, say); `holding` is set meanwhile.
+struct FirstHeldBack {
+    inner: Arc<dyn weir::transport::Sink>,
+    topic: String,
+    holding: Arc<std::sync::atomic::AtomicBool>,
+    release: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[async_trait::async_trait]
+impl weir::transport::Sink for FirstHeldBack {
+    async fn publish(
+        &self,
+        message: Outbound,
+    ) -> Result<weir::transport::Position, weir::transport::TransportError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if *message.topic == *self.topic && !self.holding.swap(true, SeqCst) {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            while !self.release.load(SeqCst) && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        self.inner.publish(message).await
+    }
+}
+
+/// A node whose lease runs out while it hands a fire's first output over (the lease
+/// keeper paused, the client holding the hand-over back) publishes none of the fire's
+/// later outputs under its old fencing token: the token on a key's outputs never goes
+/// back.
+#[tokio::test]
+async fn a_node_whose_lease_ran_out_during_a_fires_first_output_publishes_no_later_one() {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    let mut keying = Keying::new(KeySource::Pointer("/user".into()));
+    keying.partitions = 1;
+    keying.lease_ttl = Duration::from_millis(600);
+    let decl = GraphBuilder::new("lapsed")
+        .criteria(Criteria::WhenAny)
+        .strategy(Strategy::Sequential)
+        .keyed(keying)
+        .accumulator(AccumulatorSpec::passthrough("a").topic("lapsed.a"))
+        .function("snapshot", &FunctionRegistry::default(), "snapshot")
+        .output("snapshot", "lapsed.out")
+        .output("snapshot", "lapsed.later")
+        .build()
+        .unwrap();
+    let first = "lapsed.out".to_string();
+    let mut cluster = Cluster::new(decl).await;
+    let (holding, release) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    cluster.broker = Arc::new(common::WithSink {
+        broker: cluster.broker.clone(),
+        sink: Arc::new(FirstHeldBack {
+            inner: cluster.broker.sink(),
+            topic: first.clone(),
+            holding: holding.clone(),
+            release: release.clone(),
+        }),
+    });
+    let flaky = Arc::new(common::FlakyStore::new(cluster.store.clone()));
+    let node = cluster.node_on("n", flaky.clone());
+    cluster.send("a", "k", 1).await;
+    common::eventually("the first output held", || async { holding.load(SeqCst) }).await;
+    // Paused past its lease's TTL (600 ms) while the hand-over waits.
+    flaky.hold_renewals(true);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    release.store(true, SeqCst);
+    cluster
+        .await_count(&first, 1, Duration::from_secs(10))
+        .await;
+    let stale = cluster.memory.messages(&first)[0]
+        .header(weir::wire::FENCING_HEADER)
+        .map(str::to_string);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let later = cluster.memory.messages("lapsed.later");
+    assert!(
+        later
+            .iter()
+            .all(|m| m.header(weir::wire::FENCING_HEADER).map(str::to_string) != stale),
+        "an output published under the token {stale:?} of a lease run out: {later:?}"
+    );
+    // Renewing again, the node takes the partition back and fires the event again,
+    // under a newer token, both outputs.
+    flaky.hold_renewals(false);
+    cluster
+        .await_count("lapsed.later", 1, Duration::from_secs(10))
+        .await;
+    let token = |m: &weir::transport::Message| {
+        m.header(weir::wire::FENCING_HEADER)
+            .and_then(|t| t.parse::<u64>().ok())
+    };
+    let stale_token = stale.as_deref().and_then(|t| t.parse::<u64>().ok());
+    assert!(cluster
+        .memory
+        .messages("lapsed.later")
+        .iter()
+        .all(|m| token(m) > stale_token));
+    node.stop().await;
 }
 
 /// A graph that stops expiring idle keys drops the times kept for it with the first

@@ -601,6 +601,9 @@ impl<'a> Serving<'a> {
         // partition goes on.
         let mut acks = Vec::with_capacity(batch.outputs.len());
         for output in batch.outputs {
+            // Before each: handing the one before over may have waited (for room in the
+            // client's queue, say) past the lease.
+            self.held.check_deadline()?;
             match self.jobs.sink.enqueue(output.clone()).await {
                 Ok(ack) => acks.push((ack, output)),
                 Err(e) if !e.is_retryable() => self.dead_letter_output(&output, &e).await?,

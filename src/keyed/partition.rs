@@ -666,11 +666,12 @@ impl<'a> Serving<'a> {
             }
             result = Self::run_graph(&self.graph.decl.graph, &input).await;
         }
-        // A node paused past its lease publishes nothing more, dead letters included.
-        self.held.check_deadline()?;
         let outputs = match result {
             Ok(outputs) => outputs,
             Err(reason) => {
+                // A node paused past its lease publishes nothing more, dead letters
+                // included.
+                self.held.check_deadline()?;
                 // Kept for an operator, with what the fire saw and where it came from;
                 // the key goes on.
                 warn!(graph = %self.graph.graph, key = %key, fire, %reason, "keyed fire failed after its retries; dead-lettering its inputs");
@@ -696,6 +697,9 @@ impl<'a> Serving<'a> {
             let Some(payload) = outputs.encoded(output) else {
                 continue;
             };
+            // Before each output: handing the one before over may have waited (for room
+            // in the client's queue, say) past the lease.
+            self.held.check_deadline()?;
             let sent = Sent {
                 output,
                 key: key.clone(),

@@ -81,6 +81,9 @@ pub struct FlakyStore {
     /// Keys whose stored state does not read back (written by another version, say):
     /// a load of keys naming one fails with no retry helping.
     unreadable: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Lease renewals wait while set, as a node paused mid-renewal does: its lease runs
+    /// out while it holds it.
+    renewals_held: std::sync::atomic::AtomicBool,
 }
 
 impl FlakyStore {
@@ -93,7 +96,14 @@ impl FlakyStore {
             loads: Default::default(),
             loads_passing: Default::default(),
             unreadable: Default::default(),
+            renewals_held: Default::default(),
         }
+    }
+
+    /// Lease renewals wait (up to 30 s each) while `held`.
+    pub fn hold_renewals(&self, held: bool) {
+        self.renewals_held
+            .store(held, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// From now on the stored state of `key` does not read back.
@@ -306,6 +316,12 @@ impl weir::lease::LeaseStore for FlakyStore {
         lease: &weir::lease::Lease,
         ttl: std::time::Duration,
     ) -> Result<bool, weir::store_error::StoreError> {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+        while self.renewals_held.load(std::sync::atomic::Ordering::SeqCst)
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
         self.inner.renew_lease(lease, ttl).await
     }
 
