@@ -1573,6 +1573,87 @@ async fn fires_made_again_after_a_crash_keep_their_numbers() {
     assert!(next.shutdown().await);
 }
 
+/// A command's fire among fires in flight when the graph dies takes no input, so it is
+/// not made again; the fires after it still are, under the numbers they had.
+#[tokio::test(start_paused = true)]
+async fn a_commands_fire_in_flight_at_a_crash_leaves_the_later_fires_their_numbers() {
+    let h = Harness::new();
+    let (open_tx, open) = tokio::sync::watch::channel(false);
+    let decl = |open: tokio::sync::watch::Receiver<bool>| {
+        GraphBuilder::new("between")
+            .accumulator(AccumulatorSpec::passthrough("a"))
+            .reactor(ReactorConfig {
+                strategy: Strategy::Sequential,
+                snapshot_interval: Duration::ZERO,
+                ..ReactorConfig::default()
+            })
+            .node("n", ["a"], |ctx: NodeContext| async move {
+                Ok(ctx.source("a").cloned())
+            })
+            .output_to(
+                "n",
+                "between.out",
+                Arc::new(Gate {
+                    broker: h.broker.clone(),
+                    open,
+                }),
+            )
+            .build()
+            .unwrap()
+    };
+    let g = h.spawn(decl(open.clone()));
+    g.wait_for_state(ReactorState::Live).await;
+    g.push("a", json!(1)).await.unwrap();
+    eventually("the first fire in flight", || async {
+        g.stats().fires == 1
+    })
+    .await;
+    g.reactor()
+        .fire_with(BTreeMap::from([("a".to_string(), json!(100))]))
+        .await
+        .unwrap();
+    g.push("a", json!(3)).await.unwrap();
+    eventually("three fires in flight", || async { g.stats().fires == 3 }).await;
+    settle().await;
+    h.supervisor.shutdown().await;
+    let runtime = weir::Runtime {
+        broker: Arc::new(h.broker.clone()),
+        store: h.store.clone(),
+        node_id: "test-node".into(),
+    };
+    let next = weir::Supervisor::new(
+        runtime,
+        weir::SupervisionPolicy::default(),
+        tokio_util::sync::CancellationToken::new(),
+    );
+    open_tx.send_replace(true);
+    let g = next.spawn(decl(open)).unwrap();
+    g.wait_for_state(ReactorState::Live).await;
+    g.push("a", json!(4)).await.unwrap();
+    eventually("three outputs", || async {
+        h.broker.messages("between.out").len() == 3
+    })
+    .await;
+    let fired: Vec<(String, Value)> = h
+        .broker
+        .messages("between.out")
+        .iter()
+        .map(|m| {
+            let record: Value = serde_json::from_slice(&m.payload).unwrap();
+            (m.header("weir-fire").unwrap().to_string(), record)
+        })
+        .collect();
+    assert_eq!(
+        fired,
+        [
+            ("1".to_string(), json!(1)),
+            ("3".to_string(), json!(3)),
+            ("4".to_string(), json!(4)),
+        ]
+    );
+    assert!(next.shutdown().await);
+}
+
 /// A fire stored as awaiting acknowledgement, acknowledged afterwards while nothing else
 /// happens: a stop stores a snapshot counting it done, so the next run does not make it
 /// again, and numbers on after it.

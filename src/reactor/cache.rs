@@ -322,10 +322,25 @@ impl InputCache {
                 slot.mark_seen(*p);
             }
             slot.current = stored.current.clone().map(restored);
+            // A snapshot of the other strategy (the graph's config changed between runs)
+            // keeps what no fire took yet, its positions committed already: the newest
+            // queued input as the value to fire (latest), or the value not fired yet as
+            // the one input queued (sequential).
             match self.strategy {
-                Strategy::Latest => slot.dirty = stored.dirty,
+                Strategy::Latest => match stored.queue.last() {
+                    Some(newest) => {
+                        slot.current = Some(restored(newest.clone()));
+                        slot.dirty = true;
+                    }
+                    None => slot.dirty = stored.dirty,
+                },
                 Strategy::Sequential => {
                     slot.queue = stored.queue.iter().cloned().map(restored).collect();
+                    if slot.queue.is_empty() && stored.dirty {
+                        if let Some(unfired) = &slot.current {
+                            slot.queue.push_back(unfired.clone());
+                        }
+                    }
                     slot.dirty = !slot.queue.is_empty();
                     queued[i] = slot.queue.len();
                 }
@@ -553,6 +568,36 @@ mod tests {
 
     fn value(v: &Option<Arc<Boundary>>) -> Option<i64> {
         v.as_ref().and_then(|b| b.value.as_i64())
+    }
+
+    #[test]
+    fn a_snapshot_of_the_other_strategy_keeps_what_no_fire_took() {
+        // Sequential, two inputs of `a` queued: restored under latest, the newer fires.
+        let mut sequential = InputCache::new(names(), Strategy::Sequential);
+        sequential.insert(0, b("a", 1, 10));
+        sequential.insert(0, b("a", 2, 20));
+        let mut latest = InputCache::new(names(), Strategy::Latest);
+        latest.restore(&sequential.snapshot(0, std::iter::empty()));
+        assert!(latest.ready(Criteria::WhenAny));
+        assert!(!latest.dirty(1));
+        assert_eq!(value(&latest.take().0[0]), Some(20));
+        assert!(!latest.ready(Criteria::WhenAny));
+        // Latest, a value of `a` not fired and one of `b` fired: restored under
+        // sequential, the unfired one is queued, the fired one only shown.
+        let mut latest = InputCache::new(names(), Strategy::Latest);
+        latest.insert(1, b("b", 3, 30));
+        latest.take();
+        latest.insert(0, b("a", 4, 40));
+        let mut sequential = InputCache::new(names(), Strategy::Sequential);
+        let queued = sequential.restore(&latest.snapshot(1, std::iter::empty()));
+        assert_eq!(queued, [1, 0]);
+        assert!(!sequential.dirty(1));
+        let (values, taken) = sequential.take();
+        assert_eq!(taken.as_slice(), [0]);
+        assert_eq!((value(&values[0]), value(&values[1])), (Some(40), Some(30)));
+        assert!(!sequential.ready(Criteria::WhenAny));
+        // Repeats of what either took are still known as such.
+        assert_eq!(sequential.insert(0, b("a", 4, 40)), Inserted::Duplicate);
     }
 
     #[test]

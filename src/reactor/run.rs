@@ -726,9 +726,12 @@ impl Reactor {
         snapshot.paused = self.paused;
         if self.config.strategy == Strategy::Sequential {
             // In the order the queues now hold their inputs: the requeued ones first,
-            // then those restored and not fired again yet.
+            // then those restored and not fired again yet. A fire that took nothing (a
+            // command's) puts nothing back in the queues, so nothing makes it again: listed,
+            // it would stand between the fires after it and their numbers.
             snapshot.refires = requeued()
                 .map(Consumed::refire)
+                .filter(|refire| !refire.sources.is_empty())
                 .chain(self.refires.iter().cloned())
                 .collect();
         }
