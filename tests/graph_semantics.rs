@@ -1496,6 +1496,74 @@ impl weir::transport::Sink for Gate {
     }
 }
 
+/// A sequential graph over source `a` whose outputs to `<name>.out` are acknowledged
+/// only once `open` is true.
+fn gated_sequential(
+    h: &Harness,
+    name: &str,
+    open: tokio::sync::watch::Receiver<bool>,
+) -> weir::GraphDeclaration {
+    GraphBuilder::new(name)
+        .accumulator(AccumulatorSpec::passthrough("a"))
+        .reactor(ReactorConfig {
+            strategy: Strategy::Sequential,
+            snapshot_interval: Duration::ZERO,
+            ..ReactorConfig::default()
+        })
+        .node("n", ["a"], |ctx: NodeContext| async move {
+            Ok(ctx.source("a").cloned())
+        })
+        .output_to(
+            "n",
+            format!("{name}.out"),
+            Arc::new(Gate {
+                broker: h.broker.clone(),
+                open,
+            }),
+        )
+        .build()
+        .unwrap()
+}
+
+/// The graph dies with its outputs unacknowledged (its stop waits for them in vain); a
+/// supervisor on the same broker and store takes over.
+async fn crashed_and_taken_over(h: &Harness) -> weir::Supervisor {
+    h.supervisor.shutdown().await;
+    let runtime = weir::Runtime {
+        broker: Arc::new(h.broker.clone()),
+        store: h.store.clone(),
+        node_id: "test-node".into(),
+    };
+    weir::Supervisor::new(
+        runtime,
+        weir::SupervisionPolicy::default(),
+        tokio_util::sync::CancellationToken::new(),
+    )
+}
+
+/// The outputs on `topic`, each with its `weir-fire`, once there are `count`.
+async fn fired(h: &Harness, topic: &str, count: usize) -> Vec<(String, Value)> {
+    eventually("the outputs", || async {
+        h.broker.messages(topic).len() == count
+    })
+    .await;
+    h.broker
+        .messages(topic)
+        .iter()
+        .map(|m| {
+            let record: Value = serde_json::from_slice(&m.payload).unwrap();
+            (m.header("weir-fire").unwrap().to_string(), record)
+        })
+        .collect()
+}
+
+fn numbered(fires: &[(u64, i64)]) -> Vec<(String, Value)> {
+    fires
+        .iter()
+        .map(|(fire, value)| (fire.to_string(), json!(value)))
+        .collect()
+}
+
 /// Fires whose outputs were never acknowledged when the graph died are made again from
 /// their stored inputs under the numbers they had: `weir-fire` tells a consumer which
 /// outputs repeat ones it may have seen, and fires after them number on.
@@ -1503,72 +1571,21 @@ impl weir::transport::Sink for Gate {
 async fn fires_made_again_after_a_crash_keep_their_numbers() {
     let h = Harness::new();
     let (open_tx, open) = tokio::sync::watch::channel(false);
-    let decl = |open: tokio::sync::watch::Receiver<bool>| {
-        GraphBuilder::new("again")
-            .accumulator(AccumulatorSpec::passthrough("a"))
-            .reactor(ReactorConfig {
-                strategy: Strategy::Sequential,
-                snapshot_interval: Duration::ZERO,
-                ..ReactorConfig::default()
-            })
-            .node("n", ["a"], |ctx: NodeContext| async move {
-                Ok(ctx.source("a").cloned())
-            })
-            .output_to(
-                "n",
-                "again.out",
-                Arc::new(Gate {
-                    broker: h.broker.clone(),
-                    open,
-                }),
-            )
-            .build()
-            .unwrap()
-    };
-    let g = h.spawn(decl(open.clone()));
+    let g = h.spawn(gated_sequential(&h, "again", open.clone()));
     g.wait_for_state(ReactorState::Live).await;
     for n in 1..=3 {
         g.push("a", json!(n)).await.unwrap();
     }
     eventually("three fires in flight", || async { g.stats().fires == 3 }).await;
     settle().await;
-    // The graph dies with its outputs unacknowledged (its stop waits for them in vain).
-    h.supervisor.shutdown().await;
-    let runtime = weir::Runtime {
-        broker: Arc::new(h.broker.clone()),
-        store: h.store.clone(),
-        node_id: "test-node".into(),
-    };
-    let next = weir::Supervisor::new(
-        runtime,
-        weir::SupervisionPolicy::default(),
-        tokio_util::sync::CancellationToken::new(),
-    );
+    let next = crashed_and_taken_over(&h).await;
     open_tx.send_replace(true);
-    let g = next.spawn(decl(open)).unwrap();
+    let g = next.spawn(gated_sequential(&h, "again", open)).unwrap();
     g.wait_for_state(ReactorState::Live).await;
     g.push("a", json!(4)).await.unwrap();
-    eventually("four outputs", || async {
-        h.broker.messages("again.out").len() == 4
-    })
-    .await;
-    let fired: Vec<(String, Value)> = h
-        .broker
-        .messages("again.out")
-        .iter()
-        .map(|m| {
-            let record: Value = serde_json::from_slice(&m.payload).unwrap();
-            (m.header("weir-fire").unwrap().to_string(), record)
-        })
-        .collect();
     assert_eq!(
-        fired,
-        [
-            ("1".to_string(), json!(1)),
-            ("2".to_string(), json!(2)),
-            ("3".to_string(), json!(3)),
-            ("4".to_string(), json!(4)),
-        ]
+        fired(&h, "again.out", 4).await,
+        numbered(&[(1, 1), (2, 2), (3, 3), (4, 4)])
     );
     assert!(next.shutdown().await);
 }
@@ -1579,29 +1596,7 @@ async fn fires_made_again_after_a_crash_keep_their_numbers() {
 async fn a_commands_fire_in_flight_at_a_crash_leaves_the_later_fires_their_numbers() {
     let h = Harness::new();
     let (open_tx, open) = tokio::sync::watch::channel(false);
-    let decl = |open: tokio::sync::watch::Receiver<bool>| {
-        GraphBuilder::new("between")
-            .accumulator(AccumulatorSpec::passthrough("a"))
-            .reactor(ReactorConfig {
-                strategy: Strategy::Sequential,
-                snapshot_interval: Duration::ZERO,
-                ..ReactorConfig::default()
-            })
-            .node("n", ["a"], |ctx: NodeContext| async move {
-                Ok(ctx.source("a").cloned())
-            })
-            .output_to(
-                "n",
-                "between.out",
-                Arc::new(Gate {
-                    broker: h.broker.clone(),
-                    open,
-                }),
-            )
-            .build()
-            .unwrap()
-    };
-    let g = h.spawn(decl(open.clone()));
+    let g = h.spawn(gated_sequential(&h, "between", open.clone()));
     g.wait_for_state(ReactorState::Live).await;
     g.push("a", json!(1)).await.unwrap();
     eventually("the first fire in flight", || async {
@@ -1615,41 +1610,14 @@ async fn a_commands_fire_in_flight_at_a_crash_leaves_the_later_fires_their_numbe
     g.push("a", json!(3)).await.unwrap();
     eventually("three fires in flight", || async { g.stats().fires == 3 }).await;
     settle().await;
-    h.supervisor.shutdown().await;
-    let runtime = weir::Runtime {
-        broker: Arc::new(h.broker.clone()),
-        store: h.store.clone(),
-        node_id: "test-node".into(),
-    };
-    let next = weir::Supervisor::new(
-        runtime,
-        weir::SupervisionPolicy::default(),
-        tokio_util::sync::CancellationToken::new(),
-    );
+    let next = crashed_and_taken_over(&h).await;
     open_tx.send_replace(true);
-    let g = next.spawn(decl(open)).unwrap();
+    let g = next.spawn(gated_sequential(&h, "between", open)).unwrap();
     g.wait_for_state(ReactorState::Live).await;
     g.push("a", json!(4)).await.unwrap();
-    eventually("three outputs", || async {
-        h.broker.messages("between.out").len() == 3
-    })
-    .await;
-    let fired: Vec<(String, Value)> = h
-        .broker
-        .messages("between.out")
-        .iter()
-        .map(|m| {
-            let record: Value = serde_json::from_slice(&m.payload).unwrap();
-            (m.header("weir-fire").unwrap().to_string(), record)
-        })
-        .collect();
     assert_eq!(
-        fired,
-        [
-            ("1".to_string(), json!(1)),
-            ("3".to_string(), json!(3)),
-            ("4".to_string(), json!(4)),
-        ]
+        fired(&h, "between.out", 3).await,
+        numbered(&[(1, 1), (3, 3), (4, 4)])
     );
     assert!(next.shutdown().await);
 }
@@ -1660,31 +1628,8 @@ async fn a_commands_fire_in_flight_at_a_crash_leaves_the_later_fires_their_numbe
 #[tokio::test(start_paused = true)]
 async fn a_fire_acknowledged_after_its_snapshot_is_not_made_again_after_a_stop() {
     let h = Harness::new();
-    let broker = h.broker.clone();
     let (open_tx, open) = tokio::sync::watch::channel(false);
-    let decl = |open: tokio::sync::watch::Receiver<bool>| {
-        GraphBuilder::new("acked")
-            .accumulator(AccumulatorSpec::passthrough("a"))
-            .reactor(ReactorConfig {
-                strategy: Strategy::Sequential,
-                snapshot_interval: Duration::ZERO,
-                ..ReactorConfig::default()
-            })
-            .node("n", ["a"], |ctx: NodeContext| async move {
-                Ok(ctx.source("a").cloned())
-            })
-            .output_to(
-                "n",
-                "acked.out",
-                Arc::new(Gate {
-                    broker: broker.clone(),
-                    open,
-                }),
-            )
-            .build()
-            .unwrap()
-    };
-    let g = h.spawn(decl(open.clone()));
+    let g = h.spawn(gated_sequential(&h, "acked", open.clone()));
     g.wait_for_state(ReactorState::Live).await;
     g.push("a", json!(1)).await.unwrap();
     eventually("the fire in flight", || async { g.stats().fires == 1 }).await;
@@ -1696,7 +1641,7 @@ async fn a_fire_acknowledged_after_its_snapshot_is_not_made_again_after_a_stop()
     .await;
     h.advance(Duration::from_secs(1)).await;
     let h = h.restart().await;
-    let g = h.spawn(decl(open));
+    let g = h.spawn(gated_sequential(&h, "acked", open));
     g.wait_for_state(ReactorState::Live).await;
     g.push("a", json!(2)).await.unwrap();
     eventually("the next output", || async {
@@ -1704,19 +1649,7 @@ async fn a_fire_acknowledged_after_its_snapshot_is_not_made_again_after_a_stop()
     })
     .await;
     h.advance(Duration::from_secs(1)).await;
-    let fired: Vec<(String, Value)> = h
-        .broker
-        .messages("acked.out")
-        .iter()
-        .map(|m| {
-            let record: Value = serde_json::from_slice(&m.payload).unwrap();
-            (m.header("weir-fire").unwrap().to_string(), record)
-        })
-        .collect();
-    assert_eq!(
-        fired,
-        [("1".to_string(), json!(1)), ("2".to_string(), json!(2))]
-    );
+    assert_eq!(fired(&h, "acked.out", 2).await, numbered(&[(1, 1), (2, 2)]));
 }
 
 /// A sink that, as the NATS JetStream client, counts each message handed over until its
