@@ -306,6 +306,41 @@ async fn partitions_working_off_a_backlog_longer_than_their_lease_keep_it() {
     node.stop().await;
 }
 
+/// A job put again replaces the one of its id, timeout and all: the old one's due
+/// times fire nothing, the new one's do.
+#[tokio::test]
+async fn a_job_put_again_keeps_none_of_the_old_ones_timeout() {
+    let cluster = Cluster::new().await;
+    let client = cluster.client().await;
+    let node = cluster.node("a");
+    client.put("t", &json!({ "every_ms": 200 })).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while cluster
+        .state("t")
+        .await
+        .and_then(|s| s["timeouts"].as_u64())
+        .unwrap_or(0)
+        < 1
+    {
+        assert!(tokio::time::Instant::now() < deadline, "no timeout fired");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    client
+        .put("t", &json!({ "every_ms": 60_000 }))
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while cluster.state("t").await.map(|s| s["every_ms"].clone()) != Some(json!(60_000)) {
+        assert!(tokio::time::Instant::now() < deadline, "never put again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Several of the old due times' worth.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let state = cluster.state("t").await.unwrap();
+    assert_eq!(state["timeouts"].as_u64().unwrap_or(0), 0, "{state}");
+    node.stop().await;
+}
+
 #[tokio::test]
 async fn a_timeout_due_while_its_partition_had_no_owner_fires_once_on_the_next() {
     let cluster = Cluster::new().await;

@@ -396,6 +396,12 @@ impl<'a> Serving<'a> {
             );
             return self.dead_letter(&message, &reason).await;
         }
+        // A start replaces a job of the same id, and its timeout goes with it: the
+        // old one leaves the timers once the start is applied.
+        let replaced_due = match (&event, &record) {
+            (JobEvent::Start, Some(replaced)) => replaced.timeout_at_ms,
+            _ => None,
+        };
         let applied = match (&event, record) {
             (JobEvent::Start, _) => {
                 let state = if message.payload.is_empty() {
@@ -410,7 +416,6 @@ impl<'a> Serving<'a> {
                         }
                     }
                 };
-                // A start replaces a job of the same id: its timeout goes with it.
                 self.handle(state, &JobEvent::Start)
                     .map(|step| (step, None))
             }
@@ -433,6 +438,9 @@ impl<'a> Serving<'a> {
         };
         match applied {
             Ok((step, pending)) => {
+                if let Some(due) = replaced_due {
+                    self.timers.remove(&(due, id.clone()));
+                }
                 self.record_step(&id, step, pending, Some(offset), event == JobEvent::Stop);
                 self.counts.applied.increment(1);
                 Ok(())
