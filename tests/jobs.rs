@@ -307,7 +307,7 @@ async fn partitions_working_off_a_backlog_longer_than_their_lease_keep_it() {
 }
 
 /// A job put again replaces the one of its id, timeout and all: the old one's due
-/// times fire nothing, the new one's do.
+/// times fire nothing.
 #[tokio::test]
 async fn a_job_put_again_keeps_none_of_the_old_ones_timeout() {
     let cluster = Cluster::new().await;

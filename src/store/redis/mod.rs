@@ -164,7 +164,7 @@ fn store_error(operation: &'static str, e: redis::RedisError) -> StoreError {
     if e.kind() == redis::ErrorKind::CrossSlot {
         return StoreError::Operation {
             operation,
-            source: format!("{e} (weir's store needs a single Redis server or a primary with replicas, not a Redis Cluster)").into(),
+            source: Box::new(NeedsOneServer { refusal: e }),
             retryable: false,
         };
     }
@@ -173,6 +173,14 @@ fn store_error(operation: &'static str, e: redis::RedisError) -> StoreError {
         source: e.into(),
         retryable: true,
     }
+}
+
+/// A Redis Cluster node's refusal of keys over several slots, with what weir needs.
+#[derive(Debug, thiserror::Error)]
+#[error("weir's store needs a single Redis server or a primary with replicas, not a Redis Cluster")]
+struct NeedsOneServer {
+    #[source]
+    refusal: redis::RedisError,
 }
 
 /// Whether Redis answered that what the keys of a call hold is not what this version
@@ -576,6 +584,14 @@ mod tests {
                 .as_deref()
                 .is_some_and(|c| c.contains("Redis Cluster")),
             "{cause:?}"
+        );
+        // The server's own words stay in the chain.
+        let refusal = std::error::Error::source(&e)
+            .and_then(std::error::Error::source)
+            .map(ToString::to_string);
+        assert!(
+            refusal.as_deref().is_some_and(|r| r.contains("same slot")),
+            "{refusal:?}"
         );
     }
 
