@@ -466,6 +466,41 @@ async fn sources_with_different_partition_counts_are_refused_by_name() {
     );
 }
 
+/// The output topic weir creates has the graph's partitions, and each output lands in
+/// the partition its input came from: a keyed graph reading it downstream is
+/// co-partitioned with its other sources, and each partition has one writer. An output
+/// topic that exists keeps its count.
+#[tokio::test]
+async fn outputs_land_in_the_partition_their_inputs_came_from() {
+    let cluster = Cluster::new(graph("placed", &["a"], Criteria::WhenAny)).await;
+    let node = cluster.node("n");
+    let mut sent = HashSet::new();
+    cluster.send_users(0..40, &mut sent).await;
+    cluster.await_outputs(&sent).await;
+    let input = &cluster.topics.sources[0];
+    let outputs = cluster.memory.messages("placed.out");
+    assert_eq!(outputs.len(), sent.len());
+    for output in &outputs {
+        let key = output.key.as_deref().expect("keyed output");
+        assert_eq!(
+            output.position.partition,
+            input.partition_of(key),
+            "{:?}",
+            String::from_utf8_lossy(key)
+        );
+    }
+    let partitions: HashSet<i32> = outputs.iter().map(|o| o.position.partition).collect();
+    assert_eq!(partitions.len(), cluster.topics.partitions as usize);
+    node.stop().await;
+
+    let decl = graph("kept", &["a"], Criteria::WhenAny);
+    let memory = MemoryBroker::new(1);
+    memory.partitioned("kept.out", 2).await.unwrap();
+    weir::keyed::topics(&decl, &memory).await.unwrap();
+    let output = memory.partitioned("kept.out", 7).await.unwrap();
+    assert_eq!(output.partitions, 2, "an existing output keeps its count");
+}
+
 #[tokio::test]
 async fn an_output_too_large_to_publish_is_dead_lettered_and_the_key_goes_on() {
     // Inputs fit; the snapshot of the padded one, its input and more, does not.

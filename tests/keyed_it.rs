@@ -247,13 +247,20 @@ async fn read_outputs(
         return read;
     }
     let present = inputs_present(broker, input, &missing).await;
-    assert!(
-        present.is_empty(),
-        "{} of {} inputs came out; missing, first: {:?}; of these in the input topic: {present:?}",
-        sent.len() - missing.len(),
-        sent.len(),
-        &missing[..missing.len().min(5)]
-    );
+    if !present.is_empty() {
+        // What the nodes said, and what they set aside, tells a weir fault from a broker's.
+        let prefix = input.topic.trim_end_matches(".in");
+        let letters = dead_letters_of(broker, input, topic, &present).await;
+        let warnings = common::nodes::warnings(prefix);
+        panic!(
+            "{} of {} inputs came out; missing, first: {:?}; of these in the input topic: \
+             {present:?}; dead letters of these: {letters:?}; the nodes' warnings:\n{}",
+            sent.len() - missing.len(),
+            sent.len(),
+            &missing[..missing.len().min(5)],
+            warnings[..warnings.len().min(400)].join("\n")
+        );
+    }
     eprintln!(
         "inputs {missing:?} are in no output and not in the input topic: the broker lost them"
     );
@@ -331,6 +338,40 @@ async fn inputs_present(
             );
             if left.remove(&id) {
                 found.push(id);
+            }
+        }
+    }
+    found
+}
+
+/// The dead letters, on the input's and the output's dead-letter topics, that name one of
+/// `wanted` (user, seq): each topic read from its start for 10 s at most.
+async fn dead_letters_of(
+    broker: &Arc<dyn Broker>,
+    input: &PartitionedTopic,
+    output: &str,
+    wanted: &[(String, u64)],
+) -> Vec<String> {
+    let mut found = Vec::new();
+    for topic in [input.topic.as_str(), output].map(weir::wire::dead_letter_topic) {
+        let mut subscription = Subscription::new(&topic, services::unique("letters"));
+        subscription.assignment = Assignment::All;
+        let Ok(mut letters) = broker.subscribe(&subscription).await else {
+            continue;
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            let Ok(Ok(letter)) = tokio::time::timeout(wait, letters.next()).await else {
+                break;
+            };
+            let text = String::from_utf8_lossy(&letter.payload);
+            let names_one = wanted.iter().any(|(user, seq)| {
+                text.contains(&format!("\"{user}\"")) && text.contains(&format!("{seq}"))
+            });
+            if names_one {
+                let error = letter.header(weir::wire::ERROR_HEADER).unwrap_or_default();
+                found.push(format!("{topic}: {text} ({error})"));
             }
         }
     }

@@ -5,7 +5,8 @@
 //! partition, one loop over the partition of every source: each event's key (a JSON
 //! pointer, or the message key) picks the key's input cache, dirty flags and queues
 //! ([`crate::reactor::cache::InputCache`]); criteria are evaluated and fires happen per key;
-//! outputs carry the key as message key, so they stay partitioned by it. Sources must be
+//! outputs carry the key as message key, so they stay partitioned by it (on Kafka an
+//! output topic weir creates has the graph's partition count). Sources must be
 //! co-partitioned: the same partition count, and producers placing a key in the same
 //! partition of each (on Kafka, the key as message key; on NATS, the subject
 //! `<topic>.<crc32(key) mod partitions>`).
@@ -40,7 +41,7 @@ use crate::lease::{holder_node, LeaseStore};
 use crate::ownership::{partition_lease, OwnershipSettings, OwnershipStore};
 use crate::reactor::CacheSnapshot;
 use crate::store_error::StoreError;
-use crate::transport::{Broker, PartitionedTopic, TransportError};
+use crate::transport::{Broker, PartitionLayout, PartitionedTopic, TransportError};
 
 /// What running keyed graphs needs of a store.
 pub trait KeyedGraphStore: KeyedStore + OwnershipStore {}
@@ -104,6 +105,21 @@ pub async fn topics(
                 counts.join(", ")
             ),
         });
+    }
+    // On a broker's own partitions (Kafka) an output topic weir creates gets the graph's
+    // partition count: the key as message key then puts each output in the partition
+    // its input came from, so a keyed graph downstream reads the outputs co-partitioned
+    // with its other sources, and each output partition has one writer, the owner of
+    // that partition. A topic that exists keeps its count.
+    if sources
+        .first()
+        .is_some_and(|s| s.layout == PartitionLayout::Native)
+    {
+        for output in &decl.outputs {
+            broker
+                .partitioned(&decl.qualify_topic(&output.topic), partitions)
+                .await?;
+        }
     }
     Ok(KeyedTopics {
         sources,

@@ -82,6 +82,24 @@ impl Drop for Nodes {
     }
 }
 
+/// The warnings and errors in the logs of the nodes started under `prefix`, each line
+/// led by its node, for a failing test to show.
+pub fn warnings(prefix: &str) -> Vec<String> {
+    let mut lines = Vec::new();
+    for node in 0.. {
+        let path = std::env::temp_dir().join(format!("{prefix}-n{node}.log"));
+        let Ok(log) = std::fs::read_to_string(&path) else {
+            break;
+        };
+        lines.extend(
+            log.lines()
+                .filter(|line| line.contains("WARN") || line.contains("ERROR"))
+                .map(|line| format!("n{node}: {line}")),
+        );
+    }
+    lines
+}
+
 /// Runs `weir run` on `config` as a node refused at start would be: waits up to 30 s for
 /// it to exit (killing it and failing the test if it does not), and returns its exit
 /// code and what it wrote to stderr.
