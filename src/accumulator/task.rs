@@ -955,6 +955,11 @@ impl AccumulatorTask {
         }
         run.tracker.processed(position);
         match outcome {
+            // Most events find a slot held and the hand-over not yet due: staged
+            // without the awaits of `emit`.
+            Ok(Some(value)) if self.slot_held(run) => {
+                Ok(self.stage(run, value, Some(position), time_ms) || self.hand_over(run).await)
+            }
             Ok(Some(value)) => Ok(self.emit(run, value, Some(position), time_ms).await),
             Ok(None) => Ok(true),
             Err(AccumulatorError::Rejected(reason)) => {
@@ -1027,6 +1032,20 @@ impl AccumulatorTask {
         if !self.slot_held(run) && !self.hold_slot(run).await {
             return false;
         }
+        self.stage(run, value, position, event_time_ms) || self.hand_over(run).await
+    }
+
+    /// [`Self::emit`] once a slot is held, without awaiting anything: the boundary joins
+    /// those the reactor gets at the next hand-over. Returns whether there is room for
+    /// more before that hand-over is due. Kept apart from the awaits, which most events
+    /// make none of, so that an event costs no future of the hand-over's size.
+    fn stage(
+        &self,
+        run: &mut Running,
+        value: Value,
+        position: Option<crate::transport::Position>,
+        event_time_ms: i64,
+    ) -> bool {
         if self.permits.is_some() {
             run.slots.held -= 1;
         }
@@ -1048,7 +1067,7 @@ impl AccumulatorTask {
             },
             value,
         });
-        run.unsent.len() < HANDOFF || self.hand_over(run).await
+        run.unsent.len() < HANDOFF
     }
 
     /// Hands the emitted boundaries to the reactor, in one go. Returns false when the
