@@ -364,6 +364,17 @@ enum Taken {
     SourceFailed(crate::transport::TransportError),
 }
 
+/// What taking one event in left to await.
+enum TakenIn {
+    /// Nothing.
+    Done,
+    /// The staged boundaries fill a hand-over: it goes to the reactor now.
+    HandOverDue,
+    /// The accumulator rejected a source message: its dead letter goes out before the
+    /// message counts as taken in.
+    DeadLetterFirst(String),
+}
+
 struct Running {
     source_name: Arc<str>,
     accumulator: Box<dyn Accumulator>,
@@ -763,8 +774,14 @@ impl AccumulatorTask {
             let Some(value) = socket.next_push() else {
                 break;
             };
-            if !self.handle_push(run, value, now_us).await? {
-                return Ok(false);
+            let (event, push) = self.push_event(value, now_us);
+            match self.take_in(run, event, push, None)? {
+                TakenIn::Done => {}
+                rest => {
+                    if !self.finish_taking_in(run, rest, push, None).await? {
+                        return Ok(false);
+                    }
+                }
             }
         }
         Ok(true)
@@ -839,13 +856,8 @@ impl AccumulatorTask {
             .await;
     }
 
-    /// Returns false when the reactor is gone.
-    async fn handle_push(
-        &self,
-        run: &mut Running,
-        value: Value,
-        now_us: i64,
-    ) -> Result<bool, AccumulatorError> {
+    /// A pushed value as the event it is taken in as, with its push id.
+    fn push_event(&self, value: Value, now_us: i64) -> (Event, Position) {
         let id = self.shared.next_push(now_us);
         let pushed_at_ms = now_us.div_euclid(1000);
         let push = Position {
@@ -857,7 +869,7 @@ impl AccumulatorTask {
             position: None,
             time_ms: pushed_at_ms,
         };
-        self.handle(run, event, push, None).await
+        (event, push)
     }
 
     /// Returns false when the reactor is gone.
@@ -920,6 +932,28 @@ impl AccumulatorTask {
         if !self.slot_held(run) && !self.hold_slot(run).await {
             return Ok(false);
         }
+        match self.take_in(run, event, position, message)? {
+            TakenIn::Done => Ok(true),
+            rest => self.finish_taking_in(run, rest, position, message).await,
+        }
+    }
+
+    /// [`Self::handle`] once a slot is held, without awaiting anything: the event goes
+    /// through the accumulator and its boundary, if any, is staged. What is left to
+    /// await (a hand-over due, a dead letter to send first) is returned for
+    /// [`Self::finish_taking_in`]. Kept apart from the awaits, which most events make
+    /// none of, so that an event costs no future of their size.
+    fn take_in(
+        &self,
+        run: &mut Running,
+        event: Event,
+        position: Position,
+        message: Option<&Message>,
+    ) -> Result<TakenIn, AccumulatorError> {
+        debug_assert!(
+            self.slot_held(run),
+            "an event is taken in with its slot held"
+        );
         run.events_uncounted += 1;
         let time_ms = event.time_ms;
         // Caught, so what this run emitted before still reaches the reactor: pushes
@@ -947,29 +981,56 @@ impl AccumulatorTask {
                 });
             }
         };
-        if let (Err(AccumulatorError::Rejected(reason)), Some(m)) = (&outcome, message) {
-            // Taken in only once its dead letter is out: a run carried past a failed
-            // dead-letter publish reopens its source after what it took in, and would
-            // otherwise never read this message again.
-            self.dead_letter(m, reason).await?;
-        }
-        run.tracker.processed(position);
         match outcome {
-            // Most events find a slot held and the hand-over not yet due: staged
-            // without the awaits of `emit`.
-            Ok(Some(value)) if self.slot_held(run) => {
-                Ok(self.stage(run, value, Some(position), time_ms) || self.hand_over(run).await)
+            Err(AccumulatorError::Rejected(reason)) if message.is_some() => {
+                // Taken in only once its dead letter is out: a run carried past a failed
+                // dead-letter publish reopens its source after what it took in, and would
+                // otherwise never read this message again.
+                Ok(TakenIn::DeadLetterFirst(reason))
             }
-            Ok(Some(value)) => Ok(self.emit(run, value, Some(position), time_ms).await),
-            Ok(None) => Ok(true),
             Err(AccumulatorError::Rejected(reason)) => {
-                if message.is_none() {
-                    warn!(graph = %self.graph, accumulator = %self.spec.name, %reason, "pushed event rejected");
-                    self.stats.dead_lettered();
+                warn!(graph = %self.graph, accumulator = %self.spec.name, %reason, "pushed event rejected");
+                self.stats.dead_lettered();
+                run.tracker.processed(position);
+                Ok(TakenIn::Done)
+            }
+            Err(e) => {
+                run.tracker.processed(position);
+                Err(e)
+            }
+            Ok(None) => {
+                run.tracker.processed(position);
+                Ok(TakenIn::Done)
+            }
+            Ok(Some(value)) => {
+                run.tracker.processed(position);
+                if self.stage(run, value, Some(position), time_ms) {
+                    Ok(TakenIn::Done)
+                } else {
+                    Ok(TakenIn::HandOverDue)
                 }
+            }
+        }
+    }
+
+    /// What [`Self::take_in`] left to await. Returns false when the reactor is gone.
+    async fn finish_taking_in(
+        &self,
+        run: &mut Running,
+        taken: TakenIn,
+        position: Position,
+        message: Option<&Message>,
+    ) -> Result<bool, AccumulatorError> {
+        match taken {
+            TakenIn::Done => Ok(true),
+            TakenIn::HandOverDue => Ok(self.hand_over(run).await),
+            TakenIn::DeadLetterFirst(reason) => {
+                if let Some(m) = message {
+                    self.dead_letter(m, &reason).await?;
+                }
+                run.tracker.processed(position);
                 Ok(true)
             }
-            Err(e) => Err(e),
         }
     }
 
