@@ -249,6 +249,7 @@ async fn read_outputs(
     let present = inputs_present(broker, input, &missing).await;
     if !present.is_empty() {
         // What the nodes said, and what they set aside, tells a weir fault from a broker's.
+        // A cluster's input is `<prefix>.in`, and its nodes log under that prefix.
         let prefix = input.topic.trim_end_matches(".in");
         let letters = dead_letters_of(broker, input, topic, &present).await;
         let warnings = common::nodes::warnings(prefix);

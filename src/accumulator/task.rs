@@ -981,35 +981,29 @@ impl AccumulatorTask {
                 });
             }
         };
-        match outcome {
+        let outcome = match outcome {
+            // Taken in only once its dead letter is out: a run carried past a failed
+            // dead-letter publish reopens its source after what it took in, and would
+            // otherwise never read this message again.
             Err(AccumulatorError::Rejected(reason)) if message.is_some() => {
-                // Taken in only once its dead letter is out: a run carried past a failed
-                // dead-letter publish reopens its source after what it took in, and would
-                // otherwise never read this message again.
-                Ok(TakenIn::DeadLetterFirst(reason))
+                return Ok(TakenIn::DeadLetterFirst(reason));
             }
+            outcome => outcome,
+        };
+        run.tracker.processed(position);
+        match outcome {
+            Ok(Some(value)) => Ok(if self.stage(run, value, Some(position), time_ms) {
+                TakenIn::Done
+            } else {
+                TakenIn::HandOverDue
+            }),
+            Ok(None) => Ok(TakenIn::Done),
             Err(AccumulatorError::Rejected(reason)) => {
                 warn!(graph = %self.graph, accumulator = %self.spec.name, %reason, "pushed event rejected");
                 self.stats.dead_lettered();
-                run.tracker.processed(position);
                 Ok(TakenIn::Done)
             }
-            Err(e) => {
-                run.tracker.processed(position);
-                Err(e)
-            }
-            Ok(None) => {
-                run.tracker.processed(position);
-                Ok(TakenIn::Done)
-            }
-            Ok(Some(value)) => {
-                run.tracker.processed(position);
-                if self.stage(run, value, Some(position), time_ms) {
-                    Ok(TakenIn::Done)
-                } else {
-                    Ok(TakenIn::HandOverDue)
-                }
-            }
+            Err(e) => Err(e),
         }
     }
 
