@@ -2466,7 +2466,7 @@ impl weir::transport::Sink for AckFailsOnce {
         if id == Some(self.fail_on) && !self.failed.swap(true, std::sync::atomic::Ordering::SeqCst)
         {
             let topic = message.topic;
-            return Ok(Box::pin(async move {
+            return Ok(weir::transport::PendingAck::awaited(async move {
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 Err(weir::transport::TransportError::Publish {
                     topic: topic.to_string(),

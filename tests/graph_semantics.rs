@@ -1489,7 +1489,7 @@ impl weir::transport::Sink for Gate {
         message: weir::transport::Outbound,
     ) -> Result<weir::transport::PendingAck, TransportError> {
         let (mut open, broker) = (self.open.clone(), self.broker.clone());
-        Ok(Box::pin(async move {
+        Ok(weir::transport::PendingAck::awaited(async move {
             let _ = open.wait_for(|open| *open).await;
             weir::transport::Sink::publish(&broker, message).await
         }))
@@ -1674,7 +1674,7 @@ impl weir::transport::Sink for AcksCounted {
     ) -> Result<weir::transport::PendingAck, TransportError> {
         let counted = self.pending.clone().acquire_owned().await.unwrap();
         let position = weir::transport::Sink::publish(&self.broker, message).await?;
-        Ok(Box::pin(async move {
+        Ok(weir::transport::PendingAck::awaited(async move {
             // Acknowledged a moment after it is sent, as over a network.
             tokio::time::sleep(Duration::from_millis(1)).await;
             drop(counted);

@@ -397,7 +397,7 @@ mod tests {
             } else {
                 return Err(lost(&message.topic));
             };
-            Ok(Box::pin(futures::future::ready(acknowledged)))
+            Ok(PendingAck::given(acknowledged))
         }
     }
 

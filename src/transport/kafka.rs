@@ -785,7 +785,7 @@ impl Sink for KafkaBroker {
         };
         let topic = message.topic;
         let broker = self.clone();
-        Ok(Box::pin(async move {
+        Ok(PendingAck::awaited(async move {
             match delivery.await {
                 Ok(Ok(delivery)) => Ok(Position {
                     partition: delivery.partition,

@@ -12,6 +12,7 @@ pub mod nats;
 mod setup;
 
 use std::borrow::Cow;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -442,8 +443,68 @@ pub trait Source: Send {
     }
 }
 
-/// The acknowledgement of a message already handed to the broker client.
-pub type PendingAck = futures::future::BoxFuture<'static, Result<Position, TransportError>>;
+/// The acknowledgement of a message already handed to the broker client: a future to
+/// await, or the broker's answer already there (a sink that publishes before returning),
+/// which is held as it is rather than boxed in a future of its own, since every output of
+/// such a sink would otherwise allocate one.
+#[must_use = "an acknowledgement says whether the broker took the message"]
+pub struct PendingAck(Acknowledgement);
+
+enum Acknowledgement {
+    /// `None` once awaited.
+    Given(Option<Result<Position, TransportError>>),
+    Awaited(futures::future::BoxFuture<'static, Result<Position, TransportError>>),
+}
+
+impl PendingAck {
+    /// An acknowledgement the broker has already given (or refused).
+    pub fn given(acknowledged: Result<Position, TransportError>) -> Self {
+        Self(Acknowledgement::Given(Some(acknowledged)))
+    }
+
+    /// An acknowledgement still to come, from `acknowledged`.
+    pub fn awaited(
+        acknowledged: impl Future<Output = Result<Position, TransportError>> + Send + 'static,
+    ) -> Self {
+        Self(Acknowledgement::Awaited(Box::pin(acknowledged)))
+    }
+
+    /// Whether the broker has already taken the message: awaiting the acknowledgement
+    /// would then return its position without waiting.
+    pub fn is_taken(&self) -> bool {
+        matches!(self.0, Acknowledgement::Given(Some(Ok(_))))
+    }
+}
+
+impl Future for PendingAck {
+    type Output = Result<Position, TransportError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        match &mut self.0 {
+            Acknowledgement::Given(acknowledged) => std::task::Poll::Ready(
+                acknowledged
+                    .take()
+                    .expect("an acknowledgement is awaited once"),
+            ),
+            Acknowledgement::Awaited(future) => future.as_mut().poll(cx),
+        }
+    }
+}
+
+impl std::fmt::Debug for PendingAck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Acknowledgement::Given(acknowledged) => f
+                .debug_tuple("PendingAck::Given")
+                .field(acknowledged)
+                .finish(),
+            Acknowledgement::Awaited(_) => f.write_str("PendingAck::Awaited"),
+        }
+    }
+}
 
 /// A producer. `publish` returns once the broker has acknowledged the message.
 #[async_trait]
@@ -457,8 +518,7 @@ pub trait Sink: Send + Sync {
     /// whose client has no such split publish the whole message here, and their
     /// callers then wait for each acknowledgement in turn.
     async fn enqueue(&self, message: Outbound) -> Result<PendingAck, TransportError> {
-        let acknowledged = self.publish(message).await;
-        Ok(Box::pin(futures::future::ready(acknowledged)))
+        Ok(PendingAck::given(self.publish(message).await))
     }
 }
 
@@ -812,6 +872,27 @@ mod tests {
 
     fn at(partition: i32, offset: i64) -> Position {
         Position { partition, offset }
+    }
+
+    #[tokio::test]
+    async fn an_acknowledgement_already_given_is_taken_only_when_the_broker_took_the_message() {
+        let given = PendingAck::given(Ok(at(0, 7)));
+        assert!(given.is_taken());
+        assert_eq!(given.await.unwrap(), at(0, 7));
+
+        let refused = PendingAck::given(Err(TransportError::Publish {
+            topic: "t".into(),
+            source: "too large".into(),
+            retryable: false,
+        }));
+        assert!(!refused.is_taken());
+        assert!(!refused.await.unwrap_err().is_retryable());
+
+        let (tx, rx) = tokio::sync::oneshot::channel::<Position>();
+        let awaited = PendingAck::awaited(async move { Ok(rx.await.unwrap_or(at(0, -1))) });
+        assert!(!awaited.is_taken());
+        tx.send(at(1, 2)).unwrap();
+        assert_eq!(awaited.await.unwrap(), at(1, 2));
     }
 
     #[test]

@@ -818,7 +818,7 @@ impl Sink for NatsBroker {
                         publish_error(&topic, e.into(), too_large)
                     })?;
                 drop(turn);
-                Ok(Box::pin(async move {
+                Ok(PendingAck::awaited(async move {
                     let ack = ack.await.map_err(|e| {
                         let too_large = jetstream_too_large(&e);
                         publish_error(&topic, e.into(), too_large)
@@ -839,10 +839,10 @@ impl Sink for NatsBroker {
                             e.kind() == async_nats::client::PublishErrorKind::MaxPayloadExceeded;
                         publish_error(&topic, e.into(), too_large)
                     })?;
-                Ok(Box::pin(futures::future::ready(Ok(Position {
+                Ok(PendingAck::given(Ok(Position {
                     partition: 0,
                     offset: -1,
-                }))))
+                })))
             }
         }
     }
