@@ -242,6 +242,7 @@ struct Batch {
     /// again: looked up when written, so a key changed often takes one snapshot per
     /// batch, not one per event.
     keys: Vec<(Key, Option<KeySlot>, Option<CacheSnapshot>)>,
+    /// Outputs whose acknowledgement is still to come.
     acks: Vec<(PendingAck, Sent)>,
     /// Per source: the broker position to commit once written.
     commit: BTreeMap<usize, Position>,
@@ -707,6 +708,9 @@ impl<'a> Serving<'a> {
             };
             let message = self.output_message(&sent, payload);
             match self.graph.sink.enqueue(message).await {
+                // Taken already (a sink publishing before it returns): nothing is left
+                // for the batch's write to wait on.
+                Ok(ack) if ack.is_taken() => {}
                 Ok(ack) => self.batch.acks.push((ack, sent)),
                 Err(e) if !e.is_retryable() => self.dead_letter_output(&sent, &e).await?,
                 Err(e) => return Err(e.into()),
