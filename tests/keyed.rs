@@ -1484,6 +1484,138 @@ async fn an_idle_key_whose_dead_letter_is_refused_is_kept_until_it_is_taken() {
     node.stop().await;
 }
 
+/// More idle keys kept for a refused letter than a look reads at once hold up none of
+/// the idle keys behind them, and each kept key's letter is tried once per look, not once
+/// per page.
+#[tokio::test]
+async fn a_page_full_of_kept_idle_keys_holds_up_none_of_the_others() {
+    let decl = latest_expiring_idle_keys("manykept");
+    let mut cluster = Cluster::new(decl).await;
+    let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    cluster.broker = Arc::new(common::WithSink {
+        broker: cluster.broker.clone(),
+        sink: Arc::new(common::DeadLettersDown {
+            inner: cluster.broker.sink(),
+            down: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+            refused: refused.clone(),
+            for_good: true,
+        }),
+    });
+    // More than the thousand keys a page of the look holds, each with an unfired input.
+    const KEPT: usize = 1001;
+    let node = cluster.node("n");
+    for i in 0..KEPT {
+        cluster.send("a", &format!("kept-{i}"), i as u64).await;
+    }
+    // Later than every kept key, so behind all of them in the store's order.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    cluster.send("a", "done", 1).await;
+    cluster.send("b", "done", 2).await;
+    cluster
+        .await_count("manykept.out", 1, Duration::from_secs(10))
+        .await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    cluster.send("a", "fresh", 3).await;
+    cluster.send("b", "fresh", 4).await;
+    cluster.await_forgotten("done").await;
+    let before = refused.load(std::sync::atomic::Ordering::SeqCst);
+    // Idle keys are looked for every second.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let during = refused.load(std::sync::atomic::Ordering::SeqCst) - before;
+    assert!(
+        (KEPT..=2 * KEPT).contains(&during),
+        "{during} letters refused in 1.5 s: each kept key is tried once a look"
+    );
+    for key in ["kept-0", "kept-1000"] {
+        let stored = weir::keyed::view(cluster.store.as_ref(), "manykept", 1, key)
+            .await
+            .unwrap();
+        assert!(stored.is_some(), "{key} kept while its letter is refused");
+    }
+    node.stop().await;
+}
+
+/// Refuses, for good, what goes to one topic while `refusing` is set.
+struct RefusingTopic {
+    inner: Arc<dyn weir::transport::Sink>,
+    topic: &'static str,
+    refusing: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[async_trait::async_trait]
+impl weir::transport::Sink for RefusingTopic {
+    async fn publish(
+        &self,
+        message: weir::transport::Outbound,
+    ) -> Result<weir::transport::Position, weir::transport::TransportError> {
+        if message.topic == self.topic && self.refusing.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(weir::transport::TransportError::Publish {
+                topic: message.topic.to_string(),
+                source: "topic authorization failed".into(),
+                retryable: false,
+            });
+        }
+        self.inner.publish(message).await
+    }
+}
+
+/// An idle key whose first letter went and whose second was refused sends only the
+/// second at the next looks: once it is taken, each of its inputs has one dead letter.
+#[tokio::test]
+async fn a_kept_idle_key_sends_again_only_the_letters_that_did_not_go() {
+    let mut decl = graph("partly", &["a", "b", "c"], Criteria::WhenAll);
+    decl.reactor.strategy = Strategy::Latest;
+    let keying = decl.keyed.as_mut().unwrap();
+    keying.partitions = 1;
+    keying.key_idle = Some(Duration::from_millis(500));
+    let mut cluster = Cluster::new(decl).await;
+    let refusing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    cluster.broker = Arc::new(common::WithSink {
+        broker: cluster.broker.clone(),
+        sink: Arc::new(RefusingTopic {
+            inner: cluster.broker.sink(),
+            topic: "partly.b.dlq",
+            refusing: refusing.clone(),
+        }),
+    });
+    let node = cluster.node("n");
+    cluster.send("a", "lone", 1).await;
+    cluster.send("b", "lone", 2).await;
+    // The clock kept moving over several looks (one a second) once the key is idle.
+    for seq in 3..8 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        for source in ["a", "b", "c"] {
+            cluster.send(source, "fresh", seq).await;
+        }
+    }
+    assert!(
+        weir::keyed::view(cluster.store.as_ref(), "partly", 1, "lone")
+            .await
+            .unwrap()
+            .is_some(),
+        "kept while its letter to b is refused"
+    );
+    let dead = cluster.memory.messages("partly.a.dlq");
+    assert_eq!(
+        dead.len(),
+        1,
+        "the letter that went is not sent again: {dead:?}"
+    );
+    refusing.store(false, std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    for source in ["a", "b", "c"] {
+        cluster.send(source, "fresh", 8).await;
+    }
+    cluster.await_forgotten("lone").await;
+    for (topic, seq) in [("partly.a.dlq", 1), ("partly.b.dlq", 2)] {
+        let dead = cluster.memory.messages(topic);
+        assert_eq!(dead.len(), 1, "{topic}: {dead:?}");
+        let value: Value = serde_json::from_slice(&dead[0].payload).unwrap();
+        assert_eq!(value["seq"], seq);
+    }
+    node.stop().await;
+}
+
 /// An idle key, out of memory, whose stored state does not read back is removed without
 /// letters and holds up none of the others: the idle key beside it still has its unfired
 /// input dead-lettered, and both go.
@@ -1676,7 +1808,10 @@ async fn a_graph_no_longer_expiring_idle_keys_drops_their_times() {
     cluster.send("a", "k", 1).await;
     cluster.await_stored_queue("k", "a", 1).await;
     let timed = |store: Arc<dyn Store>| async move {
-        store.idle_keys("untimed", 0, i64::MAX, 10).await.unwrap()
+        store
+            .idle_keys("untimed", 0, i64::MAX, 0, 10)
+            .await
+            .unwrap()
     };
     assert_eq!(timed(cluster.store.clone()).await, ["k"]);
     node.stop().await;

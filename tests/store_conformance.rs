@@ -524,22 +524,34 @@ mod cases {
             };
             store.save_keys("g", 1, &mut earlier, &fence).await.unwrap();
             // Before 300 is not at 300; another partition's keys are not listed.
-            assert_eq!(store.idle_keys("g", 1, 300, 10).await.unwrap(), ["cid"]);
+            assert_eq!(store.idle_keys("g", 1, 300, 0, 10).await.unwrap(), ["cid"]);
             assert_eq!(
-                store.idle_keys("g", 1, 850, 10).await.unwrap(),
+                store.idle_keys("g", 1, 850, 0, 10).await.unwrap(),
                 ["cid", "ann", "bob"]
             );
             assert_eq!(
-                store.idle_keys("g", 1, 850, 2).await.unwrap(),
+                store.idle_keys("g", 1, 850, 0, 2).await.unwrap(),
                 ["cid", "ann"]
             );
-            assert!(store.idle_keys("g", 2, 850, 10).await.unwrap().is_empty());
+            // Past the oldest kept ones: the next page.
+            assert_eq!(store.idle_keys("g", 1, 850, 2, 2).await.unwrap(), ["bob"]);
+            assert_eq!(store.idle_keys("g", 1, 850, 1, 1).await.unwrap(), ["ann"]);
+            assert!(store
+                .idle_keys("g", 1, 850, 3, 10)
+                .await
+                .unwrap()
+                .is_empty());
+            assert!(store
+                .idle_keys("g", 2, 850, 0, 10)
+                .await
+                .unwrap()
+                .is_empty());
             let mut expired = KeyedChanges {
                 expired: vec!["cid".into(), "ann".into()],
                 ..Default::default()
             };
             store.save_keys("g", 1, &mut expired, &fence).await.unwrap();
-            assert_eq!(store.idle_keys("g", 1, 850, 10).await.unwrap(), ["bob"]);
+            assert_eq!(store.idle_keys("g", 1, 850, 0, 10).await.unwrap(), ["bob"]);
             assert_eq!(
                 store
                     .load_keys(
@@ -558,7 +570,7 @@ mod cases {
             };
             store.save_keys("g", 1, &mut untimed, &fence).await.unwrap();
             assert_eq!(
-                store.idle_keys("g", 1, i64::MAX, 10).await.unwrap(),
+                store.idle_keys("g", 1, i64::MAX, 0, 10).await.unwrap(),
                 ["bob", "dan"]
             );
             // A deposed owner removes nothing.
@@ -612,7 +624,7 @@ mod cases {
                 .await
                 .unwrap();
             assert!(store
-                .idle_keys("g", 1, i64::MAX, 10)
+                .idle_keys("g", 1, i64::MAX, 0, 10)
                 .await
                 .unwrap()
                 .is_empty());
@@ -766,7 +778,7 @@ mod cases {
                 [None]
             );
             assert!(store.load_positions("g", 1).await.unwrap().is_empty());
-            assert!(store.idle_keys("g", 1, 10, 10).await.unwrap().is_empty());
+            assert!(store.idle_keys("g", 1, 10, 0, 10).await.unwrap().is_empty());
             store.save_keys("g", 1, &mut stale, &new).await.unwrap();
             assert_eq!(
                 store.load_keys("g", 1, &["ann".into()]).await.unwrap(),

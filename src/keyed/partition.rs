@@ -219,6 +219,10 @@ struct Serving<'a> {
     burst_ms: i64,
     /// The events of the burst being applied, decoded; kept for its capacity.
     burst: Vec<(Message, Result<Value, CodecError>)>,
+    /// Idle keys kept because a dead letter of theirs was refused for good: how many of
+    /// each one's letters went out before it, so that the next look sends only the rest.
+    /// A key's entry goes as the key changes (its letters are then made afresh).
+    idle_letters_sent: HashMap<Key, usize, foldhash::fast::RandomState>,
     /// The graph is paused: the sources are not read.
     paused: bool,
     /// Pauses and resumes, as the node reads them from the store, after the flag read
@@ -310,6 +314,7 @@ impl<'a> Serving<'a> {
             batch_number: 1,
             burst_ms: 0,
             burst: Vec::with_capacity(BURST),
+            idle_letters_sent: HashMap::default(),
             paused,
             pause_changes,
         })
@@ -628,6 +633,9 @@ impl<'a> Serving<'a> {
             self.batch.keys.push((key.clone(), slot, Some(snapshot)));
         }
         self.fire_high = self.fire_high.max(fired_up_to);
+        if !self.idle_letters_sent.is_empty() {
+            self.idle_letters_sent.remove(&key);
+        }
         for (fire, values) in fires {
             self.fire(&key, fire, values).await?;
         }
@@ -912,38 +920,49 @@ impl<'a> Serving<'a> {
         if before_ms <= 0 {
             return Ok(());
         }
+        // Keys a page keeps stay idle and the oldest, ahead of those not looked at yet: the
+        // next page starts past them, so that kept keys are tried once per look and a
+        // page full of them holds up none of the others.
+        let mut kept = 0;
         for _ in 0..IDLE_PAGES_PER_SWEEP {
-            if !self.expire_idle_page(before_ms).await? {
-                break;
+            match self.expire_idle_page(before_ms, kept).await? {
+                Some(kept_in_page) => kept += kept_in_page,
+                None => break,
             }
         }
         Ok(())
     }
 
-    /// Removes up to a page of keys whose last event is before `before_ms`; true when
-    /// the page was full, so that more may be idle.
-    async fn expire_idle_page(&mut self, before_ms: i64) -> Result<bool, PartitionError> {
+    /// Removes up to a page of keys whose last event is before `before_ms`, past the
+    /// `skip` oldest (kept by the pages before). When the page was full, so that more may
+    /// be idle, the number of its keys kept.
+    async fn expire_idle_page(
+        &mut self,
+        before_ms: i64,
+        skip: usize,
+    ) -> Result<Option<usize>, PartitionError> {
         // A copy of the reference: what it names outlives this borrow of `self`.
         let keyed = self.graph;
         let (graph, partition) = (&keyed.graph, self.partition);
         let idle = match keyed
             .store
-            .idle_keys(graph, partition, before_ms, IDLE_KEYS_PER_PAGE)
+            .idle_keys(graph, partition, before_ms, skip, IDLE_KEYS_PER_PAGE)
             .await
         {
             Ok(idle) => idle,
             Err(e) => {
                 warn!(graph = %graph, partition, error = %e, "cannot look for idle keys; looking again later");
-                return Ok(false);
+                return Ok(None);
             }
         };
         if idle.is_empty() {
-            return Ok(false);
+            return Ok(None);
         }
         let full = idle.len() >= IDLE_KEYS_PER_PAGE;
         let Some(kept) = self.dead_letter_unfired(&idle).await? else {
-            return Ok(false);
+            return Ok(None);
         };
+        let kept_in_page = kept.len();
         let idle: Vec<String> = idle.into_iter().filter(|key| !kept.contains(key)).collect();
         let mut changes = KeyedChanges {
             expired: idle.iter().map(|key| Key::from(key.as_str())).collect(),
@@ -961,9 +980,10 @@ impl<'a> Serving<'a> {
         self.fire_floor = self.fire_high.max(self.fire_floor);
         for key in &idle {
             self.keys.remove(key.as_str());
+            self.idle_letters_sent.remove(key.as_str());
         }
         crate::metrics::keys_expired(graph, idle.len() as u64);
-        Ok(full)
+        Ok(full.then_some(kept_in_page))
     }
 
     /// Sends what the idle keys hold that no fire has taken yet (inputs queued for a
@@ -1039,13 +1059,19 @@ impl<'a> Serving<'a> {
                 }
             }
         }
-        // Each key's letters in order, the keys' side by side.
+        // Each key's letters in order, the keys' side by side; of a key kept at an
+        // earlier look, only those that did not go out then.
         let mut letters: Vec<(&String, Vec<Outbound>)> = Vec::new();
         for (key, source, boundary) in unfired {
             let letter = self.unfired_letter(key, source, &boundary);
             match letters.last_mut() {
                 Some((last, of_key)) if *last == key => of_key.push(letter),
                 _ => letters.push((key, vec![letter])),
+            }
+        }
+        for (key, of_key) in &mut letters {
+            if let Some(&sent) = self.idle_letters_sent.get(key.as_str()) {
+                of_key.drain(..sent.min(of_key.len()));
             }
         }
         let sender = LetterSender {
@@ -1059,21 +1085,26 @@ impl<'a> Serving<'a> {
         for (key, of_key) in letters {
             sending.push(sender.send_in_order(key, of_key));
         }
-        let sent: Vec<(&String, Result<(), PartitionError>)> = futures::stream::iter(sending)
-            .buffered(IDLE_LETTERS_IN_FLIGHT)
-            .collect()
-            .await;
+        let sent: Vec<(&String, usize, Result<(), PartitionError>)> =
+            futures::stream::iter(sending)
+                .buffered(IDLE_LETTERS_IN_FLIGHT)
+                .collect()
+                .await;
         // Let go of meanwhile: nothing is removed yet, and the next owner sends the
         // letters (again, for those that went).
         if self.stopping.is_cancelled() {
             return Ok(None);
         }
         let mut kept = HashSet::new();
-        for (key, outcome) in sent {
+        for (key, went, outcome) in sent {
             match outcome {
                 Ok(()) => {}
                 Err(PartitionError::Transport(e)) if !e.is_retryable() => {
                     warn!(graph = %graph, partition, key = %key, error = %e, "idle key's dead letter refused; the key is kept for now");
+                    *self
+                        .idle_letters_sent
+                        .entry(Key::from(key.as_str()))
+                        .or_default() += went;
                     kept.insert(key.clone());
                 }
                 Err(e) => return Err(e),
@@ -1135,29 +1166,29 @@ struct LetterSender<'a> {
 
 impl LetterSender<'_> {
     /// Sends one idle key's dead letters in order, stopping at the first that does not
-    /// go, or as the partition is let go of.
+    /// go, or as the partition is let go of; with the number that went.
     async fn send_in_order<'k>(
         &self,
         key: &'k String,
         letters: Vec<Outbound>,
-    ) -> (&'k String, Result<(), PartitionError>) {
-        for letter in letters {
+    ) -> (&'k String, usize, Result<(), PartitionError>) {
+        for (went, letter) in letters.into_iter().enumerate() {
             // Let go of: no more letters, and the page removes nothing.
             if self.stopping.is_cancelled() {
-                return (key, Err(PartitionError::StoppedRetrying));
+                return (key, went, Err(PartitionError::StoppedRetrying));
             }
             // As for outputs: a node paused past its lease dead-letters nothing more,
             // or the owner after it would record the same input again.
             if let Err(e) = self.held.check_deadline() {
-                return (key, Err(e.into()));
+                return (key, went, Err(e.into()));
             }
             let topic = letter.topic.clone();
             if let Err(e) = publish_dead_letter(self.sink, letter, self.stopping).await {
-                return (key, Err(e.into()));
+                return (key, went, Err(e.into()));
             }
             warn!(graph = %self.graph, partition = self.partition, key = %key, %topic, "idle key's unfired input dead-lettered");
         }
-        (key, Ok(()))
+        (key, 0, Ok(()))
     }
 }
 

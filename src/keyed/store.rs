@@ -122,12 +122,14 @@ pub trait KeyedStore: Send + Sync {
     async fn load_paused(&self, graph: &str) -> Result<bool, StoreError>;
 
     /// Up to `limit` keys of the partition whose last event's time, as written in
-    /// [`KeyedChanges::touched`], is before `before_ms`: the oldest first.
+    /// [`KeyedChanges::touched`], is before `before_ms`: the oldest first, past the `skip`
+    /// oldest (keys a caller keeps for now, say).
     async fn idle_keys(
         &self,
         graph: &str,
         partition: i32,
         before_ms: i64,
+        skip: usize,
         limit: usize,
     ) -> Result<Vec<String>, StoreError>;
 

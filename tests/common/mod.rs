@@ -212,10 +212,11 @@ impl weir::keyed::KeyedStore for FlakyStore {
         graph: &str,
         partition: i32,
         before_ms: i64,
+        skip: usize,
         limit: usize,
     ) -> Result<Vec<String>, weir::store_error::StoreError> {
         self.inner
-            .idle_keys(graph, partition, before_ms, limit)
+            .idle_keys(graph, partition, before_ms, skip, limit)
             .await
     }
 

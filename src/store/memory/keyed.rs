@@ -48,6 +48,7 @@ impl KeyedStore for MemoryStore {
         graph: &str,
         partition: i32,
         before_ms: i64,
+        skip: usize,
         limit: usize,
     ) -> Result<Vec<String>, StoreError> {
         let state = self.state()?;
@@ -58,6 +59,7 @@ impl KeyedStore for MemoryStore {
             .by_touch
             .iter()
             .take_while(|(at, _)| *at < before_ms)
+            .skip(skip)
             .take(limit)
             .map(|(_, key)| key.to_string())
             .collect())

@@ -114,6 +114,7 @@ impl KeyedStore for RedisStore {
         graph: &str,
         partition: i32,
         before_ms: i64,
+        skip: usize,
         limit: usize,
     ) -> Result<Vec<String>, StoreError> {
         let mut c = self.connection.clone();
@@ -122,7 +123,7 @@ impl KeyedStore for RedisStore {
             .arg("-inf")
             .arg(format!("({before_ms}"))
             .arg("LIMIT")
-            .arg(0)
+            .arg(skip)
             .arg(limit)
             .query_async(&mut c)
             .await
