@@ -817,6 +817,78 @@ async fn redis_refusing_writes_with_oom_is_waited_out_and_fails_no_graph() {
     assert!(supervisor.shutdown().await, "stopped in time");
 }
 
+/// A command's fire is counted in the store before its outputs go: with Redis stopped
+/// the command fails, naming the cause (retryable), and fires nothing; once Redis is
+/// back the same command fires, numbered after every fire before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commands_fire_while_redis_is_stopped_fails_and_fires_nothing() {
+    let mut redis_server = Server::redis();
+    let prefix = services::unique("faults");
+    let store = Arc::new(
+        weir::store::redis::RedisStore::connect(&redis_server.redis_url(), &prefix)
+            .await
+            .unwrap(),
+    );
+    let memory = weir::transport::memory::MemoryBroker::new(1);
+    let broker: Arc<dyn Broker> = Arc::new(memory.clone());
+    let runtime = Runtime {
+        broker: broker.clone(),
+        store,
+        node_id: "faults".into(),
+    };
+    let cancel = CancellationToken::new();
+    let supervisor = Supervisor::new(runtime, SupervisionPolicy::default(), cancel.clone());
+    let graph = supervisor.spawn(padding_graph(&prefix)).unwrap();
+    graph.wait_for_state(weir::ReactorState::Live).await;
+    graph.push("a", json!({"id": 1})).await.unwrap();
+    outputs_reach(&graph, 1).await;
+    let output = format!("{prefix}.out");
+    assert_eq!(memory.messages(&output).len(), 1);
+
+    let mut redis_server = tokio::task::spawn_blocking(move || {
+        redis_server.stop();
+        redis_server
+    })
+    .await
+    .unwrap();
+    let refused = graph.reactor().force_fire().await;
+    match &refused {
+        Err(e @ weir::reactor::CommandError::CountNotStored { .. }) => {
+            assert!(e.is_retryable(), "{e}");
+            assert!(e.to_string().contains("fired nothing"), "{e}");
+        }
+        other => panic!("a command's fire with Redis stopped: {other:?}"),
+    }
+    assert_eq!(memory.messages(&output).len(), 1, "nothing fired");
+
+    let redis_server = tokio::task::spawn_blocking(move || {
+        redis_server.start();
+        redis_server
+    })
+    .await
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let fired = loop {
+        match graph.reactor().force_fire().await {
+            Ok(report) => break report,
+            Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("once Redis is back: {e}"),
+        }
+    };
+    assert!(fired.fire >= 2, "{fired:?}");
+    let outputs = memory.messages(&output);
+    assert_eq!(outputs.len(), 2, "{outputs:?}");
+    assert_eq!(
+        outputs[1].header(weir::wire::FIRE_HEADER),
+        Some(fired.fire.to_string().as_str())
+    );
+    cancel.cancel();
+    assert!(supervisor.shutdown().await, "stopped in time");
+    drop(redis_server);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_stopped_for_45_seconds_stalls_no_fire_and_loses_no_input() {
     const OUTAGE: Duration = Duration::from_secs(45);

@@ -1622,6 +1622,90 @@ async fn a_commands_fire_in_flight_at_a_crash_leaves_the_later_fires_their_numbe
     assert!(next.shutdown().await);
 }
 
+/// Publishes to the memory broker, noting for each message its `weir-fire` and the
+/// count of fires the store held for `graph` as the message went.
+struct CountAtPublish {
+    broker: weir::transport::memory::MemoryBroker,
+    store: Arc<weir::store::memory::MemoryStore>,
+    graph: &'static str,
+    seen: Arc<std::sync::Mutex<Vec<(u64, u64)>>>,
+}
+
+#[async_trait]
+impl weir::transport::Sink for CountAtPublish {
+    async fn publish(
+        &self,
+        message: weir::transport::Outbound,
+    ) -> Result<Position, TransportError> {
+        use weir::reactor::CacheStore;
+        let stored = self.store.load_cache(self.graph).await.unwrap();
+        let fire = message
+            .headers
+            .iter()
+            .find(|(name, _)| name == "weir-fire")
+            .and_then(|(_, value)| value.parse().ok())
+            .unwrap();
+        self.seen
+            .lock()
+            .unwrap()
+            .push((fire, stored.map_or(0, |s| s.fires)));
+        weir::transport::Sink::publish(&self.broker, message).await
+    }
+}
+
+/// A command's fire takes no input that a crash would replay to make it again, so the
+/// store counts it before its outputs go: a crash after them cannot give its number to
+/// another fire. (Snapshots are spaced an hour apart here; only the command's is not.)
+#[tokio::test(start_paused = true)]
+async fn a_commands_fire_is_counted_in_the_store_before_its_outputs_go() {
+    let h = Harness::new();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let decl = GraphBuilder::new("counted")
+        .accumulator(AccumulatorSpec::passthrough("a"))
+        .reactor(ReactorConfig {
+            strategy: Strategy::Sequential,
+            snapshot_interval: Duration::from_secs(3600),
+            ..ReactorConfig::default()
+        })
+        .node("n", ["a"], |ctx: NodeContext| async move {
+            Ok(ctx.source("a").cloned())
+        })
+        .output_to(
+            "n",
+            "counted.out",
+            Arc::new(CountAtPublish {
+                broker: h.broker.clone(),
+                store: h.store.clone(),
+                graph: "counted",
+                seen: seen.clone(),
+            }),
+        )
+        .build()
+        .unwrap();
+    let g = h.spawn(decl);
+    g.wait_for_state(ReactorState::Live).await;
+    g.push("a", json!(1)).await.unwrap();
+    eventually("the first output", || async {
+        seen.lock().unwrap().len() == 1
+    })
+    .await;
+    let forced = g.reactor().force_fire().await.unwrap();
+    let with = g
+        .reactor()
+        .fire_with(BTreeMap::from([("a".to_string(), json!(7))]))
+        .await
+        .unwrap();
+    assert_eq!((forced.fire, with.fire), (2, 3));
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    for &(fire, stored) in &seen[1..] {
+        assert!(
+            stored >= fire,
+            "the command's fire {fire} went out with {stored} fires stored"
+        );
+    }
+}
+
 /// A fire stored as awaiting acknowledgement, acknowledged afterwards while nothing else
 /// happens: a stop stores a snapshot counting it done, so the next run does not make it
 /// again, and numbers on after it.

@@ -57,6 +57,7 @@ impl ApiError {
             Self::Command(CommandError::NotRunning { .. }) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Command(CommandError::UnknownSource { .. }) => StatusCode::BAD_REQUEST,
             Self::Command(CommandError::Fire { .. }) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Command(CommandError::CountNotStored { .. }) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Store(e) if e.is_retryable() => StatusCode::SERVICE_UNAVAILABLE,
             Self::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }

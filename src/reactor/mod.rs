@@ -60,12 +60,21 @@ pub enum CommandError {
     UnknownSource { graph: String, source_name: String },
     #[error("graph {graph} failed while firing: {reason}")]
     Fire { graph: String, reason: String },
+    /// A command's fire is counted in the store before its outputs go, and the store
+    /// did not take the count in time: nothing was fired.
+    #[error(
+        "graph {graph} fired nothing: the store did not take its fire count within {waited:?}"
+    )]
+    CountNotStored {
+        graph: String,
+        waited: std::time::Duration,
+    },
 }
 
 impl CommandError {
     /// A graph that is restarting may be running again shortly.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::NotRunning { .. })
+        matches!(self, Self::NotRunning { .. } | Self::CountNotStored { .. })
     }
 }
 

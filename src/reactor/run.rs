@@ -39,6 +39,8 @@ const MIN_INPUT_SLOTS: usize = 256;
 
 /// Longest a stopping reactor waits for its last cache snapshot to be stored.
 const FINAL_SNAPSHOT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long a command's fire waits for the store to take the snapshot counting it.
+const COMMAND_COUNT_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// Inputs taken in after which a snapshot is due whatever `snapshot_interval` says.
 /// Positions are committed only through stored snapshots, and a broker stops delivering
 /// to a reader holding too much unacknowledged (JetStream: 100,000 messages): a long
@@ -727,8 +729,27 @@ impl Reactor {
 
     /// Hands a snapshot of the cache to the store's writer.
     fn snapshot(&mut self) {
+        self.snapshot_counting(self.fires);
+    }
+
+    /// Before a command's fire, which takes no input to make it again: a snapshot counting
+    /// the fire is stored first, so that a crash once its outputs are out cannot give its
+    /// number to another fire, as the replayed inputs of a criteria fire would. False if
+    /// the store did not take it in time; the command then fires nothing (a count stored
+    /// later only leaves a number unused).
+    async fn store_command_count(&mut self) -> bool {
+        self.snapshot_counting(self.fires + 1);
+        let stored = self.snapshots.flush(COMMAND_COUNT_WAIT).await;
+        if stored {
+            self.snapshot_stored(self.snapshots.written());
+        }
+        stored
+    }
+
+    /// A snapshot of the cache with `fires` as its count of fires made.
+    fn snapshot_counting(&mut self, fires: u64) {
         let requeued = || self.unacknowledged.iter().chain(self.abandoned.iter());
-        let mut snapshot = self.cache.snapshot(self.fires, requeued());
+        let mut snapshot = self.cache.snapshot(fires, requeued());
         snapshot.paused = self.paused;
         if self.config.strategy == Strategy::Sequential {
             // In the order the queues now hold their inputs: the requeued ones first,
@@ -771,9 +792,20 @@ impl Reactor {
         }
     }
 
+    fn count_not_stored(&self) -> CommandError {
+        CommandError::CountNotStored {
+            graph: self.graph.to_string(),
+            waited: COMMAND_COUNT_WAIT,
+        }
+    }
+
     async fn command(&mut self, command: Command) -> Result<(), ReactorError> {
         match command {
             Command::ForceFire(reply) => {
+                if !self.store_command_count().await {
+                    let _ = reply.send(Err(self.count_not_stored()));
+                    return Ok(());
+                }
                 let (values, taken) = self.cache.take();
                 let report = self.fire(values, taken, FireReason::Force).await?;
                 let _ = reply.send(Ok(report));
@@ -792,6 +824,10 @@ impl Reactor {
                             return Ok(());
                         }
                     }
+                }
+                if !self.store_command_count().await {
+                    let _ = reply.send(Err(self.count_not_stored()));
+                    return Ok(());
                 }
                 let now = now_ms();
                 for (i, value) in injected {
