@@ -1166,7 +1166,12 @@ async fn idle_keys_that_left_memory_lose_their_state() {
 /// A graph of sources `a` and `b` joined with `when_all` on their latest values, one
 /// partition, whose keys expire after 500 ms without an event.
 fn latest_expiring_idle_keys(name: &str) -> GraphDeclaration {
-    let mut decl = graph(name, &["a", "b"], Criteria::WhenAll);
+    latest_expiring_idle_keys_over(name, &["a", "b"])
+}
+
+/// As [`latest_expiring_idle_keys`], over `sources`.
+fn latest_expiring_idle_keys_over(name: &str, sources: &[&str]) -> GraphDeclaration {
+    let mut decl = graph(name, sources, Criteria::WhenAll);
     decl.reactor.strategy = Strategy::Latest;
     let keying = decl.keyed.as_mut().unwrap();
     keying.partitions = 1;
@@ -1563,11 +1568,7 @@ impl weir::transport::Sink for RefusingTopic {
 /// second at the next looks: once it is taken, each of its inputs has one dead letter.
 #[tokio::test]
 async fn a_kept_idle_key_sends_again_only_the_letters_that_did_not_go() {
-    let mut decl = graph("partly", &["a", "b", "c"], Criteria::WhenAll);
-    decl.reactor.strategy = Strategy::Latest;
-    let keying = decl.keyed.as_mut().unwrap();
-    keying.partitions = 1;
-    keying.key_idle = Some(Duration::from_millis(500));
+    let decl = latest_expiring_idle_keys_over("partly", &["a", "b", "c"]);
     let mut cluster = Cluster::new(decl).await;
     let refusing = Arc::new(std::sync::atomic::AtomicBool::new(true));
     cluster.broker = Arc::new(common::WithSink {
