@@ -576,8 +576,20 @@ impl Reactor {
         let mut handed: SmallVec<[(Target, PendingAck); 1]> = SmallVec::new();
         let publishing = self.publishing.clone();
         for (target, message) in messages {
-            let handing = publishing.hand_over(target, message, fire, degraded, &input);
-            match self.acknowledging_while(handing).await {
+            // The sink's own hand-over is awaited here, not wrapped in a future of ours:
+            // moved into the wait below, a larger one would be copied for every output.
+            let handing = match publishing.sink_for(target) {
+                Ok(sink) => self.acknowledging_while(sink.enqueue(message)).await,
+                Err(e) => Err(e),
+            };
+            let handing = match handing {
+                Err(e) if !e.is_retryable() => {
+                    let refused = publishing.refused(target, fire, degraded, &input, e);
+                    self.acknowledging_while(refused).await
+                }
+                handing => handing,
+            };
+            match handing {
                 Ok(Some(ack)) => handed.push((target, ack)),
                 // Stopping while the broker holds the hand-over back: as for a fire given
                 // up on, its inputs go back to the stored cache unconsumed, and no fire
@@ -928,20 +940,10 @@ struct Publishing {
 }
 
 impl Publishing {
-    /// Hands one of a fire's messages to its sink. One the broker refuses for good
-    /// before sending (larger than it takes, say) is replaced by what identifies the
-    /// fire, on the output's dead-letter topic, so one bad output cannot wedge the graph.
-    async fn hand_over(
-        &self,
-        target: Target,
-        message: Outbound,
-        fire: u64,
-        degraded: bool,
-        input: &FireInput,
-    ) -> Result<PendingAck, TransportError> {
+    /// The sink taking one of a fire's messages. Past the lease's deadline another node
+    /// may run the graph: this one publishes nothing more.
+    fn sink_for(&self, target: Target) -> Result<&Arc<dyn Sink>, TransportError> {
         let (topic, sink) = target.resolve(&self.outputs);
-        // Past the lease's deadline another node may run the graph: this one publishes
-        // nothing more.
         if self
             .lease
             .as_ref()
@@ -953,20 +955,30 @@ impl Publishing {
                 retryable: true,
             });
         }
-        match sink.enqueue(message).await {
-            Err(e) if !e.is_retryable() => {
-                warn!(%topic, fire, error = %e, "output cannot be published; dead-lettering it");
-                let letter = undeliverable_output(self, input, &topic, fire, degraded, &e);
-                let ack = sink.enqueue(letter).await?;
-                let stats = self.stats.clone();
-                Ok(PendingAck::awaited(async move {
-                    let position = ack.await?;
-                    stats.dead_lettered();
-                    Ok(position)
-                }))
-            }
-            handed => handed,
-        }
+        Ok(sink)
+    }
+
+    /// In place of a message of the fire that the broker refused for good before
+    /// sending (larger than it takes, say): what identifies the fire, on the output's
+    /// dead-letter topic, so one bad output cannot wedge the graph.
+    async fn refused(
+        &self,
+        target: Target,
+        fire: u64,
+        degraded: bool,
+        input: &FireInput,
+        error: TransportError,
+    ) -> Result<PendingAck, TransportError> {
+        let (topic, sink) = target.resolve(&self.outputs);
+        warn!(%topic, fire, %error, "output cannot be published; dead-lettering it");
+        let letter = undeliverable_output(self, input, &topic, fire, degraded, &error);
+        let ack = sink.enqueue(letter).await?;
+        let stats = self.stats.clone();
+        Ok(PendingAck::awaited(async move {
+            let position = ack.await?;
+            stats.dead_lettered();
+            Ok(position)
+        }))
     }
 }
 
