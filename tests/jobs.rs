@@ -23,6 +23,17 @@ use weir::transport::{Broker, Outbound, PartitionedTopic};
 const TYPE: &str = "counter";
 const PARTITIONS: u32 = 6;
 
+/// The job type every node of a [`Cluster`] serves, with `handler`.
+fn job_type(handler: Arc<dyn JobHandler>) -> JobType {
+    let mut job_type = JobType::new(TYPE, handler);
+    job_type.partitions = PARTITIONS;
+    job_type.lease_ttl = Duration::from_millis(600);
+    job_type.output = Some("counter.out".into());
+    // Fewer than the jobs of a partition: some leave memory and come back.
+    job_type.max_jobs_in_memory = 4;
+    job_type
+}
+
 struct Cluster {
     broker: Arc<dyn Broker>,
     memory: MemoryBroker,
@@ -37,8 +48,8 @@ impl Cluster {
 
     async fn on(memory: MemoryBroker) -> Self {
         let broker: Arc<dyn Broker> = Arc::new(memory.clone());
-        let topic = broker
-            .partitioned(&weir::wire::job_topic(TYPE), PARTITIONS)
+        let handler = JobHandlers::default().get("builtin::count").unwrap();
+        let topic = weir::jobs::topics(&job_type(handler), broker.as_ref())
             .await
             .unwrap();
         Self {
@@ -64,12 +75,7 @@ impl Cluster {
         handler: Arc<dyn JobHandler>,
         store: Arc<dyn JobsStore>,
     ) -> TaskNode {
-        let mut job_type = JobType::new(TYPE, handler);
-        job_type.partitions = PARTITIONS;
-        job_type.lease_ttl = Duration::from_millis(600);
-        job_type.output = Some("counter.out".into());
-        // Fewer than the jobs of a partition: some leave memory and come back.
-        job_type.max_jobs_in_memory = 4;
+        let job_type = job_type(handler);
         TaskNode::spawn(|stop| {
             weir::jobs::serve(
                 job_type,
@@ -184,6 +190,48 @@ async fn serving_through_a_flaky_store(
     send_round(&client, &ids, 0).await;
     cluster.await_counts(&ids, 1).await;
     (node, flaky, client, ids)
+}
+
+/// On a broker partitioning topics itself, a job type's output topic has as many
+/// partitions as its job topic, and each job's outputs land in the partition its
+/// messages came from; an output topic already there keeps its count.
+#[tokio::test]
+async fn a_jobs_outputs_land_in_the_partition_its_messages_came_from() {
+    let cluster = Cluster::new().await;
+    let node = cluster.node("n");
+    let client = cluster.client().await;
+    let ids: Vec<String> = (0..24).map(|i| format!("job-{i}")).collect();
+    for id in &ids {
+        client.put(id, &json!({})).await.unwrap();
+        client.stop(id).await.unwrap();
+    }
+    common::eventually("every job stopped", || async {
+        cluster.memory.messages("counter.out").len() >= ids.len()
+    })
+    .await;
+    let outputs = cluster.memory.messages("counter.out");
+    for output in &outputs {
+        let key = output.key.as_deref().expect("an output keyed by its job");
+        assert_eq!(
+            output.position.partition,
+            cluster.topic.partition_of(key),
+            "{:?}",
+            String::from_utf8_lossy(key)
+        );
+    }
+    let partitions: std::collections::HashSet<i32> =
+        outputs.iter().map(|o| o.position.partition).collect();
+    assert_eq!(partitions.len(), PARTITIONS as usize);
+    node.stop().await;
+
+    let memory = MemoryBroker::new(1);
+    memory.partitioned("counter.out", 2).await.unwrap();
+    let handler = JobHandlers::default().get("builtin::count").unwrap();
+    weir::jobs::topics(&job_type(handler), &memory)
+        .await
+        .unwrap();
+    let output = memory.partitioned("counter.out", 7).await.unwrap();
+    assert_eq!(output.partitions, 2, "an existing output keeps its count");
 }
 
 #[tokio::test]

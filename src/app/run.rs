@@ -44,10 +44,7 @@ pub async fn run(
     // the node at once.
     let mut job_topics = Vec::new();
     for job_type in job_types {
-        let topic = runtime
-            .broker
-            .partitioned(&weir::wire::job_topic(&job_type.name), job_type.partitions)
-            .await?;
+        let topic = weir::jobs::topics(&job_type, runtime.broker.as_ref()).await?;
         weir::ownership::check_partition_count(
             runtime.store.as_ref(),
             &weir::jobs::ownership_group(&job_type.name),

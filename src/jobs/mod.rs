@@ -33,7 +33,7 @@ pub use handlers::Count;
 pub use store::{JobRecord, JobStore, PartitionChanges, PartitionSnapshot};
 
 use crate::ownership::{OwnershipSettings, OwnershipStore};
-use crate::transport::{Broker, PartitionedTopic};
+use crate::transport::{Broker, PartitionLayout, PartitionedTopic, TransportError};
 
 /// What happens to a job.
 #[derive(Debug, Clone, PartialEq)]
@@ -203,6 +203,26 @@ pub const LATEST_DUE_MS: i64 = 1 << 53;
 /// The ownership group of a job type: it names the partitions' leases.
 pub fn ownership_group(job_type: &str) -> String {
     format!("jobs.{job_type}")
+}
+
+/// A job type's topic, made with the type's partition count if the broker has none of
+/// that name (one it has keeps its count), and, where the broker partitions a topic
+/// itself (Kafka), the type's output topic with as many partitions: a job's outputs,
+/// keyed by its id, then land in the partition its messages come from, written by that
+/// partition's owner alone, rather than all in one partition written by every node.
+pub async fn topics(
+    job_type: &JobType,
+    broker: &dyn Broker,
+) -> Result<PartitionedTopic, TransportError> {
+    let topic = broker
+        .partitioned(&crate::wire::job_topic(&job_type.name), job_type.partitions)
+        .await?;
+    if topic.layout == PartitionLayout::Native {
+        if let Some(output) = &job_type.output {
+            broker.partitioned(output, topic.partitions).await?;
+        }
+    }
+    Ok(topic)
 }
 
 /// What serving jobs needs of a store.
