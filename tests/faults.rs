@@ -32,6 +32,15 @@ async fn shut_down(cancel: &CancellationToken, supervisor: Supervisor, broker: A
     tokio::time::sleep(Duration::from_secs(2)).await;
 }
 
+/// A Redis store on `server`, its keys under `prefix`.
+async fn redis_store(server: &Server, prefix: &str) -> Arc<weir::store::redis::RedisStore> {
+    Arc::new(
+        weir::store::redis::RedisStore::connect(&server.redis_url(), prefix)
+            .await
+            .unwrap(),
+    )
+}
+
 /// Waits (10 s at most) until the graph counts `count` outputs, each counted once its
 /// acknowledgement is in, which can come after a reader saw the output.
 async fn outputs_reach(graph: &weir::supervisor::GraphHandle, count: u64) {
@@ -700,11 +709,7 @@ async fn redis_refusing_writes_with_oom_is_waited_out_and_fails_no_graph() {
     use weir::store::prelude::*;
     let redis_server = Server::redis();
     let prefix = services::unique("faults");
-    let store = Arc::new(
-        weir::store::redis::RedisStore::connect(&redis_server.redis_url(), &prefix)
-            .await
-            .unwrap(),
-    );
+    let store = redis_store(&redis_server, &prefix).await;
     let memory = weir::transport::memory::MemoryBroker::default();
     let runtime = Runtime {
         broker: Arc::new(memory.clone()),
@@ -824,11 +829,7 @@ async fn redis_refusing_writes_with_oom_is_waited_out_and_fails_no_graph() {
 async fn a_commands_fire_while_redis_is_stopped_fails_and_fires_nothing() {
     let mut redis_server = Server::redis();
     let prefix = services::unique("faults");
-    let store = Arc::new(
-        weir::store::redis::RedisStore::connect(&redis_server.redis_url(), &prefix)
-            .await
-            .unwrap(),
-    );
+    let store = redis_store(&redis_server, &prefix).await;
     let memory = weir::transport::memory::MemoryBroker::new(1);
     let broker: Arc<dyn Broker> = Arc::new(memory.clone());
     let runtime = Runtime {
@@ -896,11 +897,7 @@ async fn redis_stopped_for_45_seconds_stalls_no_fire_and_loses_no_input() {
     let mut redis_server = Server::redis();
     let broker: Arc<dyn Broker> = jetstream(&nats_server).await;
     let prefix = services::unique("faults");
-    let store = Arc::new(
-        weir::store::redis::RedisStore::connect(&redis_server.redis_url(), &prefix)
-            .await
-            .unwrap(),
-    );
+    let store = redis_store(&redis_server, &prefix).await;
     let runtime = Runtime {
         broker: broker.clone(),
         store,
@@ -1242,11 +1239,7 @@ async fn a_schedule_edited_after_a_redis_restart_applies() {
     use weir::cron::{Delivery, Schedule, Target};
     let mut redis_server = Server::redis();
     let prefix = services::unique("faults");
-    let store = Arc::new(
-        weir::store::redis::RedisStore::connect(&redis_server.redis_url(), &prefix)
-            .await
-            .unwrap(),
-    );
+    let store = redis_store(&redis_server, &prefix).await;
     let broker = weir::transport::memory::MemoryBroker::default();
     let schedule = |version: u64| {
         let mut s = Schedule::new("edited", "* * * * * *", "UTC");
