@@ -24,7 +24,6 @@ use crate::graph::{FireInput, FireValues, GraphDeclaration, Key, Keying};
 use crate::lease::Held;
 use crate::ownership::{PartitionError, PartitionWork, StoreRetry};
 use crate::reactor::cache::{InputCache, Inserted};
-use crate::reactor::CacheSnapshot;
 use crate::store_error::{StoreError, StoreErrorKind};
 use crate::transport::{
     now_ms, publish_dead_letter, Broker, HeaderValue, Message, Outbound, PendingAck, Position,
@@ -210,7 +209,11 @@ struct Serving<'a> {
     /// drops the times kept for expiry.
     wrote: bool,
     batch: Batch,
-    /// The buffers of the last batch's write, empty, for the next one.
+    /// The batch's write, gathered as it is applied: each key changed since the last
+    /// write, listed once with the store's slot for it and the state it had when first
+    /// listed. Most keys change once per batch, and the write then takes them as they
+    /// are, with no look-up, and no copy of a list of a thousand states from the batch
+    /// into the write, each copy a wait on memory the size of the list.
     changes: KeyedChanges,
     /// The number of the batch being gathered, from 1.
     batch_number: u64,
@@ -240,12 +243,11 @@ struct Sent {
 
 #[derive(Default)]
 struct Batch {
-    /// Keys changed since the last write, each once, with the store's slot for it.
-    /// With the state it had when first listed: most keys change once per batch, and
-    /// writing the batch then needs no look-up of them. `None` once the key changed
-    /// again: looked up when written, so a key changed often takes one snapshot per
-    /// batch, not one per event.
-    keys: Vec<(Key, Option<KeySlot>, Option<CacheSnapshot>)>,
+    /// Where in the write's list of keys ([`Serving::changes`]) a key stands that
+    /// changed again after it was listed: its state is taken afresh when the batch is
+    /// written, so a key changed often takes one snapshot per batch, not one per event.
+    /// A key changed many times is here as often; repeats are dropped at the write.
+    retake: Vec<usize>,
     /// Outputs whose acknowledgement is still to come.
     acks: Vec<(PendingAck, Sent)>,
     /// Per source: the broker position to commit once written.
@@ -577,7 +579,7 @@ impl<'a> Serving<'a> {
         let source_name = self.graph.names[source].clone();
         let partition = self.partition;
         let criteria = self.graph.decl.reactor.criteria;
-        let (batch_number, next_listed) = (self.batch_number, self.batch.keys.len());
+        let (batch_number, next_listed) = (self.batch_number, self.changes.keys.len());
         let emit_time_ms = self.burst_ms;
         let capacity = self.graph.decl.reactor.queue_capacity;
         let (key, state) = match self.key_state(&key).await? {
@@ -625,12 +627,12 @@ impl<'a> Serving<'a> {
         let fired_up_to = state.fires;
         if state.listed_in == batch_number {
             let at = state.listed_at;
-            self.batch.keys[at].2 = None;
+            self.batch.retake.push(at);
         } else {
             (state.listed_in, state.listed_at) = (batch_number, next_listed);
             let snapshot = state.cache.snapshot(state.fires, std::iter::empty());
             let slot = state.slot;
-            self.batch.keys.push((key.clone(), slot, Some(snapshot)));
+            self.changes.keys.push((key.clone(), slot, snapshot));
         }
         self.fire_high = self.fire_high.max(fired_up_to);
         if !self.idle_letters_sent.is_empty() {
@@ -859,21 +861,22 @@ impl<'a> Serving<'a> {
         // Times written while idle keys expired would go stale now that they do not.
         changes.drop_times = !expiring && !self.wrote;
         changes.fire_high = expiring.then_some(self.fire_high);
-        for (key, slot, listed) in batch.keys.drain(..) {
-            let snapshot = match listed {
-                Some(snapshot) => snapshot,
-                None => match self.keys.get(&key) {
-                    Some(state) => state.cache.snapshot(state.fires, std::iter::empty()),
-                    // Keys leave memory only after a batch is written.
-                    None => continue,
-                },
-            };
-            if expiring {
-                if let Some(state) = self.keys.get(&key) {
+        batch.retake.sort_unstable();
+        batch.retake.dedup();
+        for &at in &batch.retake {
+            let (key, _, snapshot) = &mut changes.keys[at];
+            // Keys leave memory only after a batch is written: each listed is there.
+            if let Some(state) = self.keys.get(key) {
+                *snapshot = state.cache.snapshot(state.fires, std::iter::empty());
+            }
+        }
+        batch.retake.clear();
+        if expiring {
+            for (key, _, _) in &changes.keys {
+                if let Some(state) = self.keys.get(key) {
                     changes.touched.push((key.clone(), state.touched_ms));
                 }
             }
-            changes.keys.push((key, slot, snapshot));
         }
         for (i, position) in self.positions.iter().enumerate() {
             if let Some(position) = position {
@@ -902,7 +905,7 @@ impl<'a> Serving<'a> {
         // Nothing is applied while a batch is written: the batch gathered meanwhile is
         // still empty, and takes the buffers back.
         self.batch = Batch {
-            keys: batch.keys,
+            retake: batch.retake,
             acks: batch.acks,
             ..Batch::default()
         };
