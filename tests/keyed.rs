@@ -1617,6 +1617,67 @@ async fn a_kept_idle_key_sends_again_only_the_letters_that_did_not_go() {
     node.stop().await;
 }
 
+/// A key kept after idling, one of its inputs dead-lettered then, takes an event: the
+/// dead-lettered input is not fired as well, and the one whose letter was refused stays
+/// for the key's next fire.
+#[tokio::test]
+async fn a_kept_idle_key_fires_none_of_its_dead_lettered_inputs_once_it_has_an_event() {
+    let decl = latest_expiring_idle_keys_over("revived", &["a", "b", "c"]);
+    let mut cluster = Cluster::new(decl).await;
+    cluster.broker = Arc::new(common::WithSink {
+        broker: cluster.broker.clone(),
+        sink: Arc::new(RefusingTopic {
+            inner: cluster.broker.sink(),
+            topic: "revived.b.dlq",
+            refusing: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+        }),
+    });
+    let node = cluster.node("n");
+    cluster.send("a", "lone", 1).await;
+    cluster.send("b", "lone", 2).await;
+    for seq in 3..8 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        for source in ["a", "b", "c"] {
+            cluster.send(source, "fresh", seq).await;
+        }
+    }
+    assert_lone_letter(&cluster, "revived.a.dlq", 1);
+    cluster.send("c", "lone", 20).await;
+    cluster.send("a", "lone", 21).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let fired = loop {
+        let lone: Vec<Value> = cluster
+            .outputs()
+            .into_iter()
+            .filter(|o| o["key"] == "lone")
+            .collect();
+        assert!(
+            !lone.iter().any(|o| o["inputs"]["a"]["seq"] == 1),
+            "lone fired the input it dead-lettered: {lone:?}"
+        );
+        if lone.iter().any(|o| o["inputs"]["a"]["seq"] == 21) {
+            break lone;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no fire of lone: {lone:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(
+        fired.len(),
+        1,
+        "lone fired once, with a's new input: {fired:?}"
+    );
+    let inputs = &fired[0]["inputs"];
+    assert_eq!(
+        inputs["b"]["seq"], 2,
+        "b's input, its letter refused, stays: {inputs}"
+    );
+    assert_eq!(inputs["c"]["seq"], 20, "{inputs}");
+    node.stop().await;
+}
+
 /// An idle key, out of memory, whose stored state does not read back is removed without
 /// letters and holds up none of the others: the idle key beside it still has its unfired
 /// input dead-lettered, and both go.

@@ -582,6 +582,12 @@ impl<'a> Serving<'a> {
         let (batch_number, next_listed) = (self.batch_number, self.changes.keys.len());
         let emit_time_ms = self.burst_ms;
         let capacity = self.graph.decl.reactor.queue_capacity;
+        // A key kept after idling, some of its inputs dead-lettered then: those are
+        // recorded already, and no fire takes them now that the key has an event.
+        let lettered = match self.idle_letters_sent.is_empty() {
+            true => 0,
+            false => self.idle_letters_sent.remove(&*key).unwrap_or(0),
+        };
         let (key, state) = match self.key_state(&key).await? {
             Ok(found) => found,
             // Its events go to the dead-letter topic, the partition's other keys on, and
@@ -591,9 +597,15 @@ impl<'a> Serving<'a> {
                     "the stored state of key {} cannot be read: {unreadable}",
                     crate::transport::quoted_key(&key)
                 );
+                if lettered > 0 {
+                    self.idle_letters_sent.insert(Key::from(&*key), lettered);
+                }
                 return self.dead_letter(source, &message, &reason).await;
             }
         };
+        if lettered > 0 {
+            state.cache.drop_unfired(lettered);
+        }
         let boundary = Boundary {
             source: source_name,
             sequence: 0,
@@ -611,9 +623,15 @@ impl<'a> Serving<'a> {
                 crate::transport::quoted_key(&key),
                 boundary.source
             );
+            if lettered > 0 {
+                self.list_changed(&key);
+            }
             return self.dead_letter(source, &message, &reason).await;
         }
         if state.cache.insert(source, boundary) == Inserted::Duplicate {
+            if lettered > 0 {
+                self.list_changed(&key);
+            }
             return Ok(());
         }
         state.touched_ms = state.touched_ms.max(at_ms);
@@ -635,13 +653,25 @@ impl<'a> Serving<'a> {
             self.changes.keys.push((key.clone(), slot, snapshot));
         }
         self.fire_high = self.fire_high.max(fired_up_to);
-        if !self.idle_letters_sent.is_empty() {
-            self.idle_letters_sent.remove(&key);
-        }
         for (fire, values) in fires {
             self.fire(&key, fire, values).await?;
         }
         Ok(())
+    }
+
+    /// Lists a key changed in memory in the batch being gathered, for an event that
+    /// changed it and then went no further (the fire's path lists its key itself).
+    fn list_changed(&mut self, key: &Key) {
+        let Some(state) = self.keys.get_mut(key) else {
+            return;
+        };
+        if state.listed_in == self.batch_number {
+            self.batch.retake.push(state.listed_at);
+        } else {
+            (state.listed_in, state.listed_at) = (self.batch_number, self.changes.keys.len());
+            let snapshot = state.cache.snapshot(state.fires, std::iter::empty());
+            self.changes.keys.push((key.clone(), state.slot, snapshot));
+        }
     }
 
     /// Runs the graph for one key and hands its outputs to the broker.

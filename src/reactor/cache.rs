@@ -376,6 +376,30 @@ impl InputCache {
         }
     }
 
+    /// Drops the first `count` inputs no fire has taken yet, in the order a snapshot
+    /// lists them (sources by name; each one's queue, then a latest value not fired):
+    /// inputs recorded elsewhere already (dead-lettered), which no fire may take now.
+    /// Replay detection is unaffected.
+    pub fn drop_unfired(&mut self, mut count: usize) {
+        let mut by_name: SmallVec<[usize; 4]> = (0..self.slots.len()).collect();
+        by_name.sort_by(|a, b| self.names[*a].cmp(&self.names[*b]));
+        for i in by_name {
+            let slot = &mut self.slots[i];
+            while count > 0 && slot.queue.pop_front().is_some() {
+                count -= 1;
+            }
+            match self.strategy {
+                Strategy::Sequential => slot.dirty = !slot.queue.is_empty(),
+                Strategy::Latest => {
+                    if count > 0 && slot.dirty && slot.current.is_some() {
+                        slot.dirty = false;
+                        count -= 1;
+                    }
+                }
+            }
+        }
+    }
+
     /// Whether the criteria are met.
     pub fn ready(&self, criteria: Criteria) -> bool {
         match criteria {
@@ -568,6 +592,38 @@ mod tests {
 
     fn value(v: &Option<Arc<Boundary>>) -> Option<i64> {
         v.as_ref().and_then(|b| b.value.as_i64())
+    }
+
+    #[test]
+    fn dropping_unfired_inputs_takes_them_in_the_order_a_snapshot_lists_them() {
+        // Declared b before a: a snapshot, and so its letters, list sources by name.
+        let mut cache = InputCache::new(names_b_a(), Strategy::Sequential);
+        cache.insert(0, b("b", 1, 10));
+        cache.insert(1, b("a", 2, 20));
+        cache.insert(1, b("a", 3, 30));
+        cache.drop_unfired(2);
+        assert_eq!(
+            cache.queued(1),
+            0,
+            "a's two inputs listed first, both dropped"
+        );
+        assert!(!cache.dirty(1));
+        assert_eq!(cache.queued(0), 1);
+        assert!(cache.ready(Criteria::WhenAny));
+        assert!(
+            cache.is_repeat(1, &b("a", 3, 30)),
+            "what was dropped is still seen"
+        );
+        let mut latest = InputCache::new(names_b_a(), Strategy::Latest);
+        latest.insert(0, b("b", 1, 10));
+        latest.insert(1, b("a", 2, 20));
+        latest.drop_unfired(1);
+        assert!(!latest.dirty(1), "a's value not fired is dropped first");
+        assert!(latest.dirty(0));
+    }
+
+    fn names_b_a() -> Arc<[Arc<str>]> {
+        vec![Arc::from("b"), Arc::from("a")].into()
     }
 
     #[test]
