@@ -370,6 +370,68 @@ async fn jobs_survive_kills_joins_and_rolling_restarts(kind: Kind) {
     }
 }
 
+/// On Kafka a job type's output topic is made with its job topic's partition count, and
+/// each job's output (a stopped counter's final state) lands in the partition its
+/// messages came from, as on the memory broker.
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_job_outputs_land_in_the_partition_their_messages_came_from() {
+    let mut cluster = Cluster::new(Kind::Kafka);
+    let output = format!("{}.out", cluster.job_type);
+    writeln!(cluster.config, "output = \"{output}\"").unwrap();
+    let Running { client, .. } = cluster.start_nodes(1).await;
+    let ids: Vec<String> = (0..24).map(|i| format!("job-{i}")).collect();
+    for id in &ids {
+        client.put(id, &json!({})).await.unwrap();
+        client.send(id, &json!({ "n": 1 })).await.unwrap();
+        client.stop(id).await.unwrap();
+    }
+    let broker = cluster.broker().await;
+    let jobs = broker
+        .partitioned(&weir::wire::job_topic(&cluster.job_type), PARTITIONS)
+        .await
+        .unwrap();
+    let mut subscription = weir::transport::Subscription::new(&output, services::unique("reader"));
+    subscription.assignment = weir::transport::Assignment::All;
+    let mut source = broker.subscribe(&subscription).await.unwrap();
+    let mut seen = std::collections::HashMap::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while seen.len() < ids.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(
+            !left.is_zero(),
+            "outputs of {} jobs of {}",
+            seen.len(),
+            ids.len()
+        );
+        let Ok(next) = tokio::time::timeout(left, source.next()).await else {
+            continue;
+        };
+        let message = next.unwrap();
+        let key = message.key.clone().expect("an output keyed by its job");
+        let output: Value = serde_json::from_slice(&message.payload).unwrap();
+        assert_eq!(output["output"]["count"], 1, "{output}");
+        assert_eq!(output["id"].as_str().map(str::as_bytes), Some(&key[..]));
+        assert_eq!(
+            message.position.partition,
+            jobs.partition_of(&key),
+            "{:?}",
+            String::from_utf8_lossy(&key)
+        );
+        seen.insert(key, message.position.partition);
+    }
+    let partitions: std::collections::HashSet<i32> = seen.values().copied().collect();
+    assert!(
+        partitions.len() > 1,
+        "24 jobs over one partition: {partitions:?}"
+    );
+    let made = broker.partitioned(&output, 1).await.unwrap();
+    assert_eq!(
+        made.partitions, PARTITIONS,
+        "the job topic's partition count"
+    );
+    cluster.nodes.terminate(0);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_jobs_survive_kills_joins_and_rolling_restarts() {
     jobs_survive_kills_joins_and_rolling_restarts(Kind::Kafka).await;
