@@ -584,9 +584,10 @@ impl<'a> Serving<'a> {
         let capacity = self.graph.decl.reactor.queue_capacity;
         // A key kept after idling, some of its inputs dead-lettered then: those are
         // recorded already, and no fire takes them now that the key has an event.
-        let lettered = match self.idle_letters_sent.is_empty() {
-            true => 0,
-            false => self.idle_letters_sent.remove(&*key).unwrap_or(0),
+        let lettered = if self.idle_letters_sent.is_empty() {
+            0
+        } else {
+            self.idle_letters_sent.remove(&*key).unwrap_or(0)
         };
         let (key, state) = match self.key_state(&key).await? {
             Ok(found) => found,
