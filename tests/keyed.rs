@@ -1543,7 +1543,7 @@ async fn a_page_full_of_kept_idle_keys_holds_up_none_of_the_others() {
 /// Refuses, for good, what goes to one topic while `refusing` is set.
 struct RefusingTopic {
     inner: Arc<dyn weir::transport::Sink>,
-    topic: &'static str,
+    topic: String,
     refusing: Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -1568,27 +1568,8 @@ impl weir::transport::Sink for RefusingTopic {
 /// second at the next looks: once it is taken, each of its inputs has one dead letter.
 #[tokio::test]
 async fn a_kept_idle_key_sends_again_only_the_letters_that_did_not_go() {
-    let decl = latest_expiring_idle_keys_over("partly", &["a", "b", "c"]);
-    let mut cluster = Cluster::new(decl).await;
     let refusing = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    cluster.broker = Arc::new(common::WithSink {
-        broker: cluster.broker.clone(),
-        sink: Arc::new(RefusingTopic {
-            inner: cluster.broker.sink(),
-            topic: "partly.b.dlq",
-            refusing: refusing.clone(),
-        }),
-    });
-    let node = cluster.node("n");
-    cluster.send("a", "lone", 1).await;
-    cluster.send("b", "lone", 2).await;
-    // The clock kept moving over several looks (one a second) once the key is idle.
-    for seq in 3..8 {
-        tokio::time::sleep(Duration::from_millis(700)).await;
-        for source in ["a", "b", "c"] {
-            cluster.send(source, "fresh", seq).await;
-        }
-    }
+    let (cluster, node) = lone_idle_with_its_letter_to_b_refused("partly", &refusing).await;
     assert!(
         weir::keyed::view(cluster.store.as_ref(), "partly", 1, "lone")
             .await
@@ -1617,19 +1598,22 @@ async fn a_kept_idle_key_sends_again_only_the_letters_that_did_not_go() {
     node.stop().await;
 }
 
-/// A key kept after idling, one of its inputs dead-lettered then, takes an event: the
-/// dead-lettered input is not fired as well, and the one whose letter was refused stays
-/// for the key's next fire.
-#[tokio::test]
-async fn a_kept_idle_key_fires_none_of_its_dead_lettered_inputs_once_it_has_an_event() {
-    let decl = latest_expiring_idle_keys_over("revived", &["a", "b", "c"]);
+/// A node running graph `name` (latest, when_all over a, b and c, keys idle after
+/// 500 ms) whose key `lone` got inputs from a and b only, then went idle while the clock
+/// moved over several looks (one a second): the letter of its input from b refused
+/// while `refusing` holds.
+async fn lone_idle_with_its_letter_to_b_refused(
+    name: &str,
+    refusing: &Arc<std::sync::atomic::AtomicBool>,
+) -> (Cluster, TaskNode) {
+    let decl = latest_expiring_idle_keys_over(name, &["a", "b", "c"]);
     let mut cluster = Cluster::new(decl).await;
     cluster.broker = Arc::new(common::WithSink {
         broker: cluster.broker.clone(),
         sink: Arc::new(RefusingTopic {
             inner: cluster.broker.sink(),
-            topic: "revived.b.dlq",
-            refusing: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+            topic: format!("{name}.b.dlq"),
+            refusing: refusing.clone(),
         }),
     });
     let node = cluster.node("n");
@@ -1641,6 +1625,16 @@ async fn a_kept_idle_key_fires_none_of_its_dead_lettered_inputs_once_it_has_an_e
             cluster.send(source, "fresh", seq).await;
         }
     }
+    (cluster, node)
+}
+
+/// A key kept after idling, one of its inputs dead-lettered then, takes an event: the
+/// dead-lettered input is not fired as well, and the one whose letter was refused stays
+/// for the key's next fire.
+#[tokio::test]
+async fn a_kept_idle_key_fires_none_of_its_dead_lettered_inputs_once_it_has_an_event() {
+    let refusing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let (cluster, node) = lone_idle_with_its_letter_to_b_refused("revived", &refusing).await;
     assert_lone_letter(&cluster, "revived.a.dlq", 1);
     cluster.send("c", "lone", 20).await;
     cluster.send("a", "lone", 21).await;
